@@ -1,0 +1,3 @@
+from tensoropt.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""Import an ONNX file into the IR with every shape static and known.
+
+Pre: a path to an ONNX model (weights inline or as external data).
+Post: an ``onnx_ir.Model`` at ai.onnx opset >= 20 whose every value has a static
+shape and dtype, whose nodes all have unique names and carry
+``tensoropt.role=forward`` / ``tensoropt.unit=<own name>`` metadata.
+
+``load_weights=False`` leaves external-data weights on disk (planning needs only
+shapes), so paper-size models are searched without their weights in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from tensoropt.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY
+
+log = logging.getLogger(__name__)
+
+MIN_OPSET = 13
+TARGET_OPSET = 20
+MAX_OPSET = 28
+_GRAPH_ATTRS = (
+    ir.AttributeType.GRAPH,
+    ir.AttributeType.GRAPHS,
+)  # the newest ai.onnx opset onnxruntime 1.32 accepts (FIELD-NOTES)
+
+
+@dataclass(frozen=True, slots=True)
+class ImportOptions:
+    """How to import. ``input_shapes`` pins dynamic input dims: name -> shape."""
+
+    load_weights: bool = True
+    input_shapes: Mapping[str, tuple[int, ...]] | None = None
+    supported_ops: frozenset[str] | None = None
+
+
+def parse_input_shapes(specs: Sequence[str] | None) -> dict[str, tuple[int, ...]]:
+    """Parse ``NAME=8x128`` strings (the ``--input-shape`` option)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs or ():
+        name, sep, dims = spec.rpartition("=")
+        if not sep or not name or not re.fullmatch(r"\d+(x\d+)*", dims):
+            raise DynamicShapeError(
+                f"--input-shape {spec!r} is not NAME=D0xD1x...; e.g. input_ids=8x128"
+            )
+        shapes[name] = tuple(int(d) for d in dims.split("x"))
+    return shapes
+
+
+def _read_proto(path: str, load_weights: bool) -> onnx.ModelProto:
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file; give the path of an .onnx model")
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path}: is a directory, not an .onnx file")
+    try:
+        model = onnx.load(path, load_external_data=load_weights)
+    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(
+            f"{path}: not a readable ONNX model ({first}); the file may be truncated "
+            "or not ONNX: re-export or re-download it"
+        ) from None
+    if not model.HasField("graph") or len(model.graph.node) == 0:
+        raise ModelLoadError(
+            f"{path}: holds no ONNX graph (not an ONNX model, or truncated); re-export it"
+        )
+    return model
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 0
+
+
+def _upgrade_opset(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
+    version = _opset(model)
+    if version < MIN_OPSET or version > MAX_OPSET:
+        raise ModelLoadError(
+            f"{path}: ai.onnx opset {version} is outside the supported range "
+            f"{MIN_OPSET}..{MAX_OPSET}; re-export with opset {TARGET_OPSET}"
+        )
+    if version >= TARGET_OPSET:
+        return model
+    try:
+        from onnx import version_converter
+
+        return version_converter.convert_version(model, TARGET_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeErrors
+        raise ModelLoadError(
+            f"{path}: cannot convert opset {version} to {TARGET_OPSET} ({exc}); "
+            f"re-export the model with opset {TARGET_OPSET} or newer"
+        ) from None
+
+
+def _pin_inputs(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]], path: str) -> None:
+    names = {i.name for i in model.graph.input}
+    for name in shapes:
+        if name not in names:
+            raise DynamicShapeError(
+                f"{path}: --input-shape names {name!r}, which is not a model input "
+                f"(inputs: {', '.join(sorted(names))})"
+            )
+    for inp in model.graph.input:
+        if inp.name not in shapes:
+            continue
+        tshape = inp.type.tensor_type.shape
+        dims = shapes[inp.name]
+        if len(tshape.dim) != len(dims):
+            raise DynamicShapeError(
+                f"{path}: input {inp.name!r} has rank {len(tshape.dim)}, but --input-shape "
+                f"gives {len(dims)} dims"
+            )
+        for d, size in zip(tshape.dim, dims, strict=True):
+            d.ClearField("dim_param")
+            d.dim_value = size
+    # Stale intermediate annotations would fight the pinned shapes.
+    del model.graph.value_info[:]
+    for out in model.graph.output:
+        out.type.tensor_type.ClearField("shape")
+
+
+def _check_inputs_static(model: onnx.ModelProto, path: str) -> None:
+    inits = {t.name for t in model.graph.initializer}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        tt = inp.type.tensor_type
+        if not tt.HasField("shape"):
+            raise DynamicShapeError(
+                f"{path}: input {inp.name!r} has no shape; pin it with "
+                f"--input-shape {inp.name}=D0xD1..."
+            )
+        for k, dim in enumerate(tt.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                continue
+            label = dim.dim_param or "?"
+            raise DynamicShapeError(
+                f"{path}: input {inp.name!r} dimension {k} is dynamic ({label!r}); pin it with "
+                f"--input-shape {inp.name}="
+                + "x".join(str(d.dim_value) if d.dim_value > 0 else "N" for d in tt.shape.dim)
+                + " (N = the size you train with), or re-export with static shapes"
+            )
+
+
+def _infer(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{path}: ONNX shape inference failed: {msg}") from None
+
+
+def _check_all_static(graph: ir.Graph, path: str) -> None:
+    for node in graph:
+        for value in node.outputs:
+            shape = value.shape
+            static = shape is not None and all(isinstance(d, int) and d >= 0 for d in shape)
+            if static and value.dtype is not None:
+                continue
+            raise DynamicShapeError(
+                f"{path}: output {value.name!r} of node {node.name!r} ({node.op_type}) has no "
+                f"static shape after inference (found {shape}); pin the model inputs with "
+                "--input-shape NAME=D0xD1... or re-export with static shapes"
+            )
+
+
+def _check_supported(graph: ir.Graph, supported: frozenset[str], path: str) -> None:
+    bad: dict[str, list[str]] = {}
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in supported:
+            key = (
+                node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+            )
+            bad.setdefault(key, []).append(node.name or "?")
+    if bad:
+        parts = []
+        for op, names in sorted(bad.items()):
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{op} (nodes {shown})")
+        raise UnsupportedOpError(
+            f"{path}: unsupported ops: {'; '.join(parts)}; re-export without them "
+            "(e.g. torch.onnx.export(..., dynamo=True)) or file an issue for the op"
+        )
+
+
+def _name_and_tag(graph: ir.Graph) -> None:
+    seen: set[str] = set()
+    for k, node in enumerate(graph):
+        name = node.name
+        if not name or name in seen:
+            name = f"{node.op_type}_{k}"
+            while name in seen:
+                name += "_"
+            node.name = name
+        seen.add(name)
+        node.metadata_props.setdefault(ROLE_KEY, "forward")
+        node.metadata_props.setdefault(UNIT_KEY, name)
+
+
+def import_model(path: str | os.PathLike, options: ImportOptions | None = None) -> ir.Model:
+    """Read, upgrade, shape-infer and check an ONNX model; return the IR."""
+    options = options or ImportOptions()
+    path = os.fspath(path)
+    proto = _read_proto(path, options.load_weights)
+    if options.input_shapes:
+        _pin_inputs(proto, options.input_shapes, path)
+    _check_inputs_static(proto, path)
+    proto = _upgrade_opset(proto, path)
+    proto = _infer(proto, path)
+    model = ir.serde.deserialize_model(proto)
+    if not options.load_weights:
+        _fix_external_base_dir(model, os.path.dirname(os.path.abspath(path)))
+    graph = model.graph
+    flow = [n for n in graph if any(a.type in _GRAPH_ATTRS for a in n.attributes.values())]
+    if flow:
+        names = ", ".join(f"{n.op_type} ({n.name})" for n in flow)
+        raise UnsupportedOpError(
+            f"{path}: control flow is not supported: {names}; export with loops unrolled"
+        )
+    _name_and_tag(graph)
+    if options.supported_ops is not None:
+        _check_supported(graph, options.supported_ops, path)
+    _check_all_static(graph, path)
+    log.info("imported %s: %d nodes, opset %d", path, len(graph), _opset(proto))
+    return model
+
+
+def _fix_external_base_dir(model: ir.Model, base_dir: str) -> None:
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and not tensor.base_dir:
+            tensor.base_dir = base_dir
+
+
+def export_model(model: ir.Model) -> onnx.ModelProto:
+    """The IR as an ONNX ModelProto."""
+    return ir.serde.serialize_model(model)
