@@ -33,6 +33,12 @@ def is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in _FLOAT_TYPES
 
 
+def _may_be_float(value: ir.Value | None) -> bool:
+    """Float, or of unknown dtype (values made by a Builder before shape inference,
+    e.g. the loss nodes): such values may carry a gradient."""
+    return value is not None and (value.dtype is None or value.dtype in _FLOAT_TYPES)
+
+
 def _reaching(graph: ir.Graph, wrt: Sequence[ir.Value], registry: GradRegistry) -> set[ir.Value]:
     """Float values that depend differentiably on some ``wrt`` value."""
     live: set[ir.Value] = set(wrt)
@@ -40,7 +46,7 @@ def _reaching(graph: ir.Graph, wrt: Sequence[ir.Value], registry: GradRegistry) 
         if registry.is_non_differentiable(node.op_type):
             continue
         if any(v in live for v in node.inputs if v is not None):
-            live.update(v for v in node.outputs if is_float(v))
+            live.update(v for v in node.outputs if _may_be_float(v))
     return live
 
 
@@ -88,11 +94,12 @@ def build_gradients(
         )
     grads: dict[ir.Value, list[ir.Value]] = {}
     seed_b = builder.tagged(role="backward", unit=unit_of(loss.producer()))
-    grads[loss] = [seed_b.const(np.ones(static_shape(loss), dtype=np.float32))]
+    seed_dtype = loss.dtype.numpy() if loss.dtype is not None else np.float32
+    grads[loss] = [seed_b.const(np.ones(static_shape(loss), dtype=seed_dtype))]
     for node in reversed(order):
         if registry.is_non_differentiable(node.op_type):
             continue
-        needs = tuple(v in live and is_float(v) for v in node.inputs)
+        needs = tuple(v in live and _may_be_float(v) for v in node.inputs)
         if not any(needs):
             continue
         b = builder.tagged(role="backward", unit=unit_of(node))

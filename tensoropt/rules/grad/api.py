@@ -106,6 +106,14 @@ class GradRegistry:
     def get(self, op_type: str) -> GradRule | None:
         return self._rules.get(op_type)
 
+    def differentiable(self) -> frozenset[str]:
+        """The op types that have a gradient rule."""
+        return frozenset(self._rules)
+
+    def non_differentiable(self) -> frozenset[str]:
+        """The op types marked as carrying no gradient."""
+        return frozenset(self._non_differentiable)
+
     def supported(self) -> frozenset[str]:
         return frozenset(self._rules) | frozenset(self._non_differentiable)
 

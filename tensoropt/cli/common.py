@@ -1,0 +1,121 @@
+"""Options and helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+
+import numpy as np
+
+from tensoropt.errors import TensorOptError
+
+TRAINING_HELP = """\
+training options (the update is part of the compiled graph, so compile takes them too):
+  the loss is built from the model's first float output: 'auto' uses a scalar output
+  as the loss as it is, gives logits (rank >= 2) cross entropy against integer labels
+  of shape logits[:-1], and a rank-1 output mean squared error.
+  By default a float initializer is trained when it has rank >= 1 and reaches the loss
+  through differentiable inputs; --trainable/--freeze REGEX override (freeze wins).
+"""
+
+
+def add_model_input_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="NAME=D0xD1",
+        help="pin a dynamic model input, e.g. --input-shape input_ids=8x128 (repeatable)",
+    )
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training step")
+    group.add_argument("--loss", choices=["auto", "ce", "mse"], default="auto")
+    group.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    group.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    group.add_argument(
+        "--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = plain SGD)"
+    )
+    group.add_argument("--trainable", metavar="REGEX", help="also train initializers matching")
+    group.add_argument("--freeze", metavar="REGEX", help="never train initializers matching")
+    add_model_input_options(parser)
+
+
+def training_options(args: argparse.Namespace):
+    from tensoropt.passes.loss import LossKind
+    from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
+    from tensoropt.passes.training_step import TrainingOptions
+
+    if args.lr <= 0:
+        raise TensorOptError(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.momentum < 1:
+        raise TensorOptError(f"--momentum must be in [0, 1), got {args.momentum}")
+    return TrainingOptions(
+        loss=LossKind(args.loss),
+        optimizer=OptimizerOptions(
+            kind=OptimizerKind(args.optimizer), lr=args.lr, momentum=args.momentum
+        ),
+        trainable=args.trainable,
+        freeze=args.freeze,
+    )
+
+
+def build_step(args: argparse.Namespace, *, load_weights: bool = True):
+    """Import ``args.model`` and build its training step (TrainingStep)."""
+    from tensoropt.ir.importer import ImportOptions, import_model, parse_input_shapes
+    from tensoropt.passes.training_step import build_training_step
+    from tensoropt.rules.grad import GRAD_RULES
+
+    options = ImportOptions(
+        load_weights=load_weights,
+        input_shapes=parse_input_shapes(args.input_shape),
+        supported_ops=supported_ops(GRAD_RULES),
+    )
+    model = import_model(args.model, options)
+    return build_training_step(model, training_options(args))
+
+
+def supported_ops(grad_rules) -> frozenset[str]:
+    """Ops the whole pipeline handles: a gradient rule or a non-differentiable marking."""
+    return grad_rules.supported()
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file completely or not at all (temp file in the same dir + rename)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise TensorOptError(f"{path}: directory {directory} does not exist; create it first")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_npz_atomic(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue())
+
+
+def print_json(data: object) -> None:
+    json.dump(data, sys.stdout, indent=2, default=float)
+    sys.stdout.write("\n")
+
+
+def progress(iterable, *, total: int, desc: str):
+    """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=None, leave=False)

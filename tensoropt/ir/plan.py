@@ -1,0 +1,222 @@
+"""Plan: one sharding strategy per decision unit, serialisable and hand-editable.
+
+A unit is named by its forward ONNX node name (CONTRACTS: ``tensoropt.unit``). A unit's
+strategy is either
+
+- explicit layouts of the node's inputs and outputs (one placement per mesh axis each;
+  ``null`` for an absent optional input), which is what people write by hand, or
+- an ``index`` into the deterministic strategy list that the sharding registry enumerates
+  for that node on this mesh (``tensoropt.rules.sharding.registry.strategies_nd``), which is
+  compact for searched plans.
+
+When both are given they must agree (checked where the node is known, by
+``registry.resolve_unit``). Units not listed get the plan's ``default``.
+
+File format (``schema`` ``tensoropt.plan/1``)::
+
+    {"schema": "tensoropt.plan/1",
+     "source": "search --pick fastest",
+     "mesh": {"shape": [2, 4], "axis_names": ["dp", "tp"]},
+     "default": "data-parallel",
+     "units": {"MatMul_0": {"inputs": ["S(0)R", "RS(1)"], "outputs": ["S(0)S(1)"]},
+               "Add_3": {"index": 2}}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tensoropt.errors import PlanError
+from tensoropt.ir.layout import Layout
+from tensoropt.ir.mesh import Mesh
+
+PLAN_SCHEMA = "tensoropt.plan/1"
+
+
+class DefaultStrategy(Enum):
+    """What units that a plan does not list get.
+
+    ``DATA_PARALLEL``: values derived from data inputs have dim 0 sharded on mesh axis 0,
+    parameters and everything else are replicated. ``REPLICATED``: everything is replicated.
+    Turning either into per-node strategies needs the graph, so it is done by the passes.
+    """
+
+    DATA_PARALLEL = "data-parallel"
+    REPLICATED = "replicated"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitStrategy:
+    """The strategy of one decision unit: explicit layouts, an enumeration index, or both."""
+
+    inputs: tuple[Layout | None, ...] | None = None
+    outputs: tuple[Layout, ...] | None = None
+    index: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.inputs is None) != (self.outputs is None):
+            raise PlanError("unit strategy: give both 'inputs' and 'outputs', or neither")
+        if self.inputs is None and self.index is None:
+            raise PlanError("unit strategy: give 'inputs' and 'outputs', or an 'index'")
+        if self.index is not None and (isinstance(self.index, bool) or self.index < 0):
+            raise PlanError(f"unit strategy: index must be an integer >= 0, found {self.index}")
+
+    @property
+    def explicit(self) -> bool:
+        """True when the layouts are written out."""
+        return self.inputs is not None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.inputs is not None and self.outputs is not None:
+            out["inputs"] = [None if lay is None else str(lay) for lay in self.inputs]
+            out["outputs"] = [str(lay) for lay in self.outputs]
+        if self.index is not None:
+            out["index"] = self.index
+        return out
+
+    @classmethod
+    def from_json(cls, obj: object, mesh: Mesh, where: str) -> UnitStrategy:
+        if not isinstance(obj, dict):
+            raise PlanError(f"{where}: expected an object, found {type(obj).__name__}")
+        unknown = set(obj) - {"inputs", "outputs", "index"}
+        if unknown:
+            raise PlanError(
+                f"{where}: unknown keys {sorted(unknown)}; allowed: inputs, outputs, index"
+            )
+        index = obj.get("index")
+        if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+            raise PlanError(f"{where}.index: expected an integer, found {index!r}")
+        inputs = _layouts(obj.get("inputs"), mesh, f"{where}.inputs", allow_null=True)
+        outputs = _layouts(obj.get("outputs"), mesh, f"{where}.outputs", allow_null=False)
+        try:
+            return cls(inputs, outputs, index)  # type: ignore[arg-type]
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}") from None
+
+
+def _layouts(
+    obj: object, mesh: Mesh, where: str, allow_null: bool
+) -> tuple[Layout | None, ...] | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, list):
+        raise PlanError(f"{where}: expected a list of placement strings, found {obj!r}")
+    out: list[Layout | None] = []
+    for i, item in enumerate(obj):
+        if item is None and allow_null:
+            out.append(None)
+            continue
+        layout = Layout.parse(item, f"{where}[{i}]")
+        if layout.ndim != mesh.ndim:
+            raise PlanError(
+                f"{where}[{i}]: {item!r} has {layout.ndim} placements but the mesh {mesh} has "
+                f"{mesh.ndim} axes; give one placement per mesh axis"
+            )
+        out.append(layout)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A strategy per decision unit on one mesh. ``source`` says who made it (free text)."""
+
+    mesh: Mesh
+    units: Mapping[str, UnitStrategy]
+    source: str = ""
+    default: DefaultStrategy = DefaultStrategy.DATA_PARALLEL
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", MappingProxyType(dict(self.units)))
+        for name, unit in self.units.items():
+            _check_unit_axes(name, unit, self.mesh)
+
+    def unit(self, name: str) -> UnitStrategy | None:
+        """The listed strategy of unit ``name``, or None (then :attr:`default` applies)."""
+        return self.units.get(name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": PLAN_SCHEMA,
+            "source": self.source,
+            "mesh": self.mesh.to_json(),
+            "default": self.default.value,
+            "units": {name: self.units[name].to_json() for name in sorted(self.units)},
+        }
+
+    def dumps(self) -> str:
+        """Deterministic JSON text (sorted units, two-space indent)."""
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps(), encoding="utf-8")
+
+    @classmethod
+    def from_json(cls, obj: object, where: str = "plan") -> Plan:
+        """Build from parsed JSON; every error names the JSON path that is wrong."""
+        if not isinstance(obj, dict):
+            raise PlanError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+        schema = obj.get("schema")
+        if schema != PLAN_SCHEMA:
+            raise PlanError(f"{where}.schema: expected {PLAN_SCHEMA!r}, found {schema!r}")
+        unknown = set(obj) - {"schema", "source", "mesh", "default", "units"}
+        if unknown:
+            raise PlanError(f"{where}: unknown keys {sorted(unknown)}")
+        if "mesh" not in obj:
+            raise PlanError(f"{where}.mesh: missing; give {{'shape': [...], 'axis_names': [...]}}")
+        mesh = Mesh.from_json(obj["mesh"], f"{where}.mesh")
+        source = obj.get("source", "")
+        if not isinstance(source, str):
+            raise PlanError(f"{where}.source: expected a string, found {source!r}")
+        default = _default(obj.get("default", DefaultStrategy.DATA_PARALLEL.value), where)
+        units_obj = obj.get("units", {})
+        if not isinstance(units_obj, dict):
+            raise PlanError(f"{where}.units: expected an object keyed by node name")
+        units = {
+            name: UnitStrategy.from_json(u, mesh, f"{where}.units[{name!r}]")
+            for name, u in units_obj.items()
+        }
+        return cls(mesh, units, source, default)
+
+    @classmethod
+    def loads(cls, text: str, where: str = "plan") -> Plan:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(
+                f"{where}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+            ) from None
+        return cls.from_json(obj, where)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlanError(f"{p}: cannot read plan file: {exc.strerror}") from None
+        return cls.loads(text, str(p))
+
+
+def _default(value: object, where: str) -> DefaultStrategy:
+    for d in DefaultStrategy:
+        if d.value == value:
+            return d
+    allowed = ", ".join(d.value for d in DefaultStrategy)
+    raise PlanError(f"{where}.default: expected one of {allowed}, found {value!r}")
+
+
+def _check_unit_axes(name: str, unit: UnitStrategy, mesh: Mesh) -> None:
+    layouts = [*(unit.inputs or ()), *(unit.outputs or ())]
+    for layout in layouts:
+        if layout is not None and layout.ndim != mesh.ndim:
+            raise PlanError(
+                f"plan unit {name!r}: layout {layout} has {layout.ndim} placements, mesh "
+                f"{mesh} has {mesh.ndim} axes"
+            )

@@ -1,0 +1,254 @@
+"""Built-in plans: data parallelism and Megatron-LM style tensor parallelism.
+
+Both produce a :class:`Plan` that goes through the same annotate/insert/partition
+mechanism as searched and hand-written plans.
+
+Megatron blocks are found by structure, not by names:
+
+- an MLP block is a MatMul by a trained 2-D weight (A), a region of element-wise
+  ops (bias Add, activation, dropout, ...), and a second weight MatMul (B) that is
+  the region's only exit. A is column-parallel, B row-parallel.
+- an attention block is a weight MatMul (O) whose activation input comes, through
+  attention ops only (Reshape, Transpose, activation MatMuls, Softmax, scale,
+  mask, ...), from weight MatMuls (Q, K, V, or one fused QKV). The projections are
+  column-parallel, O is row-parallel, so heads split across the tp axis.
+
+Where no block applies (CNNs, say), the tp axis falls back to data parallelism
+and the plan notes say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from tensoropt.errors import PlanError
+from tensoropt.ir.builder import ROLE_KEY, static_shape
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
+from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.training_step import StepSignature
+
+_ELEMENTWISE = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Sqrt",
+        "Neg",
+        "Gelu",
+        "Relu",
+        "Tanh",
+        "Sigmoid",
+        "Erf",
+        "Cast",
+        "Dropout",
+        "Identity",
+        "LeakyRelu",
+        "Exp",
+    }
+)
+_ATTENTION = _ELEMENTWISE | frozenset(
+    {
+        "Reshape",
+        "Transpose",
+        "MatMul",
+        "Softmax",
+        "Where",
+        "Split",
+        "Slice",
+        "Squeeze",
+        "Unsqueeze",
+        "Concat",
+        "Expand",
+        "Constant",
+        "Einsum",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltPlan:
+    plan: Plan
+    data_axes: tuple[int, ...]
+    notes: tuple[str, ...]
+
+
+def data_parallel(mesh: Mesh) -> BuiltPlan:
+    """Every mesh axis shards the batch; parameters are replicated."""
+    plan = Plan(mesh, {}, source="data-parallel", default=DefaultStrategy.DATA_PARALLEL)
+    return BuiltPlan(plan, tuple(range(mesh.ndim)), ())
+
+
+def _forward(node: ir.Node) -> bool:
+    return node.metadata_props.get(ROLE_KEY) == "forward"
+
+
+def _weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
+    out = []
+    for node in graph:
+        if not _forward(node) or node.op_type != "MatMul":
+            continue
+        w = node.inputs[1]
+        if w is not None and w.name in params and len(static_shape(w)) == 2:
+            out.append(node)
+    return out
+
+
+def _is_const(value: ir.Value, params: set[str]) -> bool:
+    if value.const_value is not None or value.name in params:
+        return True
+    producer = value.producer()
+    return producer is not None and producer.op_type == "Constant"
+
+
+def _mlp_partner(a: ir.Node, weights: set[ir.Node], params: set[str]) -> ir.Node | None:
+    """The row-parallel MatMul that closes an MLP block opened by ``a``, if any."""
+    region: set[ir.Node] = set()
+    frontier = [a.outputs[0]]
+    exit_node = None
+    while frontier:
+        value = frontier.pop()
+        for use in value.uses():
+            node = use.node
+            if not _forward(node):
+                continue
+            if node in weights and use.idx == 0:
+                if exit_node not in (None, node):
+                    return None
+                exit_node = node
+                continue
+            if node.op_type not in _ELEMENTWISE:
+                return None
+            if node not in region:
+                region.add(node)
+                frontier.extend(node.outputs)
+    if exit_node is None:
+        return None
+    for node in region:
+        for v in node.inputs:
+            if v is None or v is a.outputs[0] or v.producer() in region:
+                continue
+            if not _is_const(v, params):
+                return None
+    return exit_node
+
+
+def _attention_sources(o: ir.Node, weights: set[ir.Node], params: set[str]) -> list[ir.Node] | None:
+    """The projection MatMuls feeding ``o`` through attention ops only, if that holds."""
+    sources: list[ir.Node] = []
+    seen: set[ir.Node] = set()
+    stack = [o.inputs[0]]
+    saw_softmax = False
+    while stack:
+        value = stack.pop()
+        if value is None or _is_const(value, params):
+            continue
+        node = value.producer()
+        if node is None or not _forward(node):
+            return None
+        if node in weights:
+            if node not in sources:
+                sources.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op_type not in _ATTENTION:
+            return None
+        saw_softmax |= node.op_type == "Softmax"
+        stack.extend(node.inputs)
+    return sources if saw_softmax and sources else None
+
+
+def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: str):
+    """(x, W, out) layouts of a column- or row-parallel MatMul."""
+    x = [Replicate()] * mesh.ndim
+    w = [Replicate()] * mesh.ndim
+    out = [Replicate()] * mesh.ndim
+    for a in dp_axes:
+        if batch_ok:
+            x[a] = Shard(0)
+            out[a] = Shard(0)
+    if kind == "column":
+        w[tp] = Shard(1)
+        out[tp] = Shard(x_rank - 1)
+    else:
+        x[tp] = Shard(x_rank - 1)
+        w[tp] = Shard(0)
+        out[tp] = Partial()
+    return Layout(tuple(x)), Layout(tuple(w)), Layout(tuple(out))
+
+
+def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
+    """Tensor parallelism on the last mesh axis for every block found; dp on the others."""
+    tp = mesh.ndim - 1
+    dp_axes = tuple(range(mesh.ndim - 1))
+    params = set(sig.params)
+    weights = _weight_matmuls(graph, params)
+    weight_set = set(weights)
+    roles: dict[ir.Node, str] = {}
+    for a in weights:
+        b = _mlp_partner(a, weight_set, params)
+        if b is not None and a not in roles and b not in roles:
+            roles[a], roles[b] = "column", "row"
+    attention = 0
+    for o in weights:
+        if o in roles:
+            continue
+        sources = _attention_sources(o, weight_set, params)
+        if sources and not any(s in roles for s in sources):
+            for s in sources:
+                roles[s] = "column"
+            roles[o] = "row"
+            attention += 1
+    mlps = sum(1 for r in roles.values() if r == "row") - attention
+    units: dict[str, UnitStrategy] = {}
+    skipped = []
+    for node, kind in roles.items():
+        unit = _unit(node, kind, mesh, tp, dp_axes)
+        if unit is None:
+            skipped.append(node.name)
+        else:
+            units[node.name] = unit
+    notes = [f"megatron: {mlps} MLP and {attention} attention blocks on mesh axis {tp} (tp)"]
+    if not roles:
+        notes.append(
+            "megatron: no attention or MLP block found; the tp axis falls back to data parallelism"
+        )
+        built = data_parallel(mesh)
+        return BuiltPlan(
+            Plan(mesh, {}, source="megatron (fallback: data-parallel)", default=built.plan.default),
+            built.data_axes,
+            tuple(notes),
+        )
+    if skipped:
+        notes.append(
+            f"megatron: {len(skipped)} MatMuls left unsharded (a split does not divide): "
+            + ", ".join(skipped[:5])
+        )
+    plan = Plan(mesh, units, source="megatron", default=DefaultStrategy.DATA_PARALLEL)
+    return BuiltPlan(plan, dp_axes, tuple(notes))
+
+
+def _unit(node: ir.Node, kind: str, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
+    x = node.inputs[0]
+    xshape = static_shape(x)
+    batch_ok = all(xshape[0] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False
+    xl, wl, ol = _layouts(len(xshape), mesh, tp, dp_axes, batch_ok, kind)
+    for cand in sa.candidates(node, mesh):
+        if sa.matches(cand, (xl, wl), (ol,)):
+            return UnitStrategy(inputs=(xl, wl), outputs=(ol,))
+    return None
+
+
+def builtin_plan(name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
+    if name == "data-parallel":
+        return data_parallel(mesh)
+    if name == "megatron":
+        return megatron(graph, sig, mesh)
+    raise PlanError(f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json")

@@ -1,0 +1,109 @@
+"""Bridge between onnx-ir nodes and the sharding-rule registry (plain-data API).
+
+Every pass that needs a node's legal strategies or its local form goes through
+here, so the conversion node -> :class:`OpView` lives in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tensoropt.errors import UnsupportedOpError
+from tensoropt.ir.builder import static_shape
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
+from tensoropt.ir.mesh import Mesh
+from tensoropt.rules.grad.api import constant_value
+from tensoropt.rules.sharding import SHARDING_RULES, LocalOp, MeshSharding, OpView
+from tensoropt.rules.sharding import localize_nd as _localize_nd
+from tensoropt.rules.sharding import strategies_nd as _strategies_nd
+
+
+def _attr_value(attr: ir.Attr):
+    value = attr.value
+    if isinstance(value, ir.TensorProtocol):
+        return value.numpy()
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return list(value)
+    return value
+
+
+def op_view(node: ir.Node) -> OpView:
+    """The plain-data view of ``node`` that sharding rules take."""
+    ins = tuple(node.inputs)
+    return OpView(
+        op_type=node.op_type,
+        attributes={k: _attr_value(a) for k, a in node.attributes.items()},
+        input_shapes=tuple(None if v is None else static_shape(v) for v in ins),
+        input_dtypes=tuple(None if v is None else int(v.dtype) for v in ins),
+        output_shapes=tuple(static_shape(v) for v in node.outputs),
+        output_dtypes=tuple(int(v.dtype) for v in node.outputs),
+        const_inputs=tuple(None if v is None else _small_const(v) for v in ins),
+    )
+
+
+def _small_const(value: ir.Value) -> np.ndarray | None:
+    """Constant inputs that rules may read (shape/axes tensors), not big weights."""
+    if value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        return None
+    if value.const_value is not None and value.const_value.size > 64:
+        return None
+    return constant_value(value)
+
+
+def candidates(node: ir.Node, mesh: Mesh) -> list[MeshSharding]:
+    """Legal strategies of ``node`` on ``mesh`` (deterministic order)."""
+    if node.op_type not in SHARDING_RULES or node.domain not in ("", "ai.onnx"):
+        raise UnsupportedOpError(
+            f"no sharding rule for {node.op_type} (node {node.name}); it cannot be partitioned"
+        )
+    return _strategies_nd(op_view(node), mesh.shape)
+
+
+def localize(node: ir.Node, strategy: MeshSharding, mesh: Mesh) -> LocalOp:
+    return _localize_nd(op_view(node), strategy, mesh.shape)
+
+
+def input_layout(strategy: MeshSharding, i: int) -> Layout | None:
+    ins = strategy.inputs
+    return ins[i] if i < len(ins) else None
+
+
+def output_layout(strategy: MeshSharding, j: int) -> Layout:
+    return strategy.outputs[j]
+
+
+def matches(strategy: MeshSharding, inputs, outputs) -> bool:
+    return tuple(strategy.inputs) == tuple(inputs) and tuple(strategy.outputs) == tuple(outputs)
+
+
+def has_partial(strategy: MeshSharding) -> bool:
+    layouts = [*(x for x in strategy.inputs if x is not None), *strategy.outputs]
+    return any(isinstance(p, Partial) for lay in layouts for p in lay.placements)
+
+
+def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) -> float:
+    """Bytes a device sends to turn ``have`` into ``need`` (alpha-beta volume terms).
+
+    Per mesh axis of size n and local size B: P->R 2(n-1)/n B, P->S and S->R (n-1)/n B,
+    S->S (n-1)/n^2 B, R->S and R->P nothing.
+    """
+    size = float(np.prod(static_shape(value))) * value.dtype.itemsize
+    for axis, p in enumerate(have.placements):
+        if isinstance(p, Shard):
+            size /= mesh.shape[axis]
+    total = 0.0
+    for axis, (a, b) in enumerate(zip(have.placements, need.placements, strict=True)):
+        n = mesh.shape[axis]
+        if a == b or isinstance(a, Replicate):
+            continue
+        frac = (n - 1) / n
+        if isinstance(a, Partial):
+            total += (2 * frac if isinstance(b, Replicate) else frac) * size
+        elif isinstance(b, Replicate):
+            total += frac * size * n
+        else:
+            total += frac * size / n
+    return total

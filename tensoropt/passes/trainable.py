@@ -1,0 +1,135 @@
+"""Which initializers are trained.
+
+Exporters store constants as initializers too (scalars, attention scales, mask
+fills, Pow exponents, rotary tables, shape tensors). The default policy trains a
+float initializer only when it has rank >= 1 and reaches the loss through
+differentiable input slots. Slots that take shapes, exponents, indices, axes,
+bounds or running statistics are not differentiable by policy; additive masks
+(values at or below -1e4, or infinite) are frozen; rotary tables (which reach the
+loss only through Sin/Cos) are frozen. ``--trainable``/``--freeze`` regexes
+override, with ``--freeze`` winning.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from tensoropt.errors import NoTrainableParamsError, TensorOptError
+from tensoropt.passes.autodiff import is_float
+
+# op_type -> input slots that never carry a trained gradient by policy.
+_FROZEN_SLOTS: dict[str, frozenset[int]] = {
+    "Reshape": frozenset({1}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Split": frozenset({1}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Pad": frozenset({1, 2, 3}),
+    "Pow": frozenset({1}),
+    "Gather": frozenset({1}),
+    "GatherND": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "Where": frozenset({0}),
+    "Clip": frozenset({1, 2}),
+    "Dropout": frozenset({1, 2}),
+    "BatchNormalization": frozenset({3, 4}),
+    "ReduceMean": frozenset({1}),
+    "ReduceSum": frozenset({1}),
+    "ReduceMax": frozenset({1}),
+    "ReduceMin": frozenset({1}),
+    "CumSum": frozenset({1}),
+    "Trilu": frozenset({1}),
+}
+# Ops through which nothing is trained by default (positional tables).
+_FROZEN_OPS = frozenset({"Sin", "Cos"})
+_MASK_THRESHOLD = -1e4
+
+
+@dataclass(frozen=True, slots=True)
+class TrainableSelection:
+    """The trained parameters (in graph initializer order) and the frozen ones."""
+
+    trained: tuple[str, ...]
+    frozen: tuple[str, ...]
+
+    def summary(self, graph: ir.Graph) -> str:
+        elements = sum(int(np.prod(graph.initializers[n].shape.numpy())) for n in self.trained)
+        return (
+            f"training {len(self.trained)} parameters ({elements:,} elements); "
+            f"{len(self.frozen)} initializers frozen"
+        )
+
+
+def _reaches_loss(graph: ir.Graph, sources: Iterable[ir.Value], non_diff) -> set[ir.Value]:
+    """Values from which some ``sources`` value is reached through differentiable slots."""
+    reached: set[ir.Value] = set(sources)
+    for node in reversed(list(graph)):
+        if not any(v in reached for v in node.outputs):
+            continue
+        if non_diff(node.op_type) or node.op_type in _FROZEN_OPS:
+            continue
+        frozen = _FROZEN_SLOTS.get(node.op_type, frozenset())
+        for slot, value in enumerate(node.inputs):
+            if value is not None and slot not in frozen and is_float(value):
+                reached.add(value)
+    return reached
+
+
+def _is_mask(value: ir.Value) -> bool:
+    tensor = value.const_value
+    if tensor is None or isinstance(tensor, ir.ExternalTensor):
+        return False
+    array = tensor.numpy()
+    return bool(array.size) and bool(np.any((array <= _MASK_THRESHOLD) | np.isinf(array)))
+
+
+def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise TensorOptError(
+            f"{flag} {pattern!r} is not a valid regular expression: {exc}"
+        ) from None
+
+
+def select_trainable(
+    graph: ir.Graph,
+    loss_sources: Iterable[ir.Value],
+    non_diff,
+    *,
+    trainable: str | None = None,
+    freeze: str | None = None,
+) -> TrainableSelection:
+    """Apply the default policy, then the ``--trainable``/``--freeze`` overrides."""
+    reached = _reaches_loss(graph, loss_sources, non_diff)
+    force_on = _compile(trainable, "--trainable")
+    force_off = _compile(freeze, "--freeze")
+    trained, frozen = [], []
+    for name, value in graph.initializers.items():
+        floaty = is_float(value)
+        default = (
+            floaty
+            and value.shape is not None
+            and len(value.shape) >= 1
+            and value in reached
+            and not _is_mask(value)
+        )
+        on = default or bool(floaty and force_on and force_on.search(name))
+        if force_off and force_off.search(name):
+            on = False
+        (trained if on else frozen).append(name)
+    if not trained:
+        raise NoTrainableParamsError(
+            "the model has no trainable parameters: no float initializer of rank >= 1 "
+            "reaches the loss; check the model's weights, or select some with --trainable REGEX"
+        )
+    return TrainableSelection(tuple(trained), tuple(frozen))

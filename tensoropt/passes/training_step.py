@@ -1,0 +1,206 @@
+"""Build one training-step graph from a forward model.
+
+Pre: an imported model (static shapes, named and tagged nodes; see importer).
+Post: the graph of docs/design/CONTRACTS.md ("Training-step graph"): inputs are
+data, labels, parameters and optimizer state (parameters and state are also
+initializers holding their initial values); outputs are ``loss`` and the new
+parameters and state; the step signature is stored as model metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import onnx
+import onnx_ir as ir
+
+from tensoropt.errors import TensorOptError
+from tensoropt.ir.builder import Builder, static_shape
+from tensoropt.passes.autodiff import build_gradients, unit_of
+from tensoropt.passes.loss import LossKind, build_loss, labels_high
+from tensoropt.passes.optimizer import (
+    OptimizerKind,
+    OptimizerOptions,
+    build_update,
+    step_counter,
+)
+from tensoropt.passes.trainable import TrainableSelection, select_trainable
+from tensoropt.rules.grad import GRAD_RULES
+
+log = logging.getLogger(__name__)
+
+STEP_KEY = "tensoropt.step"
+STEP_SCHEMA = "tensoropt.step/1"
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingOptions:
+    """Options of the training-step pass (CLI: --loss, --optimizer, --lr, ...)."""
+
+    loss: LossKind = LossKind.AUTO
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    trainable: str | None = None
+    freeze: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepSignature:
+    """The names a runner needs: what to feed and what carries to the next step."""
+
+    loss: str
+    data_inputs: tuple[str, ...]
+    labels: str | None
+    labels_high: int | None
+    params: tuple[str, ...]
+    states: tuple[str, ...]
+    carry: tuple[tuple[str, str], ...]  # (output, input)
+    optimizer: dict
+    input_high: tuple[tuple[str, int], ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "schema": STEP_SCHEMA,
+            "loss": self.loss,
+            "data_inputs": list(self.data_inputs),
+            "labels": self.labels,
+            "labels_high": self.labels_high,
+            "input_high": dict(self.input_high),
+            "params": list(self.params),
+            "states": list(self.states),
+            "carry": dict(self.carry),
+            "optimizer": self.optimizer,
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> StepSignature:
+        if data.get("schema") != STEP_SCHEMA:
+            raise TensorOptError(f"unknown step schema {data.get('schema')!r}; recompile")
+        return StepSignature(
+            loss=data["loss"],
+            data_inputs=tuple(data["data_inputs"]),
+            labels=data["labels"],
+            labels_high=data.get("labels_high"),
+            params=tuple(data["params"]),
+            states=tuple(data["states"]),
+            carry=tuple(data["carry"].items()),
+            optimizer=data["optimizer"],
+            input_high=tuple(data.get("input_high", {}).items()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingStep:
+    model: ir.Model
+    signature: StepSignature
+    selection: TrainableSelection
+
+
+def read_signature(model: onnx.ModelProto | ir.Model) -> StepSignature:
+    """The step signature stored in a training-step model's metadata."""
+    if isinstance(model, ir.Model):
+        raw = model.metadata_props.get(STEP_KEY)
+    else:
+        raw = next((p.value for p in model.metadata_props if p.key == STEP_KEY), None)
+    if raw is None:
+        raise TensorOptError(
+            "this ONNX file is not a tensoropt training step (no tensoropt.step metadata); "
+            "make one with `tensoropt train --export-step`"
+        )
+    return StepSignature.from_json(json.loads(raw))
+
+
+def _index_high(graph: ir.Graph) -> dict[str, int]:
+    """For int64 data inputs used as Gather indices: the table size (synthetic data bound)."""
+    highs: dict[str, int] = {}
+    for value in graph.inputs:
+        if value.dtype != ir.DataType.INT64:
+            continue
+        for use in value.uses():
+            node = use.node
+            if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
+                axis = node.attributes.get("axis")
+                axis_v = axis.value if axis is not None else 0
+                bound = static_shape(node.inputs[0])[axis_v]
+                highs[value.name] = min(highs.get(value.name, bound), bound)
+    return highs
+
+
+def build_training_step(model: ir.Model, options: TrainingOptions) -> TrainingStep:
+    """Append loss, backward and optimizer update to ``model`` (mutated in place)."""
+    graph = model.graph
+    data_inputs = tuple(v.name for v in graph.inputs if v.name not in graph.initializers)
+    highs = _index_high(graph)
+    builder = Builder(graph, prefix="t_")
+    spec = build_loss(graph, options.loss, builder)
+    selection = select_trainable(
+        graph,
+        [spec.source],
+        GRAD_RULES.is_non_differentiable,
+        trainable=options.trainable,
+        freeze=options.freeze,
+    )
+    params = [graph.initializers[n] for n in selection.trained]
+    grads = build_gradients(graph, spec.loss, params, GRAD_RULES, builder)
+    _remove_initializer_inputs(graph)
+    for p in params:
+        graph.inputs.append(p)
+    opts = options.optimizer
+    new_step = None
+    states: list[ir.Value] = []
+    new_states: list[ir.Value] = []
+    new_params: list[ir.Value] = []
+    if opts.kind is OptimizerKind.ADAM:
+        step = step_counter(graph)
+        sb = builder.tagged(role="optimizer", unit="optimizer")
+        new_step = sb.op("Add", [step, sb.scalar_like(1.0, step)])
+        states.append(step)
+        new_states.append(new_step)
+    for p, g in zip(params, grads, strict=True):
+        uses = p.uses()
+        unit = unit_of(uses[0].node) if uses else p.name
+        b = builder.tagged(role="optimizer", unit=unit, param=p.name)
+        update = build_update(b, graph, p, g, opts, new_step)
+        new_params.append(update.outputs[0])
+        states.extend(update.states)
+        new_states.extend(update.outputs[1:])
+    carry = []
+    for old, new in zip([*params, *states], [*new_params, *new_states], strict=True):
+        new.name = f"{old.name}__new"
+        new.dtype = old.dtype
+        new.shape = ir.Shape(static_shape(old))
+        graph.outputs.append(new)
+        carry.append((new.name, old.name))
+    signature = StepSignature(
+        loss=spec.loss.name,
+        data_inputs=data_inputs,
+        labels=spec.labels.name if spec.labels is not None else None,
+        labels_high=labels_high(spec),
+        params=tuple(p.name for p in params),
+        states=tuple(s.name for s in states),
+        carry=tuple(carry),
+        optimizer=opts.to_json(),
+        input_high=tuple(sorted(highs.items())),
+    )
+    model.metadata_props[STEP_KEY] = json.dumps(signature.to_json())
+    model = _infer_shapes(model)
+    log.info(selection.summary(model.graph))
+    return TrainingStep(model, signature, selection)
+
+
+def _remove_initializer_inputs(graph: ir.Graph) -> None:
+    """Drop graph inputs that are initializers (IR<4 style); params are re-added."""
+    keep = [v for v in graph.inputs if v.name not in graph.initializers]
+    graph.inputs.clear()
+    graph.inputs.extend(keep)
+
+
+def _infer_shapes(model: ir.Model) -> ir.Model:
+    """Whole-model ONNX shape inference (data propagation) over the step graph."""
+    proto = ir.serde.serialize_model(model)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as exc:
+        raise AssertionError(f"shape inference failed on the training step: {exc}") from exc
+    return ir.serde.deserialize_model(proto)

@@ -1,0 +1,102 @@
+"""Gradient rules of the gathers: Gather, GatherND (batch_dims 0), GatherElements.
+
+Each gradient scatters the incoming gradient into zeros of the data's shape with
+``reduction="add"``, so repeated indices accumulate. Negative indices are
+normalised (index + dim where index < 0) before the scatter: at rule time when
+the indices are constant, otherwise with a Less/Add/Where on the indices.
+
+Gather along axis a moves the indexed axis to the front (Transpose) so that one
+ScatterND with one-coordinate indices serves every axis; for a = 0 (embedding
+lookups) no transpose is emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tensoropt.rules.grad._common import float_dtype, normalize_axis, unsupported, zeros
+from tensoropt.rules.grad.api import GradContext, GradRegistry, GradRule
+
+Grads = list[ir.Value | None]
+
+
+def _normalized_indices(ctx: GradContext, dims: Sequence[int] | int) -> ir.Value:
+    """Input 1 (indices) with negative entries shifted by ``dims`` (broadcast on the last axis)."""
+    b, indices = ctx.b, ctx.inputs[1]
+    limits = np.asarray(dims, dtype=np.int64)
+    const = ctx.const_input(1)
+    if const is not None:
+        fixed = np.asarray(const).astype(np.int64)
+        return b.const(np.where(fixed < 0, fixed + limits, fixed))
+    if indices.dtype != ir.DataType.INT64:
+        indices = b.op("Cast", [indices], {"to": int(ir.DataType.INT64)})
+    negative = b.op("Less", [indices, b.const(np.int64(0))])
+    return b.op("Where", [negative, b.op("Add", [indices, b.const(limits)]), indices])
+
+
+def _gather(ctx: GradContext) -> Grads:
+    b = ctx.b
+    shape, idx_shape = ctx.shape(0), ctx.shape(1)
+    rank = len(shape)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), rank)
+    g = ctx.grad_outputs[0]
+    indices = _normalized_indices(ctx, shape[axis])
+    if not idx_shape:  # scalar index: the axis was dropped from the output
+        indices = b.op("Reshape", [indices, b.ints([1])])
+        g = b.op("Unsqueeze", [g, b.ints([axis])])
+        idx_shape = (1,)
+    k = len(idx_shape)
+    # Bring the index dims of g to the front: [I..., X[:axis]..., X[axis+1:]...]
+    if axis:
+        perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, rank - 1 + k))
+        g = b.op("Transpose", [g], {"perm": perm})
+    moved = (shape[axis], *shape[:axis], *shape[axis + 1 :])
+    base = zeros(b, moved, float_dtype(ctx.inputs[0]))
+    coords = b.op("Unsqueeze", [indices, b.ints([k])])
+    grad = b.op("ScatterND", [base, coords, g], {"reduction": "add"})
+    if axis:
+        back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+        grad = b.op("Transpose", [grad], {"perm": back})
+    return [grad, None]
+
+
+def _gather_nd(ctx: GradContext) -> Grads:
+    b = ctx.b
+    if int(ctx.attr("batch_dims", 0)) != 0:
+        raise unsupported(ctx, "batch_dims != 0")
+    shape, idx_shape = ctx.shape(0), ctx.shape(1)
+    depth = idx_shape[-1]
+    indices = _normalized_indices(ctx, shape[:depth])
+    base = zeros(b, shape, float_dtype(ctx.inputs[0]))
+    grad = b.op("ScatterND", [base, indices, ctx.grad_outputs[0]], {"reduction": "add"})
+    return [grad, None]
+
+
+def _gather_elements(ctx: GradContext) -> Grads:
+    b = ctx.b
+    shape = ctx.shape(0)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), len(shape))
+    indices = _normalized_indices(ctx, shape[axis])
+    base = zeros(b, shape, float_dtype(ctx.inputs[0]))
+    grad = b.op(
+        "ScatterElements",
+        [base, indices, ctx.grad_outputs[0]],
+        {"axis": axis, "reduction": "add"},
+    )
+    return [grad, None]
+
+
+_RULES: tuple[tuple[str, GradRule], ...] = (
+    ("Gather", _gather),
+    ("GatherND", _gather_nd),
+    ("GatherElements", _gather_elements),
+)
+
+
+def register_into(registry: GradRegistry) -> None:
+    """Add this family's rules to ``registry``."""
+    for op_type, rule in _RULES:
+        registry.register(op_type)(rule)

@@ -1,0 +1,150 @@
+"""Per-rank checkpoint shards, written atomically, and resumption.
+
+Layout of a checkpoint directory: one file per rank and saved step,
+``rank_<rank>.step_<step>.npz`` (``step`` = number of completed steps). Each holds
+that rank's local parameter and optimizer-state shards plus a ``__meta__`` entry
+(JSON: step, loss history, seed, world size, sha256 of the manifest it was
+written for). A file is written to a temp name in the same directory and then
+``os.replace``d, so a crash never leaves a half-written shard under a real name.
+
+Each rank keeps its newest two shards. Ranks write independently, so a crash can
+leave rank 0 at step 5 and rank 1 at step 4; :func:`latest_common_step` resumes
+from the newest step that every rank has, and the older shard guarantees that
+one exists. Resuming needs every rank's shards in one directory reachable from
+rank 0's host (a shared filesystem when running over several hosts).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tensoropt.errors import TensorOptError
+
+_META = "__meta__"
+_NAME = re.compile(r"^rank_(\d+)\.step_(\d+)\.npz$")
+KEEP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMeta:
+    step: int  # completed steps
+    losses: tuple[float, ...]
+    seed: int
+    world_size: int
+    manifest_sha256: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "step": self.step,
+                "losses": list(self.losses),
+                "seed": self.seed,
+                "world_size": self.world_size,
+                "manifest_sha256": self.manifest_sha256,
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str) -> CheckpointMeta:
+        d = json.loads(text)
+        return CheckpointMeta(
+            int(d["step"]),
+            tuple(float(x) for x in d["losses"]),
+            int(d["seed"]),
+            int(d["world_size"]),
+            str(d["manifest_sha256"]),
+        )
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file completely or not at all (temp file in the same dir, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def shard_path(directory: Path, rank: int, step: int) -> Path:
+    return directory / f"rank_{rank}.step_{step}.npz"
+
+
+def save_shard(
+    directory: str | os.PathLike, rank: int, state: Mapping[str, np.ndarray], meta: CheckpointMeta
+) -> Path:
+    """Write one rank's shard for ``meta.step`` and drop its shards older than the last two."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = dict(state)
+    arrays[_META] = np.frombuffer(meta.to_json().encode(), dtype=np.uint8)
+    path = shard_path(directory, rank, meta.step)
+    write_atomic(path, npz_bytes(arrays))
+    for old in sorted(_steps_of(directory).get(rank, ()))[:-KEEP]:
+        shard_path(directory, rank, old).unlink(missing_ok=True)
+    return path
+
+
+def _steps_of(directory: Path) -> dict[int, set[int]]:
+    found: dict[int, set[int]] = {}
+    if not directory.is_dir():
+        return found
+    for entry in directory.iterdir():
+        m = _NAME.match(entry.name)
+        if m:
+            found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return found
+
+
+def latest_common_step(directory: str | os.PathLike, world_size: int) -> int | None:
+    """The newest step for which every rank 0..world_size-1 has a shard, or None."""
+    found = _steps_of(Path(directory))
+    common = set.intersection(*(found.get(r, set()) for r in range(world_size)))
+    return max(common) if common else None
+
+
+def load_shard(
+    directory: str | os.PathLike, rank: int, step: int
+) -> tuple[dict[str, np.ndarray], CheckpointMeta]:
+    """One rank's state and the checkpoint metadata stored with it."""
+    path = shard_path(Path(directory), rank, step)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as exc:
+        raise TensorOptError(f"{path}: unreadable checkpoint shard ({exc})") from exc
+    meta = CheckpointMeta.from_json(arrays.pop(_META).tobytes().decode())
+    return arrays, meta
+
+
+def check_meta(meta: CheckpointMeta, seed: int, world_size: int, manifest_sha: str, where: Path):
+    """Refuse to resume from a checkpoint written for another compile, world or seed."""
+    if meta.manifest_sha256 != manifest_sha or meta.world_size != world_size:
+        raise TensorOptError(
+            f"{where}: checkpoint was written for another compiled output (manifest sha256 "
+            f"{meta.manifest_sha256[:12]}..., {meta.world_size} ranks); use a fresh "
+            "--checkpoint directory or the output directory it came from"
+        )
+    if meta.seed != seed:
+        raise TensorOptError(
+            f"{where}: checkpoint was written with --seed {meta.seed}, this run uses "
+            f"--seed {seed}; resume with --seed {meta.seed}"
+        )

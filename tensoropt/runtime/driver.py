@@ -1,0 +1,212 @@
+"""The training loop around an engine, and the public entry point :func:`run_steps`.
+
+:func:`drive` runs in every process (once for ``local``, once per MPI rank):
+global batch -> per-rank slices -> engine step -> carry ``__new`` outputs into the
+next step's inputs -> (verify, checkpoint, report). It is written once for both
+engines; only rank 0 (the root) builds the :class:`RunResult`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tensoropt.errors import TensorOptError
+from tensoropt.runtime import checkpoint as ckpt
+from tensoropt.runtime.data import batch_source, specs_from_manifest
+from tensoropt.runtime.engine import Engine, initial_state
+from tensoropt.runtime.manifest import InputKind, Manifest, assemble, shard
+from tensoropt.runtime.verify import DEFAULT_TOLERANCE, Reference, VerifyReport, VerifyStep
+
+log = logging.getLogger(__name__)
+
+State = dict[str, np.ndarray]
+OnStep = Callable[[int, float, "VerifyStep | None"], None]
+
+
+class Backend(enum.Enum):
+    LOCAL = "local"
+    MPI = "mpi"
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """Everything a run needs besides the output directory (travels to MPI workers)."""
+
+    steps: int
+    seed: int = 0
+    data: str | None = None
+    checkpoint: str | None = None
+    checkpoint_every: int = 1
+    resume: bool = False
+    verify: bool = False
+    tolerance: float = DEFAULT_TOLERANCE
+    threads: int | None = None  # onnxruntime intra-op threads per rank (None = default)
+    fault: tuple[int, int] | None = None  # (rank, step): os._exit there (tests only)
+
+    def to_json(self) -> dict:
+        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d["fault"] = list(self.fault) if self.fault else None
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping) -> RunOptions:
+        fault = d.get("fault")
+        return RunOptions(**{**d, "fault": tuple(fault) if fault else None})
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """What a run produced: the loss per global step and the gathered full tensors."""
+
+    losses: list[float]
+    params: dict[str, np.ndarray]
+    states: dict[str, np.ndarray] = field(default_factory=dict)
+    verify: VerifyReport | None = None
+    start_step: int = 0  # first step this run executed (> 0 after --resume)
+    world_size: int = 1
+    backend: str = "local"
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Loop:
+    """Mutable loop state of one process."""
+
+    state: dict[int, State]
+    losses: list[float]
+    start: int
+    reference: Reference | None = None
+    verify_steps: list[VerifyStep] = field(default_factory=list)
+
+
+def drive(
+    engine: Engine,
+    manifest: Manifest,
+    models: Mapping,
+    opts: RunOptions,
+    on_step: OnStep | None = None,
+) -> RunResult | None:
+    """Run steps ``[start, opts.steps)`` on ``engine``; the root returns the result."""
+    t0 = time.perf_counter()
+    source = batch_source(specs_from_manifest(manifest), opts.data, opts.seed, opts.steps)
+    loop = _start(engine, manifest, models, opts)
+    for k in range(loop.start, opts.steps):
+        if opts.fault and opts.fault[1] == k and opts.fault[0] in engine.ranks:
+            os._exit(17)  # fault injection for tests: die without any cleanup
+        batch = source(k)
+        feeds = {r: _feeds(manifest, batch, loop.state[r], r) for r in engine.ranks}
+        outs = engine.step(feeds)
+        loop.state = {r: _carry(manifest, outs[r]) for r in engine.ranks}
+        loss = float(outs[engine.ranks[0]][manifest.loss_name])
+        loop.losses.append(loss)
+        vstep = _verify_step(engine, manifest, loop, k, batch, loss) if opts.verify else None
+        if opts.checkpoint and ((k + 1) % opts.checkpoint_every == 0 or k + 1 == opts.steps):
+            _save(engine, manifest, opts, loop, k + 1)
+        if on_step is not None and engine.is_root:
+            on_step(k, loss, vstep)
+    params, states = _gather_global(engine, manifest, loop.state)
+    if not engine.is_root:
+        return None
+    report = VerifyReport(tuple(loop.verify_steps), opts.tolerance) if opts.verify else None
+    return RunResult(
+        losses=loop.losses,
+        params=params,
+        states=states,
+        verify=report,
+        start_step=loop.start,
+        world_size=manifest.world_size,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _state_names(manifest: Manifest) -> list[str]:
+    return [i.name for i in manifest.inputs_of(InputKind.PARAM, InputKind.STATE)]
+
+
+def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions) -> _Loop:
+    names = _state_names(manifest)
+    loop = _Loop({r: initial_state(models[r], names, r) for r in engine.ranks}, [], 0)
+    if opts.resume:
+        _resume(engine, manifest, opts, loop)
+    if opts.verify and engine.is_root:
+        loop.reference = Reference.open(manifest.outdir, opts.threads)
+    if opts.verify and loop.start > 0:
+        params, states = _gather_global(engine, manifest, loop.state)
+        if loop.reference is not None:
+            loop.reference.state = {**params, **states}
+    return loop
+
+
+def _resume(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop) -> None:
+    if not opts.checkpoint:
+        raise TensorOptError("--resume needs --checkpoint DIR (where the shards are)")
+    directory = Path(opts.checkpoint)
+    step = ckpt.latest_common_step(directory, manifest.world_size)
+    if step is None:
+        log.warning("%s: no complete checkpoint found; starting from step 0", directory)
+        return
+    for r in engine.ranks:
+        state, meta = ckpt.load_shard(directory, r, step)
+        ckpt.check_meta(meta, opts.seed, manifest.world_size, manifest.sha256, directory)
+        missing = set(_state_names(manifest)) - set(state)
+        if missing:
+            raise TensorOptError(f"{directory}: rank {r} shard lacks {sorted(missing)}")
+        loop.state[r] = state
+        loop.losses = list(meta.losses)
+    loop.start = step
+    log.info("resuming from %s at step %d", directory, step)
+
+
+def _feeds(manifest: Manifest, batch: Mapping[str, np.ndarray], state: State, rank: int) -> dict:
+    feeds = dict(state)
+    for name, array in batch.items():
+        feeds[name] = shard(array, manifest.inputs[name], manifest, rank)
+    return feeds
+
+
+def _carry(manifest: Manifest, outputs: Mapping[str, np.ndarray]) -> State:
+    carry = manifest.carry
+    missing = [o for o in carry if o not in outputs]
+    if missing:
+        raise TensorOptError(
+            f"device graphs lack the carried outputs {missing}; recompile the model"
+        )
+    return {carry[o]: outputs[o] for o in carry}
+
+
+def _gather_global(engine: Engine, manifest: Manifest, state: Mapping[int, State]):
+    """Full parameters and states from the rank shards (root only; else empty dicts)."""
+    gathered = engine.gather({r: state[r] for r in engine.ranks})
+    if gathered is None:
+        return {}, {}
+    params: dict[str, np.ndarray] = {}
+    states: dict[str, np.ndarray] = {}
+    for info in manifest.inputs_of(InputKind.PARAM, InputKind.STATE):
+        full = assemble({r: s[info.name] for r, s in gathered.items()}, info, manifest)
+        (params if info.kind is InputKind.PARAM else states)[info.name] = full
+    return params, states
+
+
+def _verify_step(engine, manifest, loop: _Loop, k: int, batch, loss: float) -> VerifyStep | None:
+    params, _ = _gather_global(engine, manifest, loop.state)
+    if loop.reference is None:
+        return None
+    vstep = loop.reference.step_and_compare(k, batch, loss, params)
+    loop.verify_steps.append(vstep)
+    return vstep
+
+
+def _save(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop, step: int) -> None:
+    meta = ckpt.CheckpointMeta(
+        step, tuple(loop.losses), opts.seed, manifest.world_size, manifest.sha256
+    )
+    for r in engine.ranks:
+        ckpt.save_shard(opts.checkpoint, r, loop.state[r], meta)

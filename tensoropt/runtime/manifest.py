@@ -1,0 +1,222 @@
+"""Read and check a compiled output directory; slice and reassemble by placements.
+
+See docs/design/CONTRACTS.md, "Output directory". :func:`load_outdir` checks the
+sha256 of every file the manifest lists before anything runs, so a stale or
+edited graph is refused with a message that names the file.
+
+Slicing rule (CONTRACTS.md): for a value of global shape G and the rank at mesh
+coordinates c, for each mesh axis i in order whose placement is ``S(d)``, split
+dim d of the already-sliced array into mesh.shape[i] equal pieces and keep piece
+c[i]. Each rank's piece is therefore one contiguous block; :func:`block_of`
+computes it, and :func:`shard` / :func:`assemble` use the same block both ways.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensoropt.errors import OutputDirError
+
+MANIFEST_SCHEMA = "tensoropt.manifest/1"
+_RECOMPILE = "recompile it with `tensoropt compile`"
+
+
+class InputKind(enum.Enum):
+    DATA = "data"
+    LABELS = "labels"
+    PARAM = "param"
+    STATE = "state"
+
+
+@dataclass(frozen=True, slots=True)
+class InputInfo:
+    """One entry of manifest["inputs"]: a graph input of every device graph."""
+
+    name: str
+    kind: InputKind
+    global_shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[str, ...]
+    high: int | None = None  # exclusive upper bound for synthetic integer data
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    rank: int
+    coords: tuple[int, ...]
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """The parsed manifest of an output directory."""
+
+    outdir: Path
+    world_size: int
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    ranks: tuple[RankInfo, ...]
+    step: Mapping[str, Any]
+    inputs: Mapping[str, InputInfo]
+    sha256: str  # of manifest.json itself (ties checkpoints to this compile)
+
+    def inputs_of(self, *kinds: InputKind) -> list[InputInfo]:
+        return [info for info in self.inputs.values() if info.kind in kinds]
+
+    @property
+    def carry(self) -> dict[str, str]:
+        return dict(self.step.get("carry", {}))
+
+    @property
+    def loss_name(self) -> str:
+        return str(self.step.get("loss", "loss"))
+
+    def device_path(self, rank: int) -> Path:
+        return self.outdir / self.ranks[rank].file
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_outdir(outdir: str | Path, check_files: bool = True) -> Manifest:
+    """Parse ``OUTDIR/manifest.json`` and (by default) check every listed file's sha256."""
+    outdir = Path(outdir)
+    path = outdir / "manifest.json"
+    if not path.is_file():
+        raise OutputDirError(f"{path}: no manifest.json in the output directory; {_RECOMPILE}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OutputDirError(f"{path}: not valid JSON ({exc}); {_RECOMPILE}") from exc
+    try:
+        manifest = _parse(outdir, raw, sha256_file(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise OutputDirError(f"{path}: malformed manifest ({exc!r}); {_RECOMPILE}") from exc
+    if check_files:
+        expected = {r.file: r.sha256 for r in manifest.ranks}
+        expected.update(raw.get("files", {}))
+        for name, digest in expected.items():
+            check_file(outdir / name, digest)
+    return manifest
+
+
+def check_file(path: Path, digest: str) -> None:
+    if not path.is_file():
+        raise OutputDirError(f"{path}: listed in manifest.json but missing; {_RECOMPILE}")
+    found = sha256_file(path)
+    if found != digest:
+        raise OutputDirError(
+            f"{path}: sha256 {found[:12]}... does not match manifest.json ({digest[:12]}...); "
+            f"the file was changed after compiling; {_RECOMPILE}"
+        )
+
+
+def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
+    if raw.get("schema") != MANIFEST_SCHEMA:
+        raise ValueError(f"schema {raw.get('schema')!r}, expected {MANIFEST_SCHEMA!r}")
+    world = int(raw["world_size"])
+    mesh = raw.get("mesh", {"shape": [world], "axis_names": ["d"]})
+    ranks = tuple(
+        RankInfo(int(r["rank"]), tuple(r["coords"]), str(r["file"]), str(r["sha256"]))
+        for r in sorted(raw["ranks"], key=lambda r: int(r["rank"]))
+    )
+    if [r.rank for r in ranks] != list(range(world)):
+        raise ValueError(f"ranks {[r.rank for r in ranks]} should be 0..{world - 1}")
+    inputs = {}
+    for name, e in raw["inputs"].items():
+        high = e.get("high")
+        inputs[name] = InputInfo(
+            name=name,
+            kind=InputKind(e["kind"]),
+            global_shape=tuple(int(d) for d in e["global_shape"]),
+            dtype=str(e.get("dtype", "float32")),
+            placements=tuple(e.get("placements", ["R"] * len(mesh["shape"]))),
+            high=None if high is None else int(high),
+        )
+    return Manifest(
+        outdir=outdir,
+        world_size=world,
+        mesh_shape=tuple(int(s) for s in mesh["shape"]),
+        axis_names=tuple(mesh.get("axis_names", [])),
+        ranks=ranks,
+        step=raw.get("step", {}),
+        inputs=inputs,
+        sha256=digest,
+    )
+
+
+# ------------------------------------------------------------------ placements
+
+_SHARD = re.compile(r"^S\((-?\d+)\)$")
+
+
+def shard_dim(placement: str) -> int | None:
+    """The tensor dim of ``S(d)``; ``None`` for ``R``. ``P`` is refused (never an input)."""
+    m = _SHARD.match(placement.strip())
+    if m:
+        return int(m.group(1))
+    if placement.strip() == "R":
+        return None
+    raise OutputDirError(
+        f"placement {placement!r}: inputs and outputs of device graphs must be 'R' or "
+        f"'S(d)'; {_RECOMPILE}"
+    )
+
+
+def block_of(
+    global_shape: Sequence[int],
+    placements: Sequence[str],
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+) -> tuple[slice, ...]:
+    """The global index block held by the rank at ``coords`` (the slicing rule)."""
+    lo = [0] * len(global_shape)
+    hi = list(global_shape)
+    for axis, placement in enumerate(placements):
+        d = shard_dim(placement)
+        if d is None:
+            continue
+        n = mesh_shape[axis]
+        length = hi[d] - lo[d]
+        if length % n:
+            raise OutputDirError(
+                f"dim {d} of size {length} does not split into {n} equal pieces "
+                f"(placements {list(placements)}, shape {list(global_shape)}); {_RECOMPILE}"
+            )
+        piece = length // n
+        lo[d] += coords[axis] * piece
+        hi[d] = lo[d] + piece
+    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+
+
+def shard(array: np.ndarray, info: InputInfo, manifest: Manifest, rank: int) -> np.ndarray:
+    """This rank's piece of a global array (a contiguous copy)."""
+    coords = manifest.ranks[rank].coords
+    block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
+    return np.ascontiguousarray(array[block])
+
+
+def assemble(pieces: Mapping[int, np.ndarray], info: InputInfo, manifest: Manifest) -> np.ndarray:
+    """The global array from rank pieces (the lowest rank holding each block wins)."""
+    first = next(iter(pieces.values()))
+    full = np.empty(info.global_shape, dtype=first.dtype)
+    for rank in sorted(pieces, reverse=True):
+        coords = manifest.ranks[rank].coords
+        block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
+        full[block] = pieces[rank]
+    return full

@@ -1,0 +1,157 @@
+"""Executable form of one rank's device graph: sessions per segment, plus collectives.
+
+:class:`RankProgram` owns one onnxruntime InferenceSession (CPU EP) per compute
+segment of a :class:`~tensoropt.runtime.split.SplitPlan`. It runs either on its
+own with a :class:`~tensoropt.runtime.comm.Communicator` (``run``: the MPI worker)
+or stage by stage under a driver that holds every rank (``begin`` /
+``run_segment`` / ``release`` / ``finish``: the local lockstep engine).
+
+:func:`check_collective_order` is the pre-check that keeps ranks from
+deadlocking: every rank must issue the same sequence of collective kinds, and the
+members of each group must agree on the group at every position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from tensoropt.errors import TensorOptError
+from tensoropt.runtime.collectives import CollectiveCall
+from tensoropt.runtime.comm import Communicator, dispatch
+from tensoropt.runtime.split import SplitPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """onnxruntime knobs for segment sessions (0 threads = onnxruntime's default)."""
+
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+
+    def options(self) -> ort.SessionOptions:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.intra_op_threads
+        opts.inter_op_num_threads = self.inter_op_threads
+        opts.log_severity_level = 3
+        return opts
+
+
+class RankProgram:
+    """One rank's compiled step: a session per segment and the collective calls."""
+
+    def __init__(self, plan: SplitPlan, config: SessionConfig | None = None) -> None:
+        self.plan = plan
+        opts = (config or SessionConfig()).options()
+        self._sessions: list[ort.InferenceSession | None] = []
+        for stage in plan.stages:
+            seg = stage.segment
+            if seg is None:
+                self._sessions.append(None)
+                continue
+            try:
+                sess = ort.InferenceSession(
+                    seg.model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+                )
+            except Exception as exc:  # onnxruntime raises its own untyped errors
+                raise TensorOptError(
+                    f"rank {plan.rank}: onnxruntime rejected compute segment {seg.index}: "
+                    f"{exc}; recompile the model"
+                ) from exc
+            self._sessions.append(sess)
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.plan.stages)
+
+    def begin(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The value table a step starts from: constants plus this step's feeds."""
+        missing = [n for n in self.plan.feeds if n not in feeds]
+        if missing:
+            raise TensorOptError(
+                f"rank {self.rank}: no value fed for graph input(s) {missing}; "
+                "the manifest does not describe them"
+            )
+        env = dict(self.plan.constants)
+        env.update(feeds)
+        return env
+
+    def run_segment(self, i: int, env: dict[str, np.ndarray]) -> None:
+        """Run the compute segment of stage ``i`` (if any), adding its outputs to ``env``."""
+        sess = self._sessions[i]
+        seg = self.plan.stages[i].segment
+        if sess is None or seg is None:
+            return
+        results = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
+        env.update(zip(seg.outputs, results, strict=True))
+
+    def release(self, i: int, env: dict[str, np.ndarray]) -> None:
+        """Drop values that no stage after ``i`` reads."""
+        for name in self.plan.stages[i].release:
+            env.pop(name, None)
+
+    def finish(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The graph outputs of a finished step."""
+        return {name: env[name] for name in self.plan.outputs}
+
+    def run(self, feeds: Mapping[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
+        """One whole step on this rank, collectives through ``comm``."""
+        env = self.begin(feeds)
+        for i, stage in enumerate(self.plan.stages):
+            self.run_segment(i, env)
+            for call in stage.collectives:
+                env[call.output] = dispatch(comm, call, env[call.input])
+            self.release(i, env)
+        return self.finish(env)
+
+
+def check_collective_order(by_rank: Mapping[int, Sequence[CollectiveCall]]) -> None:
+    """Refuse ranks that would issue mismatched collectives (a deadlock or garbage).
+
+    ``by_rank`` maps each rank to its collectives in issue order (``SplitPlan.collectives``
+    or :func:`~tensoropt.runtime.split.collective_order`). The lowest rank's sequence
+    of kinds is the reference; every rank must match it position by position, and
+    each group at each position must be named identically by all of its members.
+    """
+    ref = by_rank[min(by_rank)]
+    for rank, calls in sorted(by_rank.items()):
+        for pos in range(max(len(calls), len(ref))):
+            mine = calls[pos] if pos < len(calls) else None
+            theirs = ref[pos] if pos < len(ref) else None
+            if mine is None or theirs is None or mine.kind is not theirs.kind:
+                raise TensorOptError(
+                    f"rank {rank}: collective #{pos} is {_desc(mine)} but rank {min(by_rank)} "
+                    f"issues {_desc(theirs)}; all ranks must issue the same collectives in "
+                    "the same order; recompile the model"
+                )
+            _check_group_agreement(by_rank, rank, pos)
+
+
+def _check_group_agreement(
+    by_rank: Mapping[int, Sequence[CollectiveCall]], rank: int, pos: int
+) -> None:
+    call = by_rank[rank][pos]
+    for member in call.group:
+        if member not in by_rank:
+            continue  # a rank this process does not hold (MPI pre-check holds all)
+        other = by_rank[member][pos]
+        if other.group != call.group:
+            raise TensorOptError(
+                f"rank {rank}: collective #{pos} ({call.describe()}) does not match rank "
+                f"{member}, which uses group {list(other.group)} in node "
+                f"{other.node_name!r}; recompile the model"
+            )
+
+
+def _desc(call: CollectiveCall | None) -> str:
+    return "nothing" if call is None else call.describe()

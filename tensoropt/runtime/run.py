@@ -1,0 +1,125 @@
+"""``run_steps``: run a compiled output directory for some steps (the runtime's API).
+
+Everything that can be checked before any process starts is checked here, in the
+calling process: the files' sha256 (:func:`~tensoropt.runtime.manifest.load_outdir`),
+the ``--data`` file, and that every rank issues the same collectives in the same
+order. Then the ``local`` backend runs in this process and the ``mpi`` backend
+is launched by :mod:`tensoropt.runtime.launcher`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tensoropt.errors import TensorOptError
+from tensoropt.runtime.checkpoint import npz_bytes, write_atomic
+from tensoropt.runtime.data import load_npz, specs_from_manifest
+from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
+from tensoropt.runtime.engine import LocalEngine, load_device, split_all
+from tensoropt.runtime.manifest import Manifest, load_outdir
+from tensoropt.runtime.program import SessionConfig, check_collective_order
+from tensoropt.runtime.split import collective_order
+from tensoropt.runtime.verify import DEFAULT_TOLERANCE
+
+
+def run_steps(
+    outdir: str | os.PathLike,
+    steps: int,
+    backend: str | Backend = Backend.LOCAL,
+    data: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    resume: bool = False,
+    hostfile: str | os.PathLike | None = None,
+    verify: bool = False,
+    save_params: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    checkpoint_every: int = 1,
+    tolerance: float = DEFAULT_TOLERANCE,
+    threads: int | None = None,
+    stall_timeout: float | None = None,
+    on_step: OnStep | None = None,
+) -> RunResult:
+    """Run global steps 0..steps-1 (or continue them with ``resume``) of OUTDIR.
+
+    Returns the loss of every step (the replicated ``loss`` output; after a resume
+    the earlier losses come from the checkpoint) and the full parameters and
+    optimizer state, reassembled from the rank shards under their original names.
+    ``on_step(step, loss, verify_step_or_None)`` is called after every step.
+    """
+    backend = _backend(backend)
+    if steps < 1:
+        raise TensorOptError(f"--steps must be at least 1, got {steps}")
+    if checkpoint_every < 1:
+        raise TensorOptError(f"--checkpoint-every must be at least 1, got {checkpoint_every}")
+    if resume and checkpoint is None:
+        raise TensorOptError("--resume needs --checkpoint DIR (where the shards are)")
+    if hostfile is not None and backend is not Backend.MPI:
+        raise TensorOptError("--hostfile only applies to --backend mpi")
+    manifest = load_outdir(outdir)
+    if verify and not (manifest.outdir / "annotated.onnx").is_file():
+        raise TensorOptError(
+            f"{manifest.outdir}: --verify needs annotated.onnx; recompile the model"
+        )
+    if data is not None:
+        load_npz(data, specs_from_manifest(manifest), steps)
+    opts = RunOptions(
+        steps=steps,
+        seed=seed,
+        data=None if data is None else str(Path(data).resolve()),
+        checkpoint=None if checkpoint is None else str(Path(checkpoint).resolve()),
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        verify=verify,
+        tolerance=tolerance,
+        threads=threads,
+    )
+    if backend is Backend.LOCAL:
+        result = _run_local(manifest, opts, on_step)
+    else:
+        result = _run_mpi(manifest, opts, hostfile, on_step, stall_timeout)
+    if save_params is not None:
+        write_atomic(save_params, npz_bytes(result.params))
+    return result
+
+
+def _backend(value: str | Backend) -> Backend:
+    try:
+        return Backend(value)
+    except ValueError:
+        choices = ", ".join(b.value for b in Backend)
+        raise TensorOptError(f"unknown backend {value!r}; choose one of {choices}") from None
+
+
+def _run_local(manifest: Manifest, opts: RunOptions, on_step: OnStep | None) -> RunResult:
+    models = {r: load_device(manifest, r) for r in range(manifest.world_size)}
+    plans = split_all(manifest, models)
+    engine = LocalEngine(plans, SessionConfig(intra_op_threads=opts.threads or 0))
+    result = drive(engine, manifest, models, opts, on_step)
+    assert result is not None  # the local engine is always the root
+    return result
+
+
+def _run_mpi(
+    manifest: Manifest,
+    opts: RunOptions,
+    hostfile: str | os.PathLike | None,
+    on_step: OnStep | None,
+    stall_timeout: float | None,
+) -> RunResult:
+    from tensoropt.runtime.launcher import launch
+
+    orders = {
+        r: collective_order(load_device(manifest, r), r, manifest.world_size)
+        for r in range(manifest.world_size)
+    }
+    check_collective_order(orders)
+    return launch(
+        manifest.outdir.resolve(),
+        manifest.world_size,
+        opts,
+        None if hostfile is None else str(hostfile),
+        on_step,
+        stall_timeout,
+    )

@@ -1,0 +1,289 @@
+"""Split a per-device graph at its collective nodes into compute segments.
+
+The CPU build of onnxruntime has no collective ops, so the runtime runs each
+device graph as an alternation of *stages*: a compute segment (one ONNX model,
+run by one InferenceSession) followed by a batch of collectives that the
+communicator executes. This module is pure: it turns a ModelProto into a
+:class:`SplitPlan` of segment models and collective calls, and creates nothing.
+
+Schedule (as-soon-as-possible levels, which gives the fewest segments):
+
+* a compute node runs in segment ``max(ready_seg(v) for v in its inputs)``;
+* a collective runs in the batch after segment ``max(ready_coll(v))``;
+* a value made by a compute node in segment L is ready for segment L and for
+  batch L; a value made by a collective of batch L is ready for batch L (the
+  batch runs in order, so collectives may chain) and for segment L + 1.
+
+No schedule can have fewer segments: segment count is the longest chain of
+"collective then compute" on any path, and ASAP meets it. Within a segment and a
+batch, nodes keep graph order. Since every rank's graph has the same structure,
+every rank issues its collectives in the same order (checked by
+:func:`tensoropt.runtime.program.check_collective_order`).
+
+Initializers stay inside each segment that uses them (copied when several do);
+only names in ``fed`` (data, labels, parameters, optimizer state) become segment
+inputs fed every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import GraphProto, ModelProto, NodeProto, TypeProto, helper, numpy_helper
+
+from tensoropt.errors import TensorOptError
+from tensoropt.runtime.collectives import (
+    DOMAIN,
+    CollectiveCall,
+    is_collective,
+    output_dims,
+    parse_collective,
+)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Segment:
+    """One compute segment: an ONNX model with the names it reads and writes."""
+
+    index: int
+    model: ModelProto
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Stage:
+    """A segment (or none) then the collectives that follow it, in issue order."""
+
+    segment: Segment | None
+    collectives: tuple[CollectiveCall, ...]
+    release: tuple[str, ...] = ()  # values no later stage reads (freed after this stage)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SplitPlan:
+    """Everything needed to run one rank's graph, without any session."""
+
+    rank: int
+    stages: tuple[Stage, ...]
+    feeds: tuple[str, ...]  # graph inputs that must be fed each step
+    outputs: tuple[str, ...]  # graph outputs, in graph order
+    constants: dict[str, np.ndarray] = field(default_factory=dict)  # initializers read
+    # by collectives or returned as outputs directly
+
+    @property
+    def collectives(self) -> tuple[CollectiveCall, ...]:
+        """Every collective, in the order this rank issues them."""
+        return tuple(c for s in self.stages for c in s.collectives)
+
+    @property
+    def num_segments(self) -> int:
+        return sum(1 for s in self.stages if s.segment is not None)
+
+
+def subgraph_reads(node: NodeProto) -> set[str]:
+    """Outer-scope names read by the subgraphs (If/Loop/Scan bodies) of ``node``."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        graphs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
+        for g in graphs:
+            names |= _graph_free_names(g)
+    return names
+
+
+def _graph_free_names(g: GraphProto) -> set[str]:
+    defined = {i.name for i in g.input} | {t.name for t in g.initializer}
+    free: set[str] = set()
+    for node in g.node:
+        reads = set(node.input) | subgraph_reads(node)
+        free |= {n for n in reads if n and n not in defined}
+        defined |= set(node.output)
+    return free
+
+
+def _reads(node: NodeProto) -> list[str]:
+    seen = [n for n in node.input if n]
+    extra = sorted(subgraph_reads(node) - set(seen))
+    return seen + extra
+
+
+@dataclass(slots=True)
+class _Schedule:
+    level: list[int]  # per node: segment index (compute) or batch index (collective)
+    ready_seg: dict[str, int]
+    ready_coll: dict[str, int]
+    num_stages: int
+
+
+def _schedule(graph: GraphProto, rank: int) -> _Schedule:
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    ready_seg: dict[str, int] = {}
+    ready_coll: dict[str, int] = {}
+    level: list[int] = []
+    for node in graph.node:
+        reads = _reads(node)
+        for name in reads:
+            if name not in known and name not in ready_seg:
+                raise TensorOptError(
+                    f"rank {rank}: node {node.name!r} reads {name!r} before it is produced; "
+                    "the graph is not topologically sorted; recompile the model"
+                )
+        if is_collective(node):
+            lvl = max((ready_coll.get(n, 0) for n in reads), default=0)
+            for out in node.output:
+                ready_seg[out], ready_coll[out] = lvl + 1, lvl
+        else:
+            lvl = max((ready_seg.get(n, 0) for n in reads), default=0)
+            for out in node.output:
+                ready_seg[out], ready_coll[out] = lvl, lvl
+        level.append(lvl)
+    num_stages = max(level, default=0) + 1
+    return _Schedule(level, ready_seg, ready_coll, num_stages)
+
+
+def collective_order(model: ModelProto, rank: int, world_size: int) -> tuple[CollectiveCall, ...]:
+    """The collectives of one rank's graph in the order :func:`split_graph` issues them.
+
+    Cheap (no segment models, no shape inference): the launcher's pre-check uses it.
+    """
+    sched = _schedule(model.graph, rank)
+    calls = [
+        (lvl, i, parse_collective(node, rank, world_size))
+        for i, (node, lvl) in enumerate(zip(model.graph.node, sched.level, strict=True))
+        if is_collective(node)
+    ]
+    return tuple(call for _, _, call in sorted(calls, key=lambda t: (t[0], t[1])))
+
+
+def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str]) -> SplitPlan:
+    """Split one rank's device graph; ``fed`` names the inputs fed every step."""
+    graph = model.graph
+    fed_set = set(fed)
+    sched = _schedule(graph, rank)
+    n = sched.num_stages
+    seg_nodes: list[list[NodeProto]] = [[] for _ in range(n)]
+    batches: list[list[CollectiveCall]] = [[] for _ in range(n)]
+    for node, lvl in zip(graph.node, sched.level, strict=True):
+        if is_collective(node):
+            batches[lvl].append(parse_collective(node, rank, world_size))
+        else:
+            seg_nodes[lvl].append(node)
+
+    graph_outputs = tuple(o.name for o in graph.output)
+    last_use = _last_use(seg_nodes, batches)
+    coll_reads = {c.input for calls in batches for c in calls}
+    inits = {t.name: t for t in graph.initializer}
+    graph_inputs = {i.name: i for i in graph.input}
+    types = _initial_types(graph)
+    constants = _constants(batches, graph_outputs, inits, fed_set, graph_inputs)
+    stages: list[Stage] = []
+    for i in range(n):
+        segment = None
+        if seg_nodes[i]:
+            segment = _make_segment(
+                model, i, seg_nodes[i], last_use, coll_reads, graph_outputs, inits, fed_set, types
+            )
+        for call in batches[i]:
+            _type_collective_output(call, types, rank)
+        release = tuple(sorted(v for v, s in last_use.items() if s == i and v not in graph_outputs))
+        stages.append(Stage(segment, tuple(batches[i]), release))
+    feeds = tuple(name for name in graph_inputs if name in fed_set or name not in inits)
+    return SplitPlan(rank, tuple(stages), feeds, graph_outputs, constants)
+
+
+def _last_use(seg_nodes: list[list[NodeProto]], batches: list[list[CollectiveCall]]) -> dict:
+    last: dict[str, int] = {}
+    for i, nodes in enumerate(seg_nodes):
+        for node in nodes:
+            for name in _reads(node):
+                last[name] = max(last.get(name, 0), i)
+    for i, calls in enumerate(batches):
+        for call in calls:
+            last[call.input] = max(last.get(call.input, 0), i)
+    return last
+
+
+def _constants(batches, graph_outputs, inits, fed_set, graph_inputs) -> dict[str, np.ndarray]:
+    """Initializers that something other than a segment reads (kept as numpy)."""
+    wanted = {c.input for calls in batches for c in calls} | set(graph_outputs)
+    return {
+        name: numpy_helper.to_array(inits[name])
+        for name in sorted(wanted)
+        if name in inits and name not in fed_set
+    }
+
+
+def _initial_types(graph: GraphProto) -> dict[str, TypeProto]:
+    types: dict[str, TypeProto] = {}
+    for vi in [*graph.value_info, *graph.output, *graph.input]:
+        if vi.type.HasField("tensor_type") or vi.type.WhichOneof("value"):
+            types[vi.name] = vi.type
+    for t in graph.initializer:
+        types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+    return types
+
+
+def _make_segment(
+    model: ModelProto,
+    index: int,
+    nodes: list[NodeProto],
+    last_use: dict[str, int],
+    coll_reads: set[str],
+    graph_outputs: tuple[str, ...],
+    inits: dict,
+    fed_set: set[str],
+    types: dict[str, TypeProto],
+) -> Segment:
+    produced = [o for node in nodes for o in node.output if o]
+    produced_set = set(produced)
+    external: list[str] = []
+    for node in nodes:
+        external += [n for n in _reads(node) if n not in produced_set and n not in external]
+    inputs = [n for n in external if n in fed_set or n not in inits]
+    seg_inits = [inits[n] for n in external if n not in fed_set and n in inits]
+    outputs = [
+        o for o in produced if o in graph_outputs or o in coll_reads or last_use.get(o, -1) > index
+    ]
+    where = f"segment {index}"
+    in_vis = [_value_info(n, types, where) for n in inputs]
+    graph = helper.make_graph(nodes, f"segment_{index}", in_vis, [], initializer=seg_inits)
+    opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+    seg = helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
+    seg.functions.extend(model.functions)
+    inferred = onnx.shape_inference.infer_shapes(seg)
+    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        if vi.type.WhichOneof("value"):
+            types.setdefault(vi.name, vi.type)
+    seg.graph.output.extend(_value_info(o, types, where) for o in outputs)
+    return Segment(index, seg, tuple(inputs), tuple(outputs))
+
+
+def _value_info(name: str, types: dict[str, TypeProto], where: str) -> onnx.ValueInfoProto:
+    t = types.get(name)
+    if t is None:
+        raise TensorOptError(
+            f"{where}: cannot infer the type of value {name!r}; give the device graph "
+            "value_info for it (recompile the model)"
+        )
+    vi = onnx.ValueInfoProto()
+    vi.name = name
+    vi.type.CopyFrom(t)
+    return vi
+
+
+def _type_collective_output(call: CollectiveCall, types: dict[str, TypeProto], rank: int) -> None:
+    src = types.get(call.input)
+    if src is None or not src.HasField("tensor_type"):
+        raise TensorOptError(
+            f"rank {rank}: cannot infer the type of {call.input!r}, the input of "
+            f"{call.describe()}; recompile the model"
+        )
+    tt = src.tensor_type
+    dims: list[int | None] | None = None
+    if tt.HasField("shape"):
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        dims = output_dims(call, dims)
+    types.setdefault(call.output, helper.make_tensor_type_proto(tt.elem_type, dims))

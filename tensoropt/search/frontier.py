@@ -1,0 +1,201 @@
+"""Frontier algebra, batched: many small Pareto frontiers stored back to back.
+
+A :class:`Table` holds N frontiers (the entries of a factor table) in CSR form: entry k owns
+positions ``offsets[k]:offsets[k+1]`` of the flat arrays ``t`` (time), ``m`` (memory) and
+``prov`` (back-pointer node ids). Inside an entry, points are sorted by time ascending and
+memory strictly descending: no point dominates another and no two are equal.
+
+The two operations of Frontier Tracking, ``⊕`` (Minkowski sum, then prune) and ``∪`` (union,
+then prune), are done for all entries of a factor product at once by :func:`sum_entries`:
+given pairs of entries (a_k of table A, b_k of table B) and an output group g_k, it forms every
+sum a + b, drops points over the memory budget, and keeps the non-dominated points of each
+group. Several pairs sharing a group is the union. There is no Python loop over points or
+entries, only over chunks of at most ``CHUNK`` candidate points (to bound memory).
+
+Pruning is exact: after sorting each group by (time, memory, input order), a point is kept
+iff its memory is strictly below the memory of every earlier point of its group. Equal
+points therefore keep the first one in input order, which is a deterministic function of
+the problem, so solving the same problem twice returns the same choices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensoropt.search.provenance import Provenance
+
+CHUNK = 1 << 21
+
+
+@dataclass(slots=True)
+class Table:
+    """N frontiers back to back (see module docstring)."""
+
+    offsets: np.ndarray  # int64, N + 1
+    t: np.ndarray  # float64
+    m: np.ndarray  # float64
+    prov: np.ndarray  # int64 node ids
+
+    @property
+    def n_entries(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @staticmethod
+    def scalars(t: np.ndarray, m: np.ndarray, prov: np.ndarray | None = None) -> Table:
+        """One single-point frontier per entry (unit strategies, edge entries)."""
+        n = len(t)
+        ids = np.zeros(n, dtype=np.int64) if prov is None else prov
+        return Table(
+            np.arange(n + 1, dtype=np.int64),
+            np.ascontiguousarray(t, dtype=np.float64),
+            np.ascontiguousarray(m, dtype=np.float64),
+            ids,
+        )
+
+    def shifted(self, prov: Provenance, offset: int) -> Table:
+        """The same frontiers whose back-pointers move every unit index by `offset`."""
+        return Table(self.offsets, self.t, self.m, prov.shift(self.prov, offset))
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """What `sum_entries` drops besides dominated points.
+
+    budget: points with memory above it (sound: costs are nonnegative, so a partial sum
+    over budget can only grow). delta: one-sided epsilon slack; a point is dropped when a
+    kept point of the same entry has no more memory and at most (1 + delta) times its time.
+    """
+
+    budget: float = math.inf
+    delta: float | None = None
+
+
+def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Indices of the non-dominated points of every group, sorted by (group, time).
+
+    Ties are broken by input order (lexsort is stable), so equal points keep the first.
+    """
+    if len(t) == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort((m, t, g))
+    gs, ms = g[order], m[order]
+    # Memory ranks; a stable sort gives equal memories increasing ranks in (g, t) order,
+    # so a later equal-memory point is never "strictly below" an earlier one.
+    rank = np.empty(len(ms), dtype=np.int64)
+    rank[np.argsort(ms, kind="stable")] = np.arange(len(ms), dtype=np.int64)
+    # Subtracting group * (n + 1) makes every key of a later group smaller than every key of
+    # an earlier one, so one running minimum restarts at each group boundary.
+    key = rank - gs.astype(np.int64) * (len(ms) + 1)
+    keep = np.empty(len(ms), dtype=bool)
+    keep[0] = True
+    keep[1:] = key[1:] < np.minimum.accumulate(key)[:-1]
+    return order[keep]
+
+
+def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
+    """Mask of points to keep from pruned frontiers sorted by (group, time).
+
+    Points fall into geometric time buckets of ratio (1 + delta); the last (least-memory)
+    point of each bucket is kept and represents the others, which have at least its memory
+    and at least 1/(1 + delta) of its time. The ratio is re-checked in floating point, so a
+    rounding error at a bucket edge keeps a point rather than breaking the guarantee.
+    """
+    n = len(t)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    with np.errstate(divide="ignore"):
+        bucket = np.floor(np.log(t) / math.log1p(delta))
+    bucket[t <= 0.0] = -np.inf
+    last = np.ones(n, dtype=bool)
+    last[:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
+    rep = np.flatnonzero(last)
+    rep_of = rep[np.searchsorted(rep, np.arange(n))]
+    ok = t[rep_of] <= t * (1.0 + delta)
+    return last | ~ok
+
+
+def _pairs(sa: np.ndarray, sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For entry pairs of sizes (sa, sb): pair index, offset in a, offset in b of each sum."""
+    c = sa * sb
+    total = int(c.sum())
+    pair = np.repeat(np.arange(len(c), dtype=np.int64), c)
+    local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
+    nb = sb[pair]
+    return pair, local // nb, local % nb
+
+
+def _chunks(cost: np.ndarray) -> list[slice]:
+    """Split a pair list into consecutive runs of at most CHUNK candidates (>= 1 pair)."""
+    cum = np.cumsum(cost)
+    if len(cum) == 0 or cum[-1] <= CHUNK:
+        return [slice(0, len(cost))]
+    out, start = [], 0
+    while start < len(cost):
+        base = cum[start - 1] if start else 0
+        stop = int(np.searchsorted(cum, base + CHUNK, side="right"))
+        stop = max(stop, start + 1)
+        out.append(slice(start, stop))
+        start = stop
+    return out
+
+
+def sum_entries(
+    A: Table,
+    ia: np.ndarray,
+    B: Table | None,
+    ib: np.ndarray | None,
+    group: np.ndarray,
+    n_groups: int,
+    prov: Provenance,
+    flt: Filter,
+) -> Table:
+    """Output entry g = prune( ∪_{k: group[k]=g} A[ia[k]] ⊕ B[ib[k]] ), B=None means A alone."""
+    order = np.argsort(group, kind="stable")
+    ia, group = ia[order], group[order]
+    sa = A.sizes[ia]
+    if B is None:
+        sb = np.ones_like(sa)
+    else:
+        assert ib is not None
+        ib = ib[order]
+        sb = B.sizes[ib]
+    kept_a, kept_b, kept_g = [], [], []
+    for sl in _chunks(sa * sb):
+        pair, la, lb = _pairs(sa[sl], sb[sl])
+        pa = A.offsets[ia[sl]][pair] + la
+        t, m = A.t[pa], A.m[pa]
+        if B is not None:
+            pb = B.offsets[ib[sl]][pair] + lb
+            t, m = t + B.t[pb], m + B.m[pb]
+        else:
+            pb = pa
+        g = group[sl][pair]
+        if flt.budget != math.inf:
+            fits = m <= flt.budget
+            pa, pb, t, m, g = pa[fits], pb[fits], t[fits], m[fits], g[fits]
+        keep = prune_groups(g, t, m)
+        kept_a.append(pa[keep])
+        kept_b.append(pb[keep])
+        kept_g.append(g[keep])
+    pa, pb, g = np.concatenate(kept_a), np.concatenate(kept_b), np.concatenate(kept_g)
+    t, m = A.t[pa], A.m[pa]
+    if B is not None:
+        t, m = t + B.t[pb], m + B.m[pb]
+    if len(kept_a) > 1:
+        keep = prune_groups(g, t, m)
+        pa, pb, g, t, m = pa[keep], pb[keep], g[keep], t[keep], m[keep]
+    if flt.delta is not None:
+        keep = epsilon_thin(g, t, flt.delta)
+        pa, pb, g, t, m = pa[keep], pb[keep], g[keep], t[keep], m[keep]
+    ids = A.prov[pa] if B is None else prov.pairs(A.prov[pa], B.prov[pb])
+    counts = np.bincount(g, minlength=n_groups)
+    offsets = np.zeros(n_groups + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return Table(offsets, t, m, ids)

@@ -1,0 +1,65 @@
+"""Merge per-(devices, mesh) frontiers into one frontier over (devices, time, memory).
+
+A point (d, t, m) is kept iff no other point has d' <= d, t' <= t and m' <= m with at least
+one strict inequality; equal points are kept once (the first by (devices, mesh, index)).
+Device counts are processed in increasing order against a staircase of everything seen with
+fewer devices, so the work is a sort plus one binary search per point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensoropt.ir.costs import FrontierPoint
+from tensoropt.search.frontier import prune_groups
+from tensoropt.search.solver import SearchResult
+
+
+@dataclass(frozen=True, slots=True)
+class MergedPoint:
+    """A point of the merged frontier and where it came from (index into that frontier)."""
+
+    devices: int
+    mesh: tuple[int, ...]
+    index: int
+    time_s: float
+    memory_bytes: float
+
+
+def _points(value: SearchResult | Sequence[FrontierPoint]) -> Sequence[FrontierPoint]:
+    return value.points if isinstance(value, SearchResult) else value
+
+
+def merge_frontiers(
+    results: Mapping[tuple[int, tuple[int, ...]], SearchResult | Sequence[FrontierPoint]],
+) -> tuple[MergedPoint, ...]:
+    """The (devices, time, memory) non-dominated points, sorted by devices then time."""
+    rows = [
+        (d, mesh, k, p.time_s, p.memory_bytes)
+        for (d, mesh) in sorted(results)
+        for k, p in enumerate(_points(results[(d, mesh)]))
+    ]
+    if not rows:
+        return ()
+    dev = np.array([r[0] for r in rows])
+    t = np.array([r[3] for r in rows], dtype=np.float64)
+    m = np.array([r[4] for r in rows], dtype=np.float64)
+    st_t = np.zeros(0)
+    st_m = np.zeros(0)
+    out: list[MergedPoint] = []
+    for d in np.unique(dev):
+        idx = np.flatnonzero(dev == d)
+        idx = idx[prune_groups(np.zeros(len(idx), dtype=np.int64), t[idx], m[idx])]
+        if len(st_t):
+            pos = np.searchsorted(st_t, t[idx], side="right") - 1
+            covered = (pos >= 0) & (st_m[np.maximum(pos, 0)] <= m[idx])
+            idx = idx[~covered]
+        out += [MergedPoint(*rows[i]) for i in idx]
+        all_t = np.concatenate([st_t, t[idx]])
+        all_m = np.concatenate([st_m, m[idx]])
+        keep = prune_groups(np.zeros(len(all_t), dtype=np.int64), all_t, all_m)
+        st_t, st_m = all_t[keep], all_m[keep]
+    return tuple(out)

@@ -1,0 +1,226 @@
+"""`solve`: the Pareto frontier of one cost problem, with a strategy per unit for each point.
+
+Pipeline: normalise the tables (:mod:`prepared`), find repeated blocks and compose them
+(:mod:`blocks`), eliminate every remaining unit (:mod:`elimination`), multiply what is left
+into a single frontier, then recover each point's choice vector from its back-pointers and
+re-evaluate it with :meth:`CostProblem.evaluate` (correctly rounded sums, so the reported
+numbers are exactly what anyone gets from the dumped tables).
+
+Epsilon mode (see docs/design/search.md for the proof). Every filtering step (the pruning
+at the end of each factor product) may in addition drop a point p when a kept point q of the
+same entry has q.memory <= p.memory and q.time <= (1 + delta) * p.time. Along any path of
+the computation at most D filtering steps happen (D = `filter_depth`, computed by running
+the same schedule symbolically first), and sums preserve a relative error, so with
+delta = (1 + epsilon) ** (1 / D) - 1 the result satisfies:
+
+    for every plan P (in particular every exact frontier point) there is a returned point Q
+    with Q.memory <= P.memory and Q.time <= (1 + epsilon) * P.time.
+
+Memory is never approximated: the minimum-memory point is exact, and a memory budget stays
+exact too (a point that fits is represented by one that also fits).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensoropt.errors import PlanError
+from tensoropt.ir.costs import CostProblem, FrontierPoint
+from tensoropt.search.blocks import (
+    MAX_PORT_DIM,
+    Region,
+    port_dim,
+    chain_pieces,
+    detect_regions,
+    hinted_regions,
+    worthwhile,
+)
+from tensoropt.search.elimination import eliminate
+from tensoropt.search.factor import Context, Factor, multiply_all
+from tensoropt.search.frontier import Filter, prune_groups
+from tensoropt.search.prepared import Prepared, prepare
+from tensoropt.search.provenance import Provenance
+
+log = logging.getLogger(__name__)
+
+
+class BlockMode(enum.Enum):
+    """Repeated blocks: AUTO uses the hints (or, without hints, detected regions) where they
+    lower the estimated work; ALWAYS uses them wherever they are valid; OFF never."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    OFF = "off"
+
+
+@dataclass(frozen=True, slots=True)
+class SearchStats:
+    """What the search did: sizes that bound its cost, and its wall-clock time."""
+
+    elimination_width: int  # largest joint scope of a factor product, minus one
+    max_table_entries: int  # largest joint table (entries) formed
+    max_frontier: int  # largest frontier of any factor entry
+    products: int  # factor products computed
+    filter_depth: int  # filtering steps along the longest computation path
+    blocks: tuple[str, ...]  # one line per composed repeated-block region
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """The frontier of one (devices, mesh) problem.
+
+    points: sorted by time ascending, memory strictly descending. Exact mode (epsilon None):
+    exactly the non-dominated objective values of all plans (under the budget if given).
+    Epsilon mode: see `guarantee`.
+    """
+
+    devices: int
+    mesh: tuple[int, ...]
+    points: tuple[FrontierPoint, ...]
+    epsilon: float | None
+    memory_budget: float | None
+    delta: float | None  # per-step slack used in epsilon mode
+    guarantee: str
+    stats: SearchStats
+
+
+def _exact_guarantee(budget: float | None) -> str:
+    where = "every plan" if budget is None else f"every plan with memory <= {budget!r}"
+    return f"exact: the points are the Pareto frontier of {where}"
+
+
+def _eps_guarantee(eps: float, budget: float | None) -> str:
+    where = "every plan" if budget is None else f"every plan with memory <= {budget!r}"
+    return (
+        f"epsilon={eps!r}: for {where} P there is a returned point Q with "
+        f"Q.memory <= P.memory and Q.time <= (1 + {eps!r}) * P.time"
+    )
+
+
+def _schedule(
+    ctx: Context, prep: Prepared, regions: list[Region], adaptive: bool
+) -> Factor:
+    """Compose the regions, eliminate everything, return the single scope-() factor."""
+    factors: list[Factor] = []
+    for r in regions:
+        factors += chain_pieces(ctx, prep, r, adaptive)
+    factors += [
+        prep.unit_factor(ctx, i)
+        for i in range(prep.n_units)
+        if not any(r.covers_unit(i) for r in regions)
+    ]
+    factors += [
+        prep.edge_factor(ctx, key)
+        for key in prep.edges
+        if not any(r.covers_edge(*key) for r in regions)
+    ]
+    dims = {v: prep.dims[v] for f in factors for v in f.scope}
+    return multiply_all(ctx, eliminate(ctx, factors, dims, set()))
+
+
+def _regions(problem: CostProblem, prep: Prepared, mode: BlockMode) -> list[Region]:
+    if mode is BlockMode.OFF:
+        return []
+    found = hinted_regions(prep, problem.blocks) if problem.blocks else detect_regions(prep)
+    if mode is BlockMode.ALWAYS:
+        return [r for r in found if port_dim(prep, r) <= MAX_PORT_DIM]
+    return worthwhile(prep, found)
+
+
+def _check_args(memory_budget: float | None, epsilon: float | None) -> None:
+    if memory_budget is not None and not (memory_budget >= 0 and math.isfinite(memory_budget)):
+        raise PlanError(f"memory budget must be a finite number >= 0, got {memory_budget!r}")
+    if epsilon is not None and not (epsilon > 0 and math.isfinite(epsilon)):
+        raise PlanError(f"epsilon must be a finite number > 0, got {epsilon!r}")
+
+
+def evaluate_choices(problem: CostProblem, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Objectives of many choice vectors at once, each equal to `problem.evaluate(choice)`.
+
+    The terms are gathered with numpy and each row is summed with math.fsum (correctly
+    rounded, hence independent of order), so the numbers match the scalar evaluation bit
+    for bit.
+    """
+    n = len(choices)
+    cols_t, cols_m = [], []
+    for i, u in enumerate(problem.units):
+        ut = np.array([s.time_s for s in u.strategies])
+        um = np.array([s.memory_bytes for s in u.strategies])
+        cols_t.append(ut[choices[:, i]])
+        cols_m.append(um[choices[:, i]])
+    for e in problem.edges:
+        rows, cols = choices[:, e.src], choices[:, e.dst]
+        cols_t.append(np.array(e.time_s)[rows, cols])
+        cols_m.append(np.array(e.memory_bytes)[rows, cols])
+    tt = np.stack(cols_t, axis=1).tolist() if n else []
+    mm = np.stack(cols_m, axis=1).tolist() if n else []
+    return np.array([math.fsum(r) for r in tt]), np.array([math.fsum(r) for r in mm])
+
+
+def _exact_points(problem: CostProblem, choices: np.ndarray) -> tuple[FrontierPoint, ...]:
+    """Re-evaluate every choice exactly, prune, sort by time."""
+    if len(choices) == 0:
+        return ()
+    t, m = evaluate_choices(problem, choices)
+    keep = prune_groups(np.zeros(len(t), dtype=np.int64), t, m)
+    rows = choices[keep].tolist()
+    return tuple(
+        FrontierPoint(float(t[k]), float(m[k]), tuple(row)) for k, row in zip(keep, rows, strict=True)
+    )
+
+
+def solve(
+    problem: CostProblem,
+    *,
+    memory_budget: float | None = None,
+    epsilon: float | None = None,
+    blocks: BlockMode = BlockMode.AUTO,
+) -> SearchResult:
+    """Pareto frontier over (time, memory) of `problem`, each point with its choice vector.
+
+    memory_budget: drop every plan whose memory exceeds it (points over budget are dropped
+    as soon as they appear; sound since costs are nonnegative). The result may be empty.
+    epsilon: approximate, with the guarantee stated in the result (module docstring).
+    blocks: how repeated blocks are recognised (the result does not depend on it).
+    """
+    _check_args(memory_budget, epsilon)
+    start = time.perf_counter()
+    prep = prepare(problem)
+    regions = _regions(problem, prep, blocks)
+    budget = math.inf if memory_budget is None else float(memory_budget)
+    delta = None
+    if epsilon is not None:
+        dry = Context(Provenance(1), Filter(budget), symbolic=True)
+        depth = _schedule(dry, prep, regions, adaptive=False).depth
+        delta = (1.0 + epsilon) ** (1.0 / max(depth, 1)) - 1.0
+    ctx = Context(Provenance(), Filter(budget, delta))
+    final = _schedule(ctx, prep, regions, adaptive=epsilon is None)
+    assert final.table is not None and final.scope == ()
+    choices = ctx.prov.recover(final.table.prov, prep.n_units)
+    points = _exact_points(problem, choices)
+    stats = SearchStats(
+        elimination_width=max(ctx.max_scope - 1, 0),
+        max_table_entries=ctx.max_entries,
+        max_frontier=max(ctx.max_frontier, len(points)),
+        products=ctx.products,
+        filter_depth=final.depth,
+        blocks=tuple(ctx.notes),
+        seconds=time.perf_counter() - start,
+    )
+    guarantee = (
+        _exact_guarantee(memory_budget)
+        if epsilon is None
+        else _eps_guarantee(epsilon, memory_budget)
+    )
+    log.debug("solved devices=%d mesh=%s: %d points, %s", problem.devices, problem.mesh,
+              len(points), stats)
+    return SearchResult(
+        problem.devices, problem.mesh, points, epsilon, memory_budget, delta, guarantee, stats
+    )

@@ -1,0 +1,35 @@
+"""Shared test configuration.
+
+Slow tests (``@pytest.mark.slow``) are skipped in the quick loop (``pytest -x -q``)
+and run with ``--run-slow``, which the README's test command and .ci/run pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "tensoropt",
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("tensoropt")
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
