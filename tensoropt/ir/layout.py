@@ -153,10 +153,13 @@ def local_shape(
             continue
         n = mesh.shape[axis]
         if shape[p.dim] % n:
+            size = f"size {global_shape[p.dim]}"
+            if shape[p.dim] != global_shape[p.dim]:
+                size += f", {shape[p.dim]} after the outer mesh axes"
             raise ShardingError(
-                f"{tensor}: dim {p.dim} of size {shape[p.dim]} (global shape "
-                f"{tuple(global_shape)}) does not split evenly into {n} pieces on mesh axis "
-                f"{axis} ({mesh.axis_names[axis]}) of layout {layout}; pick another layout"
+                f"{tensor}: dim {p.dim} ({size}; global shape {tuple(global_shape)}) does "
+                f"not split evenly into {n} pieces on mesh axis {axis} "
+                f"({mesh.axis_names[axis]}) of layout {layout}; pick another layout"
             )
         shape[p.dim] //= n
     return tuple(shape)
@@ -177,7 +180,7 @@ def slice_for(
             out = np.split(out, mesh.shape[axis], axis=p.dim)[c]
         elif isinstance(p, Partial) and c != 0:
             out = np.zeros_like(out)
-    return np.ascontiguousarray(out)
+    return np.array(out, copy=True, order="C")
 
 
 def assemble(

@@ -94,9 +94,7 @@ def _direct_all_to_all(src: Layout, dst: Layout, axis: int) -> bool:
     s, t = src.placements[axis], dst.placements[axis]
     if not (isinstance(s, Shard) and isinstance(t, Shard)) or s.dim == t.dim:
         return False
-    return not any(
-        _sharded_elsewhere(lay, d, axis) for lay in (src, dst) for d in (s.dim, t.dim)
-    )
+    return not any(_sharded_elsewhere(lay, d, axis) for lay in (src, dst) for d in (s.dim, t.dim))
 
 
 def plan_redistribution(
@@ -146,9 +144,13 @@ def step_output_shape(step: Step, shape: Sequence[int], n: int) -> tuple[int, ..
     kind = step.kind
     if kind is CollectiveKind.ALL_GATHER and step.dim is not None:
         out[step.dim] *= n
-    elif kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.LOCAL_SLICE) and step.dim is not None:
+    elif (
+        kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.LOCAL_SLICE) and step.dim is not None
+    ):
         out[step.dim] //= n
-    elif kind is CollectiveKind.ALL_TO_ALL and step.src_dim is not None and step.dst_dim is not None:
+    elif (
+        kind is CollectiveKind.ALL_TO_ALL and step.src_dim is not None and step.dst_dim is not None
+    ):
         out[step.src_dim] *= n
         out[step.dst_dim] //= n
     return tuple(out)
@@ -176,7 +178,9 @@ def itemsize(dtype: int | np.dtype | type) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
-def comm_bytes(step: Step, local_shape: Sequence[int], dtype: int | np.dtype | type, n: int) -> float:
+def comm_bytes(
+    step: Step, local_shape: Sequence[int], dtype: int | np.dtype | type, n: int
+) -> float:
     """Beta-term volume of a step (DESIGN.md section 4), in bytes.
 
     ``local_shape`` is the shape each rank holds before the step. ``B`` is the size of the

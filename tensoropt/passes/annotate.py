@@ -34,6 +34,7 @@ from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
 from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.autodiff import GRAD_OF_KEY
 from tensoropt.passes.training_step import StepSignature
 
 log = logging.getLogger(__name__)
@@ -90,30 +91,12 @@ class _Annotator:
             if value.name in data:
                 axes = self.data_axes if default_dp else ()
                 self.layouts[value] = data_layout(static_shape(value), self.mesh, axes)
-        for name in self.sig.params:
-            value = self.graph.initializers[name]
-            self.layouts[value] = self._param_layout(value)
-        by_param = _state_owner(self.sig)
-        for name in self.sig.states:
-            value = self.graph.initializers[name]
-            owner = by_param.get(name)
-            if owner is None:
-                self.layouts[value] = replicated(self.mesh)
-            else:
-                self.layouts[value] = self.layouts[self.graph.initializers[owner]]
+        self.lazy = {self.graph.initializers[n] for n in (*self.sig.params, *self.sig.states)}
+        self.owner = _state_owner(self.sig)
+        self.by_name = {v.name: v for v in _all_values(self.graph)}
         for value in self.graph.initializers.values():
-            self.layouts.setdefault(value, replicated(self.mesh))
-
-    def _param_layout(self, value: ir.Value) -> Layout:
-        for use in value.uses():
-            unit = self.plan.unit(use.node.name)
-            if unit is None or use.node.metadata_props.get(ROLE_KEY) != "forward":
-                continue
-            strategy = self._listed(use.node, unit)
-            layout = sa.input_layout(strategy, use.idx)
-            if layout is not None:
-                return _no_partial(layout, self.mesh)
-        return replicated(self.mesh)
+            if value not in self.lazy:
+                self.layouts.setdefault(value, replicated(self.mesh))
 
     # -- strategies ----------------------------------------------------------------
     def _listed(self, node: ir.Node, unit: UnitStrategy) -> NodeStrategy:
@@ -143,8 +126,11 @@ class _Annotator:
         cands = sa.candidates(node, self.mesh)
         if not cands:
             raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
-        if node.metadata_props.get(ROLE_KEY) == "optimizer":
+        role = node.metadata_props.get(ROLE_KEY)
+        if role == "optimizer":
             cands = self._optimizer_candidates(node, cands)
+        elif role == "backward":
+            cands = self._mirror_candidates(node, cands)
         return min(cands, key=lambda c: self._score(node, c))
 
     def _optimizer_candidates(self, node: ir.Node, cands):
@@ -153,7 +139,9 @@ class _Annotator:
         if param_name is None or param_name not in self.graph.initializers:
             return no_partial or cands
         param = self.graph.initializers[param_name]
-        want = self.layouts[param]
+        want = self.layouts.get(param)
+        if want is None:
+            return no_partial or cands
         pshape = static_shape(param)
         keep = [
             c
@@ -172,7 +160,11 @@ class _Annotator:
             need = sa.input_layout(cand, i)
             if value is None or need is None:
                 continue
-            have = self.layouts[value]
+            have = self.layouts.get(value)
+            if have is None:  # a parameter placed by its first consumer
+                if any(isinstance(p, Partial) for p in need.placements):
+                    return (float("inf"),)
+                continue
             if have != need:
                 conversions += 1
                 cost += sa.conversion_bytes(have, need, value, self.mesh)
@@ -190,17 +182,58 @@ class _Annotator:
                     ]
                 )
             )
-        return (cost, partial, conversions, -spread)
+        return (cost, partial, conversions, spread)
 
     def run(self) -> Annotation:
         self.seed_inputs()
         for node in self.graph:
             strategy = self.choose(node)
             self.strategies[node] = strategy
+            self._place_lazy_inputs(node, strategy)
             for j, value in enumerate(node.outputs):
                 self.layouts[value] = sa.output_layout(strategy, j)
         required = self._required_outputs()
         return Annotation(self.mesh, dict(self.strategies), dict(self.layouts), required)
+
+    def _mirror_candidates(self, node: ir.Node, cands):
+        """Backward nodes mirror the forward: a gradient takes its primal's layout.
+
+        Per mesh axis, the gradient of a value placed ``S(d)`` is ``S(d)``, of a
+        replicated value ``R`` or a partial sum ``P``, of a partial value ``R``.
+        """
+        primals = [self._primal_layout(v) for v in node.outputs]
+        if all(p is None for p in primals):
+            return cands
+        keep = [
+            c
+            for c in cands
+            if all(p is None or _mirrors(sa.output_layout(c, j), p) for j, p in enumerate(primals))
+        ]
+        return keep or cands
+
+    def _primal_layout(self, value: ir.Value) -> Layout | None:
+        """For a gradient value: the layout of the value it is the gradient of."""
+        name = value.metadata_props.get(GRAD_OF_KEY)
+        if not name:
+            return None
+        primal = self.by_name.get(name)
+        return None if primal is None else self.layouts.get(primal)
+
+    def _place_lazy_inputs(self, node: ir.Node, strategy: NodeStrategy) -> None:
+        """Parameters (and their optimizer state) take their first consumer's layout."""
+        for i, value in enumerate(node.inputs):
+            if value is None or value in self.layouts:
+                continue
+            need = sa.input_layout(strategy, i)
+            if need is None or any(isinstance(p, Partial) for p in need.placements):
+                raise ShardingError(
+                    f"node {node.name!r} ({node.op_type}) would need parameter "
+                    f"{value.name!r} as a partial sum; no legal strategy"
+                )
+            self.layouts[value] = need
+            for state, owner in self.owner.items():
+                if owner == value.name and state in self.graph.initializers:
+                    self.layouts[self.graph.initializers[state]] = need
 
     def _required_outputs(self) -> dict[ir.Value, Layout]:
         required = {}
@@ -215,6 +248,26 @@ class _Annotator:
 
 def _no_partial(layout: Layout, mesh: Mesh) -> Layout:
     return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
+
+
+def _mirrors(grad: Layout, primal: Layout) -> bool:
+    for g, p in zip(grad.placements, primal.placements, strict=True):
+        if isinstance(p, Shard):
+            if g != p:
+                return False
+        elif isinstance(p, Partial):
+            if not isinstance(g, Replicate):
+                return False
+        elif isinstance(g, Shard):
+            return False
+    return True
+
+
+def _all_values(graph: ir.Graph):
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from node.outputs
 
 
 def _state_owner(sig: StepSignature) -> dict[str, str]:

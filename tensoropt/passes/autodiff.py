@@ -29,6 +29,9 @@ _FLOAT_TYPES = {
 }
 
 
+GRAD_OF_KEY = "tensoropt.grad_of"
+
+
 def is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in _FLOAT_TYPES
 
@@ -103,7 +106,7 @@ def build_gradients(
         if not any(needs):
             continue
         b = builder.tagged(role="backward", unit=unit_of(node))
-        grad_outputs = tuple(_total(b, grads.get(v)) for v in node.outputs)
+        grad_outputs = tuple(_total(b, grads.get(v), v) for v in node.outputs)
         if all(g is None for g in grad_outputs):
             continue
         rule = registry.get(node.op_type)
@@ -118,13 +121,14 @@ def build_gradients(
             )
         for value, grad, need in zip(node.inputs, results, needs, strict=True):
             if need and grad is not None:
+                grad.metadata_props.setdefault(GRAD_OF_KEY, value.name or "")
                 grads.setdefault(value, []).append(grad)
     out = []
     for w in wrt:
         consumers = [u.node for u in w.uses()]
         unit = unit_of(consumers[0]) if consumers else w.name or ""
         b = builder.tagged(role="backward", unit=unit)
-        total = _total(b, grads.get(w))
+        total = _total(b, grads.get(w), w)
         if total is None:
             dtype = w.dtype.numpy() if w.dtype is not None else np.float32
             total = b.const(np.zeros(static_shape(w), dtype=dtype))
@@ -132,12 +136,13 @@ def build_gradients(
     return out
 
 
-def _total(b: Builder, parts: list[ir.Value] | None) -> ir.Value | None:
+def _total(b: Builder, parts: list[ir.Value] | None, primal: ir.Value) -> ir.Value | None:
     """Sum of gradient contributions (pairwise Adds, deterministic order)."""
     if not parts:
         return None
     total = parts[0]
     for part in parts[1:]:
         total = b.op("Add", [total, part])
+        total.metadata_props[GRAD_OF_KEY] = primal.name or ""
     parts[:] = [total]
     return total

@@ -55,11 +55,24 @@ class LocalTemplate:
 
 
 def _set_attributes(node: ir.Node, attributes: Mapping) -> None:
+    """Make the node's attributes ``attributes``, touching only the ones that changed."""
+    original = sa.op_view(node).attributes
     for key in list(node.attributes):
         if key not in attributes:
             del node.attributes[key]
     for key, value in attributes.items():
+        if key in original and _same_attr(original[key], value):
+            continue
+        if isinstance(value, np.ndarray):
+            value = ir.tensor(value, name=f"{node.name}_{key}")
         node.attributes[key] = ir.convenience.convert_attribute(key, value)
+
+
+def _same_attr(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+    return a == b
 
 
 def _constant_before(graph: ir.Graph, anchor: ir.Node, array: np.ndarray, name: str):

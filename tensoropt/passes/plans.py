@@ -213,8 +213,10 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
         unit = _unit(node, kind, mesh, tp, dp_axes)
         if unit is None:
             skipped.append(node.name)
-        else:
-            units[node.name] = unit
+            continue
+        units[node.name] = unit
+        if kind == "row":
+            units.update(_reduce_before_bias(node, mesh, tp, dp_axes, params))
     notes = [f"megatron: {mlps} MLP and {attention} attention blocks on mesh axis {tp} (tp)"]
     if not roles:
         notes.append(
@@ -244,6 +246,34 @@ def _unit(node: ir.Node, kind: str, mesh: Mesh, tp: int, dp_axes) -> UnitStrateg
         if sa.matches(cand, (xl, wl), (ol,)):
             return UnitStrategy(inputs=(xl, wl), outputs=(ol,))
     return None
+
+
+def _reduce_before_bias(node: ir.Node, mesh: Mesh, tp: int, dp_axes, params) -> dict:
+    """Megatron all-reduces a row-parallel output before its bias Add: list that Add.
+
+    Without it the cheapest-conversion choice would reduce-scatter instead (sequence
+    parallelism), which moves the same bytes in two collectives instead of one.
+    """
+    uses = node.outputs[0].uses()
+    if len(uses) != 1 or uses[0].node.op_type != "Add":
+        return {}
+    add = uses[0].node
+    other = add.inputs[1 - uses[0].idx]
+    if other is None or other.name not in params:
+        return {}
+    act = [Replicate()] * mesh.ndim
+    xshape = static_shape(node.outputs[0])
+    for a in dp_axes:
+        if xshape and xshape[0] % mesh.shape[a] == 0:
+            act[a] = Shard(0)
+    act_layout = Layout(tuple(act))
+    bias_layout = Layout((Replicate(),) * mesh.ndim)
+    ins = [act_layout, act_layout]
+    ins[1 - uses[0].idx] = bias_layout
+    for cand in sa.candidates(add, mesh):
+        if sa.matches(cand, tuple(ins), (act_layout,)):
+            return {add.name: UnitStrategy(inputs=tuple(ins), outputs=(act_layout,))}
+    return {}
 
 
 def builtin_plan(name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:

@@ -88,7 +88,7 @@ def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) ->
     """Bytes a device sends to turn ``have`` into ``need`` (alpha-beta volume terms).
 
     Per mesh axis of size n and local size B: P->R 2(n-1)/n B, P->S and S->R (n-1)/n B,
-    S->S (n-1)/n^2 B, R->S and R->P nothing.
+    S->S (n-1)/n^2 B, R->S nothing; R->P is charged like P->R (see below).
     """
     size = float(np.prod(static_shape(value))) * value.dtype.itemsize
     for axis, p in enumerate(have.placements):
@@ -97,9 +97,14 @@ def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) ->
     total = 0.0
     for axis, (a, b) in enumerate(zip(have.placements, need.placements, strict=True)):
         n = mesh.shape[axis]
-        if a == b or isinstance(a, Replicate):
-            continue
         frac = (n - 1) / n
+        if a == b or (isinstance(a, Replicate) and not isinstance(b, Partial)):
+            continue
+        if isinstance(a, Replicate):
+            # R->P is free locally, but it only defers an all-reduce; charge one so that
+            # propagation reduces where the partial sums meet replicated values.
+            total += 2 * frac * size
+            continue
         if isinstance(a, Partial):
             total += (2 * frac if isinstance(b, Replicate) else frac) * size
         elif isinstance(b, Replicate):

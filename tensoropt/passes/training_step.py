@@ -198,9 +198,20 @@ def _remove_initializer_inputs(graph: ir.Graph) -> None:
 
 def _infer_shapes(model: ir.Model) -> ir.Model:
     """Whole-model ONNX shape inference (data propagation) over the step graph."""
+    value_meta = {
+        v.name: dict(v.metadata_props)
+        for node in model.graph
+        for v in node.outputs
+        if v.metadata_props
+    }
     proto = ir.serde.serialize_model(model)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as exc:
         raise AssertionError(f"shape inference failed on the training step: {exc}") from exc
-    return ir.serde.deserialize_model(proto)
+    result = ir.serde.deserialize_model(proto)
+    for node in result.graph:
+        for v in node.outputs:
+            if v.name in value_meta:
+                v.metadata_props.update(value_meta[v.name])
+    return result

@@ -164,6 +164,11 @@ def output_dims(call: CollectiveCall, dims: list[int | None]) -> list[int | None
     out = list(dims)
 
     def scale(axis: int, mul: bool) -> None:
+        if not -len(out) <= axis < len(out):
+            raise TensorOptError(
+                f"{call.describe()}: axis {axis} is out of range for a rank-{len(out)} "
+                "input; recompile the model"
+            )
         d = out[axis]
         if d is not None:
             out[axis] = d * n if mul else d // n

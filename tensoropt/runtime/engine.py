@@ -74,6 +74,8 @@ class LocalEngine:
     """Every rank in this process, run in lockstep; deterministic."""
 
     def __init__(self, plans: Mapping[int, SplitPlan], config: SessionConfig | None = None):
+        sessions = sum(p.num_segments for p in plans.values())
+        config = (config or SessionConfig()).for_sessions(sessions)
         self._programs = {r: RankProgram(plans[r], config) for r in sorted(plans)}
         self._world = LocalWorld(len(plans))
         _check_lockstep(plans)
@@ -132,6 +134,7 @@ class MpiEngine:
         orders = self.comm.world.allgather(plan.collectives)
         check_collective_order(dict(enumerate(orders)))
         self.comm.prepare({c.group for calls in orders for c in calls})
+        config = (config or SessionConfig()).for_sessions(plan.num_segments)
         self._program = RankProgram(plan, config)
 
     @property

@@ -182,7 +182,7 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
     stages: list[Stage] = []
     for i in range(n):
         segment = None
-        if seg_nodes[i]:
+        if seg_nodes[i] and _has_outputs(seg_nodes[i], last_use, coll_reads, graph_outputs, i):
             segment = _make_segment(
                 model, i, seg_nodes[i], last_use, coll_reads, graph_outputs, inits, fed_set, types
             )
@@ -192,6 +192,16 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
         stages.append(Stage(segment, tuple(batches[i]), release))
     feeds = tuple(name for name in graph_inputs if name in fed_set or name not in inits)
     return SplitPlan(rank, tuple(stages), feeds, graph_outputs, constants)
+
+
+def _has_outputs(nodes, last_use, coll_reads, graph_outputs, index: int) -> bool:
+    """False for a segment whose results nobody reads (dead code: skipped entirely)."""
+    return any(
+        o in graph_outputs or o in coll_reads or last_use.get(o, -1) > index
+        for node in nodes
+        for o in node.output
+        if o
+    )
 
 
 def _last_use(seg_nodes: list[list[NodeProto]], batches: list[list[CollectiveCall]]) -> dict:
@@ -239,9 +249,9 @@ def _make_segment(
 ) -> Segment:
     produced = [o for node in nodes for o in node.output if o]
     produced_set = set(produced)
-    external: list[str] = []
-    for node in nodes:
-        external += [n for n in _reads(node) if n not in produced_set and n not in external]
+    external = list(
+        dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced_set)
+    )
     inputs = [n for n in external if n in fed_set or n not in inits]
     seg_inits = [inits[n] for n in external if n not in fed_set and n in inits]
     outputs = [

@@ -80,10 +80,39 @@ class Filter:
 def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Indices of the non-dominated points of every group, sorted by (group, time).
 
-    Ties are broken by input order (lexsort is stable), so equal points keep the first.
+    `g` must be non-decreasing (callers generate candidates group by group). Equal points
+    keep the first in input order. Large groups are sorted one at a time by time with a
+    stable sort, which is fast on the sorted runs that Minkowski sums produce; many small
+    groups are sorted together with one lexsort.
     """
-    if len(t) == 0:
+    n = len(t)
+    if n == 0:
         return np.zeros(0, dtype=np.int64)
+    bounds = np.flatnonzero(np.diff(g)) + 1
+    if len(bounds) > 64 and n < 512 * (len(bounds) + 1):
+        return _prune_lexsort(g, t, m)
+    starts = np.concatenate([[0], bounds])
+    stops = np.concatenate([bounds, [n]])
+    out = [s + _prune_one(t[s:e], m[s:e]) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
+    return np.concatenate(out)
+
+
+def _prune_one(t: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Non-dominated indices of one group, by time. A stable sort by time alone suffices:
+    of points with equal time, all but the last kept one (the least memory) are dropped."""
+    order = np.argsort(t, kind="stable")
+    ms = m[order]
+    keep = np.empty(len(ms), dtype=bool)
+    keep[0] = True
+    keep[1:] = ms[1:] < np.minimum.accumulate(ms)[:-1]
+    idx = order[keep]
+    ts = t[idx]
+    last = np.ones(len(idx), dtype=bool)
+    last[:-1] = ts[:-1] != ts[1:]
+    return idx[last]
+
+
+def _prune_lexsort(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
     order = np.lexsort((m, t, g))
     gs, ms = g[order], m[order]
     # Memory ranks; a stable sort gives equal memories increasing ranks in (g, t) order,
@@ -121,12 +150,21 @@ def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
     return last | ~ok
 
 
-def _pairs(sa: np.ndarray, sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For entry pairs of sizes (sa, sb): pair index, offset in a, offset in b of each sum."""
+def _pairs(
+    sa: np.ndarray, sb: np.ndarray, a_fast: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For entry pairs of sizes (sa, sb): pair index, offset in a, offset in b of each sum.
+
+    The fast-moving offset walks one entry in time order, so the candidates come out as
+    sorted runs (which the stable sort in `prune_groups` merges cheaply).
+    """
     c = sa * sb
     total = int(c.sum())
     pair = np.repeat(np.arange(len(c), dtype=np.int64), c)
     local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
+    if a_fast:
+        na = sa[pair]
+        return pair, local % na, local // na
     nb = sb[pair]
     return pair, local // nb, local % nb
 
@@ -167,8 +205,9 @@ def sum_entries(
         ib = ib[order]
         sb = B.sizes[ib]
     kept_a, kept_b, kept_g = [], [], []
+    a_fast = bool(sa.sum() >= sb.sum())
     for sl in _chunks(sa * sb):
-        pair, la, lb = _pairs(sa[sl], sb[sl])
+        pair, la, lb = _pairs(sa[sl], sb[sl], a_fast)
         pa = A.offsets[ia[sl]][pair] + la
         t, m = A.t[pa], A.m[pa]
         if B is not None:

@@ -17,6 +17,7 @@ float32 precision (it catches ops or attribute forms onnxruntime cannot run).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class GradCase:
     initializers: Mapping[str, np.ndarray] = field(default_factory=dict)
     loss_outputs: tuple[str, ...] | None = None
     frozen: frozenset[str] = frozenset()
+    opset: int = OPSET
     label: str = ""
 
     def wrt(self) -> list[str]:
@@ -77,6 +79,7 @@ def node_case(
     num_outputs: int = 1,
     loss_outputs: Sequence[int] | None = None,
     frozen: Sequence[int] = (),
+    opset: int = OPSET,
 ) -> GradCase:
     """A one-node case: arrays become graph inputs ``x<i>``, :class:`Const` become
     initializers ``c<i>``, None an empty optional input."""
@@ -100,13 +103,15 @@ def node_case(
         initializers=inits,
         loss_outputs=chosen,
         frozen=frozenset(f"x{i}" for i in frozen),
+        opset=opset,
         label=f"{op_type} {dict(attrs or {})} "
         + " ".join(f"{n}:{a.shape}" for n, a in {**inputs, **inits}.items()),
     )
 
 
 def make_model(case: GradCase) -> onnx.ModelProto:
-    """The forward model of ``case`` (opset 20), shapes inferred with data propagation."""
+    """The forward model of ``case`` (opset 20 unless the case says otherwise), shapes
+    inferred with data propagation."""
     graph = helper.make_graph(
         list(case.nodes),
         "case",
@@ -119,8 +124,19 @@ def make_model(case: GradCase) -> onnx.ModelProto:
         [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in case.outputs],
         initializer=[numpy_helper.from_array(np.asarray(v), n) for n, v in case.initializers.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    if all(o.type.tensor_type.HasField("shape") for o in model.graph.output):
+        return model
+    # onnx leaves some shapes open (e.g. GatherND with runtime indices): take them from a run.
+    runner, _ = make_runner(model)
+    for out, value in zip(model.graph.output, runner(dict(case.inputs)), strict=True):
+        out.CopyFrom(
+            helper.make_tensor_value_info(
+                out.name, helper.np_dtype_to_tensor_dtype(value.dtype), list(value.shape)
+            )
+        )
+    return model
 
 
 # ---------------------------------------------------------------- executors
@@ -162,6 +178,61 @@ class Gelu(OpRun):
             return (0.5 * x * (1 + np.tanh(inner)),)
         erf = np.vectorize(math.erf, otypes=[x.dtype])
         return (0.5 * x * (1 + erf(x / math.sqrt(2))),)
+
+
+class GlobalMaxPool(OpRun):
+    """onnx.reference drops a dimension on 1-D spatial inputs."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        return (np.max(x, axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+
+class GlobalAveragePool(OpRun):
+    """See :class:`GlobalMaxPool`."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        return (np.mean(x, axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+
+class AveragePool(OpRun):
+    """A plain numpy AveragePool (onnx.reference mishandles ceil_mode with dilations).
+    Explicit pads only; the output size follows onnxruntime (a last window that would
+    start beyond the input and its begin pad is dropped)."""
+
+    op_domain = ""
+
+    def _run(self, x, **_):
+        attrs = {a.name: helper.get_attribute_value(a) for a in self.onnx_node.attribute}
+        kernel = list(attrs["kernel_shape"])
+        dims = len(kernel)
+        strides = attrs.get("strides", [1] * dims)
+        dilations = attrs.get("dilations", [1] * dims)
+        pads = attrs.get("pads", [0] * (2 * dims))
+        include = bool(attrs.get("count_include_pad", 0))
+        spatial = x.shape[2:]
+        positions, valid = [], []
+        for i, (size, k, st_, d) in enumerate(zip(spatial, kernel, strides, dilations, strict=True)):
+            span = size + pads[i] + pads[dims + i] - ((k - 1) * d + 1)
+            out = (-(-span // st_) if attrs.get("ceil_mode", 0) else span // st_) + 1
+            if (out - 1) * st_ >= size + pads[i]:
+                out -= 1
+            taps = np.arange(out)[:, None] * st_ - pads[i] + np.arange(k)[None, :] * d
+            lo, hi = (-pads[i], size + pads[dims + i]) if include else (0, size)
+            positions.append(taps)
+            valid.append(((taps >= lo) & (taps < hi), (taps >= 0) & (taps < size)))
+        total = np.zeros((*x.shape[:2], *(p.shape[0] for p in positions)), dtype=x.dtype)
+        count = np.zeros(total.shape[2:])
+        for k in np.ndindex(*kernel):
+            picks = [np.clip(p[:, kk], 0, n - 1) for p, kk, n in zip(positions, k, spatial, strict=True)]
+            inside = functools.reduce(np.multiply.outer, [v[1][:, kk] * 1.0 for v, kk in zip(valid, k, strict=True)])
+            counted = functools.reduce(np.multiply.outer, [v[0][:, kk] * 1.0 for v, kk in zip(valid, k, strict=True)])
+            total += x[(slice(None), slice(None), *np.ix_(*picks))] * inside
+            count += counted
+        return (total / count,)
 
 
 class ConvTranspose(OpRun):
@@ -207,7 +278,7 @@ def make_runner(model: onnx.ModelProto) -> tuple[Runner, str]:
     except Exception as exc:  # onnxruntime raises its own NotImplemented class
         if "NOT_IMPLEMENTED" not in str(exc) and "not implemented" not in str(exc).lower():
             raise
-    evaluator = ReferenceEvaluator(model, new_ops=[Erf, Gelu, ConvTranspose])
+    evaluator = ReferenceEvaluator(model, new_ops=[Erf, Gelu, ConvTranspose, AveragePool, GlobalMaxPool, GlobalAveragePool])
     names = [o.name for o in model.graph.output]
     return lambda feeds: list(evaluator.run(names, dict(feeds))), "reference"
 
@@ -326,7 +397,7 @@ def check_gradients(case: GradCase, seed: int = 0) -> dict[str, np.ndarray]:
     np.testing.assert_allclose(results["loss"], loss(feeds), rtol=1e-12, atol=1e-12)
     for name in gm.wrt:
         _compare_fd(case, name, grads[name], feeds, loss, rng)
-    _check_float32(gm, feeds, grads)
+    _check_float32(gm, feeds, results)
     return grads
 
 
@@ -353,20 +424,26 @@ def _check_new_nodes(nodes: list[ir.Node]) -> None:
         assert node.domain == "", f"backward node {node.name} uses domain {node.domain!r}"
 
 
-def _check_float32(gm: GradModel, feeds: Mapping[str, np.ndarray], grads) -> None:
+def _check_float32(gm: GradModel, feeds: Mapping[str, np.ndarray], expected_all) -> None:
+    """The float32 graph in onnxruntime agrees with the float64 run on every output
+    (forward outputs too, so a reference-evaluator forward cannot drift from
+    onnxruntime's semantics unnoticed)."""
     model = to_float32(gm.proto)
     runner = _ort_runner(model)
     feeds32 = {n: a.astype(np.float32) if a.dtype == np.float64 else a for n, a in feeds.items()}
     names = [o.name for o in model.graph.output]
     results = dict(zip(names, runner(feeds32), strict=True))
-    for name, expected in grads.items():
+    for name, expected in expected_all.items():
+        if not np.issubdtype(expected.dtype, np.floating):
+            np.testing.assert_array_equal(results[name], expected, err_msg=f"float32 run, {name}")
+            continue
         scale = max(1.0, float(np.max(np.abs(expected))) if expected.size else 1.0)
         np.testing.assert_allclose(
-            results[f"grad__{name}"],
+            results[name],
             expected,
             rtol=F32_RTOL,
             atol=F32_ATOL * scale,
-            err_msg=f"float32 onnxruntime run, grad of {name}",
+            err_msg=f"float32 onnxruntime run vs float64, output {name}",
         )
 
 

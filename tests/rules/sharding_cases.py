@@ -11,19 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
-from tests.rules.sharding_harness import Case
+from sharding_harness import Case
 
 Gen = Callable[[np.random.Generator], list[Case]]
 I64 = np.int64
 
 
 def _f(rng: np.random.Generator, *shape: int, dtype=np.float64) -> np.ndarray:
-    return rng.standard_normal(shape).astype(dtype)
+    return np.asarray(rng.standard_normal(shape), dtype=dtype)
 
 
 def _pos(rng: np.random.Generator, *shape: int, dtype=np.float64) -> np.ndarray:
-    return rng.uniform(0.5, 2.0, shape).astype(dtype)
+    return np.asarray(rng.uniform(0.5, 2.0, shape), dtype=dtype)
 
 
 def _i(*values: int) -> np.ndarray:
@@ -198,21 +197,40 @@ F32 = np.float32
 
 def _conv(rng):
     return [
-        Case("Conv", [_f(rng, 2, 4, 5, 5, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32),
-                      _f(rng, 6, dtype=F32)], {"pads": [1, 1, 1, 1]}, tol=2e-5),
-        Case("Conv", [_f(rng, 6, 6, 4, 4, dtype=F32), _f(rng, 12, 6, 2, 2, dtype=F32)],
-             {"strides": [2, 2]}, tol=2e-5),
-        Case("Conv", [_f(rng, 2, 4, 4, 4, dtype=F32), _f(rng, 6, 2, 3, 3, dtype=F32)],
-             {"group": 2}, tol=2e-5),
+        Case(
+            "Conv",
+            [_f(rng, 2, 4, 5, 5, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32), _f(rng, 6, dtype=F32)],
+            {"pads": [1, 1, 1, 1]},
+            tol=2e-5,
+        ),
+        Case(
+            "Conv",
+            [_f(rng, 6, 6, 4, 4, dtype=F32), _f(rng, 12, 6, 2, 2, dtype=F32)],
+            {"strides": [2, 2]},
+            tol=2e-5,
+        ),
+        Case(
+            "Conv",
+            [_f(rng, 2, 4, 4, 4, dtype=F32), _f(rng, 6, 2, 3, 3, dtype=F32)],
+            {"group": 2},
+            tol=2e-5,
+        ),
     ]
 
 
 def _conv_transpose(rng):
     return [
-        Case("ConvTranspose", [_f(rng, 2, 4, 3, 3, dtype=F32), _f(rng, 4, 6, 2, 2, dtype=F32),
-                               _f(rng, 6, dtype=F32)], {"strides": [2, 2]}, tol=2e-5),
-        Case("ConvTranspose", [_f(rng, 6, 6, 3, 3, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32)],
-             tol=2e-5),
+        Case(
+            "ConvTranspose",
+            [_f(rng, 2, 4, 3, 3, dtype=F32), _f(rng, 4, 6, 2, 2, dtype=F32), _f(rng, 6, dtype=F32)],
+            {"strides": [2, 2]},
+            tol=2e-5,
+        ),
+        Case(
+            "ConvTranspose",
+            [_f(rng, 6, 6, 3, 3, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32)],
+            tol=2e-5,
+        ),
     ]
 
 
@@ -228,8 +246,12 @@ def _avg_pool(rng):
     x = _f(rng, 2, 6, 6, 6, dtype=F32)
     return [
         Case("AveragePool", [x], {"kernel_shape": [2, 2], "strides": [2, 2]}, tol=1e-6),
-        Case("AveragePool", [x], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1],
-                                  "count_include_pad": 1}, tol=1e-6),
+        Case(
+            "AveragePool",
+            [x],
+            {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1},
+            tol=1e-6,
+        ),
     ]
 
 
@@ -242,8 +264,12 @@ def _batch_norm(rng):
     params = [_f(rng, c), _f(rng, c), _f(rng, c), _pos(rng, c)]
     return [
         Case("BatchNormalization", [_f(rng, 2, c, 3, 3), *params], {"epsilon": 1e-5}),
-        Case("BatchNormalization", [_f(rng, 4, c, 2, 2), *params],
-             {"training_mode": 1, "momentum": 0.9}, n_outputs=3),
+        Case(
+            "BatchNormalization",
+            [_f(rng, 4, c, 2, 2), *params],
+            {"training_mode": 1, "momentum": 0.9},
+            n_outputs=3,
+        ),
     ]
 
 
@@ -251,8 +277,7 @@ def _dropout(rng):
     x = _f(rng, 6, 4)
     return [
         Case("Dropout", [x], n_outputs=2),
-        Case("Dropout", [x, np.array(0.0), np.array(True)], consts=frozenset({1, 2}),
-             n_outputs=2),
+        Case("Dropout", [x, np.array(0.0), np.array(True)], consts=frozenset({1, 2}), n_outputs=2),
         Case("Dropout", [x, np.array(0.5), np.array(False)], consts=frozenset({1, 2})),
     ]
 
@@ -349,8 +374,9 @@ def _gather(rng):
 
 def _gather_elements(rng):
     return [
-        Case("GatherElements", [_f(rng, 6, 4), rng.integers(0, 4, (6, 4)).astype(I64)],
-             {"axis": 1}),
+        Case(
+            "GatherElements", [_f(rng, 6, 4), rng.integers(0, 4, (6, 4)).astype(I64)], {"axis": 1}
+        ),
         Case("GatherElements", [_f(rng, 6, 4), rng.integers(0, 6, (6, 2)).astype(I64)]),
     ]
 
@@ -358,8 +384,11 @@ def _gather_elements(rng):
 def _gather_nd(rng):
     return [
         Case("GatherND", [_f(rng, 6, 4), rng.integers(0, 6, (2, 1)).astype(I64)]),
-        Case("GatherND", [_f(rng, 2, 6, 4), rng.integers(0, 6, (2, 3, 1)).astype(I64)],
-             {"batch_dims": 1}),
+        Case(
+            "GatherND",
+            [_f(rng, 2, 6, 4), rng.integers(0, 6, (2, 3, 1)).astype(I64)],
+            {"batch_dims": 1},
+        ),
         Case("GatherND", [_f(rng, 6, 4, 2), rng.integers(0, 4, (6, 2)).astype(I64)]),
     ]
 
@@ -367,10 +396,16 @@ def _gather_nd(rng):
 def _scatter_nd(rng):
     return [
         Case("ScatterND", [_f(rng, 6, 4), np.array([[4], [1]], dtype=I64), _f(rng, 2, 4)]),
-        Case("ScatterND", [_f(rng, 6, 4), np.array([[2], [2], [0]], dtype=I64),
-                           _f(rng, 3, 4)], {"reduction": "add"}),
-        Case("ScatterND", [_f(rng, 6, 4), np.array([[1, 2]], dtype=I64), _f(rng, 1)],
-             {"reduction": "mul"}),
+        Case(
+            "ScatterND",
+            [_f(rng, 6, 4), np.array([[2], [2], [0]], dtype=I64), _f(rng, 3, 4)],
+            {"reduction": "add"},
+        ),
+        Case(
+            "ScatterND",
+            [_f(rng, 6, 4), np.array([[1, 2]], dtype=I64), _f(rng, 1)],
+            {"reduction": "mul"},
+        ),
     ]
 
 
@@ -378,14 +413,15 @@ def _scatter_elements(rng):
     idx = np.stack([rng.permutation(4)[:2] for _ in range(6)]).astype(I64)
     return [
         Case("ScatterElements", [_f(rng, 6, 4), idx, _f(rng, 6, 2)], {"axis": 1}),
-        Case("ScatterElements", [_f(rng, 6, 4), idx, _f(rng, 6, 2)],
-             {"axis": 1, "reduction": "max"}),
+        Case(
+            "ScatterElements", [_f(rng, 6, 4), idx, _f(rng, 6, 2)], {"axis": 1, "reduction": "max"}
+        ),
     ]
 
 
 def _onehot(rng):
     idx = rng.integers(0, 4, (2, 6)).astype(I64)
-    vals = np.array([0.0, 1.0])
+    vals = np.array([0.0, 1.0], dtype=np.float32)  # ORT OneHot kernels: float32 values
     c = frozenset({1, 2})
     return [
         Case("OneHot", [idx, np.array(4, dtype=I64), vals], consts=c),
@@ -414,8 +450,13 @@ def _constant_of_shape(rng):
 
 
 def _range(rng):
-    return [Case("Range", [np.array(0, I64), np.array(12, I64), np.array(2, I64)],
-                 consts=frozenset({0, 1, 2}))]
+    return [
+        Case(
+            "Range",
+            [np.array(0, I64), np.array(12, I64), np.array(2, I64)],
+            consts=frozenset({0, 1, 2}),
+        )
+    ]
 
 
 def _trilu(rng):
@@ -434,8 +475,10 @@ def _cumsum(rng):
 
 
 CASES: dict[str, Gen] = {
-    **{op: _unary(op) for op in ("Neg", "Tanh", "Sigmoid", "Relu", "Exp", "Abs", "Sign",
-                                  "Floor", "Ceil")},
+    **{
+        op: _unary(op)
+        for op in ("Neg", "Tanh", "Sigmoid", "Relu", "Exp", "Abs", "Sign", "Floor", "Ceil")
+    },
     **{op: _unary(op, pos=True) for op in ("Sqrt", "Reciprocal", "Log")},
     # Erf and Gelu: onnxruntime's CPU kernels are float32 only; elementwise, so 1e-6 abs.
     "Erf": _unary("Erf", dtype=np.float32),

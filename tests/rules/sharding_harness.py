@@ -22,9 +22,15 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from tensoropt.ir.layout import Layout, Partial, Shard, assemble
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, assemble
 from tensoropt.ir.mesh import Mesh
-from tensoropt.rules.sharding import OpView, localize_nd, strategies_nd
+from tensoropt.rules.sharding import (
+    SHARDING_RULES,
+    OpView,
+    ShardingRegistry,
+    localize_nd,
+    strategies_nd,
+)
 
 OPSET = 20
 
@@ -93,9 +99,7 @@ def _session(model: bytes) -> ort.InferenceSession:
 
 def run(case: Case, inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     sess = _session(build_model(case, inputs, attrs))
-    feed = {
-        f"x{i}": a for i, a in enumerate(inputs) if a is not None and i not in case.consts
-    }
+    feed = {f"x{i}": a for i, a in enumerate(inputs) if a is not None and i not in case.consts}
     return sess.run(None, feed)
 
 
@@ -119,24 +123,33 @@ def distribute(
     for axis, p in enumerate(layout.placements):
         n = mesh.shape[axis]
         nxt: dict[tuple[int, ...], np.ndarray] = {}
+        addends: dict[tuple[int, ...], list[np.ndarray]] = {}  # same on replicated copies
         for prefix, a in pieces.items():
             if isinstance(p, Shard):
                 parts = np.split(a, n, axis=p.dim)
             elif isinstance(p, Partial):
-                parts = [rng.standard_normal(a.shape).astype(a.dtype) for _ in range(n - 1)]
-                parts.append((a - sum(parts)).astype(a.dtype))
+                key = tuple(
+                    0 if isinstance(layout.placements[k], Replicate) else c
+                    for k, c in enumerate(prefix)
+                )
+                if key not in addends:
+                    rand = [rng.standard_normal(a.shape).astype(a.dtype) for _ in range(n - 1)]
+                    addends[key] = [*rand, (a - sum(rand)).astype(a.dtype)]
+                parts = addends[key]
             else:
                 parts = [a] * n
             for k, part in enumerate(parts):
-                nxt[prefix + (k,)] = np.ascontiguousarray(part)
+                nxt[prefix + (k,)] = np.array(part, copy=True, order="C")
         pieces = nxt
     return pieces
 
 
-def _compare(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
+def _compare(got: np.ndarray, want: np.ndarray, case: Case, what: str) -> None:
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    if want.dtype == np.float64:
+    tol = case.tol
+    single = any(a is not None and a.dtype == np.float32 for a in case.inputs)
+    if want.dtype == np.float64 and not single:
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=what)
     elif want.dtype.kind == "f":
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
@@ -144,26 +157,31 @@ def _compare(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def validate(case: Case, mesh_shape: Sequence[int], seed: int = 0) -> int:
+def validate(
+    case: Case,
+    mesh_shape: Sequence[int],
+    seed: int = 0,
+    registry: ShardingRegistry = SHARDING_RULES,
+) -> int:
     """Check every strategy of ``case`` on a mesh; returns how many were checked."""
     rng = np.random.default_rng(seed)
     full = run(case, case.inputs, case.attrs)
     view = op_view(case, full)
     mesh = Mesh.of(*mesh_shape)
-    strategies = strategies_nd(view, mesh.shape)
+    strategies = strategies_nd(view, mesh.shape, registry)
     replicated = Layout.replicated(mesh.ndim)
     first = strategies[0]
     assert all(lay in (None, replicated) for lay in first.inputs), f"{case}: all-R not first"
     assert all(lay == replicated for lay in first.outputs), f"{case}: all-R not first"
     assert len(set(strategies)) == len(strategies), f"{case}: duplicate strategies"
     for strategy in strategies:
-        _validate_one(case, view, full, strategy, mesh, rng)
+        _validate_one(case, view, full, strategy, mesh, rng, registry)
     return len(strategies)
 
 
-def _validate_one(case, view, full, strategy, mesh, rng) -> None:
+def _validate_one(case, view, full, strategy, mesh, rng, registry) -> None:
     what = f"{case} strategy {strategy} on mesh {mesh}"
-    local = localize_nd(view, strategy, mesh.shape)
+    local = localize_nd(view, strategy, mesh.shape, registry)
     per_input: list[dict | None] = []
     for i, (a, layout) in enumerate(zip(case.inputs, strategy.inputs, strict=True)):
         assert (a is None) == (layout is None), f"{what}: input {i} presence"
@@ -187,7 +205,7 @@ def _validate_one(case, view, full, strategy, mesh, rng) -> None:
             outs[j][c] = r if scale is None else (r * scale).astype(r.dtype)
     for j, layout in enumerate(strategy.outputs):
         got = assemble(outs[j], layout, mesh, f"{what} output {j}")
-        _compare(got, full[j], case.tol, f"{what} output {j}")
+        _compare(got, full[j], case, f"{what} output {j}")
 
 
 def mesh_shapes_1d() -> list[tuple[int, ...]]:

@@ -97,6 +97,15 @@ class _AxisSlice:
     reversed: bool
 
 
+def _clamp(start: int, end: int, step: int, dim: int) -> tuple[int, int]:
+    """ONNX Slice bounds (differs from Python's slice for negative steps)."""
+    start += dim if start < 0 else 0
+    end += dim if end < 0 else 0
+    if step > 0:
+        return min(max(start, 0), dim), min(max(end, 0), dim)
+    return min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+
+
 def _slice_params(ctx: GradContext) -> tuple[list[_AxisSlice], bool]:
     """The normalised per-axis slices and whether the output is empty."""
     shape = ctx.shape(0)
@@ -115,8 +124,9 @@ def _slice_params(ctx: GradContext) -> tuple[list[_AxisSlice], bool]:
     slices, empty = [], False
     for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
         axis = normalize_axis(axis, len(shape))
-        lo, _, stride = slice(start, end, step).indices(shape[axis])
-        count = len(range(*slice(start, end, step).indices(shape[axis])))
+        lo, hi = _clamp(start, end, step, shape[axis])
+        stride = step
+        count = len(range(lo, hi, step))
         empty |= count == 0
         if stride < 0 and count:
             lo, stride = lo + (count - 1) * stride, -stride

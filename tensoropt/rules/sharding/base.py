@@ -307,9 +307,11 @@ class FactorRule:
 
     spec: Callable[[OpView], FactorSpec]
     rewrite: Rewrite | None = None
+    valid: Callable[[OpView, OpSharding, int], bool] | None = None
 
     def strategies(self, op: OpView, n: int) -> list[OpSharding]:
-        return factor_strategies(op, self.spec(op), n)
+        found = factor_strategies(op, self.spec(op), n)
+        return found if self.valid is None else [s for s in found if self.valid(op, s, n)]
 
     def localize(self, op: OpView, s: OpSharding, n: int) -> LocalOp:
         check_member(self, op, s, n)
@@ -319,9 +321,7 @@ class FactorRule:
         if self.rewrite is None:
             return local
         attrs, consts = self.rewrite(op, s, n, local)
-        return LocalOp(
-            attrs, consts, local.output_scale, local.input_shapes, local.output_shapes
-        )
+        return LocalOp(attrs, consts, local.output_scale, local.input_shapes, local.output_shapes)
 
 
 def _mean_sharded(spec: FactorSpec, s: OpSharding) -> bool:

@@ -55,7 +55,12 @@ def _gemm_spec(op: OpView) -> FactorSpec:
     if has_c:
         c = op.input_shapes[2] or ()
         full = (("m", m), ("n", n))[2 - len(c) :]
-        ins.append(tuple(lab if size == dim and dim != 1 else None for (lab, dim), size in zip(full, c)))
+        ins.append(
+            tuple(
+                lab if size == dim and dim != 1 else None
+                for (lab, dim), size in zip(full, c, strict=True)
+            )
+        )
     elif len(op.input_shapes) > 2:
         ins.append(None)
     bias = (2,) if has_c else ()
@@ -70,7 +75,9 @@ def _parse_einsum(equation: str, ranks: list[int]) -> tuple[list[str], str]:
     lhs, arrow, rhs = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != len(ranks):
-        raise ShardingError(f"Einsum: equation {equation!r} has {len(terms)} operands, node has {len(ranks)}")
+        raise ShardingError(
+            f"Einsum: equation {equation!r} has {len(terms)} operands, node has {len(ranks)}"
+        )
     if not arrow:
         letters = "".join(terms).replace("...", "")
         rhs = ("..." if "..." in lhs else "") + "".join(
@@ -92,12 +99,16 @@ def _einsum_spec(op: OpView) -> FactorSpec:
     shapes = [s or () for s in op.input_shapes]
     terms, rhs = _parse_einsum(str(op.attr("equation", "")), [len(s) for s in shapes])
     ell = max(
-        (len(s) - len(t.replace("...", "")) for s, t in zip(shapes, terms) if "..." in t),
+        (
+            len(s) - len(t.replace("...", ""))
+            for s, t in zip(shapes, terms, strict=True)
+            if "..." in t
+        ),
         default=0,
     )
-    per_operand = [_expand_ellipsis(t, len(s), ell) for s, t in zip(shapes, terms)]
+    per_operand = [_expand_ellipsis(t, len(s), ell) for s, t in zip(shapes, terms, strict=True)]
     out_labels = _expand_ellipsis(rhs, len(op.output_shapes[0]), ell)
-    sizes = dict(zip(out_labels, op.output_shapes[0]))
+    sizes = dict(zip(out_labels, op.output_shapes[0], strict=True))
     # A label repeated inside one operand (a diagonal) would need two dims on one mesh axis.
     blocked = {lab for labels in per_operand for lab in labels if labels.count(lab) > 1}
     blocked |= {lab for lab, size in sizes.items() if size == 1}
@@ -108,8 +119,8 @@ def _einsum_spec(op: OpView) -> FactorSpec:
         return lab
 
     ins = tuple(
-        tuple(keep(lab, size) for lab, size in zip(labels, shape))
-        for labels, shape in zip(per_operand, shapes)
+        tuple(keep(lab, size) for lab, size in zip(labels, shape, strict=True))
+        for labels, shape in zip(per_operand, shapes, strict=True)
     )
     out = tuple(keep(lab, sizes[lab]) for lab in out_labels)
     reduce = {lab: Reduction.SUM for labels in ins for lab in labels if lab and lab not in sizes}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensoropt.ir.layout import Partial, Replicate, Shard
 from tensoropt.rules.sharding.base import (
     FLOAT_DTYPES,
     FactorRule,
@@ -29,7 +30,6 @@ from tensoropt.rules.sharding.base import (
     replace_const,
     replicated,
 )
-from tensoropt.ir.layout import Partial, Replicate, Shard
 from tensoropt.rules.sharding.elementwise import elementwise_rule
 
 R = Replicate()

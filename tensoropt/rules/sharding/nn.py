@@ -20,6 +20,7 @@ MaxPool, AveragePool, GlobalAveragePool, BatchNormalization, Dropout.
 
 from __future__ import annotations
 
+from tensoropt.ir.layout import Partial, Replicate
 from tensoropt.rules.sharding.base import (
     FactorRule,
     FactorSpec,
@@ -32,7 +33,6 @@ from tensoropt.rules.sharding.base import (
     norm_axis,
     partial_strategy,
 )
-from tensoropt.ir.layout import Partial, Replicate
 
 R = Replicate()
 P = Partial()
@@ -49,9 +49,7 @@ def _layer_norm_spec(op: OpView) -> FactorSpec:
     rank = len(op.input_shapes[0] or ())
     axis = norm_axis(op.attr("axis", -1), rank, "LayerNormalization axis")
     lab = tuple(f"d{d}" if d < axis else None for d in range(rank))
-    params = tuple(
-        None if sh is None else (None,) * len(sh) for sh in op.input_shapes[1:]
-    )
+    params = tuple(None if sh is None else (None,) * len(sh) for sh in op.input_shapes[1:])
     stats = tuple(lab[: len(sh)] for sh in op.output_shapes[1:])
     return FactorSpec((lab, *params), (lab, *stats))
 

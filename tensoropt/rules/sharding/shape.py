@@ -86,6 +86,14 @@ def _reshape_like_spec(op: OpView) -> FactorSpec:
     return FactorSpec((tuple(lin), *_others(op)), (tuple(lout),), partial=partial)
 
 
+def _squeeze_valid(op: OpView, s: OpSharding, n: int) -> bool:
+    """Squeeze without ``axes`` drops every size-1 dim: a dim must not shrink to 1 locally."""
+    p = s.inputs[0]
+    if op.has_input(1) or not isinstance(p, Shard):
+        return True
+    return (op.input_shapes[0] or ())[p.dim] // n != 1
+
+
 def _reshape_rewrite(op: OpView, s: OpSharding, n: int, local: LocalOp) -> tuple[Any, Consts]:
     target = op.const_ints(1)
     if target is None or not any(isinstance(p, Shard) for p in s.inputs + s.outputs):
@@ -108,9 +116,7 @@ def _expand_spec(op: OpView) -> FactorSpec:
     ins, out = elementwise_labels(op)
     if op.const_ints(1) is None:
         out = tuple(lab if lab in (ins[0] or ()) else None for lab in out)
-    return FactorSpec(
-        (ins[0], ()), (out,), generated=True, partial=(partial_strategy(op, (0,)),)
-    )
+    return FactorSpec((ins[0], ()), (out,), generated=True, partial=(partial_strategy(op, (0,)),))
 
 
 def _expand_rewrite(op: OpView, s: OpSharding, n: int, local: LocalOp) -> tuple[Any, Consts]:
@@ -199,9 +205,7 @@ def _slice_rewrite(op: OpView, s: OpSharding, n: int, local: LocalOp) -> tuple[A
 def _tile_spec(op: OpView) -> FactorSpec:
     rank = len(op.input_shapes[0] or ())
     repeats = op.const_ints(1)
-    lab = tuple(
-        f"d{d}" if repeats is not None and repeats[d] == 1 else None for d in range(rank)
-    )
+    lab = tuple(f"d{d}" if repeats is not None and repeats[d] == 1 else None for d in range(rank))
     return FactorSpec((lab, ()), (lab,), partial=(partial_strategy(op, (0,)),))
 
 
@@ -228,7 +232,7 @@ def _pad_spec(op: OpView) -> FactorSpec:
 RULES: dict[str, ShardingRule] = {
     "Reshape": FactorRule(_reshape_like_spec, _reshape_rewrite),
     "Flatten": FactorRule(_reshape_like_spec),
-    "Squeeze": FactorRule(_reshape_like_spec),
+    "Squeeze": FactorRule(_reshape_like_spec, valid=_squeeze_valid),
     "Unsqueeze": FactorRule(_reshape_like_spec),
     "Expand": FactorRule(_expand_spec, _expand_rewrite),
     "Transpose": FactorRule(_transpose_spec),

@@ -1,0 +1,146 @@
+"""``tensoropt compile``: one ONNX training step per device, from a plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tensoropt.cli.common import TRAINING_HELP, add_training_options, build_step
+from tensoropt.errors import PlanError, TensorOptError
+
+EPILOG = (
+    TRAINING_HELP
+    + """
+plans:
+  data-parallel   every mesh axis shards the batch; parameters are replicated
+  megatron        Megatron-LM tensor parallelism of attention and MLP blocks (found by
+                  structure) on the last mesh axis, data parallelism on the others
+  PLAN.json       a plan file (schema tensoropt.plan/1), e.g. one written by compile
+  --pick POLICY   a point of the searched frontier (see `tensoropt search --help`)
+
+output (written completely or not at all):
+  OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
+  OUTDIR/plan.json        the plan, reusable with --plan
+  OUTDIR/manifest.json    how to slice data and parameters per rank, what carries over
+  OUTDIR/annotated.onnx   the unpartitioned step with ONNX IRv11 sharding annotations
+
+examples:
+  tensoropt compile gpt.onnx --devices 4 --plan data-parallel -o out/
+  tensoropt compile gpt.onnx --devices 8 --mesh 2x4 --plan megatron -o out/
+  tensoropt compile gpt.onnx --devices 2 --pick fastest -o out/
+"""
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="partition a model's training step into one ONNX graph per device",
+        description="Build the training step of MODEL, lay it out on a device mesh by a plan, "
+        "insert the collectives the layouts need, and write one graph per device.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--devices", type=int, required=True, help="number of devices (ranks)")
+    p.add_argument("--mesh", help="mesh shape, e.g. 8 or 2x4 (dp x tp); default: 1-D")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--plan", default=None, help="data-parallel | megatron | PLAN.json")
+    how.add_argument(
+        "--pick",
+        help="fastest | min-memory | fastest-under:MEM | "
+        "fewest-devices-under:MEM | INDEX (searches first)",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
+    add_training_options(p)
+    p.add_argument("--cluster", default="h100", help="cluster profile for --pick")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def parse_mesh(devices: int, text: str | None, plan: str):
+    from tensoropt.ir.mesh import Mesh
+
+    if devices < 1:
+        raise TensorOptError(f"--devices must be at least 1, got {devices}")
+    if text is None:
+        names = ("tp",) if plan == "megatron" else ("dp",)
+        return Mesh((devices,), names)
+    try:
+        dims = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise TensorOptError(f"--mesh {text!r} is not like 8 or 2x4") from None
+    if any(d < 1 for d in dims) or len(dims) > 2:
+        raise TensorOptError(f"--mesh {text!r}: give 1 or 2 positive sizes, e.g. 8 or 2x4")
+    size = 1
+    for d in dims:
+        size *= d
+    if size != devices:
+        raise TensorOptError(
+            f"--mesh {text} has {size} devices but --devices is {devices}; make them agree"
+        )
+    names = ("dp", "tp") if len(dims) == 2 else (("tp",) if plan == "megatron" else ("dp",))
+    return Mesh(dims, names)
+
+
+def _load_plan_file(path: str, mesh):
+    from tensoropt.ir.plan import Plan
+
+    plan = Plan.load(path)
+    if plan.mesh.size != mesh.size:
+        raise PlanError(
+            f"{path}: the plan's mesh {plan.mesh} has {plan.mesh.size} devices but --devices "
+            f"is {mesh.size}; compile with --devices {plan.mesh.size}"
+        )
+    with open(path) as f:
+        raw = json.load(f)
+    data_axes = tuple(raw.get("data_axes", [0]))
+    return plan, data_axes
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensoropt.passes.compile import compile_step
+    from tensoropt.passes.plans import builtin_plan
+
+    plan_name = args.plan or "data-parallel"
+    if args.pick:
+        raise TensorOptError("--pick needs the search (issue 4), which is not built yet")
+    is_file = plan_name.endswith(".json") or os.path.sep in plan_name
+    if not is_file and plan_name not in ("data-parallel", "megatron"):
+        raise PlanError(f"--plan {plan_name!r}: use data-parallel, megatron or a PLAN.json file")
+    mesh = parse_mesh(args.devices, args.mesh, plan_name)
+    if is_file:
+        plan, data_axes = _load_plan_file(plan_name, mesh)
+        mesh = plan.mesh
+        notes = ()
+    step = build_step(args)
+    print(step.selection.summary(step.model.graph), file=sys.stderr)
+    if not is_file:
+        built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)
+        plan, data_axes, notes = built.plan, built.data_axes, built.notes
+    for note in notes:
+        print(note, file=sys.stderr)
+    result = compile_step(step, plan, data_axes, args.output)
+    if args.json:
+        json.dump(
+            {
+                "schema": "tensoropt.compile/1",
+                "outdir": result.outdir,
+                "world_size": result.world_size,
+                "files": list(result.files),
+                "collectives": result.collectives,
+                "notes": list(notes),
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+    else:
+        print(
+            f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
+            f"{result.collectives} collectives per device; run it with "
+            f"`tensoropt run {args.output} --steps 3 --verify`"
+        )
+    return 0

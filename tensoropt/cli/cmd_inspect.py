@@ -1,0 +1,130 @@
+"""``tensoropt inspect``: what each device graph does, sends and holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tensoropt.errors import OutputDirError, TensorOptError
+
+EPILOG = """\
+shows per device: op count, collectives by kind and group, bytes sent per step
+(ring algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B),
+parameter shard shapes, and memory (parameters + optimizer state, and the static
+liveness peak of the whole step).
+
+examples:
+  tensoropt inspect out/
+  tensoropt inspect out/device_0.onnx --json
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show ops, collectives, traffic and memory of compiled device graphs",
+        description="Inspect a compiled output directory or one device_<k>.onnx.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="OUTDIR|FILE.onnx")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _targets(target: str) -> tuple[list[str], list[str], list[str]]:
+    import onnx
+
+    from tensoropt.passes.training_step import read_signature
+
+    if os.path.isdir(target):
+        manifest_path = os.path.join(target, "manifest.json")
+        if not os.path.isfile(manifest_path):
+            raise OutputDirError(f"{target}: no manifest.json; is it a `tensoropt compile` output?")
+        with open(manifest_path) as f:
+            try:
+                manifest = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise OutputDirError(
+                    f"{manifest_path}: not valid JSON ({exc}); recompile"
+                ) from None
+        files = [os.path.join(target, r["file"]) for r in manifest["ranks"]]
+        step = manifest["step"]
+        return files, step["params"], step["states"]
+    if not os.path.isfile(target):
+        raise TensorOptError(f"{target}: no such file or directory")
+    model = onnx.load(target, load_external_data=False)
+    sig = read_signature(model)
+    return [target], list(sig.params), list(sig.states)
+
+
+def run(args: argparse.Namespace) -> int:
+    import onnx
+
+    from tensoropt.passes.device_stats import device_stats
+
+    files, params, states = _targets(args.target)
+    report = []
+    for path in files:
+        if not os.path.isfile(path):
+            raise OutputDirError(f"{path}: missing; recompile the output directory")
+        stats = device_stats(onnx.load(path), params, states)
+        report.append((os.path.basename(path), stats))
+    if args.json:
+        json.dump(
+            {
+                "schema": "tensoropt.inspect/1",
+                "devices": [
+                    {
+                        "file": name,
+                        "ops": s.ops,
+                        "op_types": s.op_types,
+                        "collectives": [
+                            {
+                                "kind": c.kind,
+                                "group": list(c.group),
+                                "count": c.count,
+                                "bytes_sent": c.bytes_sent,
+                            }
+                            for c in s.collectives
+                        ],
+                        "bytes_sent_per_step": s.bytes_sent,
+                        "param_shapes": {k: list(v) for k, v in s.param_shapes.items()},
+                        "param_and_state_bytes": s.state_bytes,
+                        "peak_bytes": s.peak_bytes,
+                    }
+                    for name, s in report
+                ],
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+        return 0
+    for name, s in report:
+        print(
+            f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
+            f"params+state {_fmt_bytes(s.state_bytes)}, peak memory {_fmt_bytes(s.peak_bytes)}"
+        )
+        if s.collectives:
+            print(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")
+            for c in s.collectives:
+                group = ",".join(map(str, c.group))
+                print(f"  {c.kind:<14} {group:<24} {c.count:>5} {_fmt_bytes(c.bytes_sent):>12}")
+        shown = list(s.param_shapes.items())
+        print(
+            "  parameter shards: "
+            + ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in shown[:8])
+            + (f" (+{len(shown) - 8} more)" if len(shown) > 8 else "")
+        )
+    return 0

@@ -1,0 +1,130 @@
+"""Read-only statistics of a device graph: ops, collectives, traffic, memory.
+
+Used by ``tensoropt inspect`` and by the cost-model checks. Memory is the static
+liveness peak of the graph in its node order: graph inputs and initializers live
+for the whole step, every other value from its producer to its last consumer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from tensoropt.passes.insert_redistribution import COLLECTIVES, DOMAIN
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveStat:
+    kind: str
+    group: tuple[int, ...]
+    count: int
+    bytes_sent: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    ops: int
+    op_types: dict[str, int]
+    collectives: tuple[CollectiveStat, ...]
+    bytes_sent: float
+    param_shapes: dict[str, tuple[int, ...]]
+    state_bytes: int
+    peak_bytes: int
+
+
+def _value_info(graph: onnx.GraphProto) -> dict[str, tuple[tuple[int, ...], int]]:
+    info = {}
+    for vi in [*graph.input, *graph.output, *graph.value_info]:
+        tt = vi.type.tensor_type
+        info[vi.name] = (tuple(d.dim_value for d in tt.shape.dim), tt.elem_type)
+    for t in graph.initializer:
+        info[t.name] = (tuple(t.dims), t.data_type)
+    return info
+
+
+def _nbytes(entry: tuple[tuple[int, ...], int] | None) -> int:
+    if entry is None:
+        return 0
+    shape, dtype = entry
+    itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize if dtype else 4
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def collective_bytes(kind: str, in_bytes: int, out_bytes: int, n: int) -> float:
+    """Bytes one rank sends (ring algorithms): DESIGN §4's volume terms."""
+    if n <= 1:
+        return 0.0
+    frac = (n - 1) / n
+    if kind == "AllReduce":
+        return 2 * frac * in_bytes
+    if kind == "AllGather":
+        return frac * out_bytes
+    if kind == "ReduceScatter":
+        return frac * in_bytes
+    return frac * in_bytes  # AllToAll
+
+
+def _peak(graph: onnx.GraphProto, info) -> int:
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for name in node.input:
+            if name:
+                last_use[name] = i
+    resident = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    live = sum(_nbytes(info.get(n)) for n in resident)
+    peak = live
+    for i, node in enumerate(graph.node):
+        produced = [o for o in node.output if o]
+        live += sum(_nbytes(info.get(o)) for o in produced)
+        peak = max(peak, live)
+        for name in {*node.input, *produced}:
+            if name in resident or name in outputs or not name:
+                continue
+            if last_use.get(name, -1) <= i:
+                live -= _nbytes(info.get(name))
+    return peak
+
+
+def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -> DeviceStats:
+    graph = model.graph
+    info = _value_info(graph)
+    groups: Counter = Counter()
+    traffic: dict[tuple[str, tuple[int, ...]], float] = {}
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type not in COLLECTIVES:
+            continue
+        group = tuple(_attr(node, "group", []))
+        key = (node.op_type, group)
+        groups[key] += 1
+        sent = collective_bytes(
+            node.op_type,
+            _nbytes(info.get(node.input[0])),
+            _nbytes(info.get(node.output[0])),
+            len(group),
+        )
+        traffic[key] = traffic.get(key, 0.0) + sent
+    collectives = tuple(
+        CollectiveStat(kind, group, count, traffic[(kind, group)])
+        for (kind, group), count in sorted(groups.items())
+    )
+    return DeviceStats(
+        ops=len(graph.node),
+        op_types=dict(Counter(n.op_type for n in graph.node).most_common()),
+        collectives=collectives,
+        bytes_sent=sum(c.bytes_sent for c in collectives),
+        param_shapes={p: info[p][0] for p in params if p in info},
+        state_bytes=sum(_nbytes(info.get(n)) for n in [*params, *states]),
+        peak_bytes=_peak(graph, info),
+    )
