@@ -18,8 +18,9 @@ data: without --data the global batches are synthetic and seeded (the same ones
 names plus 'labels', each either the global shape or [steps, ...global shape].
 
 --verify also runs annotated.onnx (the unpartitioned step) on the same batches and
-prints, per step, the relative error  max|a-b| / max(max|b|, 1e-12)  of the loss
-and of the worst parameter (a = distributed, b = reference), then a verdict.
+prints, per step, the relative error  max|a-b| / max(max|b|, floor)  of the loss
+and of the worst parameter (a = distributed, b = reference; floor = 1e-12 for the
+loss, 1e-3 x the largest parameter magnitude for parameters), then a verdict.
 Exit codes: 0 ok, 1 verification failed or a worker died, 2 bad input.
 
 examples:

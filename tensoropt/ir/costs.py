@@ -265,7 +265,7 @@ def record_from_json(obj: Any, where: str = "problems[0]") -> CostRecord:
         for i, u in enumerate(_req_list(obj, "units", where))
     )
     edges = []
-    for j, e in enumerate(obj.get("edges", [])):
+    for j, e in enumerate(_req_list(obj, "edges", where) if "edges" in obj else []):
         ew = f"{where}.edges[{j}]"
         edges.append(
             Edge(
@@ -276,13 +276,14 @@ def record_from_json(obj: Any, where: str = "problems[0]") -> CostRecord:
             )
         )
     mesh = _req_list(obj, "mesh", where)
+    raw_blocks = _req_list(obj, "blocks", where) if "blocks" in obj else []
     blocks = tuple(
         BlockHint(
             _req_int(b, "first_unit", f"{where}.blocks[{j}]"),
             _req_int(b, "units_per_block", f"{where}.blocks[{j}]"),
             _req_int(b, "count", f"{where}.blocks[{j}]"),
         )
-        for j, b in enumerate(obj.get("blocks", []))
+        for j, b in enumerate(raw_blocks)
     )
     devices = _req_int(obj, "devices", where)
     _validate_parts(units, tuple(edges), devices, tuple(mesh), blocks, where)

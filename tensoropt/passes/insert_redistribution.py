@@ -11,6 +11,7 @@ including the new ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import onnx_ir as ir
@@ -71,6 +72,18 @@ def _step_node(step, value: ir.Value, tags: Mapping[str, str], name: str) -> ir.
     )
 
 
+def _merge_all_reduces(steps):
+    """Consecutive all-reduces on different mesh axes become one over all of them."""
+    merged: list[tuple[object, tuple[int, ...]]] = []
+    for step in steps:
+        if merged and step.kind.name == "ALL_REDUCE" and merged[-1][0].kind.name == "ALL_REDUCE":
+            first, axes = merged[-1]
+            merged[-1] = (first, (*axes, step.mesh_axis))
+        else:
+            merged.append((step, (step.mesh_axis,)))
+    return merged
+
+
 class _Inserter:
     def __init__(self, graph: ir.Graph, ann: Annotation):
         self.graph = graph
@@ -89,9 +102,11 @@ class _Inserter:
         shape = static_shape(value)
         current = value
         tags = {ROLE_KEY: "redistribution", UNIT_KEY: unit}
-        for step in plan_redistribution(have, need, shape, self.mesh):
+        for step, axes in _merge_all_reduces(plan_redistribution(have, need, shape, self.mesh)):
             self.count += 1
             node = _step_node(step, current, tags, f"redist_{self.count}")
+            if len(axes) > 1:
+                node.attributes["mesh_axis"] = ir.AttrInt64s("mesh_axis", list(axes))
             out = node.outputs[0]
             out.name = f"{value.name}__r{self.count}"
             out.dtype = value.dtype
@@ -100,7 +115,8 @@ class _Inserter:
                 self.graph.append(node)
             else:
                 self.graph.insert_before(anchor, node)
-            have = _apply(have, step)
+            for axis in axes:
+                have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
             self.layouts[out] = have
             current = out
         if have != need:

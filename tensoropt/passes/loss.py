@@ -81,11 +81,12 @@ def build_loss(graph: ir.Graph, kind: LossKind, builder: Builder) -> LossSpec:
         )
         dt = output.dtype
         picked_shape = (*shape[:-1], 1)
-        logp = b.op("LogSoftmax", [output], {"axis": -1}, dtype=dt, shape=shape)
+        last = len(shape) - 1  # a positive axis: some evaluators mishandle -1 here
+        logp = b.op("LogSoftmax", [output], {"axis": last}, dtype=dt, shape=shape)
         index = b.op(
-            "Unsqueeze", [labels, b.ints([-1])], dtype=ir.DataType.INT64, shape=picked_shape
+            "Unsqueeze", [labels, b.ints([last])], dtype=ir.DataType.INT64, shape=picked_shape
         )
-        picked = b.op("GatherElements", [logp, index], {"axis": -1}, dtype=dt, shape=picked_shape)
+        picked = b.op("GatherElements", [logp, index], {"axis": last}, dtype=dt, shape=picked_shape)
         mean = b.op("ReduceMean", [picked], {"keepdims": 0}, dtype=dt, shape=())
         loss = b.op("Neg", [mean])
     else:

@@ -233,11 +233,12 @@ def _attr(node: onnx.NodeProto, name: str):
 
 def _lower_node(node, rank, coords, mesh, template, shapes) -> list[onnx.NodeProto]:
     if node.domain == DOMAIN and node.op_type in COLLECTIVES:
-        axis = _attr(node, "mesh_axis")
+        axes = _attr(node, "mesh_axis")
+        axes = [axes] if isinstance(axes, int) else list(axes)
         kept = [a for a in node.attribute if a.name != "mesh_axis"]
         del node.attribute[:]
         node.attribute.extend(kept)
-        node.attribute.append(helper.make_attribute("group", list(mesh.group(rank, axis))))
+        node.attribute.append(helper.make_attribute("group", group_over(mesh, rank, axes)))
         return [node]
     if node.domain == DOMAIN and node.op_type == "ShardSlice":
         axis, dim = _attr(node, "mesh_axis"), _attr(node, "axis")
@@ -273,6 +274,20 @@ def _lower_node(node, rank, coords, mesh, template, shapes) -> list[onnx.NodePro
         piece = slice_for(array, layout, mesh, coords, node.name)
         attr.t.CopyFrom(numpy_helper.from_array(piece, attr.t.name))
     return [node]
+
+
+def group_over(mesh: Mesh, rank: int, axes) -> list[int]:
+    """Global ranks that share ``rank``'s coordinates off ``axes`` (row-major over axes)."""
+    coords = mesh.coords(rank)
+    return [
+        r
+        for r in range(mesh.size)
+        if all(
+            c == mine
+            for a, (c, mine) in enumerate(zip(mesh.coords(r), coords, strict=False))
+            if a not in axes
+        )
+    ]
 
 
 def _int_const(name: str, values) -> onnx.NodeProto:

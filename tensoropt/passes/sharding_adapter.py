@@ -59,11 +59,43 @@ def candidates(node: ir.Node, mesh: Mesh) -> list[MeshSharding]:
         raise UnsupportedOpError(
             f"no sharding rule for {node.op_type} (node {node.name}); it cannot be partitioned"
         )
-    return _strategies_nd(op_view(node), mesh.shape)
+    view = op_view(node)
+    key = (_view_key(view), mesh.shape)
+    cached = _STRATEGY_CACHE.get(key)
+    if cached is None:
+        cached = _STRATEGY_CACHE[key] = tuple(_strategies_nd(view, mesh.shape))
+        if len(_STRATEGY_CACHE) > 20000:
+            _STRATEGY_CACHE.clear()
+    return list(cached)
 
 
 def localize(node: ir.Node, strategy: MeshSharding, mesh: Mesh) -> LocalOp:
     return _localize_nd(op_view(node), strategy, mesh.shape)
+
+
+# Strategy lists depend only on the op's plain-data view: deep models repeat the same
+# views many times (every layer), so they are computed once per distinct view.
+_STRATEGY_CACHE: dict[tuple, tuple[MeshSharding, ...]] = {}
+
+
+def _hashable(value):
+    if isinstance(value, np.ndarray):
+        return ("nd", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _view_key(view: OpView) -> tuple:
+    return (
+        view.op_type,
+        tuple(sorted((k, _hashable(v)) for k, v in view.attributes.items())),
+        view.input_shapes,
+        view.input_dtypes,
+        view.output_shapes,
+        view.output_dtypes,
+        tuple(_hashable(c) for c in view.const_inputs),
+    )
 
 
 def input_layout(strategy: MeshSharding, i: int) -> Layout | None:

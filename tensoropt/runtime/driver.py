@@ -49,7 +49,7 @@ class RunOptions:
     verify: bool = False
     tolerance: float = DEFAULT_TOLERANCE
     threads: int | None = None  # onnxruntime intra-op threads per rank (None = default)
-    fault: tuple[int, int] | None = None  # (rank, step): os._exit there (tests only)
+    fault: tuple[int, int, str] | None = None  # (rank, step, "exit"|"hang"): tests only
 
     def to_json(self) -> dict:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -100,7 +100,7 @@ def drive(
     loop = _start(engine, manifest, models, opts)
     for k in range(loop.start, opts.steps):
         if opts.fault and opts.fault[1] == k and opts.fault[0] in engine.ranks:
-            os._exit(17)  # fault injection for tests: die without any cleanup
+            _inject(opts.fault[2])
         batch = source(k)
         feeds = {r: _feeds(manifest, batch, loop.state[r], r) for r in engine.ranks}
         outs = engine.step(feeds)
@@ -125,6 +125,13 @@ def drive(
         world_size=manifest.world_size,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _inject(mode: str) -> None:
+    """Fault injection for the launcher tests: die without any cleanup, or hang."""
+    if mode == "hang":
+        time.sleep(3600)
+    os._exit(17)
 
 
 def _state_names(manifest: Manifest) -> list[str]:

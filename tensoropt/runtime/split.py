@@ -172,36 +172,57 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
         else:
             seg_nodes[lvl].append(node)
 
-    graph_outputs = tuple(o.name for o in graph.output)
-    last_use = _last_use(seg_nodes, batches)
-    coll_reads = {c.input for calls in batches for c in calls}
-    inits = {t.name: t for t in graph.initializer}
-    graph_inputs = {i.name: i for i in graph.input}
-    types = _initial_types(graph)
-    constants = _constants(batches, graph_outputs, inits, fed_set, graph_inputs)
+    ctx = _Context(
+        model=model,
+        fed=fed_set,
+        inits={t.name: t for t in graph.initializer},
+        graph_outputs=tuple(o.name for o in graph.output),
+        last_use=_last_use(seg_nodes, batches),
+        coll_reads={c.input for calls in batches for c in calls},
+        types=_initial_types(graph),
+    )
     stages: list[Stage] = []
     for i in range(n):
-        segment = None
-        if seg_nodes[i] and _has_outputs(seg_nodes[i], last_use, coll_reads, graph_outputs, i):
-            segment = _make_segment(
-                model, i, seg_nodes[i], last_use, coll_reads, graph_outputs, inits, fed_set, types
-            )
+        live = any(ctx.exported(o, i) for node in seg_nodes[i] for o in node.output if o)
+        segment = _make_segment(ctx, i, seg_nodes[i]) if live else None  # dead: skipped
         for call in batches[i]:
-            _type_collective_output(call, types, rank)
-        release = tuple(sorted(v for v, s in last_use.items() if s == i and v not in graph_outputs))
+            _type_collective_output(call, ctx.types, rank)
+        release = tuple(
+            sorted(v for v, s in ctx.last_use.items() if s == i and v not in ctx.graph_outputs)
+        )
         stages.append(Stage(segment, tuple(batches[i]), release))
-    feeds = tuple(name for name in graph_inputs if name in fed_set or name not in inits)
-    return SplitPlan(rank, tuple(stages), feeds, graph_outputs, constants)
+    feeds = tuple(i.name for i in graph.input if i.name in fed_set or i.name not in ctx.inits)
+    return SplitPlan(rank, tuple(stages), feeds, ctx.graph_outputs, ctx.constants())
 
 
-def _has_outputs(nodes, last_use, coll_reads, graph_outputs, index: int) -> bool:
-    """False for a segment whose results nobody reads (dead code: skipped entirely)."""
-    return any(
-        o in graph_outputs or o in coll_reads or last_use.get(o, -1) > index
-        for node in nodes
-        for o in node.output
-        if o
-    )
+@dataclass(frozen=True, slots=True, eq=False)
+class _Context:
+    """What building the segments of one graph needs to know about the whole graph."""
+
+    model: ModelProto
+    fed: set[str]
+    inits: dict[str, onnx.TensorProto]
+    graph_outputs: tuple[str, ...]
+    last_use: dict[str, int]  # value -> last stage whose segment or batch reads it
+    coll_reads: set[str]  # values some collective reads
+    types: dict[str, TypeProto]  # grows as segments are inferred
+
+    def exported(self, name: str, index: int) -> bool:
+        """Must segment ``index``, which produces ``name``, hand it out?"""
+        return (
+            name in self.graph_outputs
+            or name in self.coll_reads
+            or self.last_use.get(name, -1) > index
+        )
+
+    def constants(self) -> dict[str, np.ndarray]:
+        """Initializers that something other than a segment reads (kept as numpy)."""
+        wanted = self.coll_reads | set(self.graph_outputs)
+        return {
+            name: numpy_helper.to_array(self.inits[name])
+            for name in sorted(wanted)
+            if name in self.inits and name not in self.fed
+        }
 
 
 def _last_use(seg_nodes: list[list[NodeProto]], batches: list[list[CollectiveCall]]) -> dict:
@@ -216,16 +237,6 @@ def _last_use(seg_nodes: list[list[NodeProto]], batches: list[list[CollectiveCal
     return last
 
 
-def _constants(batches, graph_outputs, inits, fed_set, graph_inputs) -> dict[str, np.ndarray]:
-    """Initializers that something other than a segment reads (kept as numpy)."""
-    wanted = {c.input for calls in batches for c in calls} | set(graph_outputs)
-    return {
-        name: numpy_helper.to_array(inits[name])
-        for name in sorted(wanted)
-        if name in inits and name not in fed_set
-    }
-
-
 def _initial_types(graph: GraphProto) -> dict[str, TypeProto]:
     types: dict[str, TypeProto] = {}
     for vi in [*graph.value_info, *graph.output, *graph.input]:
@@ -236,27 +247,17 @@ def _initial_types(graph: GraphProto) -> dict[str, TypeProto]:
     return types
 
 
-def _make_segment(
-    model: ModelProto,
-    index: int,
-    nodes: list[NodeProto],
-    last_use: dict[str, int],
-    coll_reads: set[str],
-    graph_outputs: tuple[str, ...],
-    inits: dict,
-    fed_set: set[str],
-    types: dict[str, TypeProto],
-) -> Segment:
+def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
+    """Segment ``index``: its nodes, fed or earlier values as inputs, own constants."""
     produced = [o for node in nodes for o in node.output if o]
     produced_set = set(produced)
     external = list(
         dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced_set)
     )
-    inputs = [n for n in external if n in fed_set or n not in inits]
-    seg_inits = [inits[n] for n in external if n not in fed_set and n in inits]
-    outputs = [
-        o for o in produced if o in graph_outputs or o in coll_reads or last_use.get(o, -1) > index
-    ]
+    inputs = [n for n in external if n in ctx.fed or n not in ctx.inits]
+    seg_inits = [ctx.inits[n] for n in external if n not in ctx.fed and n in ctx.inits]
+    outputs = [o for o in produced if ctx.exported(o, index)]
+    types, model = ctx.types, ctx.model
     where = f"segment {index}"
     in_vis = [_value_info(n, types, where) for n in inputs]
     graph = helper.make_graph(nodes, f"segment_{index}", in_vis, [], initializer=seg_inits)

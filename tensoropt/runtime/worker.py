@@ -9,8 +9,8 @@ the parent only through files in RUNDIR and JSON lines on stdout:
 * ``error_rank_<k>.json`` -- the error of a failing rank (then MPI Abort);
 * ``result.json`` + ``result.npz`` -- rank 0's result; ``rank_<k>.done`` at the end.
 
-``TENSOROPT_FAULT_INJECT=RANK:STEP`` makes rank RANK die (``os._exit``) just
-before global step STEP: the fault-handling tests use it.
+``TENSOROPT_FAULT_INJECT=RANK:STEP[:hang]`` makes rank RANK die (``os._exit``),
+or hang, just before global step STEP: the fault-handling tests use it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ PROGRESS = "TENSOROPT_PROGRESS "
 FAULT_ENV = "TENSOROPT_FAULT_INJECT"
 
 
-def _fault_from_env() -> tuple[int, int] | None:
+def _fault_from_env() -> tuple[int, int, str] | None:
     raw = os.environ.get(FAULT_ENV, "").strip()
     if not raw:
         return None
-    rank, step = raw.split(":")
-    return int(rank), int(step)
+    rank, step, *mode = raw.split(":")
+    return int(rank), int(step), (mode[0] if mode else "exit")
 
 
 def _threads(world) -> int:

@@ -257,7 +257,9 @@ def _outer_scopes(prep: Prepared, regions: list[Region]) -> list[tuple[int, ...]
     scopes += [k for k in prep.edges if not any(r.covers_edge(*k) for r in regions)]
     for r in regions:
         for b in range(r.hi):
-            scopes.append(tuple(r.unit(b, p) for p in r.ports) + tuple(r.unit(b + 1, p) for p in r.ports))
+            scopes.append(
+                tuple(r.unit(b, p) for p in r.ports) + tuple(r.unit(b + 1, p) for p in r.ports)
+            )
     return scopes
 
 
@@ -285,8 +287,11 @@ def worthwhile(prep: Prepared, regions: list[Region]) -> list[Region]:
     best = table_work(prep, [])
     for r in regions:
         if port_dim(prep, r) > MAX_PORT_DIM:
-            log.info("blocks at unit %d: %d port strategies, too many; not used", r.first,
-                     port_dim(prep, r))
+            log.info(
+                "blocks at unit %d: %d port strategies, too many; not used",
+                r.first,
+                port_dim(prep, r),
+            )
             continue
         work = table_work(prep, chosen + [r])
         if work < best:

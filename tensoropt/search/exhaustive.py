@@ -27,7 +27,9 @@ def all_plans(problem: CostProblem) -> list[FrontierPoint]:
     return [FrontierPoint(*problem.evaluate(c), c) for c in itertools.product(*ranges)]
 
 
-def exhaustive_frontier(problem: CostProblem, budget: float | None = None) -> list[tuple[float, float]]:
+def exhaustive_frontier(
+    problem: CostProblem, budget: float | None = None
+) -> list[tuple[float, float]]:
     """The exact frontier values by brute force (optionally only plans within `budget`)."""
     values = [(p.time_s, p.memory_bytes) for p in all_plans(problem)]
     if budget is not None:

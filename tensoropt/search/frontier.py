@@ -93,7 +93,9 @@ def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
         return _prune_lexsort(g, t, m)
     starts = np.concatenate([[0], bounds])
     stops = np.concatenate([bounds, [n]])
-    out = [s + _prune_one(t[s:e], m[s:e]) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
+    out = [
+        s + _prune_one(t[s:e], m[s:e]) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)
+    ]
     return np.concatenate(out)
 
 

@@ -35,10 +35,10 @@ from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.search.blocks import (
     MAX_PORT_DIM,
     Region,
-    port_dim,
     chain_pieces,
     detect_regions,
     hinted_regions,
+    port_dim,
     worthwhile,
 )
 from tensoropt.search.elimination import eliminate
@@ -104,9 +104,7 @@ def _eps_guarantee(eps: float, budget: float | None) -> str:
     )
 
 
-def _schedule(
-    ctx: Context, prep: Prepared, regions: list[Region], adaptive: bool
-) -> Factor:
+def _schedule(ctx: Context, prep: Prepared, regions: list[Region], adaptive: bool) -> Factor:
     """Compose the regions, eliminate everything, return the single scope-() factor."""
     factors: list[Factor] = []
     for r in regions:
@@ -172,7 +170,8 @@ def _exact_points(problem: CostProblem, choices: np.ndarray) -> tuple[FrontierPo
     keep = prune_groups(np.zeros(len(t), dtype=np.int64), t, m)
     rows = choices[keep].tolist()
     return tuple(
-        FrontierPoint(float(t[k]), float(m[k]), tuple(row)) for k, row in zip(keep, rows, strict=True)
+        FrontierPoint(float(t[k]), float(m[k]), tuple(row))
+        for k, row in zip(keep, rows, strict=True)
     )
 
 
@@ -219,8 +218,13 @@ def solve(
         if epsilon is None
         else _eps_guarantee(epsilon, memory_budget)
     )
-    log.debug("solved devices=%d mesh=%s: %d points, %s", problem.devices, problem.mesh,
-              len(points), stats)
+    log.debug(
+        "solved devices=%d mesh=%s: %d points, %s",
+        problem.devices,
+        problem.mesh,
+        len(points),
+        stats,
+    )
     return SearchResult(
         problem.devices, problem.mesh, points, epsilon, memory_budget, delta, guarantee, stats
     )

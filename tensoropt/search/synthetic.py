@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 from tensoropt.ir.costs import BlockHint, CostProblem, Edge, Strategy, Unit
 
-R, B, H, P = 0, 1, 2, 3  # placement of a tensor on one mesh axis: replicated, batch, hidden, partial
+R, B, H, P = (
+    0,
+    1,
+    2,
+    3,
+)  # placement of a tensor on one mesh axis: replicated, batch, hidden, partial
 _NAMES = {R: "R", B: "S(0)", H: "S(2)", P: "P"}
 _PEAK = 100e12  # flop/s
 _ALPHA = 5e-6  # s per collective
@@ -26,27 +31,49 @@ _BW = (25e9, 150e9)  # bytes/s of mesh axis 0 (across nodes) and axis >= 1 (insi
 # option -> (input placement, output placement, splits compute, splits weights);
 # "Z" is data parallel with gradients and Adam state sharded over the axis (ZeRO).
 _OPTIONS = {
-    "matmul": {"R": (R, R, False, False), "B": (B, B, True, False), "Z": (B, B, True, False),
-               "C": (R, H, True, True), "K": (H, P, True, True)},
+    "matmul": {
+        "R": (R, R, False, False),
+        "B": (B, B, True, False),
+        "Z": (B, B, True, False),
+        "C": (R, H, True, True),
+        "K": (H, P, True, True),
+    },
     "bmm": {"R": (R, R, False, False), "B": (B, B, True, False), "H": (H, H, True, False)},
-    "elementwise": {"R": (R, R, False, False), "B": (B, B, True, False),
-                    "H": (H, H, True, False)},
+    "elementwise": {"R": (R, R, False, False), "B": (B, B, True, False), "H": (H, H, True, False)},
 }
 # kinds that may recompute their activations in the backward pass (less memory, more time)
 _RECOMPUTE = ("bmm",)
 # (name, kind, flops factor, params factor) of one layer, in order
 _LAYER = (
-    ("ln1", "elementwise", 0.0, 0.0), ("qkv", "matmul", 3.0, 3.0),
-    ("scores", "bmm", 1.0, 0.0), ("softmax", "elementwise", 0.0, 0.0),
-    ("ctx", "bmm", 1.0, 0.0), ("proj", "matmul", 1.0, 1.0),
-    ("add1", "elementwise", 0.0, 0.0), ("ln2", "elementwise", 0.0, 0.0),
-    ("fc1", "matmul", 4.0, 4.0), ("gelu", "elementwise", 0.0, 0.0),
-    ("fc2", "matmul", 4.0, 4.0), ("add2", "elementwise", 0.0, 0.0),
+    ("ln1", "elementwise", 0.0, 0.0),
+    ("qkv", "matmul", 3.0, 3.0),
+    ("scores", "bmm", 1.0, 0.0),
+    ("softmax", "elementwise", 0.0, 0.0),
+    ("ctx", "bmm", 1.0, 0.0),
+    ("proj", "matmul", 1.0, 1.0),
+    ("add1", "elementwise", 0.0, 0.0),
+    ("ln2", "elementwise", 0.0, 0.0),
+    ("fc1", "matmul", 4.0, 4.0),
+    ("gelu", "elementwise", 0.0, 0.0),
+    ("fc2", "matmul", 4.0, 4.0),
+    ("add2", "elementwise", 0.0, 0.0),
 )
 # edges inside a layer (src, dst) by name, plus residual stream edges
-_INNER = (("ln1", "qkv"), ("qkv", "scores"), ("scores", "softmax"), ("softmax", "ctx"),
-          ("qkv", "ctx"), ("ctx", "proj"), ("proj", "add1"), ("add1", "ln2"),
-          ("ln2", "fc1"), ("fc1", "gelu"), ("gelu", "fc2"), ("fc2", "add2"), ("add1", "add2"))
+_INNER = (
+    ("ln1", "qkv"),
+    ("qkv", "scores"),
+    ("scores", "softmax"),
+    ("softmax", "ctx"),
+    ("qkv", "ctx"),
+    ("ctx", "proj"),
+    ("proj", "add1"),
+    ("add1", "ln2"),
+    ("ln2", "fc1"),
+    ("fc1", "gelu"),
+    ("gelu", "fc2"),
+    ("fc2", "add2"),
+    ("add1", "add2"),
+)
 _FROM_PREV = (("add2", "ln1"), ("add2", "add1"))
 
 
@@ -77,8 +104,13 @@ def _op(name: str, kind: str, fl: float, pa: float, mesh: tuple[int, ...], dims:
     if kind == "bmm":
         act *= 4.0  # attention scores are large
     return _Op(
-        name, kind, flops * jitter[name], 2.0 * hidden * hidden * pa, act * jitter[name],
-        tuple(c[0] for c in combos), tuple(c[1] for c in combos),
+        name,
+        kind,
+        flops * jitter[name],
+        2.0 * hidden * hidden * pa,
+        act * jitter[name],
+        tuple(c[0] for c in combos),
+        tuple(c[1] for c in combos),
     )
 
 
@@ -105,7 +137,7 @@ def _unit(op: _Op, mesh: tuple[int, ...]) -> Unit:
 
 def _redistribute(src: int, dst: int, n: int, nbytes: float, ax: int) -> float:
     bw = _BW[min(ax, 1)]
-    if src == dst or src == R:
+    if src in (dst, R):
         return 0.0
     if src == P:
         if dst == R:
@@ -152,7 +184,10 @@ def transformer_problem(
     ops = [_op("embed", "elementwise", 0.0, 12.0, mesh, dims)]
     for _ in range(layers):
         ops += [_op(n, k, f, p, mesh, dims) for n, k, f, p in _LAYER]
-    ops += [_op("lnf", "elementwise", 0.0, 0.0, mesh, dims), _op("head", "matmul", 12.0, 12.0, mesh, dims)]
+    ops += [
+        _op("lnf", "elementwise", 0.0, 0.0, mesh, dims),
+        _op("head", "matmul", 12.0, 12.0, mesh, dims),
+    ]
     units = tuple(_unit(op, mesh) for op in ops)
     index = {name: j for j, (name, *_) in enumerate(_LAYER)}
     pairs: list[tuple[int, int]] = [(0, 1 + index["ln1"]), (0, 1 + index["add1"])]

@@ -45,43 +45,69 @@ def _loss_and_grads(proto, batch, params):
     return loss, grads, session
 
 
+def _directions(params, rng):
+    """A random unit direction over all parameters, then single random coordinates."""
+    direction = {k: rng.standard_normal(v.shape) for k, v in params.items()}
+    norm = np.sqrt(sum(np.sum(v * v) for v in direction.values()))
+    yield {k: (v / norm).astype(params[k].dtype) for k, v in direction.items()}
+    keys = list(params)
+    while True:
+        key = keys[rng.integers(len(keys))]
+        d = {k: np.zeros_like(v) for k, v in params.items()}
+        flat = d[key].reshape(-1)
+        flat[rng.integers(flat.size)] = 1.0
+        yield d
+
+
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_whole_model_gradient_matches_finite_differences(name):
+    """Directional derivatives of the loss equal the gradient's projections.
+
+    float64 models: central differences at h = 1e-6 on a random unit direction and
+    three coordinates. float32 models (ORT has no float64 Conv/Erf): float32 differences
+    need h ~ 1e-2, where ReLU kinks are crossed everywhere, so these models are checked
+    with ReLU swapped for Softplus (same graph otherwise; ReLU's own rule is checked in
+    float64 by the rule tests), and a direction counts only where differences at h and
+    h/2 agree (no MaxPool argmax flip within +-h); at least four such directions must be
+    found among twenty and all must match.
+    """
     forward = build_model(name, "tiny")
     f64 = name not in FLOAT32_ONLY
     if f64:
         forward = to_float64(forward)
+    else:
+        for node in forward.graph.node:  # see the docstring: kinks defeat float32 FD
+            if node.op_type == "Relu":
+                node.op_type = "Softplus"
     proto, step = step_proto(forward, PLAIN_SGD)
     batch = make_batch(input_specs(proto, step.signature), 0, seed=1)
     session0 = StepSession(proto)
     params = {k: v for k, v in session0.initial_state().items() if k in step.signature.params}
     loss, grads, session = _loss_and_grads(proto, batch, params)
-    rng = np.random.default_rng(0)
-    # A random unit direction over all parameters plus three single coordinates.
-    direction = {k: rng.standard_normal(v.shape) for k, v in params.items()}
-    norm = np.sqrt(sum(np.sum(v * v) for v in direction.values()))
-    directions = [{k: (v / norm).astype(params[k].dtype) for k, v in direction.items()}]
-    for _ in range(3):
-        key = list(params)[rng.integers(len(params))]
-        d = {k: np.zeros_like(v) for k, v in params.items()}
-        flat = d[key].reshape(-1)
-        flat[rng.integers(flat.size)] = 1.0
-        directions.append(d)
     state0 = session.initial_state()
-    for d in directions:
-        h = 1e-6 if f64 else 3e-3
+
+    def fd(d, h):
         plus = {**state0, **{k: params[k] + h * d[k] for k in params}}
         minus = {**state0, **{k: params[k] - h * d[k] for k in params}}
-        fd = (session.step(plus, batch)[0] - session.step(minus, batch)[0]) / (2 * h)
+        return (session.step(plus, batch)[0] - session.step(minus, batch)[0]) / (2 * h)
+
+    # float64: accurate to ~1e-8 relative. float32: round-off eps*|L|/h ~ 3e-5 at h = 5e-3.
+    h, rtol, atol = (1e-6, 1e-5, 1e-8) if f64 else (1e-2, 2e-2, 1e-4)
+    checked = 0
+    directions = _directions(params, np.random.default_rng(0))
+    for _ in range(4 if f64 else 20):
+        d = next(directions)
+        estimate = fd(d, h)
+        if not f64:
+            half = fd(d, h / 2)
+            if abs(estimate - half) > atol + rtol * max(abs(estimate), abs(half)):
+                continue  # a kink within +-h: differences say nothing here
+            estimate = half
         analytic = float(sum(np.sum(grads[k].astype(np.float64) * d[k]) for k in params))
-        # float64: central differences are accurate to ~1e-8 relative. float32: round-off
-        # eps*|L|/h ~ 5e-5 absolute at h = 3e-3, plus O(h^2) truncation.
-        rtol, atol = (1e-5, 1e-8) if f64 else (2e-2, 1e-4)
-        assert abs(fd - analytic) <= atol + rtol * max(abs(fd), abs(analytic)), (
-            name,
-            fd,
-            analytic,
-        )
+        close = abs(estimate - analytic) <= atol + rtol * max(abs(estimate), abs(analytic))
+        assert close, (name, estimate, analytic)
+        checked += 1
+    assert checked >= 4, f"only {checked} smooth directions found for {name}"
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

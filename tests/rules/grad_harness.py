@@ -66,9 +66,7 @@ class GradCase:
     label: str = ""
 
     def wrt(self) -> list[str]:
-        return [
-            n for n, a in self.inputs.items() if a.dtype.kind == "f" and n not in self.frozen
-        ]
+        return [n for n, a in self.inputs.items() if a.dtype.kind == "f" and n not in self.frozen]
 
 
 def node_case(
@@ -122,7 +120,9 @@ def make_model(case: GradCase) -> onnx.ModelProto:
             for n, a in case.inputs.items()
         ],
         [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in case.outputs],
-        initializer=[numpy_helper.from_array(np.asarray(v), n) for n, v in case.initializers.items()],
+        initializer=[
+            numpy_helper.from_array(np.asarray(v), n) for n, v in case.initializers.items()
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
     model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
@@ -180,6 +180,15 @@ class Gelu(OpRun):
         return (0.5 * x * (1 + erf(x / math.sqrt(2))),)
 
 
+class Mean(OpRun):
+    """onnx.reference accumulates in place and fails to broadcast a scalar first input."""
+
+    op_domain = ""
+
+    def _run(self, *xs):
+        return (functools.reduce(np.add, xs) / len(xs),)
+
+
 class GlobalMaxPool(OpRun):
     """onnx.reference drops a dimension on 1-D spatial inputs."""
 
@@ -215,7 +224,9 @@ class AveragePool(OpRun):
         include = bool(attrs.get("count_include_pad", 0))
         spatial = x.shape[2:]
         positions, valid = [], []
-        for i, (size, k, st_, d) in enumerate(zip(spatial, kernel, strides, dilations, strict=True)):
+        for i, (size, k, st_, d) in enumerate(
+            zip(spatial, kernel, strides, dilations, strict=True)
+        ):
             span = size + pads[i] + pads[dims + i] - ((k - 1) * d + 1)
             out = (-(-span // st_) if attrs.get("ceil_mode", 0) else span // st_) + 1
             if (out - 1) * st_ >= size + pads[i]:
@@ -227,9 +238,15 @@ class AveragePool(OpRun):
         total = np.zeros((*x.shape[:2], *(p.shape[0] for p in positions)), dtype=x.dtype)
         count = np.zeros(total.shape[2:])
         for k in np.ndindex(*kernel):
-            picks = [np.clip(p[:, kk], 0, n - 1) for p, kk, n in zip(positions, k, spatial, strict=True)]
-            inside = functools.reduce(np.multiply.outer, [v[1][:, kk] * 1.0 for v, kk in zip(valid, k, strict=True)])
-            counted = functools.reduce(np.multiply.outer, [v[0][:, kk] * 1.0 for v, kk in zip(valid, k, strict=True)])
+            picks = [
+                np.clip(p[:, kk], 0, n - 1) for p, kk, n in zip(positions, k, spatial, strict=True)
+            ]
+            inside = functools.reduce(
+                np.multiply.outer, [v[1][:, kk] * 1.0 for v, kk in zip(valid, k, strict=True)]
+            )
+            counted = functools.reduce(
+                np.multiply.outer, [v[0][:, kk] * 1.0 for v, kk in zip(valid, k, strict=True)]
+            )
             total += x[(slice(None), slice(None), *np.ix_(*picks))] * inside
             count += counted
         return (total / count,)
@@ -278,7 +295,10 @@ def make_runner(model: onnx.ModelProto) -> tuple[Runner, str]:
     except Exception as exc:  # onnxruntime raises its own NotImplemented class
         if "NOT_IMPLEMENTED" not in str(exc) and "not implemented" not in str(exc).lower():
             raise
-    evaluator = ReferenceEvaluator(model, new_ops=[Erf, Gelu, ConvTranspose, AveragePool, GlobalMaxPool, GlobalAveragePool])
+    evaluator = ReferenceEvaluator(
+        model,
+        new_ops=[Erf, Gelu, Mean, ConvTranspose, AveragePool, GlobalMaxPool, GlobalAveragePool],
+    )
     names = [o.name for o in model.graph.output]
     return lambda feeds: list(evaluator.run(names, dict(feeds))), "reference"
 
@@ -294,7 +314,9 @@ class GradModel:
     new_nodes: list[ir.Node]
 
 
-def build_grad_model(case: GradCase, forward: onnx.ModelProto, rng: np.random.Generator) -> GradModel:
+def build_grad_model(
+    case: GradCase, forward: onnx.ModelProto, rng: np.random.Generator
+) -> GradModel:
     """Append loss and backward to ``forward``; gradients become outputs ``grad__<input>``."""
     model = ir.from_proto(forward)
     graph = model.graph
@@ -360,7 +382,9 @@ def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
 def _fd_plan(array: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
     """Perturbation directions: unit vectors (all, or a sample) plus random directions."""
     size = array.size
-    coords = range(size) if size <= FULL_FD_LIMIT else rng.choice(size, SAMPLED_COORDS, replace=False)
+    coords = (
+        range(size) if size <= FULL_FD_LIMIT else rng.choice(size, SAMPLED_COORDS, replace=False)
+    )
     directions = []
     for k in coords:
         unit = np.zeros(size)
@@ -450,12 +474,12 @@ def _check_float32(gm: GradModel, feeds: Mapping[str, np.ndarray], expected_all)
 # ---------------------------------------------------------------- hypothesis helpers
 
 FAST = settings(
-    max_examples=6,
+    max_examples=12,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-SLOW = settings(FAST, max_examples=40)
+SLOW = settings(FAST, max_examples=60)
 
 
 def rng_of(draw) -> np.random.Generator:
@@ -464,9 +488,9 @@ def rng_of(draw) -> np.random.Generator:
 
 
 def shapes(min_rank: int = 0, max_rank: int = 3, min_side: int = 1, max_side: int = 4):
-    return st.lists(
-        st.integers(min_side, max_side), min_size=min_rank, max_size=max_rank
-    ).map(tuple)
+    return st.lists(st.integers(min_side, max_side), min_size=min_rank, max_size=max_rank).map(
+        tuple
+    )
 
 
 @st.composite

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from grad_harness import FAST, SLOW, check_gradients, distinct, node_case, normal, rng_of
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 
@@ -18,8 +18,13 @@ def _geometry(draw, dims: int, max_kernel: int = 3, dilate: bool = True):
     strides = [draw(st.integers(1, 3)) for _ in range(dims)]
     dilations = [draw(st.integers(1, 2)) if dilate else 1 for _ in range(dims)]
     extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
-    pads = [draw(st.integers(0, e - 1)) for e in extent] + [draw(st.integers(0, e - 1)) for e in extent]
-    spatial = [max(e - p - q, 1) + draw(st.integers(0, 4)) for e, p, q in zip(extent, pads[:dims], pads[dims:], strict=True)]
+    pads = [draw(st.integers(0, e - 1)) for e in extent] + [
+        draw(st.integers(0, e - 1)) for e in extent
+    ]
+    spatial = [
+        max(e - p - q, 1) + draw(st.integers(0, 4))
+        for e, p, q in zip(extent, pads[:dims], pads[dims:], strict=True)
+    ]
     return kernel, strides, dilations, pads, spatial
 
 
@@ -85,7 +90,9 @@ def _max_pool(draw):
     attrs, spatial = _pool_attrs(draw, dims, dilate=True)
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, 2)), *spatial)
     outputs = draw(st.sampled_from([1, 2]))
-    return node_case("MaxPool", distinct(rng, [shape]), attrs, num_outputs=outputs, loss_outputs=[0])
+    return node_case(
+        "MaxPool", distinct(rng, [shape]), attrs, num_outputs=outputs, loss_outputs=[0]
+    )
 
 
 @st.composite
@@ -103,7 +110,11 @@ def _global(op: str, make):
     def case(draw):
         rng = rng_of(draw)
         dims = draw(st.integers(1, 2))
-        shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), *(draw(st.integers(1, 4)) for _ in range(dims)))
+        shape = (
+            draw(st.integers(1, 2)),
+            draw(st.integers(1, 3)),
+            *(draw(st.integers(1, 4)) for _ in range(dims)),
+        )
         return node_case(op, [make(rng, shape)])
 
     return case()
@@ -144,4 +155,6 @@ def test_resnet_stem_conv():
         )
     )
     x = distinct(rng, [(1, 2, 9, 9)])
-    check_gradients(node_case("MaxPool", x, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}))
+    check_gradients(
+        node_case("MaxPool", x, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]})
+    )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from grad_harness import (
-    GradCase,
     FAST,
     SLOW,
     Const,
+    GradCase,
     away_from_zero,
     broadcastable_to,
     check_gradients,
@@ -20,8 +20,8 @@ from grad_harness import (
     shapes,
 )
 from hypothesis import given
-from onnx import helper
 from hypothesis import strategies as st
+from onnx import helper
 
 
 @st.composite
@@ -97,6 +97,18 @@ def _clip(draw):
     return node_case("Clip", args)
 
 
+def _away_from(*kinks: float):
+    """Values in [-4, 4] at least 0.05 from every kink."""
+
+    def make(rng, shape):
+        x = rng.uniform(-4, 4, shape)
+        for kink in kinks:
+            x = np.where(np.abs(x - kink) < 0.05, x + 0.1, x)
+        return x
+
+    return make
+
+
 CASES = {
     "Add": _binary("Add"),
     "Sub": _binary("Sub"),
@@ -113,6 +125,14 @@ CASES = {
     "Sigmoid": _unary("Sigmoid"),
     "Erf": _unary("Erf"),
     "Gelu": _unary("Gelu", attrs={"approximate": st.sampled_from(["none", "tanh"])}),
+    "Sin": _unary("Sin"),
+    "Cos": _unary("Cos"),
+    "Softplus": _unary("Softplus"),
+    "Elu": _unary("Elu", away_from_zero, {"alpha": st.sampled_from([1.0, 0.5, 2.0])}),
+    "HardSigmoid": _unary(
+        "HardSigmoid", _away_from(-2.5, 2.5, -1.0, 1.0, 1.5), {"alpha": st.sampled_from([0.2, 0.5])}
+    ),
+    "HardSwish": _unary("HardSwish", _away_from(-3.0, 3.0)),
     "Relu": _unary("Relu", away_from_zero),
     "LeakyRelu": _unary(
         "LeakyRelu", away_from_zero, {"alpha": st.floats(0.0, 0.5, allow_subnormal=False)}

@@ -9,7 +9,9 @@ from grad_harness import (
     SLOW,
     GradCase,
     broadcastable_to,
+    build_grad_model,
     check_gradients,
+    make_model,
     node_case,
     normal,
     rng_of,
@@ -95,7 +97,6 @@ def test_linear_weight_gradient_is_one_2d_matmul():
     product followed by a ReduceSum)."""
     rng = np.random.default_rng(0)
     case = node_case("MatMul", [normal(rng, (2, 3, 4)), normal(rng, (4, 5))], frozen=[0])
-    from grad_harness import build_grad_model, make_model
 
     gm = build_grad_model(case, make_model(case), rng)
     backward = [n.op_type for n in gm.new_nodes if n.metadata_props["tensoropt.role"] == "backward"]

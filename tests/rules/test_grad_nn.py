@@ -9,7 +9,9 @@ from grad_harness import (
     FAST,
     SLOW,
     Const,
+    build_grad_model,
     check_gradients,
+    make_model,
     node_case,
     normal,
     positive,
@@ -103,8 +105,12 @@ def test_matches_finite_differences_sweep(op, data):
 
 def test_layer_norm_backward_uses_standard_ops_only():
     rng = np.random.default_rng(0)
-    case = node_case("LayerNormalization", [normal(rng, (2, 5)), normal(rng, (5,))], num_outputs=3, loss_outputs=[0])
-    from grad_harness import build_grad_model, make_model
+    case = node_case(
+        "LayerNormalization",
+        [normal(rng, (2, 5)), normal(rng, (5,))],
+        num_outputs=3,
+        loss_outputs=[0],
+    )
 
     gm = build_grad_model(case, make_model(case), rng)
     ops = {n.op_type for n in gm.new_nodes if n.metadata_props["tensoropt.unit"] == "fwd"}

@@ -9,8 +9,11 @@ from grad_harness import (
     SLOW,
     Const,
     away_from_zero,
+    build_grad_model,
     check_gradients,
     distinct,
+    make_model,
+    make_runner,
     node_case,
     normal,
     rng_of,
@@ -84,7 +87,6 @@ def test_ties_share_the_gradient_equally(op):
     """Exact ties: every tied position gets g / (number of ties)."""
     x = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
     x = x if op == "ReduceMax" else -x
-    from grad_harness import build_grad_model, make_model, make_runner
 
     case = node_case(op, [x, Const(np.array([1]))], {"keepdims": 0})
     gm = build_grad_model(case, make_model(case), np.random.default_rng(0))
@@ -92,6 +94,10 @@ def test_ties_share_the_gradient_equally(op):
     names = [o.name for o in gm.proto.graph.output]
     grad = dict(zip(names, runner({"x0": x}), strict=True))["grad__x0"]
     weight = gm.weights["y0"]
-    ties = (x == x.max(axis=1, keepdims=True)) if op == "ReduceMax" else (x == x.min(axis=1, keepdims=True))
+    ties = (
+        (x == x.max(axis=1, keepdims=True))
+        if op == "ReduceMax"
+        else (x == x.min(axis=1, keepdims=True))
+    )
     expected = ties * (weight[:, None] / ties.sum(axis=1, keepdims=True))
     np.testing.assert_allclose(grad, expected, rtol=1e-12)

@@ -66,7 +66,14 @@ def _unsqueeze(draw):
     rng = rng_of(draw)
     shape = draw(shapes(0, 3))
     out_rank = len(shape) + draw(st.integers(1, 2))
-    axes = draw(st.lists(st.integers(-out_rank, out_rank - 1), unique_by=lambda a: a % out_rank, min_size=out_rank - len(shape), max_size=out_rank - len(shape)))
+    axes = draw(
+        st.lists(
+            st.integers(-out_rank, out_rank - 1),
+            unique_by=lambda a: a % out_rank,
+            min_size=out_rank - len(shape),
+            max_size=out_rank - len(shape),
+        )
+    )
     return node_case("Unsqueeze", [normal(rng, shape), _ints(axes)])
 
 
@@ -86,7 +93,10 @@ def _expand(draw):
     out = draw(shapes(0, 4))
     x_shape = draw(broadcastable_to(out))
     # The shape input may itself hold 1s where x is wider (Expand broadcasts both ways).
-    target = [1 if (i >= len(out) - len(x_shape) and draw(st.booleans())) else d for i, d in enumerate(out)]
+    target = [
+        1 if (i >= len(out) - len(x_shape) and draw(st.booleans())) else d
+        for i, d in enumerate(out)
+    ]
     return node_case("Expand", [normal(rng, x_shape), _ints(target)])
 
 
@@ -142,7 +152,11 @@ def _slice(draw):
         step = draw(st.sampled_from([1, 1, 2, 3, -1, -2]))
         start = draw(st.integers(-d - 1, d + 1))
         # (onnx shape inference mis-sizes INT64_MAX ends with negative steps: not drawn)
-        end = draw(st.sampled_from([draw(st.integers(-d - 1, d + 1)), INT64_MAX if step > 0 else INT64_MIN]))
+        end = draw(
+            st.sampled_from(
+                [draw(st.integers(-d - 1, d + 1)), INT64_MAX if step > 0 else INT64_MIN]
+            )
+        )
         starts.append(start)
         ends.append(end)
         steps.append(step)
@@ -197,7 +211,9 @@ def test_matches_finite_differences_sweep(op, data):
 
 def test_slice_with_negative_strided_steps_on_two_axes():
     x = normal(np.random.default_rng(0), (5, 7))
-    case = node_case("Slice", [x, _ints([4, 1]), _ints([INT64_MIN, 7]), _ints([0, 1]), _ints([-2, 3])])
+    case = node_case(
+        "Slice", [x, _ints([4, 1]), _ints([INT64_MIN, 7]), _ints([0, 1]), _ints([-2, 3])]
+    )
     check_gradients(case)
 
 

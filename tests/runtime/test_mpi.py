@@ -108,11 +108,23 @@ def test_dying_rank_raises_worker_fault_from_api(outdirs, monkeypatch):
 
 def test_worker_error_is_reraised_with_its_class(outdirs, tmp_path):
     # A checkpoint written with another seed: every rank refuses to resume; the parent
-    # re-raises the first rank's TensorOptError (exit 2 in the CLI), not a WorkerFault.
+    # re-raises the TensorOptError of the first rank that reported (whichever Abort came
+    # first), with its class (exit 2 in the CLI), not a WorkerFault.
     from tensoropt.errors import TensorOptError
 
     ckpt = tmp_path / "ckpt"
     run_steps(outdirs("dp2"), 1, checkpoint=ckpt, seed=1)
-    with pytest.raises(TensorOptError, match="rank 0: .*--seed 1") as info:
+    with pytest.raises(TensorOptError, match=r"rank [01]: .*--seed 1") as info:
         run_steps(outdirs("dp2"), 2, backend="mpi", checkpoint=ckpt, resume=True)
     assert not isinstance(info.value, WorkerFault)
+
+
+def test_hung_rank_is_stopped_by_the_stall_timeout(outdirs, monkeypatch):
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("TENSOROPT_FAULT_INJECT", "1:1:hang")
+    monkeypatch.setenv("TENSOROPT_TEST_MARKER", marker)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFault, match=r"no step finished for 3 s after step 0"):
+        run_steps(outdirs("dp2"), 3, backend="mpi", stall_timeout=3)
+    assert time.monotonic() - t0 < 30
+    assert _processes_with(f"TENSOROPT_TEST_MARKER={marker}") == []

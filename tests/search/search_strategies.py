@@ -68,8 +68,12 @@ def block_chains(draw, max_units: int = 8):
     block = draw(units(size, 3))
     inner = [(i, j) for i in range(size) for j in range(i + 1, size) if draw(st.booleans())]
     cross = draw(
-        st.lists(st.tuples(st.integers(0, size - 1), st.integers(0, size - 1)), min_size=1,
-                 max_size=3, unique=True)
+        st.lists(
+            st.tuples(st.integers(0, size - 1), st.integers(0, size - 1)),
+            min_size=1,
+            max_size=3,
+            unique=True,
+        )
     )
     dims = [len(u.strategies) for u in block]
     inner_t = {e: draw(tables(dims[e[0]], dims[e[1]])) for e in inner}
@@ -90,5 +94,7 @@ def block_chains(draw, max_units: int = 8):
     if post:
         last = pre + (count - 1) * size + draw(st.sampled_from(ports))
         tail = len(us) - 1
-        edges.append(Edge(last, tail, *draw(tables(len(us[last].strategies), len(us[tail].strategies)))))
+        edges.append(
+            Edge(last, tail, *draw(tables(len(us[last].strategies), len(us[tail].strategies))))
+        )
     return CostProblem(us, tuple(edges)), (pre, size, count)

@@ -6,12 +6,11 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from search_strategies import block_chains, problems
 
 from tensoropt.ir.costs import BlockHint, CostProblem
 from tensoropt.search import BlockMode, solve
 from tensoropt.search.exhaustive import all_plans, exhaustive_frontier, pareto
-
-from search_strategies import block_chains, problems
 
 
 def values(result) -> list[tuple[float, float]]:

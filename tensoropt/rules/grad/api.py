@@ -130,4 +130,5 @@ def unbroadcast(b: Builder, grad: ir.Value, grad_shape: Sequence[int], target: S
     out = grad
     if axes:
         out = b.op("ReduceSum", [grad, b.ints(axes)], {"keepdims": 1})
-    return b.op("Reshape", [out, b.ints(target)]) if lead or axes else out
+    # keepdims=1 already gives ``target`` when no leading axes were added.
+    return b.op("Reshape", [out, b.ints(target)]) if lead else out

@@ -46,7 +46,13 @@ class _Window:
         """ConvTranspose pads and output_padding giving back exactly ``spatial``."""
         ends, extra = [], []
         for s, k, o, st, d, pb in zip(
-            self.spatial, self.kernel, self.out, self.strides, self.dilations, self.pads_begin, strict=True
+            self.spatial,
+            self.kernel,
+            self.out,
+            self.strides,
+            self.dilations,
+            self.pads_begin,
+            strict=True,
         ):
             crop_end = st * (o - 1) + (k - 1) * d + 1 - pb - s
             ends.append(max(crop_end, 0))
@@ -114,7 +120,13 @@ def _conv_weight_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
     full = [
         (size + pb + pe - (st * (o - 1) + 1)) // d + 1
         for size, o, st, d, pb, pe in zip(
-            win.spatial, win.out, win.strides, win.dilations, win.pads_begin, win.pads_end, strict=True
+            win.spatial,
+            win.out,
+            win.strides,
+            win.dilations,
+            win.pads_begin,
+            win.pads_end,
+            strict=True,
         )
     ]
     if list(full) != list(win.kernel):
@@ -158,9 +170,7 @@ def _max_pool(ctx: GradContext) -> Grads:
         [b.ints([n, c, plane])],
         {"value": ir.tensor(np.zeros([1], dtype=float_dtype(x)))},
     )
-    scattered = b.op(
-        "ScatterElements", [base, flat_idx, flat_g], {"axis": 2, "reduction": "add"}
-    )
+    scattered = b.op("ScatterElements", [base, flat_idx, flat_g], {"axis": 2, "reduction": "add"})
     return [b.op("Reshape", [scattered, b.ints(ctx.shape(0))])]
 
 
@@ -168,7 +178,14 @@ def _window_counts(win: _Window, include_pad: bool) -> np.ndarray:
     """Number of taps AveragePool divides by, per output position (shape O)."""
     counts = np.ones((), dtype=np.int64)
     for s, k, o, st, d, pb, pe in zip(
-        win.spatial, win.kernel, win.out, win.strides, win.dilations, win.pads_begin, win.pads_end, strict=True
+        win.spatial,
+        win.kernel,
+        win.out,
+        win.strides,
+        win.dilations,
+        win.pads_begin,
+        win.pads_end,
+        strict=True,
     ):
         taps = np.arange(o)[:, None] * st - pb + np.arange(k)[None, :] * d
         lo, hi = (-pb, s + pe) if include_pad else (0, s)
@@ -188,7 +205,9 @@ def _average_pool(ctx: GradContext) -> Grads:
     dtype = float_dtype(x)
     scaled = b.op("Mul", [ctx.grad_outputs[0], b.const((1.0 / counts).astype(dtype))])
     ones = b.op(
-        "ConstantOfShape", [b.ints([c, 1, *kernel])], {"value": ir.tensor(np.ones([1], dtype=dtype))}
+        "ConstantOfShape",
+        [b.ints([c, 1, *kernel])],
+        {"value": ir.tensor(np.ones([1], dtype=dtype))},
     )
     pads, extra = win.transpose_pads()
     attrs = {

@@ -149,22 +149,67 @@ def _erf_local(ctx: GradContext) -> ir.Value:
 def _gelu_local(ctx: GradContext) -> ir.Value:
     """Gelu' for approximate='none' (exact) and 'tanh'."""
     b, x = ctx.b, ctx.inputs[0]
-    half, one = _scalar(ctx, 0.5), _scalar(ctx, 1.0)
+
+    def mul(u: ir.Value, v: ir.Value | float) -> ir.Value:
+        return b.op("Mul", [u, v if isinstance(v, ir.Value) else _scalar(ctx, v)])
+
+    def add(u: ir.Value, v: ir.Value | float) -> ir.Value:
+        return b.op("Add", [u, v if isinstance(v, ir.Value) else _scalar(ctx, v)])
+
+    x2 = mul(x, x)
     if ctx.attr("approximate", "none") == "tanh":
         # y = x/2 (1 + t), t = tanh(c (x + k x^3)); y' = (1+t)/2 + x/2 (1-t^2) c (1 + 3k x^2)
         c, k = math.sqrt(2.0 / math.pi), 0.044715
-        x2 = b.op("Mul", [x, x])
-        inner = b.op("Mul", [b.op("Add", [x, b.op("Mul", [x2, b.op("Mul", [x, _scalar(ctx, k)])])]), _scalar(ctx, c)])
-        t = b.op("Tanh", [inner])
-        left = b.op("Mul", [b.op("Add", [one, t]), half])
-        dinner = b.op("Mul", [b.op("Add", [one, b.op("Mul", [x2, _scalar(ctx, 3 * k)])]), _scalar(ctx, c)])
-        sech2 = b.op("Sub", [one, b.op("Mul", [t, t])])
-        right = b.op("Mul", [b.op("Mul", [x, half]), b.op("Mul", [sech2, dinner])])
-        return b.op("Add", [left, right])
+        t = b.op("Tanh", [mul(add(x, mul(mul(x2, x), k)), c)])
+        sech2 = b.op("Sub", [_scalar(ctx, 1.0), mul(t, t)])
+        d_inner = mul(add(mul(x2, 3 * k), 1.0), c)
+        return add(mul(add(t, 1.0), 0.5), mul(mul(x, 0.5), mul(sech2, d_inner)))
     # y = x Phi(x); y' = Phi(x) + x phi(x)
-    cdf = b.op("Mul", [b.op("Add", [one, b.op("Erf", [b.op("Mul", [x, _scalar(ctx, 1 / math.sqrt(2))])])]), half])
-    pdf = b.op("Mul", [b.op("Exp", [b.op("Mul", [b.op("Mul", [x, x]), _scalar(ctx, -0.5)])]), _scalar(ctx, 1 / math.sqrt(2 * math.pi))])
-    return b.op("Add", [cdf, b.op("Mul", [x, pdf])])
+    cdf = mul(add(b.op("Erf", [mul(x, 1 / math.sqrt(2))]), 1.0), 0.5)
+    pdf = mul(b.op("Exp", [mul(x2, -0.5)]), 1 / math.sqrt(2 * math.pi))
+    return add(cdf, mul(x, pdf))
+
+
+def _sin_local(ctx: GradContext) -> ir.Value:
+    """sin' = cos"""
+    return ctx.b.op("Cos", [ctx.inputs[0]])
+
+
+def _cos_local(ctx: GradContext) -> ir.Value:
+    """cos' = -sin"""
+    return ctx.b.op("Neg", [ctx.b.op("Sin", [ctx.inputs[0]])])
+
+
+def _softplus_local(ctx: GradContext) -> ir.Value:
+    """softplus' = sigmoid(x)"""
+    return ctx.b.op("Sigmoid", [ctx.inputs[0]])
+
+
+def _elu_local(ctx: GradContext) -> ir.Value:
+    """elu' = 1 for x > 0, y + alpha otherwise"""
+    b = ctx.b
+    alpha = _scalar(ctx, float(ctx.attr("alpha", 1.0)))
+    positive = b.op("Greater", [ctx.inputs[0], _scalar(ctx, 0.0)])
+    return b.op("Where", [positive, _scalar(ctx, 1.0), b.op("Add", [ctx.outputs[0], alpha])])
+
+
+def _hard_sigmoid_local(ctx: GradContext) -> ir.Value:
+    """alpha inside the linear band 0 < alpha x + beta < 1, else 0"""
+    b, x = ctx.b, ctx.inputs[0]
+    alpha, beta = float(ctx.attr("alpha", 0.2)), float(ctx.attr("beta", 0.5))
+    z = b.op("Add", [b.op("Mul", [x, _scalar(ctx, alpha)]), _scalar(ctx, beta)])
+    inside = b.op(
+        "And", [b.op("Greater", [z, _scalar(ctx, 0.0)]), b.op("Less", [z, _scalar(ctx, 1.0)])]
+    )
+    return b.op("Where", [inside, _scalar(ctx, alpha), _scalar(ctx, 0.0)])
+
+
+def _hard_swish_local(ctx: GradContext) -> ir.Value:
+    """y = x hardsigmoid(x; 1/6, 1/2): 0 below -3, 1 above 3, (2x + 3)/6 between"""
+    b, x = ctx.b, ctx.inputs[0]
+    ramp = b.op("Add", [b.op("Mul", [x, _scalar(ctx, 1.0 / 3.0)]), _scalar(ctx, 0.5)])
+    low = b.op("Where", [b.op("Less", [x, _scalar(ctx, -3.0)]), _scalar(ctx, 0.0), ramp])
+    return b.op("Where", [b.op("Greater", [x, _scalar(ctx, 3.0)]), _scalar(ctx, 1.0), low])
 
 
 def _relu(ctx: GradContext) -> Grads:
@@ -249,6 +294,12 @@ _RULES: tuple[tuple[str, GradRule], ...] = (
     ("Sigmoid", _unary(_sigmoid_local)),
     ("Erf", _unary(_erf_local)),
     ("Gelu", _unary(_gelu_local)),
+    ("Sin", _unary(_sin_local)),
+    ("Cos", _unary(_cos_local)),
+    ("Softplus", _unary(_softplus_local)),
+    ("Elu", _unary(_elu_local)),
+    ("HardSigmoid", _unary(_hard_sigmoid_local)),
+    ("HardSwish", _unary(_hard_swish_local)),
     ("Relu", _relu),
     ("LeakyRelu", _leaky_relu),
     ("Sum", _sum),

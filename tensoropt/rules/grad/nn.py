@@ -135,4 +135,3 @@ def register_into(registry: GradRegistry) -> None:
     """Add this family's rules to ``registry``."""
     for op_type, rule in _RULES:
         registry.register(op_type)(rule)
-

@@ -1,0 +1,24 @@
+"""Compile a forward model with a built-in plan, through the real passes."""
+
+from __future__ import annotations
+
+import onnx
+
+from tensoropt.ir.mesh import Mesh
+from tensoropt.passes.compile import compile_step
+from tensoropt.passes.plans import builtin_plan
+from tensoropt.passes.training_step import TrainingOptions, build_training_step
+from tests.helpers.steps import import_proto
+
+
+def make_mesh(spec: str, plan: str) -> Mesh:
+    dims = tuple(int(x) for x in spec.split("x"))
+    names = ("dp", "tp") if len(dims) == 2 else ("tp",) if plan == "megatron" else ("dp",)
+    return Mesh(dims, names)
+
+
+def compile_model(proto: onnx.ModelProto, plan: str, mesh: str, outdir, options=None):
+    """Compile ``proto`` into ``outdir``; returns (CompileResult, BuiltPlan)."""
+    step = build_training_step(import_proto(proto), options or TrainingOptions())
+    built = builtin_plan(plan, step.model.graph, step.signature, make_mesh(mesh, plan))
+    return compile_step(step, built.plan, built.data_axes, str(outdir)), built

@@ -1,0 +1,57 @@
+"""Repeated blocks: detection, hints, and exactness on problems too big to enumerate."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from search_strategies import block_chains
+
+from tensoropt.errors import PlanError
+from tensoropt.ir.costs import BlockHint, CostProblem
+from tensoropt.search import BlockMode, solve
+from tensoropt.search.synthetic import transformer_problem
+
+
+def values(result) -> list[tuple[float, float]]:
+    return [(p.time_s, p.memory_bytes) for p in result.points]
+
+
+@settings(max_examples=30, deadline=None)
+@given(block_chains(max_units=40))
+def test_long_chains_blocks_equal_plain_elimination(case) -> None:
+    problem, _ = case
+    plain = solve(problem, blocks=BlockMode.OFF)
+    composed = solve(problem, blocks=BlockMode.ALWAYS)
+    assert values(composed) == values(plain)
+    for p in composed.points:
+        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_transformer_blocks_detected_and_exact(mesh: tuple[int, ...]) -> None:
+    problem = transformer_problem(6, mesh)
+    auto = solve(problem)
+    assert auto.stats.blocks and "size=12" in auto.stats.blocks[0]
+    plain = solve(problem, blocks=BlockMode.OFF)
+    assert values(auto) == values(plain)
+    hinted = solve(transformer_problem(6, mesh, hint=True), blocks=BlockMode.ALWAYS)
+    assert values(hinted) == values(plain)
+    for p in auto.points:
+        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
+
+
+def test_squaring_used_in_epsilon_mode_and_guarantee_holds() -> None:
+    problem = transformer_problem(9, (2,))
+    exact = solve(problem, blocks=BlockMode.OFF)
+    approx = solve(problem, epsilon=0.05)
+    assert "powers=[1, 2, 4, 8] pieces=1" in approx.stats.blocks[0]
+    got = values(approx)
+    for t, m in values(exact):
+        assert any(qm <= m and qt <= 1.05 * t * (1 + 1e-12) for qt, qm in got)
+
+
+def test_wrong_hint_is_a_plan_error() -> None:
+    problem = transformer_problem(4, (2,))
+    bad = CostProblem(problem.units, problem.edges, 2, (2,), (BlockHint(1, 11, 4),))
+    with pytest.raises(PlanError, match=r"blocks\[0\]"):
+        solve(bad)
