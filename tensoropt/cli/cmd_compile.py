@@ -96,7 +96,8 @@ def _load_plan_file(path: str, mesh):
         )
     with open(path) as f:
         raw = json.load(f)
-    data_axes = tuple(raw.get("data_axes", [0]))
+    axes = raw.get("data_axes", [0])
+    data_axes = None if axes is None else tuple(axes)
     return plan, data_axes
 
 

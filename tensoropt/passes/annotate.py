@@ -74,12 +74,13 @@ def data_layout(shape: Sequence[int], mesh: Mesh, axes: Sequence[int]) -> Layout
 
 
 class _Annotator:
-    def __init__(self, graph: ir.Graph, sig: StepSignature, plan: Plan, data_axes):
+    def __init__(self, graph: ir.Graph, sig: StepSignature, plan: Plan, data_axes, lazy_data: bool):
         self.graph = graph
         self.sig = sig
         self.plan = plan
         self.mesh = plan.mesh
         self.data_axes = tuple(data_axes)
+        self.lazy_data = lazy_data
         self.layouts: dict[ir.Value, Layout] = {}
         self.strategies: dict[ir.Node, NodeStrategy] = {}
 
@@ -88,7 +89,7 @@ class _Annotator:
         data = set(self.sig.data_inputs) | ({self.sig.labels} if self.sig.labels else set())
         default_dp = self.plan.default is DefaultStrategy.DATA_PARALLEL
         for value in self.graph.inputs:
-            if value.name in data:
+            if value.name in data and not self.lazy_data:
                 axes = self.data_axes if default_dp else ()
                 self.layouts[value] = data_layout(static_shape(value), self.mesh, axes)
         self.lazy = {self.graph.initializers[n] for n in (*self.sig.params, *self.sig.states)}
@@ -279,7 +280,15 @@ def _state_owner(sig: StepSignature) -> dict[str, str]:
 
 
 def annotate(
-    graph: ir.Graph, sig: StepSignature, plan: Plan, data_axes: Sequence[int] = (0,)
+    graph: ir.Graph,
+    sig: StepSignature,
+    plan: Plan,
+    data_axes: Sequence[int] | None = (0,),
 ) -> Annotation:
-    """Choose a strategy for every node and a layout for every value (see module doc)."""
-    return _Annotator(graph, sig, plan, data_axes).run()
+    """Choose a strategy for every node and a layout for every value (see module doc).
+
+    ``data_axes=None`` places data inputs like parameters: by their first consumer
+    (searched plans decide the data layout through their first units).
+    """
+    lazy = data_axes is None
+    return _Annotator(graph, sig, plan, data_axes or (), lazy).run()

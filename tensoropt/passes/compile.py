@@ -175,8 +175,14 @@ def commit_outdir(tmp: str, outdir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def compile_step(step: TrainingStep, plan: Plan, data_axes: Sequence[int], outdir: str):
-    """Partition ``step`` (mutated) by ``plan`` and write ``outdir`` atomically."""
+def compile_step(
+    step: TrainingStep, plan: Plan, data_axes: Sequence[int] | None, outdir: str
+) -> CompileResult:
+    """Partition ``step`` (mutated) by ``plan`` and write ``outdir`` atomically.
+
+    ``data_axes``: mesh axes that shard the batch of data inputs, or None to place data
+    inputs by their first consumer's strategy (searched plans).
+    """
     model = step.model
     graph = model.graph
     mesh = plan.mesh
@@ -200,7 +206,8 @@ def compile_step(step: TrainingStep, plan: Plan, data_axes: Sequence[int], outdi
             files[f"device_{rank}.onnx"] = _sha256(path)
         plan_path = os.path.join(tmp, "plan.json")
         with open(plan_path, "w") as f:
-            json.dump(plan.to_json() | {"data_axes": list(data_axes)}, f, indent=2)
+            axes = None if data_axes is None else list(data_axes)
+            json.dump(plan.to_json() | {"data_axes": axes}, f, indent=2)
         files["annotated.onnx"] = _sha256(os.path.join(tmp, "annotated.onnx"))
         files["plan.json"] = _sha256(plan_path)
         manifest["files"] = files

@@ -278,16 +278,9 @@ def _lower_node(node, rank, coords, mesh, template, shapes) -> list[onnx.NodePro
 
 def group_over(mesh: Mesh, rank: int, axes) -> list[int]:
     """Global ranks that share ``rank``'s coordinates off ``axes`` (row-major over axes)."""
-    coords = mesh.coords(rank)
-    return [
-        r
-        for r in range(mesh.size)
-        if all(
-            c == mine
-            for a, (c, mine) in enumerate(zip(mesh.coords(r), coords, strict=False))
-            if a not in axes
-        )
-    ]
+    mine = mesh.coords(rank)
+    fixed = [a for a in range(mesh.ndim) if a not in axes]
+    return [r for r in range(mesh.size) if all(mesh.coords(r)[a] == mine[a] for a in fixed)]
 
 
 def _int_const(name: str, values) -> onnx.NodeProto:
