@@ -119,3 +119,82 @@ def progress(iterable, *, total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=None, leave=False)
+
+
+def search_graph(args: argparse.Namespace):
+    """Import ``args.model`` without its weights and describe it for the cost model."""
+    from tensoropt.cost.model import SearchGraph
+    from tensoropt.ir.importer import ImportOptions, import_model, parse_input_shapes
+    from tensoropt.passes.autodiff import is_float
+    from tensoropt.passes.trainable import select_trainable
+    from tensoropt.rules.grad import GRAD_RULES
+    from tensoropt.search.driver import graph_batch
+
+    options = ImportOptions(
+        load_weights=False,
+        input_shapes=parse_input_shapes(args.input_shape),
+        supported_ops=supported_ops(GRAD_RULES),
+    )
+    model = import_model(args.model, options)
+    graph = model.graph
+    outputs = [v for v in graph.outputs if is_float(v)][:1]
+    selection = select_trainable(
+        graph,
+        outputs,
+        GRAD_RULES.is_non_differentiable,
+        trainable=args.trainable,
+        freeze=args.freeze,
+    )
+    data = tuple(v.name for v in graph.inputs if v.name not in graph.initializers)
+    states = 2 if args.optimizer == "adam" else (1 if args.momentum else 0)
+    return SearchGraph(graph, frozenset(selection.trained), data, states, graph_batch(graph, data))
+
+
+def parse_bytes(text: str, flag: str) -> float:
+    """``16GiB``, ``80GB``, ``512MiB`` or a plain number of bytes."""
+    import re
+
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in units:
+        raise TensorOptError(f"{flag} {text!r}: give a size like 16GiB, 80GB or 512MiB")
+    return float(match.group(1)) * units[match.group(2).upper()]
+
+
+def parse_devices(text: str) -> list[int]:
+    """``1,2,4,8`` or a range ``1..64`` (powers of two) or ``1-8`` (every count)."""
+    import re
+
+    text = text.strip()
+    try:
+        if ".." in text:
+            lo, hi = (int(x) for x in text.split(".."))
+            out, d = [], 1
+            while d <= hi:
+                if d >= lo:
+                    out.append(d)
+                d *= 2
+        elif re.fullmatch(r"\d+-\d+", text):
+            lo, hi = (int(x) for x in text.split("-"))
+            out = list(range(lo, hi + 1))
+        else:
+            out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise TensorOptError(
+            f"--devices {text!r}: give counts like 1,2,4,8, a range 1..64 (powers of two) "
+            "or 1-8 (every count)"
+        ) from None
+    if not out or any(d < 1 for d in out):
+        raise TensorOptError(f"--devices {text!r}: device counts must be positive")
+    return sorted(set(out))

@@ -22,10 +22,10 @@ searched plans):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 
 from tensoropt.errors import PlanError, ShardingError
@@ -83,6 +83,7 @@ class _Annotator:
         self.lazy_data = lazy_data
         self.layouts: dict[ir.Value, Layout] = {}
         self.strategies: dict[ir.Node, NodeStrategy] = {}
+        self.out_terms: dict = {}
 
     # -- seeds ---------------------------------------------------------------------
     def seed_inputs(self) -> None:
@@ -94,6 +95,9 @@ class _Annotator:
                 self.layouts[value] = data_layout(static_shape(value), self.mesh, axes)
         self.lazy = {self.graph.initializers[n] for n in (*self.sig.params, *self.sig.states)}
         self.owner = _state_owner(self.sig)
+        self.states_of: dict[str, list[str]] = {}
+        for state, param in self.owner.items():
+            self.states_of.setdefault(param, []).append(state)
         self.by_name = {v.name: v for v in _all_values(self.graph)}
         for value in self.graph.initializers.values():
             if value not in self.lazy:
@@ -132,7 +136,8 @@ class _Annotator:
             cands = self._optimizer_candidates(node, cands)
         elif role == "backward":
             cands = self._mirror_candidates(node, cands)
-        return min(cands, key=lambda c: self._score(node, c))
+        memo: dict = {}
+        return min(cands, key=lambda c: self._score(node, c, memo))
 
     def _optimizer_candidates(self, node: ir.Node, cands):
         no_partial = [c for c in cands if not sa.has_partial(c)]
@@ -154,36 +159,45 @@ class _Annotator:
         ]
         return keep or no_partial or cands
 
-    def _score(self, node: ir.Node, cand: NodeStrategy):
+    def _score(self, node: ir.Node, cand: NodeStrategy, memo: dict | None = None):
+        """(bytes converted, partial outputs, conversions, spread of outputs): lower wins."""
+        memo = {} if memo is None else memo
         cost = 0.0
         conversions = 0
         for i, value in enumerate(node.inputs):
-            need = sa.input_layout(cand, i)
+            need = cand.inputs[i] if i < len(cand.inputs) else None
             if value is None or need is None:
                 continue
             have = self.layouts.get(value)
             if have is None:  # a parameter placed by its first consumer
-                if any(isinstance(p, Partial) for p in need.placements):
+                if need.has_partial:
                     return (float("inf"),)
                 continue
             if have != need:
                 conversions += 1
-                cost += sa.conversion_bytes(have, need, value, self.mesh)
-        partial = 0
-        spread = 0.0
-        for j, _ in enumerate(node.outputs):
-            layout = sa.output_layout(cand, j)
-            partial += sum(isinstance(p, Partial) for p in layout.placements)
-            spread += float(
-                np.prod(
-                    [
+                key = (i, need)
+                if key not in memo:
+                    memo[key] = sa.conversion_bytes(have, need, value, self.mesh)
+                cost += memo[key]
+        partial, spread = self._output_terms(cand)
+        return (cost, partial, conversions, spread)
+
+    def _output_terms(self, cand: NodeStrategy) -> tuple[int, float]:
+        cached = self.out_terms.get(cand)
+        if cached is None:
+            partial = 0
+            spread = 0.0
+            for layout in cand.outputs:
+                partial += sum(isinstance(p, Partial) for p in layout.placements)
+                spread += float(
+                    math.prod(
                         self.mesh.shape[a]
                         for a, p in enumerate(layout.placements)
                         if isinstance(p, Shard)
-                    ]
+                    )
                 )
-            )
-        return (cost, partial, conversions, spread)
+            cached = self.out_terms[cand] = (partial, spread)
+        return cached
 
     def run(self) -> Annotation:
         self.seed_inputs()
@@ -232,8 +246,8 @@ class _Annotator:
                     f"{value.name!r} as a partial sum; no legal strategy"
                 )
             self.layouts[value] = need
-            for state, owner in self.owner.items():
-                if owner == value.name and state in self.graph.initializers:
+            for state in self.states_of.get(value.name, ()):
+                if state in self.graph.initializers:
                     self.layouts[self.graph.initializers[state]] = need
 
     def _required_outputs(self) -> dict[ir.Value, Layout]:

@@ -135,6 +135,7 @@ def localize(model: ir.Model, ann: Annotation, layouts: dict[ir.Value, Layout]) 
             continue
         local = sa.localize(node, strategy, mesh)
         _set_attributes(node, local.attributes)
+        sa.forget_view(node)
         for i, array in enumerate(local.const_inputs):
             if array is not None:
                 name = f"{node.name}__local_in{i}"

@@ -6,6 +6,7 @@ here, so the conversion node -> :class:`OpView` lives in one place.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,8 +31,27 @@ def _attr_value(attr: ir.Attr):
     return value
 
 
+_VIEW_META = "tensoropt.op_view"
+
+
 def op_view(node: ir.Node) -> OpView:
-    """The plain-data view of ``node`` that sharding rules take."""
+    """The plain-data view of ``node`` that sharding rules take (memoised on the node).
+
+    Passes that change a node's attributes or inputs call :func:`forget_view`.
+    """
+    cached = node.meta.get(_VIEW_META)
+    if cached is not None and cached[0] == tuple(node.inputs):
+        return cached[1]
+    view = _make_view(node)
+    node.meta[_VIEW_META] = (tuple(node.inputs), view, _view_key(view))
+    return view
+
+
+def forget_view(node: ir.Node) -> None:
+    node.meta.pop(_VIEW_META, None)
+
+
+def _make_view(node: ir.Node) -> OpView:
     ins = tuple(node.inputs)
     return OpView(
         op_type=node.op_type,
@@ -60,7 +80,7 @@ def candidates(node: ir.Node, mesh: Mesh) -> list[MeshSharding]:
             f"no sharding rule for {node.op_type} (node {node.name}); it cannot be partitioned"
         )
     view = op_view(node)
-    key = (_view_key(view), mesh.shape)
+    key = (view_key(node), mesh.shape)
     cached = _STRATEGY_CACHE.get(key)
     if cached is None:
         cached = _STRATEGY_CACHE[key] = tuple(_strategies_nd(view, mesh.shape))
@@ -70,7 +90,23 @@ def candidates(node: ir.Node, mesh: Mesh) -> list[MeshSharding]:
 
 
 def localize(node: ir.Node, strategy: MeshSharding, mesh: Mesh) -> LocalOp:
-    return _localize_nd(op_view(node), strategy, mesh.shape)
+    """The node's local form under ``strategy`` (memoised per distinct op view)."""
+    key = (view_key(node), strategy, mesh.shape)
+    local = _LOCAL_CACHE.get(key)
+    if local is None:
+        local = _LOCAL_CACHE[key] = _localize_nd(op_view(node), strategy, mesh.shape)
+        if len(_LOCAL_CACHE) > 50000:
+            _LOCAL_CACHE.clear()
+    return local
+
+
+_LOCAL_CACHE: dict[tuple, LocalOp] = {}
+
+
+def view_key(node: ir.Node) -> tuple:
+    """A hashable key of the node's plain-data view: equal for identical ops."""
+    op_view(node)
+    return node.meta[_VIEW_META][2]
 
 
 # Strategy lists depend only on the op's plain-data view: deep models repeat the same
@@ -122,7 +158,19 @@ def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) ->
     Per mesh axis of size n and local size B: P->R 2(n-1)/n B, P->S and S->R (n-1)/n B,
     S->S (n-1)/n^2 B, R->S nothing; R->P is charged like P->R (see below).
     """
-    size = float(np.prod(static_shape(value))) * value.dtype.itemsize
+    key = (have, need, static_shape(value), value.dtype, mesh.shape)
+    cached = _BYTES_CACHE.get(key)
+    if cached is None:
+        itemsize = max(1, int(np.ceil(value.dtype.itemsize)))
+        cached = _BYTES_CACHE[key] = _conversion_bytes(have, need, key[2], itemsize, mesh)
+    return cached
+
+
+_BYTES_CACHE: dict[tuple, float] = {}
+
+
+def _conversion_bytes(have: Layout, need: Layout, shape, itemsize: int, mesh: Mesh) -> float:
+    size = float(math.prod(shape)) * itemsize
     for axis, p in enumerate(have.placements):
         if isinstance(p, Shard):
             size /= mesh.shape[axis]

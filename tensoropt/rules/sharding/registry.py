@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
@@ -80,25 +80,27 @@ SHARDING_RULES = ShardingRegistry(
 
 @dataclass(frozen=True, slots=True)
 class MeshSharding:
-    """A strategy on a whole mesh: one :class:`OpSharding` per mesh axis."""
+    """A strategy on a whole mesh: one :class:`OpSharding` per mesh axis.
+
+    ``inputs``/``outputs`` (the per-tensor layouts) are computed once at construction:
+    the cost model and the partitioner read them millions of times.
+    """
 
     axes: tuple[OpSharding, ...]
+    inputs: tuple[Layout | None, ...] = field(init=False, compare=False, repr=False)
+    outputs: tuple[Layout, ...] = field(init=False, compare=False, repr=False)
 
-    @property
-    def inputs(self) -> tuple[Layout | None, ...]:
-        """Layout of every input (None: absent optional input)."""
+    def __post_init__(self) -> None:
         first = self.axes[0].inputs
-        return tuple(
+        inputs = tuple(
             None if first[i] is None else Layout(tuple(a.inputs[i] for a in self.axes))  # type: ignore[misc]
             for i in range(len(first))
         )
-
-    @property
-    def outputs(self) -> tuple[Layout, ...]:
-        """Layout of every output."""
-        return tuple(
+        outputs = tuple(
             Layout(tuple(a.outputs[j] for a in self.axes)) for j in range(len(self.axes[0].outputs))
         )
+        object.__setattr__(self, "inputs", inputs)
+        object.__setattr__(self, "outputs", outputs)
 
     def __str__(self) -> str:
         ins = ", ".join("-" if lay is None else str(lay) for lay in self.inputs)

@@ -1,0 +1,291 @@
+"""``tensoropt search``: the Pareto frontier of (step time, memory per device, devices)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tensoropt.cli.common import (
+    add_model_input_options,
+    parse_bytes,
+    parse_devices,
+    search_graph,
+    write_atomic,
+)
+
+EPILOG = """\
+what it does: builds the cost problem of the model on every mesh of every device
+count (1-D, and with --mesh auto every 2-D factorisation dp x tp), solves each with
+Frontier Tracking (exact Pareto frontier of estimated step time vs memory per
+device), and merges them into one frontier over (devices, time, memory).
+The weights are not loaded: planning needs only shapes.
+
+estimates: compute is a roofline per local shard (forward + backward); communication
+is alpha-beta per mesh axis with intra- and inter-node rates; memory per device is
+parameter, gradient and optimizer-state shards, activations saved for backward and
+redistribution buffers. --cluster picks the rates: v100, a100, h100, h200 or a JSON
+file (keys of the built-in profiles; "base": NAME to override only some rates).
+
+examples:
+  tensoropt search gpt.onnx --devices 1,2,4,8 --plot frontier.png
+  tensoropt search gpt.onnx --devices 1..64 --cluster v100 --memory-budget 16GiB
+  tensoropt search bert.onnx --devices 8 --mesh 2x4 --json out.json --dump-costs costs.json
+  tensoropt search gpt.onnx --devices 1..64 --epsilon 0.05     # faster, within 5% in time
+"""
+
+
+def add_search_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default="h100", help="v100 | a100 | h100 | h200 | FILE.json")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--memory-budget", metavar="SIZE", help="drop plans over SIZE per device")
+    p.add_argument("--epsilon", type=float, help="approximate within (1+E) in step time")
+    p.add_argument("--trainable", metavar="REGEX")
+    p.add_argument("--freeze", metavar="REGEX")
+    add_model_input_options(p)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "search",
+        help="search the frontier of step time vs memory per device for device counts",
+        description="Frontier Tracking over parallelization strategies of MODEL.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--devices", default="1,2,4,8", help="e.g. 1,2,4,8 or 1..64 (default 1,2,4,8)")
+    p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
+    add_search_options(p)
+    p.add_argument("--json", metavar="OUT.json", help="every frontier point with its plan")
+    p.add_argument("--plot", metavar="OUT.png", help="memory vs step time per device count")
+    p.add_argument("--dump-costs", metavar="COSTS.json", help="the cost problems and answers")
+    p.set_defaults(func=run)
+
+
+def explore_from_args(args, devices):
+    """Import, cost and solve: shared by search, compile --pick and demo."""
+    from tensoropt.cli.common import progress
+    from tensoropt.cost.cluster import load_cluster
+    from tensoropt.errors import TensorOptError
+    from tensoropt.search.driver import explore, mesh_shapes
+
+    if args.epsilon is not None and not 0 < args.epsilon < 1:
+        raise TensorOptError(f"--epsilon {args.epsilon}: give a value in (0, 1), e.g. 0.05")
+    profile = load_cluster(args.cluster)
+    budget = parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    mesh_spec = getattr(args, "mesh", None) or "auto"
+    total = sum(len(mesh_shapes(d, mesh_spec)) for d in devices)
+    sg = search_graph(args)
+    bar = progress(range(total), total=total, desc="search")
+    it = iter(bar)
+
+    def tick(mesh):
+        next(it, None)
+        bar.set_postfix_str(f"mesh {mesh}")
+
+    exp = explore(
+        sg,
+        devices,
+        mesh_spec,
+        profile,
+        memory_budget=budget,
+        epsilon=args.epsilon,
+        on_problem=tick,
+    )
+    bar.close()
+    return sg, profile, exp
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _fmt_mem(b: float) -> str:
+    return f"{b / 2**30:.3f} GiB" if b >= 2**28 else f"{b / 2**20:.2f} MiB"
+
+
+def per_device_points(exp):
+    """{devices: [(MeshSearch, FrontierPoint)]}, non-dominated within each device count."""
+    from tensoropt.search.merge import merge_frontiers
+
+    out = {}
+    for d in sorted({s.mesh.size for s in exp.searches}):
+        group = {
+            (s.mesh.size, tuple(s.mesh.shape)): s.result for s in exp.searches if s.mesh.size == d
+        }
+        pts = merge_frontiers(group)
+        out[d] = [
+            (
+                exp.search_of(p.devices, p.mesh),
+                exp.search_of(p.devices, p.mesh).result.points[p.index],
+            )
+            for p in pts
+        ]
+    return out
+
+
+def _sample(rows, limit=10):
+    if len(rows) <= limit:
+        return list(enumerate(rows))
+    picks = sorted({round(i * (len(rows) - 1) / (limit - 1)) for i in range(limit)})
+    return [(i, rows[i]) for i in picks]
+
+
+def print_tables(sg, exp, out=sys.stdout) -> None:
+    from tensoropt.cost.summary import summarize
+
+    table = per_device_points(exp)
+    for d, rows in table.items():
+        print(f"\n{d} device{'s' if d > 1 else ''}: {len(rows)} frontier points", file=out)
+        print(
+            f"  {'#':>3} {'mesh':>6} {'step time':>12} {'memory/dev':>12} {'samples/s':>11}  plan",
+            file=out,
+        )
+        for i, (s, p) in _sample(rows):
+            mesh = "x".join(map(str, s.mesh.shape))
+            print(
+                f"  {i:>3} {mesh:>6} {_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12} "
+                f"{sg.batch / p.time_s:>11.1f}  {summarize(s.mp, sg, p.choice)}",
+                file=out,
+            )
+    print("\nreference plans on the same cost model (best mesh per device count):", file=out)
+    for d in table:
+        for name in ("data-parallel", "megatron"):
+            best = None
+            for s in exp.searches:
+                if s.mesh.size == d and name in s.references:
+                    t, m, _ = s.references[name]
+                    if best is None or t < best[0]:
+                        best = (t, m, s.mesh)
+            if best:
+                print(
+                    f"  {d:>3} devices {name:<14} mesh {'x'.join(map(str, best[2].shape)):>5} "
+                    f"{_fmt_time(best[0]):>12} {_fmt_mem(best[1]):>12}",
+                    file=out,
+                )
+    print(
+        f"\noverall frontier over (devices, step time, memory/device): {len(exp.merged)} points",
+        file=out,
+    )
+    print(f"  {'#':>3} {'devices':>7} {'mesh':>6} {'step time':>12} {'memory/dev':>12}", file=out)
+    for i, p in _sample(list(exp.merged), 20):
+        print(
+            f"  {i:>3} {p.devices:>7} {'x'.join(map(str, p.mesh)):>6} "
+            f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}",
+            file=out,
+        )
+    if exp.searches:
+        print(f"\nguarantee: {exp.searches[0].result.guarantee}", file=out)
+
+
+def to_json(sg, profile, exp, model_path: str) -> dict:
+    from tensoropt.cost.summary import summarize
+    from tensoropt.search.driver import plan_from_choice
+
+    per_device = {}
+    for d, rows in per_device_points(exp).items():
+        per_device[str(d)] = [
+            {
+                "index": i,
+                "mesh": list(s.mesh.shape),
+                "time_s": p.time_s,
+                "memory_bytes": p.memory_bytes,
+                "samples_per_s": sg.batch / p.time_s,
+                "summary": summarize(s.mp, sg, p.choice),
+                "plan": plan_from_choice(s.mp, p.choice, f"search point {d}:{i}").to_json(),
+            }
+            for i, (s, p) in enumerate(rows)
+        ]
+    return {
+        "schema": "tensoropt.search/1",
+        "model": model_path,
+        "cluster": profile.to_json(),
+        "epsilon": exp.epsilon,
+        "guarantee": exp.searches[0].result.guarantee if exp.searches else "",
+        "memory_budget": exp.memory_budget,
+        "per_device": per_device,
+        "frontier": [
+            {
+                "devices": p.devices,
+                "mesh": list(p.mesh),
+                "time_s": p.time_s,
+                "memory_bytes": p.memory_bytes,
+                "point": p.index,
+            }
+            for p in exp.merged
+        ],
+        "references": [
+            {
+                "devices": s.mesh.size,
+                "mesh": list(s.mesh.shape),
+                "plan": name,
+                "time_s": t,
+                "memory_bytes": m,
+            }
+            for s in exp.searches
+            for name, (t, m, _) in s.references.items()
+        ],
+    }
+
+
+def plot(sg, exp, path: str) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    table = per_device_points(exp)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (d, rows) in enumerate(table.items()):
+        c = colors[k % len(colors)]
+        xs = [p.time_s * 1e3 for _, p in rows]
+        ys = [p.memory_bytes / 2**30 for _, p in rows]
+        ax.step(xs, ys, where="post", color=c, label=f"{d} devices", marker="o", ms=3)
+        for s in exp.searches:
+            if s.mesh.size != d:
+                continue
+            for name, marker in (("data-parallel", "s"), ("megatron", "^")):
+                if name in s.references:
+                    t, m, _ = s.references[name]
+                    ax.scatter(
+                        [t * 1e3], [m / 2**30], marker=marker, facecolors="none", edgecolors=c, s=60
+                    )
+    ax.scatter([], [], marker="s", facecolors="none", edgecolors="k", label="data-parallel")
+    ax.scatter([], [], marker="^", facecolors="none", edgecolors="k", label="Megatron")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("estimated step time (ms)")
+    ax.set_ylabel("memory per device (GiB)")
+    ax.set_title("Frontier of step time vs memory per device")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensoropt.ir.costs import CostRecord, costs_to_json
+
+    devices = parse_devices(args.devices)
+    sg, profile, exp = explore_from_args(args, devices)
+    print_tables(sg, exp)
+    if args.json:
+        data = to_json(sg, profile, exp, args.model)
+        write_atomic(args.json, json.dumps(data, indent=1).encode())
+    if args.plot:
+        plot(sg, exp, args.plot)
+    if args.dump_costs:
+        records = [CostRecord(s.mp.problem, s.result.points, exp.epsilon) for s in exp.searches]
+        write_atomic(args.dump_costs, json.dumps(costs_to_json(records)).encode())
+    for flag, path in (("json", args.json), ("plot", args.plot), ("costs", args.dump_costs)):
+        if path:
+            print(f"wrote {flag}: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,190 @@
+"""Cluster profiles: the rates the cost model uses (DESIGN §4).
+
+A profile gives per-device compute (peak FLOP/s and memory bandwidth, with an
+efficiency factor and a per-op floor), device memory, how many devices share a
+node, and alpha-beta rates for links inside a node and between nodes. Built-in
+profiles model common GPUs; ``--cluster FILE.json`` loads a profile, optionally
+``"base"``-d on a built-in one, overriding any rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from tensoropt.errors import ClusterError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Alpha-beta rates of one kind of link: latency (s) and bandwidth (bytes/s)."""
+
+    alpha_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterProfile:
+    """Rates of one kind of device and its interconnect."""
+
+    name: str
+    description: str
+    peak_flops: float  # dense FLOP/s per device at the training precision
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float  # device memory capacity
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    efficiency: float = 0.5  # fraction of peak a well-shaped kernel reaches
+    op_floor_s: float = 5e-6  # smallest time of any kernel (launch overhead)
+    op_throughput: dict[str, float] = field(default_factory=dict)  # measured FLOP/s by family
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+_BUILTIN = {
+    "v100": ClusterProfile(
+        "v100",
+        "NVIDIA V100 16 GB, 8 per node over NVLink, nodes on 100 Gb/s InfiniBand",
+        peak_flops=112e12,
+        memory_bandwidth=900e9,
+        memory_bytes=16 * GIB,
+        devices_per_node=8,
+        intra=Link(5e-6, 130e9),
+        inter=Link(10e-6, 12.5e9),
+    ),
+    "a100": ClusterProfile(
+        "a100",
+        "NVIDIA A100 80 GB SXM, 8 per node over NVSwitch, 8x200 Gb/s HDR InfiniBand",
+        peak_flops=312e12,
+        memory_bandwidth=2.0e12,
+        memory_bytes=80 * GIB,
+        devices_per_node=8,
+        intra=Link(4e-6, 300e9),
+        inter=Link(8e-6, 25e9),
+    ),
+    "h100": ClusterProfile(
+        "h100",
+        "NVIDIA H100 80 GB SXM, 8 per node over NVSwitch, 8x400 Gb/s NDR InfiniBand",
+        peak_flops=989e12,
+        memory_bandwidth=3.35e12,
+        memory_bytes=80 * GIB,
+        devices_per_node=8,
+        intra=Link(3e-6, 450e9),
+        inter=Link(6e-6, 50e9),
+    ),
+    "h200": ClusterProfile(
+        "h200",
+        "NVIDIA H200 141 GB SXM, 8 per node over NVSwitch, 8x400 Gb/s NDR InfiniBand",
+        peak_flops=989e12,
+        memory_bandwidth=4.8e12,
+        memory_bytes=141e9,
+        devices_per_node=8,
+        intra=Link(3e-6, 450e9),
+        inter=Link(6e-6, 50e9),
+    ),
+}
+
+BUILTIN_NAMES = tuple(_BUILTIN)
+
+
+def builtin(name: str) -> ClusterProfile:
+    try:
+        return _BUILTIN[name.lower()]
+    except KeyError:
+        raise ClusterError(
+            f"unknown cluster profile {name!r}; use one of {', '.join(BUILTIN_NAMES)} "
+            "or a cluster JSON file"
+        ) from None
+
+
+def _positive(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where}: expected a number, found {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ClusterError(f"{where}: expected a finite rate >= 0, found {value!r}")
+    return float(value)
+
+
+def _link(obj, base: Link, where: str) -> Link:
+    if not isinstance(obj, dict):
+        raise ClusterError(f"{where}: expected an object with alpha_s and bandwidth")
+    unknown = set(obj) - {"alpha_s", "bandwidth"}
+    if unknown:
+        raise ClusterError(f"{where}: unknown keys {sorted(unknown)}")
+    alpha = _positive(obj.get("alpha_s", base.alpha_s), f"{where}.alpha_s")
+    bw = _positive(obj.get("bandwidth", base.bandwidth), f"{where}.bandwidth")
+    if bw == 0:
+        raise ClusterError(f"{where}.bandwidth: must be > 0")
+    return Link(alpha, bw)
+
+
+def from_json(obj, where: str) -> ClusterProfile:
+    """A profile from a JSON object; ``base`` names a built-in profile to start from."""
+    if not isinstance(obj, dict):
+        raise ClusterError(f"{where}: expected a JSON object")
+    base_name = obj.get("base")
+    if base_name is None and "peak_flops" not in obj:
+        raise ClusterError(
+            f'{where}: give "base": one of {", ".join(BUILTIN_NAMES)}, or every rate '
+            "(peak_flops, memory_bandwidth, memory_bytes, devices_per_node, intra, inter)"
+        )
+    base = builtin(base_name) if base_name is not None else None
+    names = {f.name for f in fields(ClusterProfile)}
+    unknown = set(obj) - names - {"base", "schema", "machine", "versions", "spread"}
+    if unknown:
+        raise ClusterError(f"{where}: unknown keys {sorted(unknown)}")
+    values = {}
+    for key in ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency", "op_floor_s"):
+        if key in obj:
+            values[key] = _positive(obj[key], f"{where}.{key}")
+        elif base is None and key not in ("efficiency", "op_floor_s"):
+            raise ClusterError(f"{where}: missing rate {key!r}")
+    for key in ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency"):
+        if values.get(key) == 0:
+            raise ClusterError(f"{where}.{key}: must be > 0")
+    if "devices_per_node" in obj:
+        dpn = obj["devices_per_node"]
+        if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
+            raise ClusterError(f"{where}.devices_per_node: expected an integer >= 1")
+        values["devices_per_node"] = dpn
+    elif base is None:
+        raise ClusterError(f"{where}: missing 'devices_per_node'")
+    for key in ("intra", "inter"):
+        if key in obj:
+            values[key] = _link(obj[key], base.intra if base else Link(0, 1), f"{where}.{key}")
+        elif base is None:
+            raise ClusterError(f"{where}: missing link {key!r}")
+    if "op_throughput" in obj:
+        table = obj["op_throughput"]
+        if not isinstance(table, dict):
+            raise ClusterError(f"{where}.op_throughput: expected an object")
+        values["op_throughput"] = {
+            k: _positive(v, f"{where}.op_throughput.{k}") for k, v in table.items()
+        }
+    name = str(obj.get("name", base.name + "+file" if base else "custom"))
+    description = str(obj.get("description", f"from {where}"))
+    if base is None:
+        return ClusterProfile(name=name, description=description, **values)
+    return replace(base, name=name, description=description, **values)
+
+
+def load_cluster(spec: str) -> ClusterProfile:
+    """A built-in profile by name, or a cluster JSON file."""
+    if spec.lower() in _BUILTIN:
+        return _BUILTIN[spec.lower()]
+    if not spec.endswith(".json") and not os.path.exists(spec):
+        builtin(spec)  # raises with the list of names
+    if not os.path.isfile(spec):
+        raise ClusterError(f"{spec}: no such cluster file")
+    try:
+        with open(spec) as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ClusterError(f"{spec}: not valid JSON ({exc})") from None
+    return from_json(obj, spec)

@@ -1,0 +1,91 @@
+"""Compute time of one op's local shard, forward plus backward (a roofline).
+
+time = sum over kernels of max(flops / rate, bytes / memory bandwidth, floor), where
+rate is the profile's measured throughput for the op's family when it has one
+(a calibrated profile), else peak FLOP/s times efficiency. The backward of a
+contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
+backward of other ops is taken as twice the forward traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tensoropt.cost.cluster import ClusterProfile
+
+_FAMILIES = {
+    "MatMul": "matmul",
+    "Gemm": "matmul",
+    "Einsum": "matmul",
+    "Conv": "conv",
+    "ConvTranspose": "conv",
+    "Softmax": "softmax",
+    "LogSoftmax": "softmax",
+    "LayerNormalization": "norm",
+    "BatchNormalization": "norm",
+    "ReduceMean": "reduce",
+    "ReduceSum": "reduce",
+    "ReduceMax": "reduce",
+    "GlobalAveragePool": "reduce",
+    "MaxPool": "pool",
+    "AveragePool": "pool",
+}
+# Ops that move no data on a device (views, shape arithmetic).
+_FREE = frozenset(
+    {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Constant", "Size"}
+)
+
+
+def family(op_type: str) -> str:
+    return _FAMILIES.get(op_type, "elementwise")
+
+
+def _numel(shape: Sequence[int] | None) -> float:
+    return 0.0 if shape is None else float(np.prod(shape, dtype=np.float64))
+
+
+def forward_flops(op_type: str, attrs, in_shapes, out_shapes) -> float:
+    """FLOPs of the forward op on these (local) shapes."""
+    out = _numel(out_shapes[0]) if out_shapes else 0.0
+    if op_type == "MatMul" and in_shapes[0]:
+        return 2.0 * out * in_shapes[0][-1]
+    if op_type == "Gemm" and in_shapes[0]:
+        k = in_shapes[0][0] if attrs.get("transA", 0) else in_shapes[0][-1]
+        return 2.0 * out * k
+    if op_type in ("Conv", "ConvTranspose") and in_shapes[1]:
+        w = in_shapes[1]
+        per_out = float(np.prod(w[1:], dtype=np.float64))
+        base = out if op_type == "Conv" else _numel(in_shapes[0])
+        return 2.0 * base * per_out
+    if family(op_type) in ("softmax", "norm"):
+        return 8.0 * out
+    return float(out)
+
+
+def op_time(
+    op_type: str,
+    attrs,
+    in_shapes: Sequence[Sequence[int] | None],
+    out_shapes: Sequence[Sequence[int]],
+    itemsize: int,
+    profile: ClusterProfile,
+) -> float:
+    """Forward + backward seconds of one op on its local shapes."""
+    if op_type in _FREE:
+        return 0.0
+    flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
+    traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
+    fam = family(op_type)
+    rate = profile.op_throughput.get(fam, profile.peak_flops * profile.efficiency)
+    fwd = max(flops / rate, traffic / profile.memory_bandwidth, profile.op_floor_s)
+    if fam in ("matmul", "conv"):
+        return 3.0 * fwd  # dX and dW are contractions of the same size
+    return 3.0 * max(flops / rate, traffic / profile.memory_bandwidth, profile.op_floor_s)
+
+
+def update_time(param_elements: float, states: int, itemsize: int, profile) -> float:
+    """Optimizer update of a parameter shard: memory-bound over param, grad and state."""
+    traffic = itemsize * param_elements * (2 + 2 * states + 1)
+    return max(traffic / profile.memory_bandwidth, profile.op_floor_s)

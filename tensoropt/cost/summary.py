@@ -1,0 +1,51 @@
+"""One-line summaries of plans: which layers use which parallelism."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from tensoropt.cost.model import MeshProblem, SearchGraph
+from tensoropt.ir.layout import Partial, Shard
+
+
+def unit_kind(mp: MeshProblem, sg: SearchGraph, k: int, s: int) -> str:
+    """e.g. ``tp=4 x dp=2``: per mesh axis, tp when an owned weight is sharded on it,
+    dp when only the work is split, nothing when replicated."""
+    info = mp.units[k]
+    strategy = info.strategies[s]
+    parts = []
+    for a, n in enumerate(mp.mesh.shape):
+        weight_split = any(
+            v is not None
+            and v.name in sg.params
+            and lay is not None
+            and isinstance(lay.placements[a], Shard)
+            for v, lay in zip(info.node.inputs, strategy.inputs, strict=False)
+        )
+        layouts = [*(x for x in strategy.inputs if x is not None), *strategy.outputs]
+        work_split = any(isinstance(lay.placements[a], (Shard, Partial)) for lay in layouts)
+        if weight_split:
+            parts.append(f"tp={n}")
+        elif work_split:
+            parts.append(f"dp={n}")
+    return " x ".join(parts) if parts else "replicated"
+
+
+def summarize(mp: MeshProblem, sg: SearchGraph, choice: Sequence[int]) -> str:
+    """``dp=8 on Gather; tp=4 x dp=2 on MatMul (24), dp=8 on MatMul (2)``: weight layers only."""
+    by_op: dict[str, Counter] = defaultdict(Counter)
+    for k, s in enumerate(choice):
+        node = mp.units[k].node
+        if not any(v is not None and v.name in sg.params for v in node.inputs):
+            continue
+        by_op[node.op_type][unit_kind(mp, sg, k, s)] += 1
+    parts = []
+    for op, kinds in sorted(by_op.items(), key=lambda kv: -sum(kv[1].values())):
+        if len(kinds) == 1:
+            (kind,) = kinds
+            parts.append(f"{kind} on {op}")
+        else:
+            inner = ", ".join(f"{kind} ({n})" for kind, n in kinds.most_common())
+            parts.append(f"{op}: {inner}")
+    return "; ".join(parts) if parts else "replicated"
