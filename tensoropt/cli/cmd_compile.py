@@ -101,13 +101,69 @@ def _load_plan_file(path: str, mesh):
     return plan, data_axes
 
 
+def _compile_picked(args: argparse.Namespace) -> int:
+    """Search, pick a point by policy, and compile its plan through the same passes."""
+    from tensoropt.cli.cmd_search import explore_from_args
+    from tensoropt.cli.common import parse_bytes
+    from tensoropt.passes.compile import compile_step
+    from tensoropt.search.driver import pick, plan_from_choice
+
+    if args.devices < 1:
+        raise TensorOptError(f"--devices must be at least 1, got {args.devices}")
+    counts = [args.devices]
+    if args.pick.startswith("fewest-devices-under:"):
+        counts = sorted({d for d in (1, 2, 4, 8, 16, 32, 64) if d < args.devices} | counts)
+    args.epsilon = None
+    args.memory_budget = None
+    _, _, exp = explore_from_args(args, counts)
+    chosen = pick(exp, args.devices, args.pick, parse_bytes)
+    search, point = chosen.search, chosen.point
+    source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
+    plan = plan_from_choice(search, point.choice, source)
+    print(
+        f"picked {args.pick}: mesh {search.mesh}, estimated step "
+        f"{point.time_s * 1e3:.3f} ms, {point.memory_bytes / 2**20:.1f} MiB per device; "
+        f"{search.summaries[search.result.points.index(point)]}",
+        file=sys.stderr,
+    )
+    step = build_step(args)
+    print(step.selection.summary(step.model.graph), file=sys.stderr)
+    result = compile_step(step, plan, None, args.output)
+    _report(args, result, search.mesh, (source,))
+    return 0
+
+
+def _report(args, result, mesh, notes) -> None:
+    if args.json:
+        json.dump(
+            {
+                "schema": "tensoropt.compile/1",
+                "outdir": result.outdir,
+                "world_size": result.world_size,
+                "mesh": list(mesh.shape),
+                "files": list(result.files),
+                "collectives": result.collectives,
+                "notes": list(notes),
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+    else:
+        print(
+            f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
+            f"{result.collectives} collectives per device; run it with "
+            f"`tensoropt run {args.output} --steps 3 --verify`"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from tensoropt.passes.compile import compile_step
     from tensoropt.passes.plans import builtin_plan
 
     plan_name = args.plan or "data-parallel"
     if args.pick:
-        raise TensorOptError("--pick needs the search (issue 4), which is not built yet")
+        return _compile_picked(args)
     is_file = plan_name.endswith(".json") or os.path.sep in plan_name
     if not is_file and plan_name not in ("data-parallel", "megatron"):
         raise PlanError(f"--plan {plan_name!r}: use data-parallel, megatron or a PLAN.json file")
@@ -124,24 +180,5 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(note, file=sys.stderr)
     result = compile_step(step, plan, data_axes, args.output)
-    if args.json:
-        json.dump(
-            {
-                "schema": "tensoropt.compile/1",
-                "outdir": result.outdir,
-                "world_size": result.world_size,
-                "files": list(result.files),
-                "collectives": result.collectives,
-                "notes": list(notes),
-            },
-            sys.stdout,
-            indent=2,
-        )
-        print()
-    else:
-        print(
-            f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
-            f"{result.collectives} collectives per device; run it with "
-            f"`tensoropt run {args.output} --steps 3 --verify`"
-        )
+    _report(args, result, mesh, notes)
     return 0

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tensoropt.errors import OutputDirError, TensorOptError
+from tensoropt.errors import ModelLoadError, OutputDirError, TensorOptError
 
 EPILOG = """\
 shows per device: op count, collectives by kind and group, bytes sent per step
@@ -43,7 +43,6 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _targets(target: str) -> tuple[list[str], list[str], list[str]]:
-    import onnx
 
     from tensoropt.passes.training_step import read_signature
 
@@ -63,14 +62,29 @@ def _targets(target: str) -> tuple[list[str], list[str], list[str]]:
         return files, step["params"], step["states"]
     if not os.path.isfile(target):
         raise TensorOptError(f"{target}: no such file or directory")
-    model = onnx.load(target, load_external_data=False)
-    sig = read_signature(model)
+    model = _load(target)
+    try:
+        sig = read_signature(model)
+    except TensorOptError as exc:
+        raise TensorOptError(f"{target}: {exc}") from None
     return [target], list(sig.params), list(sig.states)
 
 
-def run(args: argparse.Namespace) -> int:
+def _load(path: str):
+    """The ONNX model at ``path`` (weights left on disk); bad files are bad input."""
     import onnx
+    from google.protobuf.message import DecodeError
 
+    try:
+        return onnx.load(path, load_external_data=False)
+    except (DecodeError, OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(
+            f"{path}: not a readable ONNX model ({first}); recompile or re-export it"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
     from tensoropt.passes.device_stats import device_stats
 
     files, params, states = _targets(args.target)
@@ -78,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     for path in files:
         if not os.path.isfile(path):
             raise OutputDirError(f"{path}: missing; recompile the output directory")
-        stats = device_stats(onnx.load(path), params, states)
+        stats = device_stats(_load(path), params, states)
         report.append((os.path.basename(path), stats))
     if args.json:
         json.dump(

@@ -38,6 +38,7 @@ examples:
 def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="h100", help="v100 | a100 | h100 | h200 | FILE.json")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--loss", choices=["auto", "ce", "mse"], default="auto")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--memory-budget", metavar="SIZE", help="drop plans over SIZE per device")
     p.add_argument("--epsilon", type=float, help="approximate within (1+E) in step time")
@@ -126,6 +127,10 @@ def per_device_points(exp):
     return out
 
 
+def _index(search, point) -> int:
+    return search.result.points.index(point)
+
+
 def _sample(rows, limit=10):
     if len(rows) <= limit:
         return list(enumerate(rows))
@@ -134,8 +139,6 @@ def _sample(rows, limit=10):
 
 
 def print_tables(sg, exp, out=sys.stdout) -> None:
-    from tensoropt.cost.summary import summarize
-
     table = per_device_points(exp)
     for d, rows in table.items():
         print(f"\n{d} device{'s' if d > 1 else ''}: {len(rows)} frontier points", file=out)
@@ -147,7 +150,7 @@ def print_tables(sg, exp, out=sys.stdout) -> None:
             mesh = "x".join(map(str, s.mesh.shape))
             print(
                 f"  {i:>3} {mesh:>6} {_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12} "
-                f"{sg.batch / p.time_s:>11.1f}  {summarize(s.mp, sg, p.choice)}",
+                f"{sg.batch / p.time_s:>11.1f}  {s.summaries[_index(s, p)]}",
                 file=out,
             )
     print("\nreference plans on the same cost model (best mesh per device count):", file=out)
@@ -181,7 +184,6 @@ def print_tables(sg, exp, out=sys.stdout) -> None:
 
 
 def to_json(sg, profile, exp, model_path: str) -> dict:
-    from tensoropt.cost.summary import summarize
     from tensoropt.search.driver import plan_from_choice
 
     per_device = {}
@@ -193,8 +195,8 @@ def to_json(sg, profile, exp, model_path: str) -> dict:
                 "time_s": p.time_s,
                 "memory_bytes": p.memory_bytes,
                 "samples_per_s": sg.batch / p.time_s,
-                "summary": summarize(s.mp, sg, p.choice),
-                "plan": plan_from_choice(s.mp, p.choice, f"search point {d}:{i}").to_json(),
+                "summary": s.summaries[_index(s, p)],
+                "plan": plan_from_choice(s, p.choice, f"search point {d}:{i}").to_json(),
             }
             for i, (s, p) in enumerate(rows)
         ]
@@ -240,11 +242,14 @@ def plot(sg, exp, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     table = per_device_points(exp)
+    mems = [p.memory_bytes for rows in table.values() for _, p in rows] or [1.0]
+    times = [p.time_s for rows in table.values() for _, p in rows] or [1.0]
+    mem_unit, mem_name = (2**30, "GiB") if max(mems) >= 2**30 else (2**20, "MiB")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, (d, rows) in enumerate(table.items()):
         c = colors[k % len(colors)]
         xs = [p.time_s * 1e3 for _, p in rows]
-        ys = [p.memory_bytes / 2**30 for _, p in rows]
+        ys = [p.memory_bytes / mem_unit for _, p in rows]
         ax.step(xs, ys, where="post", color=c, label=f"{d} devices", marker="o", ms=3)
         for s in exp.searches:
             if s.mesh.size != d:
@@ -257,10 +262,12 @@ def plot(sg, exp, path: str) -> None:
                     )
     ax.scatter([], [], marker="s", facecolors="none", edgecolors="k", label="data-parallel")
     ax.scatter([], [], marker="^", facecolors="none", edgecolors="k", label="Megatron")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if max(times) / max(min(times), 1e-12) > 10:
+        ax.set_xscale("log")
+    if max(mems) / max(min(mems), 1.0) > 10:
+        ax.set_yscale("log")
     ax.set_xlabel("estimated step time (ms)")
-    ax.set_ylabel("memory per device (GiB)")
+    ax.set_ylabel(f"memory per device ({mem_name})")
     ax.set_title("Frontier of step time vs memory per device")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -283,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(sg, exp, args.plot)
     if args.dump_costs:
-        records = [CostRecord(s.mp.problem, s.result.points, exp.epsilon) for s in exp.searches]
+        records = [CostRecord(s.problem, s.result.points, exp.epsilon) for s in exp.searches]
         write_atomic(args.dump_costs, json.dumps(costs_to_json(records)).encode())
     for flag, path in (("json", args.json), ("plot", args.plot), ("costs", args.dump_costs)):
         if path:

@@ -62,12 +62,13 @@ def run(args: argparse.Namespace) -> int:
         raise TensorOptError(f"--steps must be at least 1, got {args.steps}")
     step = build_step(args)
     summary = step.selection.summary(step.model.graph)
-    print(summary, file=sys.stderr)
     proto = export_model(step.model)
+    # A bad --data file is refused before anything is printed or trained.
+    source = batch_source(input_specs(proto, step.signature), args.data, args.seed, args.steps)
+    print(summary, file=sys.stderr)
     if args.export_step:
         write_atomic(args.export_step, proto.SerializeToString())
     session = StepSession(proto, threads=args.threads)
-    source = batch_source(input_specs(proto, step.signature), args.data, args.seed)
     state = session.initial_state()
     losses = []
     if not args.json:

@@ -124,8 +124,9 @@ def progress(iterable, *, total: int, desc: str):
 def search_graph(args: argparse.Namespace):
     """Import ``args.model`` without its weights and describe it for the cost model."""
     from tensoropt.cost.model import SearchGraph
+    from tensoropt.ir.builder import Builder
     from tensoropt.ir.importer import ImportOptions, import_model, parse_input_shapes
-    from tensoropt.passes.autodiff import is_float
+    from tensoropt.passes.loss import LossKind, build_loss
     from tensoropt.passes.trainable import select_trainable
     from tensoropt.rules.grad import GRAD_RULES
     from tensoropt.search.driver import graph_batch
@@ -137,10 +138,13 @@ def search_graph(args: argparse.Namespace):
     )
     model = import_model(args.model, options)
     graph = model.graph
-    outputs = [v for v in graph.outputs if is_float(v)][:1]
+    # The loss is part of the step: its layout decisions (e.g. a vocab-sharded LM head
+    # feeding the softmax) cost communication, so it is part of the search graph.
+    loss = LossKind(getattr(args, "loss", "auto"))
+    spec = build_loss(graph, loss, Builder(graph, prefix="t_"))
     selection = select_trainable(
         graph,
-        outputs,
+        [spec.source],
         GRAD_RULES.is_non_differentiable,
         trainable=args.trainable,
         freeze=args.freeze,

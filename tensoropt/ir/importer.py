@@ -11,12 +11,15 @@ shapes), so paper-size models are searched without their weights in memory.
 
 from __future__ import annotations
 
+import ast
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
@@ -154,12 +157,70 @@ def _check_inputs_static(model: onnx.ModelProto, path: str) -> None:
             )
 
 
+# Float initializers above this size enter shape inference as shape-only references.
+SHAPE_ONLY_BYTES = 1 << 16
+_FLOAT_ITEMSIZE = {
+    onnx.TensorProto.FLOAT: 4,
+    onnx.TensorProto.FLOAT16: 2,
+    onnx.TensorProto.BFLOAT16: 2,
+    onnx.TensorProto.DOUBLE: 8,
+}
+
+
+def _shape_only(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """A stand-in with ``tensor``'s name, type and dims, and no data."""
+    stub = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type)
+    stub.dims.extend(tensor.dims)
+    stub.data_location = onnx.TensorProto.EXTERNAL
+    stub.external_data.add(key="location", value="__tensoropt_shape_only__")
+    return stub
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    """Copy every set field of proto message ``src`` except ``skip`` into ``dst``."""
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # repeated
+            getattr(dst, field.name).extend(value)
+        elif hasattr(value, "CopyFrom"):  # message
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def without_large_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose large float initializers hold no data.
+
+    ONNX shape inference serializes the whole model and parses it back; with the
+    weights inside, a GPT-2-size model costs several copies of its weights in time
+    and memory. Large float tensors are never shape or index operands, so inference
+    needs only their type and dims.
+    """
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(model.graph, light.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        itemsize = _FLOAT_ITEMSIZE.get(tensor.data_type, 0)  # ByteSize() walks the data
+        big = itemsize * math.prod(tensor.dims) > SHAPE_ONLY_BYTES
+        light.graph.initializer.append(_shape_only(tensor) if big else tensor)
+    return light
+
+
 def _infer(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
+    """Shape inference (with data propagation) whose results are written into ``model``."""
     try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(
+            without_large_weights(model), strict_mode=False, data_prop=True
+        )
     except Exception as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"{path}: ONNX shape inference failed: {msg}") from None
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    for out, found in zip(model.graph.output, inferred.graph.output, strict=True):
+        out.type.CopyFrom(found.type)
+    return model
 
 
 def _check_all_static(graph: ir.Graph, path: str) -> None:
@@ -229,12 +290,98 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
         raise UnsupportedOpError(
             f"{path}: control flow is not supported: {names}; export with loops unrolled"
         )
+    _retie_transposed_copies(graph)
+    _add_dropout_masks(graph)
     _name_and_tag(graph)
     if options.supported_ops is not None:
         _check_supported(graph, options.supported_ops, path)
     _check_all_static(graph, path)
     log.info("imported %s: %d nodes, opset %d", path, len(graph), _opset(proto))
     return model
+
+
+FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
+
+
+def _folded_from(value: ir.Value) -> list[str]:
+    """Source value names the onnxscript optimizer recorded for a folded initializer."""
+    raw = value.metadata_props.get(FOLDED_FROM_KEY)
+    if not raw:
+        return []
+    try:
+        names = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(n) for n in names] if isinstance(names, (list, tuple)) else []
+
+
+def _retie_transposed_copies(graph: ir.Graph) -> None:
+    """Restore ties that ``torch.onnx.export(dynamo=True)`` broke by folding Transposes.
+
+    The exporter's optimizer stores ``Linear`` weights pre-transposed under new names
+    and records the source in ``pkg.onnxscript.optimizer.folded_from``. When the source
+    weight is still an initializer (it has another use, e.g. a GPT-2 ``lm_head`` tied to
+    the token embedding), the file holds two copies of one torch parameter, which
+    would be trained apart. A copy whose recorded source is a single initializer that
+    it equals transposed becomes a ``Transpose`` node of that source again.
+    """
+    for name, value in list(graph.initializers.items()):
+        sources = _folded_from(value)
+        if len(sources) != 1 or sources[0] not in graph.initializers:
+            continue
+        source = graph.initializers[sources[0]]
+        copy, orig = value.const_value, source.const_value
+        if copy is None or orig is None or len(copy.shape) != 2 or len(orig.shape) != 2:
+            continue
+        if copy.dtype != orig.dtype or not np.array_equal(copy.numpy(), orig.numpy().T):
+            continue
+        graph.initializers.pop(name)
+        value.const_value = None
+        value.metadata_props.pop(FOLDED_FROM_KEY, None)
+        node = ir.Node(
+            "",
+            "Transpose",
+            [source],
+            [ir.AttrInt64s("perm", [1, 0])],
+            outputs=[value],
+            name=f"retie_{name}",
+        )
+        graph.insert_before(graph.node(0), node)
+        log.info(
+            "initializer %s is %s transposed: tied again through a Transpose", name, source.name
+        )
+
+
+def _add_dropout_masks(graph: ir.Graph) -> None:
+    """Give every Dropout without a mask output one (train-mode torch exports).
+
+    ``torch.onnx.export`` of a model in ``train()`` mode emits
+    ``Dropout(x, ratio, training_mode=True)`` with the output only; the backward
+    needs the mask the forward drew. A second output makes the node return it;
+    inference-mode Dropouts are unaffected (their mask is all true and unused).
+    """
+    for node in list(graph):
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+            continue
+        if len(node.outputs) >= 2:
+            continue
+        out = node.outputs[0]
+        replacement = ir.Node(
+            "",
+            "Dropout",
+            list(node.inputs),
+            list(node.attributes.values()),
+            num_outputs=2,
+            name=node.name,
+            metadata_props=dict(node.metadata_props),
+        )
+        new_out, mask = replacement.outputs
+        graph.insert_after(node, replacement)
+        ir.convenience.replace_all_uses_with(out, new_out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        new_out.name, new_out.shape, new_out.type = out.name, out.shape, out.type
+        mask.name, mask.shape = f"{out.name}__mask", out.shape
+        mask.type = ir.TensorType(ir.DataType.BOOL)
 
 
 def _fix_external_base_dir(model: ir.Model, base_dir: str) -> None:

@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from tensoropt.errors import OutputDirError
-from tensoropt.ir.builder import static_shape
-from tensoropt.ir.layout import Layout, Partial, Shard
+from tensoropt.errors import OutputDirError, PlanError, ShardingError
+from tensoropt.ir.builder import ROLE_KEY, static_shape
+from tensoropt.ir.layout import Layout, Partial, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan
 from tensoropt.passes.annotate import Annotation, annotate
@@ -175,6 +175,36 @@ def commit_outdir(tmp: str, outdir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def check_plan(graph: ir.Graph, plan: Plan) -> None:
+    """Refuse a plan that names no node of the graph or whose explicit split does not divide.
+
+    Runs before annotate so the message names the plan unit, the tensor, the
+    dimension and the sizes (annotate only knows that no legal strategy matched).
+    """
+    nodes = {node.name: node for node in graph}
+    for name, unit in plan.units.items():
+        node = nodes.get(name)
+        if node is None:
+            raise PlanError(
+                f"plan unit {name!r}: the model has no node of that name; the plan was made "
+                "for another model (units are named by forward ONNX node names)"
+            )
+        if not unit.explicit or node.metadata_props.get(ROLE_KEY) != "forward":
+            continue
+        slots = [
+            *(("input", i, v, lay) for i, (v, lay) in enumerate(zip(node.inputs, unit.inputs))),
+            *(("output", j, v, lay) for j, (v, lay) in enumerate(zip(node.outputs, unit.outputs))),
+        ]
+        for kind, index, value, layout in slots:
+            if value is None or layout is None:
+                continue
+            where = f"plan unit {name!r} ({node.op_type}) {kind} {index}, tensor {value.name!r}"
+            try:
+                local_shape(static_shape(value), layout, plan.mesh, where)
+            except ShardingError as exc:
+                raise ShardingError(f"{exc}; fix the plan file") from None
+
+
 def compile_step(
     step: TrainingStep, plan: Plan, data_axes: Sequence[int] | None, outdir: str
 ) -> CompileResult:
@@ -186,6 +216,7 @@ def compile_step(
     model = step.model
     graph = model.graph
     mesh = plan.mesh
+    check_plan(graph, plan)
     ann = annotate(graph, step.signature, plan, data_axes)
     annotated = ir.serde.serialize_model(model)
     _sharding_annotations(annotated, ann, {})

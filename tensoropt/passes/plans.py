@@ -106,8 +106,15 @@ def _is_const(value: ir.Value, params: set[str]) -> bool:
     return producer is not None and producer.op_type == "Constant"
 
 
-def _mlp_partner(a: ir.Node, weights: set[ir.Node], params: set[str]) -> ir.Node | None:
-    """The row-parallel MatMul that closes an MLP block opened by ``a``, if any."""
+def _mlp_partner(
+    a: ir.Node, weights: set[ir.Node], params: set[str]
+) -> tuple[ir.Node, list[ir.Node]] | None:
+    """The row-parallel MatMul that closes an MLP block opened by ``a``, if any.
+
+    Also returns the gate siblings: weight MatMuls on ``a``'s own input whose outputs
+    join the region (a SiLU/GELU-gated MLP, ``down(act(gate(x)) * up(x))``); they are
+    column-parallel like ``a``.
+    """
     region: set[ir.Node] = set()
     frontier = [a.outputs[0]]
     exit_node = None
@@ -129,16 +136,35 @@ def _mlp_partner(a: ir.Node, weights: set[ir.Node], params: set[str]) -> ir.Node
                 frontier.extend(node.outputs)
     if exit_node is None:
         return None
+    siblings: list[ir.Node] = []
     for node in region:
         for v in node.inputs:
             if v is None or v is a.outputs[0] or v.producer() in region:
                 continue
+            sibling = v.producer()
+            if sibling in weights and sibling.inputs[0] is a.inputs[0] and sibling is not a:
+                if sibling not in siblings:
+                    siblings.append(sibling)
+                continue
             if not _is_const(v, params):
                 return None
-    return exit_node
+    return exit_node, siblings
 
 
-def _attention_sources(o: ir.Node, weights: set[ir.Node], params: set[str]) -> list[ir.Node] | None:
+def _param_dependent(graph: ir.Graph, params: set[str]) -> set[ir.Value]:
+    """Values computed from some parameter; the others come from data inputs and
+    constants only (attention masks built from an ``attention_mask`` input)."""
+    dependent = {v for v in graph.initializers.values() if v.name in params}
+    dependent |= {v for v in graph.inputs if v.name in params}
+    for node in graph:  # topological order
+        if any(v is not None and v in dependent for v in node.inputs):
+            dependent.update(node.outputs)
+    return dependent
+
+
+def _attention_sources(
+    o: ir.Node, weights: set[ir.Node], params: set[str], dependent: set[ir.Value]
+) -> list[ir.Node] | None:
     """The projection MatMuls feeding ``o`` through attention ops only, if that holds."""
     sources: list[ir.Node] = []
     seen: set[ir.Node] = set()
@@ -146,7 +172,7 @@ def _attention_sources(o: ir.Node, weights: set[ir.Node], params: set[str]) -> l
     saw_softmax = False
     while stack:
         value = stack.pop()
-        if value is None or _is_const(value, params):
+        if value is None or _is_const(value, params) or value not in dependent:
             continue
         node = value.producer()
         if node is None or not _forward(node):
@@ -193,19 +219,32 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     weight_set = set(weights)
     roles: dict[ir.Node, str] = {}
     for a in weights:
-        b = _mlp_partner(a, weight_set, params)
-        if b is not None and a not in roles and b not in roles:
-            roles[a], roles[b] = "column", "row"
+        found = _mlp_partner(a, weight_set, params)
+        if found is None:
+            continue
+        b, siblings = found
+        if not any(n in roles for n in (a, b, *siblings)):
+            for n in (a, *siblings):
+                roles[n] = "column"
+            roles[b] = "row"
     attention = 0
+    fused: list[str] = []
+    dependent = _param_dependent(graph, params)
     for o in weights:
         if o in roles:
             continue
-        sources = _attention_sources(o, weight_set, params)
-        if sources and not any(s in roles for s in sources):
-            for s in sources:
-                roles[s] = "column"
-            roles[o] = "row"
-            attention += 1
+        sources = _attention_sources(o, weight_set, params, dependent)
+        if not sources or any(s in roles for s in sources):
+            continue
+        if len(sources) == 1:
+            # One projection makes Q, K and V: a column split would give each rank a
+            # slice of [Q | K | V], not whole heads (see docs/design/exports.md).
+            fused.append(f"{sources[0].name} -> {o.name}")
+            continue
+        for s in sources:
+            roles[s] = "column"
+        roles[o] = "row"
+        attention += 1
     mlps = sum(1 for r in roles.values() if r == "row") - attention
     units: dict[str, UnitStrategy] = {}
     skipped = []
@@ -218,6 +257,11 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
         if kind == "row":
             units.update(_reduce_before_bias(node, mesh, tp, dp_axes, params))
     notes = [f"megatron: {mlps} MLP and {attention} attention blocks on mesh axis {tp} (tp)"]
+    if fused:
+        notes.append(
+            f"megatron: {len(fused)} attention blocks with a fused QKV projection left to "
+            "data parallelism (a column split would mix Q, K and V): " + ", ".join(fused[:5])
+        )
     if not roles:
         notes.append(
             "megatron: no attention or MLP block found; the tp axis falls back to data parallelism"

@@ -8,6 +8,13 @@ bounds or running statistics are not differentiable by policy; additive masks
 (values at or below -1e4, or infinite) are frozen; rotary tables (which reach the
 loss only through Sin/Cos) are frozen. ``--trainable``/``--freeze`` regexes
 override, with ``--freeze`` winning.
+
+Files from ``torch.onnx.export(dynamo=True)`` say more, and the policy reads it:
+an initializer whose ``pkg.torch.export.graph_signature.InputSpec.kind`` is not
+``PARAMETER`` (a buffer such as BatchNorm statistics or ``inv_freq``) is frozen,
+and so is a constant the exporter folded from a ``sin``/``cos`` node (recorded in
+``pkg.onnxscript.optimizer.folded_from``: rotary tables whose Sin/Cos were folded
+away). See docs/design/exports.md.
 """
 
 from __future__ import annotations
@@ -50,6 +57,10 @@ _FROZEN_SLOTS: dict[str, frozenset[int]] = {
 # Ops through which nothing is trained by default (positional tables).
 _FROZEN_OPS = frozenset({"Sin", "Cos"})
 _MASK_THRESHOLD = -1e4
+# torch.onnx (dynamo) provenance metadata on initializers.
+_TORCH_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+_FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
+_FOLDED_TABLE = re.compile(r"'(sin|cos)(_\d+)?'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +101,15 @@ def _is_mask(value: ir.Value) -> bool:
     return bool(array.size) and bool(np.any((array <= _MASK_THRESHOLD) | np.isinf(array)))
 
 
+def _not_a_torch_parameter(value: ir.Value) -> bool:
+    """The exporter says ``value`` is a buffer, or was folded from Sin/Cos (a table)."""
+    kind = value.metadata_props.get(_TORCH_KIND_KEY)
+    if kind is not None and kind != "PARAMETER":
+        return True
+    folded = value.metadata_props.get(_FOLDED_FROM_KEY, "")
+    return bool(_FOLDED_TABLE.search(folded))
+
+
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
     if pattern is None:
         return None
@@ -122,6 +142,7 @@ def select_trainable(
             and len(value.shape) >= 1
             and value in reached
             and not _is_mask(value)
+            and not _not_a_torch_parameter(value)
         )
         on = default or bool(floaty and force_on and force_on.search(name))
         if force_off and force_off.search(name):

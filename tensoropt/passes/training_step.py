@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from tensoropt.errors import TensorOptError
 from tensoropt.ir.builder import Builder, static_shape
+from tensoropt.ir.importer import SHAPE_ONLY_BYTES
 from tensoropt.passes.autodiff import build_gradients, unit_of
 from tensoropt.passes.loss import LossKind, build_loss, labels_high
 from tensoropt.passes.optimizer import (
@@ -204,14 +205,50 @@ def _infer_shapes(model: ir.Model) -> ir.Model:
         for v in node.outputs
         if v.metadata_props
     }
-    proto = ir.serde.serialize_model(model)
+    weights = _detach_large_weights(model.graph)
+    try:
+        proto = ir.serde.serialize_model(model)
+    finally:
+        _attach_weights(model.graph, weights)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as exc:
         raise AssertionError(f"shape inference failed on the training step: {exc}") from exc
     result = ir.serde.deserialize_model(proto)
+    _attach_weights(result.graph, weights)
     for node in result.graph:
         for v in node.outputs:
             if v.name in value_meta:
                 v.metadata_props.update(value_meta[v.name])
     return result
+
+
+def _detach_large_weights(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
+    """Swap large float initializers for data-free stand-ins; return the originals.
+
+    Shape inference needs only their type and dims (see importer.without_large_weights);
+    serializing the weights and parameter-sized optimizer state would cost several
+    copies of them in time and memory.
+    """
+    detached: dict[str, ir.TensorProtocol] = {}
+    for name, value in graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.ExternalTensor):
+            continue
+        if not tensor.dtype.is_floating_point() or tensor.nbytes <= SHAPE_ONLY_BYTES:
+            continue
+        detached[name] = tensor
+        value.const_value = ir.ExternalTensor(
+            "__tensoropt_shape_only__",
+            0,
+            tensor.nbytes,
+            tensor.dtype,
+            shape=tensor.shape,
+            name=name,
+        )
+    return detached
+
+
+def _attach_weights(graph: ir.Graph, weights: dict[str, ir.TensorProtocol]) -> None:
+    for name, tensor in weights.items():
+        graph.initializers[name].const_value = tensor

@@ -8,6 +8,8 @@ Frontier Tracking; the frontiers merge into one over (devices, time, memory).
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +18,8 @@ import onnx_ir as ir
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.cost.model import MeshProblem, SearchGraph, build_problem
 from tensoropt.errors import InfeasibleError, TensorOptError
-from tensoropt.ir.costs import FrontierPoint
+from tensoropt.ir.costs import CostProblem, FrontierPoint
+from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
 from tensoropt.search.merge import MergedPoint, merge_frontiers
@@ -25,17 +28,24 @@ from tensoropt.search.solver import SearchResult, solve
 log = logging.getLogger(__name__)
 
 
+UnitLayouts = tuple[tuple[tuple["Layout | None", ...], tuple["Layout", ...]], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class MeshSearch:
-    """One (devices, mesh) problem and its frontier."""
+    """One (devices, mesh) problem, its frontier, and what is needed to use its points.
 
-    mp: MeshProblem
+    Plain data (no graph objects), so that it crosses process boundaries.
+    """
+
+    mesh: Mesh
+    problem: CostProblem
     result: SearchResult
     references: dict[str, tuple[float, float, tuple[int, ...]]]
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.mp.mesh
+    unit_names: tuple[str, ...]
+    unit_layouts: tuple[UnitLayouts, ...]  # per unit, per strategy: (inputs, outputs)
+    summaries: tuple[str, ...]  # per frontier point
+    reference_summaries: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +84,13 @@ def mesh_shapes(devices: int, spec: str) -> list[Mesh]:
     return [Mesh(dims, ("dp",) if len(dims) == 1 else ("dp", "tp"))]
 
 
-def plan_from_choice(mp: MeshProblem, choice: Sequence[int], source: str) -> Plan:
+def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> Plan:
     """The plan of one frontier point: explicit layouts for every unit."""
     units = {}
-    for info, k in zip(mp.units, choice, strict=True):
-        s = info.strategies[k]
-        units[info.node.name] = UnitStrategy(inputs=tuple(s.inputs), outputs=tuple(s.outputs))
-    return Plan(mp.mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
+    for name, layouts, k in zip(search.unit_names, search.unit_layouts, choice, strict=True):
+        inputs, outputs = layouts[k]
+        units[name] = UnitStrategy(inputs=inputs, outputs=outputs)
+    return Plan(search.mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
 
 
 def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, ...]]:
@@ -122,6 +132,43 @@ def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, 
     return out
 
 
+_SG: SearchGraph | None = None  # the graph a forked worker reads (set before forking)
+
+
+def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) -> MeshSearch:
+    from tensoropt.cost.summary import summarize
+
+    mesh, profile, budget, epsilon = job
+    sg = _SG
+    assert sg is not None
+    mp = build_problem(sg, mesh, profile)
+    result = solve(mp.problem, memory_budget=budget, epsilon=epsilon)
+    refs, ref_summaries = {}, {}
+    for name, choice in reference_choices(sg, mp).items():
+        t, m = mp.problem.evaluate(choice)
+        refs[name] = (t, m, choice)
+        ref_summaries[name] = summarize(mp, sg, choice)
+    return MeshSearch(
+        mesh=mesh,
+        problem=mp.problem,
+        result=result,
+        references=refs,
+        unit_names=tuple(u.node.name for u in mp.units),
+        unit_layouts=tuple(
+            tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
+        ),
+        summaries=tuple(summarize(mp, sg, p.choice) for p in result.points),
+        reference_summaries=ref_summaries,
+    )
+
+
+def _jobs_wanted(problems: int) -> int:
+    env = os.environ.get("TENSOROPT_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(problems, os.cpu_count() or 1))
+
+
 def explore(
     sg: SearchGraph,
     devices: Sequence[int],
@@ -132,19 +179,32 @@ def explore(
     epsilon: float | None = None,
     on_problem: Callable[[Mesh], None] | None = None,
 ) -> Exploration:
-    """Solve every (devices, mesh) problem and merge the frontiers."""
-    searches = []
-    for d in devices:
-        for mesh in mesh_shapes(d, mesh_spec):
-            if on_problem:
-                on_problem(mesh)
-            mp = build_problem(sg, mesh, profile)
-            result = solve(mp.problem, memory_budget=memory_budget, epsilon=epsilon)
-            refs = {}
-            for name, choice in reference_choices(sg, mp).items():
-                t, m = mp.problem.evaluate(choice)
-                refs[name] = (t, m, choice)
-            searches.append(MeshSearch(mp, result, refs))
+    """Solve every (devices, mesh) problem (in parallel processes) and merge the frontiers.
+
+    Problems are independent, so they are spread over the machine's cores (fork;
+    ``TENSOROPT_JOBS`` overrides the count, 1 = in this process).
+    """
+    global _SG
+    meshes = [m for d in devices for m in mesh_shapes(d, mesh_spec)]
+    jobs = [(m, profile, memory_budget, epsilon) for m in meshes]
+    _SG = sg
+    try:
+        workers = _jobs_wanted(len(jobs))
+        searches: list[MeshSearch] = []
+        if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
+            for job in jobs:
+                searches.append(_solve_mesh(job))
+                if on_problem:
+                    on_problem(job[0])
+        else:
+            ctx = multiprocessing.get_context("fork")
+            with ctx.Pool(workers) as pool:
+                for search in pool.imap(_solve_mesh, jobs):
+                    searches.append(search)
+                    if on_problem:
+                        on_problem(search.mesh)
+    finally:
+        _SG = None
     merged = merge_frontiers({(s.mesh.size, tuple(s.mesh.shape)): s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
@@ -155,15 +215,20 @@ def _infeasible_message(sg, searches, budget, profile) -> str:
     """Smallest reachable memory per device count (memory is exact even with epsilon)."""
     best: dict[int, float] = {}
     for s in searches:
-        free = solve(s.mp.problem, epsilon=0.25)
+        free = solve(s.problem, epsilon=0.25)
         if free.points:
             low = free.points[-1].memory_bytes
             best[s.mesh.size] = min(best.get(s.mesh.size, low), low)
     parts = ", ".join(f"{d} devices: {_gib(m)}" for d, m in sorted(best.items()))
+    fits = [d for d, m in sorted(best.items()) if m <= budget]
+    advice = (
+        f"the fewest devices that fit is {fits[0]}"
+        if fits
+        else "no searched device count fits; search more devices"
+    )
     return (
         f"no plan fits the memory budget of {_gib(budget)} per device; the smallest "
-        f"memory per device reachable is {parts}; add devices (memory falls roughly "
-        "with tensor parallelism) or raise --memory-budget"
+        f"memory per device reachable is {parts}; {advice}, or raise --memory-budget"
     )
 
 
@@ -181,3 +246,71 @@ def graph_batch(graph: ir.Graph, data_inputs: Sequence[str]) -> int:
         if value.name in data_inputs and value.shape is not None and len(value.shape):
             return int(value.shape[0])
     return 1
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    search: MeshSearch
+    point: FrontierPoint
+    index: int  # index in the per-device-count frontier
+    policy: str
+
+
+def device_frontier(exp: Exploration, devices: int) -> list[tuple[MeshSearch, FrontierPoint]]:
+    """Non-dominated (time, memory) points of one device count over all its meshes."""
+    group = {
+        (s.mesh.size, tuple(s.mesh.shape)): s.result for s in exp.searches if s.mesh.size == devices
+    }
+    return [
+        (exp.search_of(p.devices, p.mesh), exp.search_of(p.devices, p.mesh).result.points[p.index])
+        for p in merge_frontiers(group)
+    ]
+
+
+def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
+    """Apply a policy: fastest | min-memory | fastest-under:MEM | fewest-devices-under:MEM |
+    INDEX (into the frontier of ``devices``, fastest first)."""
+    name, _, arg = policy.partition(":")
+    if name == "fewest-devices-under":
+        budget = parse_bytes(arg, "--pick fewest-devices-under")
+        counts = sorted({s.mesh.size for s in exp.searches})
+        for d in counts:
+            rows = [(s, p) for s, p in device_frontier(exp, d) if p.memory_bytes <= budget]
+            if rows:
+                s, p = rows[0]
+                return Pick(s, p, device_frontier(exp, d).index((s, p)), policy)
+        raise InfeasibleError(
+            f"--pick {policy}: no plan at {', '.join(map(str, counts))} devices fits "
+            f"{_gib(budget)} per device; add devices or raise the budget"
+        )
+    rows = device_frontier(exp, devices)
+    if not rows:
+        raise InfeasibleError(f"no plan found at {devices} devices")
+    if name == "fastest":
+        k = 0
+    elif name == "min-memory":
+        k = len(rows) - 1
+    elif name == "fastest-under":
+        budget = parse_bytes(arg, "--pick fastest-under")
+        fits = [k for k, (_, p) in enumerate(rows) if p.memory_bytes <= budget]
+        if not fits:
+            low = rows[-1][1].memory_bytes
+            raise InfeasibleError(
+                f"--pick {policy}: the smallest memory at {devices} devices is {_gib(low)} "
+                "per device; raise the budget or add devices"
+            )
+        k = fits[0]
+    elif policy.isdigit():
+        k = int(policy)
+        if k >= len(rows):
+            raise TensorOptError(
+                f"--pick {policy}: the frontier at {devices} devices has {len(rows)} points "
+                f"(0..{len(rows) - 1}, fastest first); see `tensoropt search`"
+            )
+    else:
+        raise TensorOptError(
+            f"--pick {policy!r}: use fastest, min-memory, fastest-under:MEM, "
+            "fewest-devices-under:MEM or a point index"
+        )
+    s, p = rows[k]
+    return Pick(s, p, k, policy)
