@@ -94,11 +94,7 @@ def _load_plan_file(path: str, mesh):
             f"{path}: the plan's mesh {plan.mesh} has {plan.mesh.size} devices but --devices "
             f"is {mesh.size}; compile with --devices {plan.mesh.size}"
         )
-    with open(path) as f:
-        raw = json.load(f)
-    axes = raw.get("data_axes", [0])
-    data_axes = None if axes is None else tuple(axes)
-    return plan, data_axes
+    return plan, plan.data_axes
 
 
 def _compile_picked(args: argparse.Namespace) -> int:
@@ -120,15 +116,15 @@ def _compile_picked(args: argparse.Namespace) -> int:
     search, point = chosen.search, chosen.point
     source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
     plan = plan_from_choice(search, point.choice, source)
-    print(
+    picked = (
         f"picked {args.pick}: mesh {search.mesh}, estimated step "
         f"{point.time_s * 1e3:.3f} ms, {point.memory_bytes / 2**20:.1f} MiB per device; "
-        f"{search.summaries[search.result.points.index(point)]}",
-        file=sys.stderr,
+        f"{search.summaries[search.result.points.index(point)]}"
     )
     step = build_step(args)
-    print(step.selection.summary(step.model.graph), file=sys.stderr)
     result = compile_step(step, plan, None, args.output)
+    print(picked, file=sys.stderr)
+    print(step.selection.summary(step.model.graph), file=sys.stderr)
     _report(args, result, search.mesh, (source,))
     return 0
 
@@ -173,12 +169,13 @@ def run(args: argparse.Namespace) -> int:
         mesh = plan.mesh
         notes = ()
     step = build_step(args)
-    print(step.selection.summary(step.model.graph), file=sys.stderr)
+    summary = step.selection.summary(step.model.graph)
     if not is_file:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)
         plan, data_axes, notes = built.plan, built.data_axes, built.notes
-    for note in notes:
-        print(note, file=sys.stderr)
+    # Everything that can fail runs before anything is printed: an error stays one line.
     result = compile_step(step, plan, data_axes, args.output)
+    for line in (summary, *notes):
+        print(line, file=sys.stderr)
     _report(args, result, mesh, notes)
     return 0

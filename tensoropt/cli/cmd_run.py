@@ -23,6 +23,14 @@ and of the worst parameter (a = distributed, b = reference; floor = 1e-12 for th
 loss, 1e-3 x the largest parameter magnitude for parameters), then a verdict.
 Exit codes: 0 ok, 1 verification failed or a worker died, 2 bad input.
 
+--profile: per rank, medians over the steps after --profile-warmup of: the step's
+wall time (segments + collectives + glue; batch generation excluded), compute (sum
+of the segments' session.run times), communication (sum of the collectives' times)
+and memory: the growth of the process's anonymous resident memory over the start
+of the step loop (training state, activations in onnxruntime's arenas, buffers),
+sampled after every segment and collective. With --backend local every rank lives
+in one process and reports the process's memory.
+
 examples:
   tensoropt run out/ --steps 3 --verify
   tensoropt run out/ --steps 100 --backend mpi --checkpoint ckpt/
@@ -54,6 +62,14 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads per rank")
     p.add_argument(
         "--stall-timeout", type=float, metavar="S", help="stop an MPI job with no step for S s"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per rank: median step, compute and communication time and peak memory",
+    )
+    p.add_argument(
+        "--profile-warmup", type=int, default=2, metavar="W", help="steps left out (default 2)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -92,6 +108,23 @@ class _Table:
         self._bar.close()
 
 
+def profile_table(profile) -> str:
+    """One row per rank: medians of step, compute, communication, other; memory."""
+    lines = [
+        f"profile: medians over {profile.ranks[0].steps} steps after {profile.warmup} warm-up",
+        f"{'rank':>6}  {'step ms':>9}  {'compute ms':>10}  {'comm ms':>8}  {'other ms':>8}  "
+        f"{'spread':>6}  {'memory MiB':>10}",
+    ]
+    for r in profile.ranks:
+        other = max(r.step_s - r.compute_s - r.comm_s, 0.0)
+        lines.append(
+            f"{r.rank:>6}  {r.step_s * 1e3:>9.3f}  {r.compute_s * 1e3:>10.3f}  "
+            f"{r.comm_s * 1e3:>8.3f}  {other * 1e3:>8.3f}  {r.step_spread:>6.2f}  "
+            f"{r.memory_bytes / 2**20:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.common import print_json
     from tensoropt.runtime.run import run_steps
@@ -116,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             stall_timeout=args.stall_timeout,
             on_step=table.on_step,
+            profile=args.profile,
+            profile_warmup=args.profile_warmup,
         )
     finally:
         table.close()
@@ -133,8 +168,11 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": result.seconds,
                 "saved_params": args.save_params,
                 "verify": None if report is None else report.to_json(),
+                "profile": None if result.profile is None else result.profile.to_json(),
             }
         )
+    elif result.profile is not None:
+        print(profile_table(result.profile))
     elif report is not None:
         verdict = "ok" if report.ok else "FAILED"
         print(

@@ -28,6 +28,19 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class OpCurve:
+    """Measured rate of one op family against op size (``tensoropt calibrate``).
+
+    ``work`` says what the size and the rate count: ``flops`` (FLOPs and FLOP/s, for
+    contractions) or ``bytes`` (bytes moved and bytes/s, for memory-bound families).
+    ``points`` are (size, rate) pairs sorted by size.
+    """
+
+    work: str
+    points: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterProfile:
     """Rates of one kind of device and its interconnect."""
 
@@ -42,6 +55,7 @@ class ClusterProfile:
     efficiency: float = 0.5  # fraction of peak a well-shaped kernel reaches
     op_floor_s: float = 5e-6  # smallest time of any kernel (launch overhead)
     op_throughput: dict[str, float] = field(default_factory=dict)  # measured FLOP/s by family
+    op_curves: dict[str, OpCurve] = field(default_factory=dict)  # measured rate vs size
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -124,6 +138,36 @@ def _link(obj, base: Link, where: str) -> Link:
     return Link(alpha, bw)
 
 
+def _rate(value, where: str) -> float:
+    rate = _positive(value, where)
+    if rate == 0:
+        raise ClusterError(f"{where}: expected a rate > 0, found 0")
+    return rate
+
+
+def _curves(table, where: str) -> dict[str, OpCurve]:
+    """``{family: {"work": "flops"|"bytes", "points": [[size, rate, (spread)], ...]}}``."""
+    if not isinstance(table, dict):
+        raise ClusterError(f"{where}: expected an object of op families")
+    out = {}
+    for fam, curve in table.items():
+        at = f"{where}.{fam}"
+        if not isinstance(curve, dict) or curve.get("work") not in ("flops", "bytes"):
+            raise ClusterError(f'{at}: expected {{"work": "flops"|"bytes", "points": [...]}}')
+        points = curve.get("points")
+        if not isinstance(points, list) or not points:
+            raise ClusterError(f"{at}.points: expected a non-empty list of [size, rate]")
+        pairs = []
+        for i, row in enumerate(points):
+            if not isinstance(row, list) or len(row) < 2:
+                raise ClusterError(f"{at}.points[{i}]: expected [size, rate, (spread)]")
+            pairs.append(
+                (_rate(row[0], f"{at}.points[{i}][0]"), _rate(row[1], f"{at}.points[{i}][1]"))
+            )
+        out[fam] = OpCurve(curve["work"], tuple(sorted(pairs)))
+    return out
+
+
 def from_json(obj, where: str) -> ClusterProfile:
     """A profile from a JSON object; ``base`` names a built-in profile to start from."""
     if not isinstance(obj, dict):
@@ -136,7 +180,8 @@ def from_json(obj, where: str) -> ClusterProfile:
         )
     base = builtin(base_name) if base_name is not None else None
     names = {f.name for f in fields(ClusterProfile)}
-    unknown = set(obj) - names - {"base", "schema", "machine", "versions", "spread"}
+    extra = {"base", "schema", "machine", "versions", "spread", "collectives", "calibration"}
+    unknown = set(obj) - names - extra
     if unknown:
         raise ClusterError(f"{where}: unknown keys {sorted(unknown)}")
     values = {}
@@ -165,8 +210,10 @@ def from_json(obj, where: str) -> ClusterProfile:
         if not isinstance(table, dict):
             raise ClusterError(f"{where}.op_throughput: expected an object")
         values["op_throughput"] = {
-            k: _positive(v, f"{where}.op_throughput.{k}") for k, v in table.items()
+            k: _rate(v, f"{where}.op_throughput.{k}") for k, v in table.items()
         }
+    if "op_curves" in obj:
+        values["op_curves"] = _curves(obj["op_curves"], f"{where}.op_curves")
     name = str(obj.get("name", base.name + "+file" if base else "custom"))
     description = str(obj.get("description", f"from {where}"))
     if base is None:

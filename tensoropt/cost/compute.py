@@ -2,7 +2,11 @@
 
 time = sum over kernels of max(flops / rate, bytes / memory bandwidth, floor), where
 rate is the profile's measured throughput for the op's family when it has one
-(a calibrated profile), else peak FLOP/s times efficiency. The backward of a
+(a calibrated profile), else peak FLOP/s times efficiency. A calibrated profile
+with measured rate-vs-size curves (``op_curves``) replaces the family's term by
+the time the curve gives at the op's size, interpolated log-log between measured
+sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
+families (small kernels are slower per FLOP and per byte). The backward of a
 contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
 backward of other ops is taken as twice the forward traffic.
 """
@@ -13,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tensoropt.cost.cluster import ClusterProfile
+from tensoropt.cost.cluster import ClusterProfile, OpCurve
 
 _FAMILIES = {
     "MatMul": "matmul",
@@ -64,6 +68,28 @@ def forward_flops(op_type: str, attrs, in_shapes, out_shapes) -> float:
     return float(out)
 
 
+def curve_rate(curve: OpCurve, size: float) -> float:
+    """The curve's rate at ``size``: log-log interpolation, constant beyond the ends."""
+    sizes = [p[0] for p in curve.points]
+    rates = [p[1] for p in curve.points]
+    if size <= sizes[0] or len(sizes) == 1:
+        return rates[0]
+    if size >= sizes[-1]:
+        return rates[-1]
+    return float(np.exp(np.interp(np.log(size), np.log(sizes), np.log(rates))))
+
+
+def _kernel_time(fam: str, flops: float, traffic: float, profile: ClusterProfile) -> float:
+    """Forward seconds of one kernel of family ``fam``."""
+    curve = profile.op_curves.get(fam)
+    if curve is not None and curve.work == "flops":
+        return max(flops / curve_rate(curve, flops), traffic / profile.memory_bandwidth)
+    if curve is not None:
+        return traffic / curve_rate(curve, traffic) if traffic > 0 else 0.0
+    rate = profile.op_throughput.get(fam, profile.peak_flops * profile.efficiency)
+    return max(flops / rate, traffic / profile.memory_bandwidth)
+
+
 def op_time(
     op_type: str,
     attrs,
@@ -78,14 +104,15 @@ def op_time(
     flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
     traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
     fam = family(op_type)
-    rate = profile.op_throughput.get(fam, profile.peak_flops * profile.efficiency)
-    fwd = max(flops / rate, traffic / profile.memory_bandwidth, profile.op_floor_s)
+    fwd = max(_kernel_time(fam, flops, traffic, profile), profile.op_floor_s)
     if fam in ("matmul", "conv"):
         return 3.0 * fwd  # dX and dW are contractions of the same size
-    return 3.0 * max(flops / rate, traffic / profile.memory_bandwidth, profile.op_floor_s)
+    return 3.0 * fwd  # backward taken as twice the forward traffic
 
 
 def update_time(param_elements: float, states: int, itemsize: int, profile) -> float:
     """Optimizer update of a parameter shard: memory-bound over param, grad and state."""
     traffic = itemsize * param_elements * (2 + 2 * states + 1)
-    return max(traffic / profile.memory_bandwidth, profile.op_floor_s)
+    curve = profile.op_curves.get("elementwise")
+    bandwidth = profile.memory_bandwidth if curve is None else curve_rate(curve, traffic)
+    return max(traffic / bandwidth, profile.op_floor_s)

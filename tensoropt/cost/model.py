@@ -231,17 +231,18 @@ def _allowed(node: ir.Node, s: MeshSharding, fixed_inputs: set[str], params) -> 
     No Partial on parameters or data inputs (they are stored, not summed). On a 2-D
     mesh the first axis is a data axis (dp x tp, as in Megatron-LM): every tensor is
     either replicated on it or split on dim 0 (the batch), so parameters are replicated
-    there; the second axis takes every legal strategy. Pure tensor parallelism over all devices is the 1-D mesh's job.
-    This keeps 2-D problems to ~3x (not ~8x) the strategies of 1-D ones.
+    there; the second axis takes every legal strategy. Pure tensor parallelism over
+    all devices is the 1-D mesh's job. This keeps 2-D problems to ~3x (not ~8x) the
+    strategies of 1-D ones.
     """
     for value, layout in zip(node.inputs, s.inputs, strict=False):
         if value is None or layout is None:
             continue
         if value.name in fixed_inputs and any(isinstance(p, Partial) for p in layout.placements):
             return False
-        if len(layout.placements) > 1 and value.name in params:
-            if not isinstance(layout.placements[0], Replicate):
-                return False
+        multi = len(layout.placements) > 1
+        if multi and value.name in params and not isinstance(layout.placements[0], Replicate):
+            return False
     if len(s.outputs) and len(s.outputs[0].placements) > 1:
         layouts = [*(x for x in s.inputs if x is not None), *s.outputs]
         if any(lay.placements[0] not in (_R, _S0) for lay in layouts):

@@ -131,11 +131,22 @@ class Plan:
     units: Mapping[str, UnitStrategy]
     source: str = ""
     default: DefaultStrategy = DefaultStrategy.DATA_PARALLEL
+    # Mesh axes that shard dim 0 of the data inputs (outermost first); None: data inputs
+    # take the layout their first listed consumer reads them in (searched plans).
+    data_axes: tuple[int, ...] | None = (0,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", MappingProxyType(dict(self.units)))
         for name, unit in self.units.items():
             _check_unit_axes(name, unit, self.mesh)
+        if self.data_axes is not None:
+            object.__setattr__(self, "data_axes", tuple(self.data_axes))
+            bad = [a for a in self.data_axes if not 0 <= a < self.mesh.ndim]
+            if bad:
+                raise PlanError(
+                    f"plan data_axes {list(self.data_axes)}: axes {bad} are not axes of "
+                    f"the mesh {self.mesh}"
+                )
 
     def unit(self, name: str) -> UnitStrategy | None:
         """The listed strategy of unit ``name``, or None (then :attr:`default` applies)."""
@@ -147,6 +158,7 @@ class Plan:
             "source": self.source,
             "mesh": self.mesh.to_json(),
             "default": self.default.value,
+            "data_axes": None if self.data_axes is None else list(self.data_axes),
             "units": {name: self.units[name].to_json() for name in sorted(self.units)},
         }
 
@@ -165,7 +177,7 @@ class Plan:
         schema = obj.get("schema")
         if schema != PLAN_SCHEMA:
             raise PlanError(f"{where}.schema: expected {PLAN_SCHEMA!r}, found {schema!r}")
-        unknown = set(obj) - {"schema", "source", "mesh", "default", "units"}
+        unknown = set(obj) - {"schema", "source", "mesh", "default", "units", "data_axes"}
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}")
         if "mesh" not in obj:
@@ -182,7 +194,13 @@ class Plan:
             name: UnitStrategy.from_json(u, mesh, f"{where}.units[{name!r}]")
             for name, u in units_obj.items()
         }
-        return cls(mesh, units, source, default)
+        axes = obj.get("data_axes", [0])
+        if axes is not None and (
+            not isinstance(axes, list)
+            or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
+        ):
+            raise PlanError(f"{where}.data_axes: expected a list of mesh axes or null")
+        return cls(mesh, units, source, default, None if axes is None else tuple(axes))
 
     @classmethod
     def loads(cls, text: str, where: str = "plan") -> Plan:

@@ -8,6 +8,7 @@ goes to a temporary sibling directory that is renamed into place at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -191,9 +192,12 @@ def check_plan(graph: ir.Graph, plan: Plan) -> None:
             )
         if not unit.explicit or node.metadata_props.get(ROLE_KEY) != "forward":
             continue
+        # a layout count that does not match the node is annotate's error to report
+        ins = zip(node.inputs, unit.inputs, strict=False)
+        outs = zip(node.outputs, unit.outputs, strict=False)
         slots = [
-            *(("input", i, v, lay) for i, (v, lay) in enumerate(zip(node.inputs, unit.inputs))),
-            *(("output", j, v, lay) for j, (v, lay) in enumerate(zip(node.outputs, unit.outputs))),
+            *(("input", i, v, lay) for i, (v, lay) in enumerate(ins)),
+            *(("output", j, v, lay) for j, (v, lay) in enumerate(outs)),
         ]
         for kind, index, value, layout in slots:
             if value is None or layout is None:
@@ -237,8 +241,8 @@ def compile_step(
             files[f"device_{rank}.onnx"] = _sha256(path)
         plan_path = os.path.join(tmp, "plan.json")
         with open(plan_path, "w") as f:
-            axes = None if data_axes is None else list(data_axes)
-            json.dump(plan.to_json() | {"data_axes": axes}, f, indent=2)
+            axes = None if data_axes is None else tuple(data_axes)
+            json.dump(dataclasses.replace(plan, data_axes=axes).to_json(), f, indent=2)
         files["annotated.onnx"] = _sha256(os.path.join(tmp, "annotated.onnx"))
         files["plan.json"] = _sha256(plan_path)
         manifest["files"] = files

@@ -52,6 +52,25 @@ _ELEMENTWISE = frozenset(
         "Exp",
     }
 )
+_NONLINEAR = frozenset(
+    {
+        "Gelu",
+        "Relu",
+        "Tanh",
+        "Sigmoid",
+        "Erf",
+        "LeakyRelu",
+        "Exp",
+        "Pow",
+        "Sqrt",
+        "Softplus",
+        "Elu",
+        "HardSigmoid",
+        "HardSwish",
+        "Mul",
+        "Div",
+    }
+)
 _ATTENTION = _ELEMENTWISE | frozenset(
     {
         "Reshape",
@@ -134,7 +153,9 @@ def _mlp_partner(
             if node not in region:
                 region.add(node)
                 frontier.extend(node.outputs)
-    if exit_node is None:
+    if exit_node is None or not any(n.op_type in _NONLINEAR for n in region):
+        # Two weight MatMuls joined by nothing (or only a bias) are not an MLP block:
+        # pairing them would take a MatMul away from the block that follows.
         return None
     siblings: list[ir.Node] = []
     for node in region:

@@ -149,6 +149,11 @@ def select_trainable(
             on = False
         (trained if on else frozen).append(name)
     if not trained:
+        if force_off is not None and any(force_off.search(n) for n in frozen):
+            raise NoTrainableParamsError(
+                f"--freeze {freeze!r} froze every parameter, so nothing would be trained; "
+                "use a narrower pattern"
+            )
         raise NoTrainableParamsError(
             "the model has no trainable parameters: no float initializer of rank >= 1 "
             "reaches the loss; check the model's weights, or select some with --trainable REGEX"

@@ -8,9 +8,9 @@ without bumping :data:`SYNTHETIC_VERSION`:
 
 * each input has its own stream ``numpy.random.default_rng([seed, step, crc32(name)])``
   (the order of ``specs`` therefore does not matter);
-* integer inputs (and labels): uniform integers in ``[0, high)``, drawn as int64
-  and cast to the input's dtype; ``high`` defaults to 2;
-* bool inputs: uniform in {False, True};
+* integer inputs with a known bound (labels, indices into a table): uniform integers
+  in ``[0, high)``, drawn as int64 and cast to the input's dtype;
+* integer inputs without a bound and bool inputs (attention masks, flags): all ones;
 * float inputs (and float labels): standard normal, drawn as float32 and cast.
 
 Build the specs with :func:`specs_from_manifest` (runtime) or
@@ -33,7 +33,6 @@ from tensoropt.errors import DataError
 from tensoropt.runtime.manifest import InputKind, Manifest
 
 SYNTHETIC_VERSION = 1
-DEFAULT_HIGH = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +51,12 @@ def make_batch(specs: Sequence[InputSpec], step_index: int, seed: int) -> dict[s
     for spec in specs:
         rng = np.random.default_rng([seed, step_index, zlib.crc32(spec.name.encode())])
         dtype = np.dtype(spec.dtype)
-        if dtype == np.bool_:
-            batch[spec.name] = rng.integers(0, 2, size=spec.shape, dtype=np.int64).astype(bool)
+        if dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and spec.high is None):
+            # Integer inputs that index no table (attention masks, flags): all ones, the
+            # "attend everywhere" mask a user means when giving no data.
+            batch[spec.name] = np.ones(spec.shape, dtype=dtype)
         elif np.issubdtype(dtype, np.integer):
-            high = spec.high if spec.high is not None else DEFAULT_HIGH
-            draw = rng.integers(0, high, size=spec.shape, dtype=np.int64)
+            draw = rng.integers(0, spec.high, size=spec.shape, dtype=np.int64)
             batch[spec.name] = draw.astype(dtype)
         else:
             draw = rng.standard_normal(size=spec.shape, dtype=np.float32)

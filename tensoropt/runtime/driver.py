@@ -23,6 +23,7 @@ from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.data import batch_source, specs_from_manifest
 from tensoropt.runtime.engine import Engine, initial_state
 from tensoropt.runtime.manifest import InputKind, Manifest, assemble, shard
+from tensoropt.runtime.profiling import ProfileReport, StepClock, StepRecord
 from tensoropt.runtime.verify import DEFAULT_TOLERANCE, Reference, VerifyReport, VerifyStep
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class RunOptions:
     verify: bool = False
     tolerance: float = DEFAULT_TOLERANCE
     threads: int | None = None  # onnxruntime intra-op threads per rank (None = default)
+    profile: bool = False  # time segments and collectives, sample memory (run --profile)
+    profile_warmup: int = 2  # steps left out of the profile's medians
     fault: tuple[int, int, str] | None = None  # (rank, step, "exit"|"hang"): tests only
 
     def to_json(self) -> dict:
@@ -74,6 +77,7 @@ class RunResult:
     world_size: int = 1
     backend: str = "local"
     seconds: float = 0.0
+    profile: ProfileReport | None = None
 
 
 @dataclass(slots=True)
@@ -97,13 +101,23 @@ def drive(
     """Run steps ``[start, opts.steps)`` on ``engine``; the root returns the result."""
     t0 = time.perf_counter()
     source = batch_source(specs_from_manifest(manifest), opts.data, opts.seed, opts.steps)
+    clocks = engine.enable_profiling() if opts.profile else {}
+    for clock in clocks.values():
+        clock.start_loop()  # before the training state exists: memory counts from here
+    records: dict[int, list[StepRecord]] = {r: [] for r in clocks}
     loop = _start(engine, manifest, models, opts)
     for k in range(loop.start, opts.steps):
         if opts.fault and opts.fault[1] == k and opts.fault[0] in engine.ranks:
             _inject(opts.fault[2])
         batch = source(k)
         feeds = {r: _feeds(manifest, batch, loop.state[r], r) for r in engine.ranks}
+        for clock in clocks.values():
+            clock.start_step()
+        t_step = time.perf_counter()
         outs = engine.step(feeds)
+        t_step = time.perf_counter() - t_step
+        for r, clock in clocks.items():
+            records[r].append(clock.record(k, t_step))
         loop.state = {r: _carry(manifest, outs[r]) for r in engine.ranks}
         loss = float(outs[engine.ranks[0]][manifest.loss_name])
         loop.losses.append(loss)
@@ -113,6 +127,7 @@ def drive(
         if on_step is not None and engine.is_root:
             on_step(k, loss, vstep)
     params, states = _gather_global(engine, manifest, loop.state)
+    profile = _gather_profile(engine, records, clocks, opts.profile_warmup)
     if not engine.is_root:
         return None
     report = VerifyReport(tuple(loop.verify_steps), opts.tolerance) if opts.verify else None
@@ -124,7 +139,19 @@ def drive(
         start_step=loop.start,
         world_size=manifest.world_size,
         seconds=time.perf_counter() - t0,
+        profile=profile,
     )
+
+
+def _gather_profile(
+    engine: Engine, records: dict[int, list[StepRecord]], clocks: dict[int, StepClock], warmup
+) -> ProfileReport | None:
+    if not clocks:
+        return None
+    gathered = engine.gather(records)  # rank -> that rank's step records (root only)
+    if gathered is None:
+        return None
+    return ProfileReport.from_records(gathered, warmup)
 
 
 def _inject(mode: str) -> None:

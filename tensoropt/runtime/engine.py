@@ -20,6 +20,7 @@ import onnx
 from tensoropt.errors import OutputDirError, TensorOptError
 from tensoropt.runtime.comm import LocalWorld
 from tensoropt.runtime.manifest import Manifest
+from tensoropt.runtime.profiling import StepClock, now
 from tensoropt.runtime.program import RankProgram, SessionConfig, check_collective_order
 from tensoropt.runtime.split import SplitPlan, split_graph
 
@@ -36,6 +37,8 @@ class Engine(Protocol):
     def step(self, feeds: Mapping[int, Feeds]) -> dict[int, dict[str, np.ndarray]]: ...
 
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None: ...
+
+    def enable_profiling(self) -> dict[int, StepClock]: ...
 
 
 def load_device(manifest: Manifest, rank: int) -> onnx.ModelProto:
@@ -96,17 +99,30 @@ class LocalEngine:
                 p.run_segment(i, envs[r])
             for j in range(len(first.plan.stages[i].collectives)):
                 calls = {r: p.plan.stages[i].collectives[j] for r, p in self._programs.items()}
+                t0 = now()
                 outs = self._world.run_batched(
                     calls, {r: envs[r][c.input] for r, c in calls.items()}
                 )
                 for r, c in calls.items():
                     envs[r][c.output] = outs[r]
+                self._add_comm(now() - t0)
             for r, p in self._programs.items():
                 p.release(i, envs[r])
         return {r: p.finish(envs[r]) for r, p in self._programs.items()}
 
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         return dict(per_rank)
+
+    def enable_profiling(self) -> dict[int, StepClock]:
+        """One clock per rank; a batched collective counts for every rank (lockstep)."""
+        for p in self._programs.values():
+            p.clock = StepClock()
+        return {r: p.clock for r, p in self._programs.items()}
+
+    def _add_comm(self, seconds: float) -> None:
+        for p in self._programs.values():
+            if p.clock is not None:
+                p.clock.add_comm(seconds)
 
 
 def _check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
@@ -148,6 +164,10 @@ class MpiEngine:
     def step(self, feeds: Mapping[int, Feeds]) -> dict[int, dict[str, np.ndarray]]:
         rank = self.comm.rank
         return {rank: self._program.run(feeds[rank], self.comm)}
+
+    def enable_profiling(self) -> dict[int, StepClock]:
+        self._program.clock = StepClock()
+        return {self.comm.rank: self._program.clock}
 
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         gathered = self.comm.world.gather(per_rank[self.comm.rank], root=0)

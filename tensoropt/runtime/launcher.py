@@ -42,6 +42,7 @@ import numpy as np
 from tensoropt import errors
 from tensoropt.errors import TensorOptError, WorkerFault
 from tensoropt.runtime.driver import RunOptions, RunResult
+from tensoropt.runtime.profiling import ProfileReport
 from tensoropt.runtime.verify import VerifyReport, VerifyStep
 from tensoropt.runtime.worker import PROGRESS
 
@@ -281,4 +282,5 @@ def _read_result(rundir: Path, world_size: int, opts: RunOptions) -> RunResult:
         world_size=world_size,
         backend="mpi",
         seconds=float(meta["seconds"]),
+        profile=ProfileReport.from_json(meta["profile"]) if meta.get("profile") else None,
     )

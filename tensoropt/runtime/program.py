@@ -24,6 +24,7 @@ import onnxruntime as ort
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import Communicator, dispatch
+from tensoropt.runtime.profiling import StepClock, now
 from tensoropt.runtime.split import SplitPlan
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class RankProgram:
 
     def __init__(self, plan: SplitPlan, config: SessionConfig | None = None) -> None:
         self.plan = plan
+        self.clock: StepClock | None = None  # set by --profile: times segments, collectives
         opts = (config or SessionConfig()).options()
         self._sessions: list[ort.InferenceSession | None] = []
         for stage in plan.stages:
@@ -105,7 +107,10 @@ class RankProgram:
         seg = self.plan.stages[i].segment
         if sess is None or seg is None:
             return
+        t0 = now()
         results = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
+        if self.clock is not None:
+            self.clock.add_compute(now() - t0)
         env.update(zip(seg.outputs, results, strict=True))
 
     def release(self, i: int, env: dict[str, np.ndarray]) -> None:
@@ -123,7 +128,10 @@ class RankProgram:
         for i, stage in enumerate(self.plan.stages):
             self.run_segment(i, env)
             for call in stage.collectives:
+                t0 = now()
                 env[call.output] = dispatch(comm, call, env[call.input])
+                if self.clock is not None:
+                    self.clock.add_comm(now() - t0)
             self.release(i, env)
         return self.finish(env)
 

@@ -40,6 +40,8 @@ def run_steps(
     threads: int | None = None,
     stall_timeout: float | None = None,
     on_step: OnStep | None = None,
+    profile: bool = False,
+    profile_warmup: int = 2,
 ) -> RunResult:
     """Run global steps 0..steps-1 (or continue them with ``resume``) of OUTDIR.
 
@@ -47,12 +49,19 @@ def run_steps(
     the earlier losses come from the checkpoint) and the full parameters and
     optimizer state, reassembled from the rank shards under their original names.
     ``on_step(step, loss, verify_step_or_None)`` is called after every step.
+    ``profile`` times every rank's steps after ``profile_warmup`` steps
+    (``RunResult.profile``; see :mod:`tensoropt.runtime.profiling`).
     """
     backend = _backend(backend)
     if steps < 1:
         raise TensorOptError(f"--steps must be at least 1, got {steps}")
     if checkpoint_every < 1:
         raise TensorOptError(f"--checkpoint-every must be at least 1, got {checkpoint_every}")
+    if profile and not 0 <= profile_warmup < steps:
+        raise TensorOptError(
+            f"--profile: {steps} steps leave none after {profile_warmup} warm-up steps; "
+            f"run at least {profile_warmup + 1} steps"
+        )
     if resume and checkpoint is None:
         raise TensorOptError("--resume needs --checkpoint DIR (where the shards are)")
     if hostfile is not None and backend is not Backend.MPI:
@@ -74,6 +83,8 @@ def run_steps(
         verify=verify,
         tolerance=tolerance,
         threads=threads,
+        profile=profile,
+        profile_warmup=profile_warmup,
     )
     if backend is Backend.LOCAL:
         result = _run_local(manifest, opts, on_step)

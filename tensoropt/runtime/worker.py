@@ -82,6 +82,7 @@ def _run(rundir: Path, config: dict, rank: int, world) -> None:
             "start_step": result.start_step,
             "seconds": result.seconds,
             "verify": None if result.verify is None else result.verify.to_json(),
+            "profile": None if result.profile is None else result.profile.to_json(),
         }
         _write_json(rundir / "result.json", meta)
     world.Barrier()

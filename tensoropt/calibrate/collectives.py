@@ -1,0 +1,271 @@
+"""Alpha-beta rates of the runtime's collectives on this machine (``tensoropt calibrate``).
+
+Each collective (AllReduce, AllGather, ReduceScatter, AllToAll) runs through the
+runtime's own communicator, over the whole world, at message sizes from bytes to
+tens of MiB. Per point: K repeats of a timed block of calls, each block started
+after a barrier and ended when the slowest rank is done (the max over ranks), and
+the median kept. Then ``time = latency_terms * alpha + volume / bandwidth`` is fitted
+per collective and jointly, with the volume convention of
+:func:`tensoropt.ir.redistribute.comm_bytes` (DESIGN §4), so the fitted rates mean
+what the cost model multiplies them by.
+
+Backends: ``mpi`` starts ``mpiexec -n N python -m tensoropt.calibrate.comm_worker``
+(the :class:`~tensoropt.runtime.mpi_comm.MpiCommunicator`); ``local`` times
+:class:`~tensoropt.runtime.comm.LocalWorld` in this process (the local engine's
+path: numpy copies and sums, no transport).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tensoropt.calibrate.stats import AlphaBeta, Sample, fit_alpha_beta
+from tensoropt.errors import TensorOptError
+from tensoropt.runtime.collectives import CollectiveCall, CollectiveKind
+from tensoropt.runtime.comm import Communicator, LocalWorld
+
+KINDS = tuple(CollectiveKind)
+# Collectives whose runtime traffic matches the DESIGN §4 volume model. AllToAll's
+# model volume is (n-1)/n^2 B while the runtime sends (n-1)/n B per rank, so it is
+# fitted on its own and kept out of the joint fit that becomes the profile's link.
+JOINT_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
+LATENCY_TERMS = {CollectiveKind.ALL_REDUCE: 2}  # every other collective: 1
+
+
+def latency_terms(kind: CollectiveKind) -> int:
+    return LATENCY_TERMS.get(kind, 1)
+
+
+def volume(kind: CollectiveKind, buffer_bytes: float, n: int) -> float:
+    """DESIGN §4 volume of one call; ``buffer_bytes`` is B as in ``comm_bytes``."""
+    frac = (n - 1) / n
+    if kind is CollectiveKind.ALL_REDUCE:
+        return 2 * frac * buffer_bytes
+    if kind is CollectiveKind.ALL_TO_ALL:
+        return frac / n * buffer_bytes
+    return frac * buffer_bytes
+
+
+def sizes(quick: bool) -> tuple[int, ...]:
+    """Buffer sizes B in bytes (multiples of 64 so every split divides)."""
+    if quick:
+        return (64, 4096, 1 << 18, 1 << 22)
+    return (64, 1024, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+
+
+@dataclass(frozen=True, slots=True)
+class CommSpec:
+    """What the timing loop needs (JSON-able: it travels to the MPI workers)."""
+
+    sizes: tuple[int, ...]
+    repeats: int
+    block_seconds: float
+
+    def to_json(self) -> dict:
+        return {"sizes": list(self.sizes), "repeats": self.repeats, "block": self.block_seconds}
+
+    @staticmethod
+    def from_json(d: dict) -> CommSpec:
+        return CommSpec(tuple(d["sizes"]), int(d["repeats"]), float(d["block"]))
+
+
+def _local_input(kind: CollectiveKind, buffer_bytes: int, n: int) -> np.ndarray:
+    """This rank's input: B bytes, except AllGather whose B is the gathered output."""
+    count = buffer_bytes // 4 // (n if kind is CollectiveKind.ALL_GATHER else 1)
+    count = max(count - count % n, n)
+    return np.ones(count, dtype=np.float32)
+
+
+def _call_of(comm: Communicator, kind: CollectiveKind, group) -> Callable[[np.ndarray], object]:
+    if kind is CollectiveKind.ALL_REDUCE:
+        return lambda x: comm.allreduce(x, group)
+    if kind is CollectiveKind.ALL_GATHER:
+        return lambda x: comm.allgather(x, group, 0)
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        return lambda x: comm.reduce_scatter(x, group, 0)
+    return lambda x: comm.alltoall(x, group, 0, 0)
+
+
+def measure_comm(
+    comm: Communicator,
+    spec: CommSpec,
+    slowest: Callable[[float], float],
+    agree: Callable[[int], int],
+    on_point: Callable[[], None] | None = None,
+) -> dict[str, list[list[float]]]:
+    """Per collective: ``[buffer_bytes, median_seconds, spread]`` per size (every rank calls).
+
+    ``slowest(t)`` returns the max of ``t`` over ranks; ``agree(k)`` returns rank 0's
+    ``k`` (so every rank makes the same number of calls in a block).
+    """
+    n = comm.size
+    group = tuple(range(n))
+    out: dict[str, list[list[float]]] = {}
+    for kind in KINDS:
+        run = _call_of(comm, kind, group)
+        rows = []
+        for size in spec.sizes:
+            x = _local_input(kind, size, n)
+            for _ in range(2):
+                run(x)  # warm-up (buffers, sub-communicators)
+            comm.barrier()
+            t0 = time.perf_counter()
+            run(x)
+            calls = agree(
+                max(1, int(spec.block_seconds / max(slowest(time.perf_counter() - t0), 1e-7)))
+            )
+            times = []
+            for _ in range(spec.repeats):
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    run(x)
+                times.append(slowest(time.perf_counter() - t0) / calls)
+            sample = Sample.of(times)
+            nbytes = x.nbytes * (n if kind is CollectiveKind.ALL_GATHER else 1)
+            rows.append([float(nbytes), sample.median, sample.spread])
+            if on_point is not None:
+                on_point()
+        out[kind.value] = rows
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CommFits:
+    """Per-collective points and fits, and the joint fit (over JOINT_KINDS) of the link."""
+
+    ranks: int
+    backend: str
+    points: dict[str, list[list[float]]]
+    per_kind: dict[str, AlphaBeta]
+    joint: AlphaBeta
+
+
+def fit(points: dict[str, list[list[float]]], ranks: int, backend: str) -> CommFits:
+    per_kind = {}
+    all_terms, all_vol, all_t = [], [], []
+    for kind in KINDS:
+        rows = points[kind.value]
+        terms = [latency_terms(kind)] * len(rows)
+        vols = [volume(kind, b, ranks) for b, _, _ in rows]
+        secs = [t for _, t, _ in rows]
+        per_kind[kind.value] = fit_alpha_beta(terms, vols, secs)
+        if kind not in JOINT_KINDS:
+            continue
+        all_terms += terms
+        all_vol += vols
+        all_t += secs
+    return CommFits(ranks, backend, points, per_kind, fit_alpha_beta(all_terms, all_vol, all_t))
+
+
+def run_local(ranks: int, spec: CommSpec, on_point=None) -> CommFits:
+    """Time :meth:`LocalWorld.run_batched` (the local engine's collective path)."""
+    world = LocalWorld(ranks)
+    comm = _BatchedComm(world)
+    points = measure_comm(comm, spec, lambda t: t, lambda k: k, on_point)
+    return fit(points, ranks, "local")
+
+
+class _BatchedComm:
+    """Communicator-shaped view of a LocalWorld: one call serves every rank at once."""
+
+    def __init__(self, world: LocalWorld) -> None:
+        self._world = world
+
+    rank = 0
+
+    @property
+    def size(self) -> int:
+        return self._world.size
+
+    def _run(self, kind: CollectiveKind, x: np.ndarray, group, **axes) -> np.ndarray:
+        call = CollectiveCall("calibrate", kind, "x", "y", tuple(group), **axes)
+        calls = dict.fromkeys(group, call)
+        return self._world.run_batched(calls, dict.fromkeys(group, x))[0]
+
+    def allreduce(self, x, group):
+        return self._run(CollectiveKind.ALL_REDUCE, x, group)
+
+    def allgather(self, x, group, axis):
+        return self._run(CollectiveKind.ALL_GATHER, x, group, axis=axis)
+
+    def reduce_scatter(self, x, group, axis):
+        return self._run(CollectiveKind.REDUCE_SCATTER, x, group, axis=axis)
+
+    def alltoall(self, x, group, split_axis, concat_axis):
+        kind = CollectiveKind.ALL_TO_ALL
+        return self._run(kind, x, group, split_axis=split_axis, concat_axis=concat_axis)
+
+    def barrier(self) -> None:
+        return None
+
+
+def run_mpi(ranks: int, spec: CommSpec, threads: int, on_point=None) -> CommFits:
+    """Start ``ranks`` MPI workers that time the collectives; rank 0 writes the points."""
+    from tensoropt.runtime.launcher import mpiexec_path
+
+    with tempfile.TemporaryDirectory(prefix="tensoropt-calibrate-") as tmp:
+        out = Path(tmp) / "points.json"
+        config = Path(tmp) / "config.json"
+        config.write_text(json.dumps({"spec": spec.to_json(), "out": str(out)}))
+        cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m"]
+        cmd += ["tensoropt.calibrate.comm_worker", str(config)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _follow(proc, on_point)
+        finally:
+            _stop(proc)
+        if proc.returncode != 0 or not out.exists():
+            err = proc.stderr.read() if proc.stderr else ""
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            raise TensorOptError(
+                f"calibrate: the {ranks}-rank MPI collective benchmark failed "
+                f"(exit {proc.returncode}: {last}); try --backend local"
+            )
+        points = json.loads(out.read_text())
+    return fit(points, ranks, "mpi")
+
+
+def _follow(proc: subprocess.Popen, on_point) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("POINT") and on_point is not None:
+            on_point()
+    proc.wait()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop mpiexec (it stops its ranks) if it is still running (an interrupt)."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(3)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def total_points(spec: CommSpec) -> int:
+    return len(KINDS) * len(spec.sizes)
+
+
+def check_sizes(values: Sequence[int]) -> None:
+    if any(v <= 0 for v in values):
+        raise TensorOptError("message sizes must be positive")

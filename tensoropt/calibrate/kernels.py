@@ -1,0 +1,205 @@
+"""Per-op-family compute rates of onnxruntime on this machine (``tensoropt calibrate``).
+
+Each case is one op on fixed shapes. It is measured as the slope between a model
+holding the op once and a model holding it R times (a chain when the op keeps its
+input shape, else R independent copies of the op): ``(t(R) - t(1)) / (R - 1)``. The
+slope is the time of one kernel inside a graph, without the fixed cost of one
+``session.run`` call, which is what the cost model adds up per op. FLOPs and bytes
+of a case come from :mod:`tensoropt.cost.compute` itself, so a measured rate
+means exactly what ``op_time`` divides by.
+
+Sessions use the runtime's options (:class:`~tensoropt.runtime.program.SessionConfig`)
+with the intra-op thread count pinned to what one rank gets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from tensoropt.calibrate.stats import Sample, time_call
+from tensoropt.cost.compute import family, forward_flops
+from tensoropt.runtime.program import SessionConfig
+
+CONTRACTIONS = ("matmul", "conv")
+_ITEMSIZE = 4  # float32
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCase:
+    """One op on fixed shapes; ``chain`` when the output can feed the next copy."""
+
+    op_type: str
+    shapes: tuple[tuple[int, ...], ...]  # data input first, then parameters
+    out_shape: tuple[int, ...]
+    attrs: tuple[tuple[str, object], ...] = ()
+    chain: bool = True
+
+    @property
+    def family(self) -> str:
+        return family(self.op_type)
+
+    @property
+    def flops(self) -> float:
+        return forward_flops(self.op_type, dict(self.attrs), self.shapes, [self.out_shape])
+
+    @property
+    def traffic(self) -> float:
+        elements = sum(math.prod(s) for s in self.shapes) + math.prod(self.out_shape)
+        return float(_ITEMSIZE * elements)
+
+    @property
+    def work(self) -> float:
+        """What the family's rate is per: FLOPs for contractions, bytes otherwise."""
+        return self.flops if self.family in CONTRACTIONS else self.traffic
+
+    def label(self) -> str:
+        dims = " x ".join("x".join(map(str, s)) for s in self.shapes)
+        return f"{self.op_type} {dims}"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelResult:
+    case: KernelCase
+    seconds: Sample  # one kernel, inside a graph
+
+    @property
+    def rate(self) -> float:
+        """Work per second (FLOP/s or bytes/s)."""
+        return self.case.work / self.seconds.median
+
+
+def _matmul(m: int, k: int) -> KernelCase:
+    return KernelCase("MatMul", ((m, k), (k, k)), (m, k))
+
+
+def _conv(n: int, c: int, hw: int, kernel: int) -> KernelCase:
+    pad = kernel // 2
+    attrs = (("kernel_shape", (kernel, kernel)), ("pads", (pad,) * 4))
+    return KernelCase("Conv", ((n, c, hw, hw), (c, c, kernel, kernel)), (n, c, hw, hw), attrs)
+
+
+def _same(op: str, shape: tuple[int, ...], *params: tuple[int, ...], attrs=()) -> KernelCase:
+    return KernelCase(op, (shape, *params), shape, attrs)
+
+
+def _rows(n: int) -> tuple[int, int]:
+    cols = min(n, 1024)
+    return (max(1, n // cols), cols)
+
+
+def cases(quick: bool) -> tuple[KernelCase, ...]:
+    """The measured shapes: small to ~1024^3 MatMuls, ResNet-like Convs, memory-bound ops."""
+    sizes = [64, 256, 512] if quick else [32, 64, 128, 256, 512, 1024]
+    out = [_matmul(n, n) for n in sizes]
+    out += [_matmul(64, 256)] if quick else [_matmul(64, 256), _matmul(64, 1024), _matmul(512, 64)]
+    convs = (
+        [(8, 16, 16, 3)]
+        if quick
+        else [(8, 16, 32, 3), (8, 32, 16, 3), (8, 64, 8, 3), (8, 64, 16, 1)]
+    )
+    out += [_conv(*c) for c in convs]
+    elems = (
+        [1 << 10, 1 << 16, 1 << 20]
+        if quick
+        else [1 << 8, 1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
+    )
+    for n in elems:
+        rows, cols = _rows(n)
+        out.append(_same("Relu", (n,)))
+        if not quick:
+            out.append(KernelCase("Add", ((n,), (n,)), (n,)))
+        out.append(_same("Softmax", (rows, cols), attrs=(("axis", -1),)))
+        out.append(
+            _same("LayerNormalization", (rows, cols), (cols,), (cols,), attrs=(("axis", -1),))
+        )
+        out.append(KernelCase("ReduceMean", ((rows, cols),), (rows, 1), chain=False))
+    pools = [(8, 16, 16)] if quick else [(8, 16, 32), (8, 64, 16), (16, 64, 32)]
+    pool_attrs = (("kernel_shape", (3, 3)), ("pads", (1, 1, 1, 1)))
+    out += [_same("MaxPool", (n, c, hw, hw), attrs=pool_attrs) for n, c, hw in pools]
+    return tuple(out)
+
+
+def floor_case() -> KernelCase:
+    """The smallest kernel: its time is the per-op floor of the cost model."""
+    return _same("Relu", (4,))
+
+
+def _value(name: str, shape: Sequence[int]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+
+def build_model(case: KernelCase, copies: int) -> onnx.ModelProto:
+    """``copies`` of the op: chained through the first input, or side by side."""
+    rng = np.random.default_rng(0)
+    params = [
+        numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), f"p{i}")
+        for i, s in enumerate(case.shapes[1:])
+    ]
+    extra_inputs = [p.name for p in params]
+    if case.op_type == "Add":  # the second operand is a fed tensor, not a constant
+        params, extra_inputs = [], ["x"]
+    nodes, outputs = [], []
+    prev = "x"
+    for i in range(copies):
+        out = f"y{i}"
+        source = prev if case.chain else "x"
+        node = helper.make_node(case.op_type, [source, *extra_inputs], [out], name=f"op{i}")
+        for key, value in case.attrs:
+            node.attribute.append(helper.make_attribute(key, value))
+        nodes.append(node)
+        prev = out
+        if not case.chain:
+            outputs.append(_value(out, case.out_shape))
+    if case.chain:
+        outputs = [_value(prev, case.out_shape)]
+    graph = helper.make_graph(nodes, "kernel", [_value("x", case.shapes[0])], outputs, params)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def _session(model: onnx.ModelProto, config: SessionConfig) -> ort.InferenceSession:
+    return ort.InferenceSession(
+        model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
+    )
+
+
+def _runner(sess: ort.InferenceSession, x: np.ndarray) -> Callable[[], object]:
+    names = [o.name for o in sess.get_outputs()]
+    feeds = {"x": x}
+    return lambda: sess.run(names, feeds)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    threads: int
+    repeats: int = 5
+    block_seconds: float = 0.04  # minimum length of one timed block of calls
+    chain_target_s: float = 1e-3  # aim for R copies to take about this long
+
+
+def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, Sample]:
+    """(per-kernel time, per-``session.run`` overhead) of one case."""
+    config = SessionConfig(intra_op_threads=opts.threads)
+    x = np.random.default_rng(1).standard_normal(case.shapes[0]).astype(np.float32)
+    one = _runner(_session(build_model(case, 1), config), x)
+    for _ in range(3):
+        one()  # warm-up: arena growth, first-run kernel selection
+    first = time_call(one, min_seconds=opts.block_seconds / 4)
+    copies = int(min(64, max(4, round(opts.chain_target_s / max(first, 1e-7)))))
+    many = _runner(_session(build_model(case, copies), config), x)
+    for _ in range(3):
+        many()
+    per_op, overhead = [], []
+    for _ in range(opts.repeats):
+        t1 = time_call(one, min_seconds=opts.block_seconds)
+        tr = time_call(many, min_seconds=opts.block_seconds)
+        slope = max((tr - t1) / (copies - 1), 1e-9)
+        per_op.append(slope)
+        overhead.append(max(t1 - slope, 0.0))
+    return KernelResult(case, Sample.of(per_op)), Sample.of(overhead)

@@ -1,0 +1,87 @@
+"""Robust summaries of repeated timings and the alpha-beta least-squares fit.
+
+Every calibrated number is the median of K repeats, and carries its spread
+(interquartile range over median), so a reader of the profile can tell a steady
+rate from a noisy one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The median of repeated measurements and their relative spread (IQR / median)."""
+
+    median: float
+    spread: float
+    repeats: int
+
+    @staticmethod
+    def of(values: Sequence[float]) -> Sample:
+        arr = np.asarray(values, dtype=np.float64)
+        if arr.size == 0:
+            raise ValueError("no measurements to summarise")
+        med = float(np.median(arr))
+        q1, q3 = np.percentile(arr, [25, 75])
+        spread = float((q3 - q1) / med) if med > 0 else 0.0
+        return Sample(med, spread, int(arr.size))
+
+
+def time_call(fn: Callable[[], object], *, min_seconds: float, max_calls: int = 10_000) -> float:
+    """Seconds per call of ``fn``: calls in a loop until ``min_seconds`` have passed.
+
+    One timed block of many calls (not one call) keeps the clock's resolution and
+    Python's per-call jitter out of short kernels.
+    """
+    calls = 0
+    start = time.perf_counter()
+    elapsed = 0.0
+    while calls < max_calls and (elapsed < min_seconds or calls == 0):
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+    return elapsed / calls
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaBeta:
+    """``time = latency_terms * alpha + volume / bandwidth``, fitted by least squares."""
+
+    alpha_s: float
+    bandwidth: float
+    rel_residual: float  # median |measured - fitted| / measured over the points
+
+
+def fit_alpha_beta(
+    latency_terms: Sequence[float], volumes: Sequence[float], seconds: Sequence[float]
+) -> AlphaBeta:
+    """Least squares of ``seconds ~ terms * alpha + volume / bandwidth`` (alpha >= 0).
+
+    One row per measured point, each with its own latency-term count (a joint fit
+    over several collectives shares one alpha and one bandwidth). Relative errors
+    are minimised (each row weighted by 1 / measured time): small messages then
+    count as much as large ones, which is what a latency fit needs.
+    """
+    lat = np.asarray(latency_terms, dtype=np.float64)
+    v = np.asarray(volumes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if v.size < 2 or np.ptp(v) == 0:
+        raise ValueError("an alpha-beta fit needs at least two different message sizes")
+    w = 1.0 / t
+    design = np.stack([lat, v], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    if alpha < 0 or beta <= 0:  # refit one parameter alone (non-negative rates only)
+        alpha = max(float(alpha), 0.0)
+        rest = t - lat * alpha
+        beta = float(np.sum(w * w * v * rest) / np.sum(w * w * v * v))
+        if beta <= 0:
+            beta = float(t[np.argmax(v)] / v.max())
+    fitted = lat * alpha + beta * v
+    residual = float(np.median(np.abs(fitted - t) / t))
+    return AlphaBeta(float(alpha), float(1.0 / beta), residual)

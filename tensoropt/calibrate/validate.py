@@ -1,0 +1,192 @@
+"""Estimated against measured step time and memory of searched plans (``tensoropt validate``).
+
+For each device count, a few frontier points (fastest, min-memory and evenly spaced
+ones between) are compiled through the same passes as ``compile --pick`` and run
+with ``--profile``. A plan's measured step time is the slowest rank's median step;
+its measured memory the largest rank's (:mod:`tensoropt.runtime.profiling` defines
+both). Relative error = (estimate - measured) / measured: positive means the cost
+model over-estimates. The static-liveness peak of the emitted device graph
+(:func:`tensoropt.passes.device_stats.device_stats`) is reported beside the search's
+memory estimate.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from tensoropt.runtime.profiling import ProfileReport
+
+SCHEMA = "tensoropt.validate/1"
+
+
+def select_points(count: int, k: int) -> list[int]:
+    """Indices into a frontier of ``count`` points (fastest first): both ends, evenly between."""
+    if count <= 0 or k <= 0:
+        return []
+    if k == 1:
+        return [0]
+    return sorted({round(i * (count - 1) / (k - 1)) for i in range(min(k, count))})
+
+
+def rel_error(estimate: float, measured: float) -> float:
+    return (estimate - measured) / measured if measured > 0 else float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCheck:
+    """One compiled and measured frontier point."""
+
+    devices: int
+    mesh: tuple[int, ...]
+    index: int  # in the per-device-count frontier, fastest first
+    frontier_size: int
+    summary: str
+    est_time_s: float
+    est_memory_bytes: float
+    liveness_peak_bytes: int  # static liveness of device_0.onnx
+    profile: ProfileReport
+
+    @property
+    def measured_time_s(self) -> float:
+        return max(r.step_s for r in self.profile.ranks)
+
+    @property
+    def measured_memory_bytes(self) -> float:
+        return max(r.memory_bytes for r in self.profile.ranks)
+
+    @property
+    def time_error(self) -> float:
+        return rel_error(self.est_time_s, self.measured_time_s)
+
+    @property
+    def memory_error(self) -> float:
+        return rel_error(self.est_memory_bytes, self.measured_memory_bytes)
+
+    @property
+    def liveness_error(self) -> float:
+        return rel_error(self.liveness_peak_bytes, self.measured_memory_bytes)
+
+    def to_json(self) -> dict:
+        ranks = self.profile.ranks
+        return {
+            "devices": self.devices,
+            "mesh": list(self.mesh),
+            "point": self.index,
+            "frontier_points": self.frontier_size,
+            "summary": self.summary,
+            "estimate": {
+                "time_s": self.est_time_s,
+                "memory_bytes": self.est_memory_bytes,
+                "liveness_peak_bytes": self.liveness_peak_bytes,
+            },
+            "measured": {
+                "time_s": self.measured_time_s,
+                "memory_bytes": self.measured_memory_bytes,
+                "compute_s": max(r.compute_s for r in ranks),
+                "comm_s": max(r.comm_s for r in ranks),
+                "step_spread": max(r.step_spread for r in ranks),
+                "ranks": [r.to_json() for r in ranks],
+            },
+            "time_rel_error": self.time_error,
+            "memory_rel_error": self.memory_error,
+            "liveness_rel_error": self.liveness_error,
+        }
+
+
+def liveness_peak(outdir: str) -> int:
+    """Largest static-liveness peak over the device graphs of a compiled directory."""
+    from tensoropt.passes.device_stats import device_stats
+
+    peaks = []
+    for name in sorted(os.listdir(outdir)):
+        if name.startswith("device_") and name.endswith(".onnx"):
+            model = onnx.load(os.path.join(outdir, name))
+            peaks.append(device_stats(model, [], []).peak_bytes)
+    return max(peaks)
+
+
+def _median_abs(values: Sequence[float]) -> float | None:
+    return float(np.median(np.abs(values))) if values else None
+
+
+def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
+    """The ``--json`` document: summary errors, then every plan."""
+    return {
+        "schema": SCHEMA,
+        **meta,
+        "plans": len(checks),
+        "median_time_rel_error": _median_abs([c.time_error for c in checks]),
+        "median_memory_rel_error": _median_abs([c.memory_error for c in checks]),
+        "median_liveness_rel_error": _median_abs([c.liveness_error for c in checks]),
+        "error_definition": "|estimate - measured| / measured (medians); signed per plan",
+        "results": [c.to_json() for c in checks],
+    }
+
+
+def table(checks: Sequence[PlanCheck]) -> str:
+    head = (
+        f"{'dev':>3} {'mesh':>5} {'pt':>3}  {'est ms':>8} {'meas ms':>8} {'err':>6}  "
+        f"{'est MiB':>8} {'live MiB':>8} {'meas MiB':>8} {'err':>6}  plan"
+    )
+    lines = [head]
+    for c in checks:
+        lines.append(
+            f"{c.devices:>3} {'x'.join(map(str, c.mesh)):>5} {c.index:>3}  "
+            f"{c.est_time_s * 1e3:>8.3f} {c.measured_time_s * 1e3:>8.3f} {c.time_error:>+6.0%}  "
+            f"{c.est_memory_bytes / 2**20:>8.2f} {c.liveness_peak_bytes / 2**20:>8.2f} "
+            f"{c.measured_memory_bytes / 2**20:>8.2f} {c.memory_error:>+6.0%}  {c.summary}"
+        )
+    t = _median_abs([c.time_error for c in checks])
+    m = _median_abs([c.memory_error for c in checks])
+    live = _median_abs([c.liveness_error for c in checks])
+    lines.append(
+        f"median |relative error| over {len(checks)} plans: step time {t:.1%}, "
+        f"memory (search estimate) {m:.1%}, memory (static liveness) {live:.1%}"
+    )
+    return "\n".join(lines)
+
+
+def plot(checks: Sequence[PlanCheck], path: str) -> None:
+    """Two log-log scatters (time, memory) of estimate against measurement, with y = x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tensoropt.runtime.checkpoint import write_atomic
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    panels = (
+        ("step time (ms)", [c.measured_time_s * 1e3 for c in checks], [c.est_time_s * 1e3 for c in checks]),
+        ("memory per device (MiB)", [c.measured_memory_bytes / 2**20 for c in checks],
+         [c.est_memory_bytes / 2**20 for c in checks]),
+    )  # fmt: skip
+    for ax, (what, measured, estimated) in zip(axes, panels, strict=True):
+        for d in sorted({c.devices for c in checks}):
+            xs = [m for m, c in zip(measured, checks, strict=True) if c.devices == d]
+            ys = [e for e, c in zip(estimated, checks, strict=True) if c.devices == d]
+            ax.scatter(xs, ys, label=f"{d} device{'s' if d > 1 else ''}", s=24)
+        if what.startswith("memory"):
+            live = [c.liveness_peak_bytes / 2**20 for c in checks]
+            ax.scatter(measured, live, marker="x", c="gray", s=20, label="static liveness")
+        lo = min(min(measured), min(estimated)) / 1.5
+        hi = max(max(measured), max(estimated)) * 1.5
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="y = x")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {what}")
+        ax.set_ylabel(f"estimated {what}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Cost model against measurements")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())

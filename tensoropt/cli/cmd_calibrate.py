@@ -1,0 +1,132 @@
+"""``tensoropt calibrate``: measure this machine's compute and collective rates."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+EPILOG = """\
+what it measures (medians of --repeats runs, with the spread IQR/median of each):
+  compute   per op family through onnxruntime (CPU EP, the runtime's session options,
+            intra-op threads pinned to what one rank gets: cores // ranks): MatMul from
+            32^3 to 1024^3, ResNet-like Convs, element-wise, reductions, Softmax,
+            LayerNorm, MaxPool; each op's time inside a graph (the slope between a model
+            holding it once and one holding it R times), so one session.run's fixed cost
+            is not charged to every op
+  comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
+            communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
+            sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
+            DESIGN section 4 volume model, per collective and jointly (the profile's link)
+
+output: a cluster JSON file for `tensoropt search --cluster FILE.json` (and compile,
+validate): rates, rate-vs-size curves per op family, every point with its spread,
+the machine, library versions and the date. Written atomically: an interrupted
+calibration leaves no file.
+
+examples:
+  tensoropt calibrate -o here.json
+  tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
+  tensoropt search gpt.onnx --devices 1,2 --cluster here.json
+  tensoropt validate gpt.onnx --devices 1,2 --cluster here.json
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure compute and collective rates here and write a cluster profile",
+        description="Measure per-op-family compute throughput and collective alpha-beta "
+        "rates on this machine and write them as a cluster profile (JSON).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-o", "--output", required=True, metavar="CLUSTER.json")
+    p.add_argument("--backend", choices=["mpi", "local"], default="mpi")
+    p.add_argument("--ranks", type=int, default=2, help="ranks for the collectives (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (default 5)")
+    p.add_argument("--threads", type=int, help="intra-op threads per rank (default cores//ranks)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing blocks")
+    p.add_argument("--json", action="store_true", help="print the profile on stdout too")
+    p.set_defaults(func=run)
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM behaves like Ctrl-C: cleanup runs, no file is written, one line, exit 130."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _summary(profile: dict) -> str:
+    cal = profile["calibration"]
+    lines = [
+        f"calibrated {profile['machine']['cpu']} ({profile['machine']['cores']} cores), "
+        f"{cal['ranks']} ranks x {cal['threads_per_rank']} thread(s), {cal['backend']} backend, "
+        f"{cal['seconds']:.1f} s",
+        f"  {'family':<12} {'GFLOP/s':>9} {'spread':>7}",
+    ]
+    spreads = profile["spread"]["op_throughput"]
+    for fam, rate in profile["op_throughput"].items():
+        lines.append(f"  {fam:<12} {rate / 1e9:>9.2f} {spreads[fam]:>7.2f}")
+    lines.append(
+        f"  peak {profile['peak_flops'] / 1e9:.1f} GFLOP/s, element-wise "
+        f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, op floor "
+        f"{profile['op_floor_s'] * 1e6:.2f} us, session.run "
+        f"{cal['run_overhead_s'] * 1e6:.1f} us"
+    )
+    lines.append(f"  {'collective':<14} {'alpha us':>9} {'GB/s':>8} {'fit err':>8} {'spread':>7}")
+    per_kind = profile["collectives"]["per_kind"]
+    for kind, fit in per_kind.items():
+        lines.append(
+            f"  {kind:<14} {fit['alpha_s'] * 1e6:>9.2f} {fit['bandwidth'] / 1e9:>8.3f} "
+            f"{fit['rel_residual']:>8.2f} {profile['spread']['collectives'][kind]:>7.2f}"
+        )
+    link = profile["intra"]
+    lines.append(
+        f"  link (joint fit): alpha {link['alpha_s'] * 1e6:.2f} us, "
+        f"{link['bandwidth'] / 1e9:.3f} GB/s; inter = intra (single host)"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensoropt.calibrate.profile import (
+        CalibrateOptions,
+        CommBackend,
+        calibrate,
+        work_items,
+        write_profile,
+    )
+    from tensoropt.cli.common import print_json, progress
+    from tensoropt.cost.cluster import from_json
+
+    _interrupt_on_sigterm()
+    opts = CalibrateOptions(
+        backend=CommBackend(args.backend),
+        ranks=args.ranks,
+        repeats=args.repeats,
+        quick=args.quick,
+        threads=args.threads,
+    )
+    opts.check()
+    total = work_items(opts)
+    bar = progress(range(total), total=total, desc="calibrate")
+
+    def tick(label: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(label[:40])
+
+    try:
+        profile = calibrate(opts, tick)
+    finally:
+        bar.close()
+    from_json(profile, args.output)  # what search will read: refuse to write a bad file
+    write_profile(args.output, profile)
+    if args.json:
+        print_json(profile)
+    else:
+        print(_summary(profile))
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,168 @@
+"""``tensoropt validate``: estimated vs measured step time and memory of searched plans."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from tensoropt.cli.cmd_search import add_search_options
+from tensoropt.errors import InfeasibleError, TensorOptError
+
+EPILOG = """\
+what it does: searches the frontier of MODEL at each device count with the cluster
+profile (normally one from `tensoropt calibrate` on this machine), picks --points
+points per count (fastest, min-memory and evenly spaced ones), compiles each exactly
+as `compile --pick` does, runs it with `run --profile` (--steps steps, medians after
+--warmup) and compares:
+
+  time    estimated step time vs the slowest rank's median measured step
+  memory  the search's memory estimate vs the largest rank's measured memory (growth
+          of anonymous resident memory over the step loop's start); the static-
+          liveness peak of the emitted device graph is shown beside it
+
+relative error = (estimate - measured) / measured; the summary is the median of
+|error| over all plans. Plans that do not fit the profile's memory_bytes are not
+searched; a model that fits at no requested device count exits 2.
+
+examples:
+  tensoropt calibrate -o here.json
+  tensoropt validate mlp.onnx --devices 1,2 --cluster here.json --plot v.png
+  tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --points 6 --json v.json
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "validate",
+        help="compare the cost model's estimates with measured runs of frontier plans",
+        description="Compile and run frontier plans of MODEL, and compare estimated with "
+        "measured step time and memory per device.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--devices", default="1,2", help="device counts (default 1,2)")
+    p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
+    p.add_argument("--points", type=int, default=4, help="plans per device count (default 4)")
+    p.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out (default 2)")
+    p.add_argument("--backend", choices=["mpi", "local"], default="mpi")
+    p.add_argument("--threads", type=int, help="intra-op threads per rank (default: profile's)")
+    p.add_argument("--lr", type=float, default=0.01)
+    add_search_options(p)
+    p.add_argument("--json", metavar="FILE.json", help="every plan with estimate and measurement")
+    p.add_argument("--plot", metavar="FILE.png", help="estimated vs measured scatter (log-log)")
+    p.set_defaults(func=run, cluster=None)
+
+
+def _threads(args, devices) -> int:
+    """The profile's threads per rank (what its rates were measured with), else cores//ranks."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise TensorOptError(f"--threads {args.threads}: give at least 1")
+        return args.threads
+    if args.cluster.endswith(".json") and os.path.isfile(args.cluster):
+        with open(args.cluster) as f:
+            cal = json.load(f).get("calibration") or {}
+        if isinstance(cal.get("threads_per_rank"), int) and cal["threads_per_rank"] >= 1:
+            return cal["threads_per_rank"]
+    return max(1, (os.cpu_count() or 1) // max(devices))
+
+
+def _explore(args, devices):
+    from tensoropt.cli.cmd_search import explore_from_args
+    from tensoropt.cost.cluster import load_cluster
+
+    profile = load_cluster(args.cluster)
+    if args.memory_budget is None:
+        args.memory_budget = str(profile.memory_bytes)
+    try:
+        return explore_from_args(args, devices)
+    except InfeasibleError as exc:
+        raise InfeasibleError(
+            f"{args.model} does not fit at {', '.join(map(str, devices))} devices with "
+            f"{args.cluster}: {exc}"
+        ) from None
+
+
+def _check_args(args) -> None:
+    if args.cluster is None:
+        raise TensorOptError(
+            "--cluster is required: a profile of this machine (`tensoropt calibrate -o "
+            "here.json`), since measurements are taken here"
+        )
+    if args.points < 1:
+        raise TensorOptError(f"--points {args.points}: give at least 1")
+    if not 0 <= args.warmup < args.steps:
+        raise TensorOptError(
+            f"--steps {args.steps} --warmup {args.warmup}: need 0 <= warmup < steps"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensoropt.calibrate.validate import (
+        PlanCheck,
+        liveness_peak,
+        plot,
+        report_json,
+        select_points,
+        table,
+    )
+    from tensoropt.cli.common import build_step, parse_devices, progress, write_atomic
+    from tensoropt.passes.compile import compile_step
+    from tensoropt.runtime.run import run_steps
+    from tensoropt.search.driver import device_frontier, plan_from_choice
+
+    _check_args(args)
+    devices = parse_devices(args.devices)
+    threads = _threads(args, devices)
+    args.epsilon = args.epsilon  # from add_search_options
+    _, _, exp = _explore(args, devices)
+    picks = []
+    for d in devices:
+        rows = device_frontier(exp, d)
+        for k in select_points(len(rows), args.points):
+            picks.append((d, k, len(rows), *rows[k]))
+    checks = []
+    bar = progress(picks, total=len(picks), desc="validate")
+    with tempfile.TemporaryDirectory(prefix="tensoropt-validate-") as tmp:
+        for n, (d, k, size, search, point) in enumerate(bar):
+            plan = plan_from_choice(search, point.choice, f"validate point {k} at {d} devices")
+            outdir = os.path.join(tmp, f"plan_{n}")
+            compile_step(build_step(args), plan, None, outdir)
+            result = run_steps(
+                outdir,
+                args.steps,
+                backend=args.backend,
+                threads=threads,
+                profile=True,
+                profile_warmup=args.warmup,
+            )
+            assert result.profile is not None
+            summary = search.summaries[search.result.points.index(point)]
+            checks.append(
+                PlanCheck(
+                    d, tuple(search.mesh.shape), k, size, summary, point.time_s,
+                    point.memory_bytes, liveness_peak(outdir), result.profile,
+                )
+            )  # fmt: skip
+    print(table(checks))
+    meta = {
+        "model": args.model,
+        "cluster": args.cluster,
+        "devices": devices,
+        "backend": args.backend,
+        "threads_per_rank": threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    if args.json:
+        write_atomic(args.json, json.dumps(report_json(checks, meta), indent=1).encode())
+        print(f"wrote json: {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(checks, args.plot)
+        print(f"wrote plot: {args.plot}", file=sys.stderr)
+    return 0

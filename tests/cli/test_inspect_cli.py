@@ -1,0 +1,140 @@
+"""``tensoropt inspect OUTDIR`` and ``inspect device_<k>.onnx`` (text and --json),
+checked against hand computation for a Megatron MLP block."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from tests.cli import models
+from tests.cli.cli_run import assert_bad_input, cli
+
+F32 = 4
+B, D, H = models.B, models.D, models.H
+
+
+def _compile(tmp_path: Path, capsys, tp: int) -> Path:
+    model = tmp_path / "block.onnx"
+    onnx.save(models.mlp_block(), str(model))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(models.megatron_block_plan(tp)))
+    out = tmp_path / "out"
+    outcome = cli(
+        capsys, "compile", model, "--devices", tp, "--plan", plan, "--loss", "mse", "-o", out
+    )
+    assert outcome.code == 0, outcome.err
+    return out
+
+
+def _hand(tp: int) -> dict:
+    """What the canonical Megatron block must show on each rank of a tp mesh."""
+    shards = {"W0": [D, D], "W1": [D, H // tp], "b1": [H // tp], "W2": [H // tp, D], "b2": [D]}
+    elements = sum(int(np.prod(s)) for s in shards.values())
+    # two AllReduces of a [B, D] / [D, D] float32 tensor (the block output and dW0)
+    ring = 2 * (tp - 1) / tp
+    sent = ring * B * D * F32 + ring * D * D * F32
+    return {
+        "shards": shards,
+        "state_bytes": 2 * elements * F32,  # parameter + SGD momentum
+        "sent": sent,
+        "group": list(range(tp)),
+    }
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_inspect_json_matches_hand_computation(tmp_path, capsys, tp):
+    out = _compile(tmp_path, capsys, tp)
+    outcome = cli(capsys, "inspect", out, "--json")
+    assert outcome.code == 0, outcome.err
+    data = json.loads(outcome.out)
+    assert data["schema"] == "tensoropt.inspect/1"
+    assert [d["file"] for d in data["devices"]] == [f"device_{k}.onnx" for k in range(tp)]
+    want = _hand(tp)
+    for entry in data["devices"]:
+        graph = onnx.load(str(out / entry["file"])).graph
+        assert entry["ops"] == len(graph.node) == sum(entry["op_types"].values())
+        assert entry["op_types"]["AllReduce"] == 2
+        assert entry["collectives"] == [
+            {"kind": "AllReduce", "group": want["group"], "count": 2, "bytes_sent": want["sent"]}
+        ]
+        assert entry["bytes_sent_per_step"] == want["sent"]
+        assert entry["param_shapes"] == want["shards"]
+        assert entry["param_and_state_bytes"] == want["state_bytes"]
+        resident = want["state_bytes"] + 2 * B * D * F32  # + x and the MSE labels
+        assert resident <= entry["peak_bytes"] <= resident + 64 * B * H * F32
+
+
+def test_inspect_text_shows_the_same_numbers(tmp_path, capsys):
+    out = _compile(tmp_path, capsys, 2)
+    outcome = cli(capsys, "inspect", out)
+    assert outcome.code == 0, outcome.err
+    lines = outcome.out.splitlines()
+    want = _hand(2)
+    heads = [line for line in lines if line.startswith("device_")]
+    assert len(heads) == 2
+    for head in heads:
+        m = re.match(
+            r"device_\d\.onnx: (\d+) ops, sends (\d+) B per step, params\+state ([\d.]+) KiB", head
+        )
+        assert m, head
+        assert int(m.group(2)) == want["sent"] == 512
+        assert float(m.group(3)) == round(want["state_bytes"] / 1024, 1)
+    rows = [line.split() for line in lines if line.strip().startswith("AllReduce")]
+    assert rows == [["AllReduce", "0,1", "2", "512", "B"]] * 2
+    shards = [line for line in lines if "parameter shards:" in line]
+    assert shards == ["  parameter shards: W0 8x8, W1 8x8, b1 8, W2 8x8, b2 8"] * 2
+
+
+def test_inspect_one_device_file_equals_its_outdir_entry(tmp_path, capsys):
+    out = _compile(tmp_path, capsys, 2)
+    whole = json.loads(cli(capsys, "inspect", out, "--json").out)["devices"][1]
+    single = json.loads(cli(capsys, "inspect", out / "device_1.onnx", "--json").out)["devices"]
+    assert single == [whole]
+    text = cli(capsys, "inspect", out / "device_1.onnx").out
+    assert text.startswith("device_1.onnx: ") and "AllReduce" in text
+
+
+def test_inspect_data_parallel_counts_and_traffic(tmp_path, capsys):
+    model = tmp_path / "block.onnx"
+    onnx.save(models.mlp_block(), str(model))
+    out = tmp_path / "dp"
+    assert cli(capsys, "compile", model, "--devices", 4, "--loss", "mse", "-o", out).code == 0
+    data = json.loads(cli(capsys, "inspect", out, "--json").out)
+    params = D * D + D * H + H + H * D + D
+    for entry in data["devices"]:
+        # one AllReduce per parameter gradient (5) plus the loss, over all 4 ranks
+        [stat] = entry["collectives"]
+        assert (stat["kind"], stat["group"], stat["count"]) == ("AllReduce", [0, 1, 2, 3], 6)
+        assert stat["bytes_sent"] == 2 * 3 / 4 * (params + 1) * F32
+        assert entry["param_and_state_bytes"] == 2 * params * F32
+
+
+@pytest.mark.parametrize(
+    ("make", "fragments"),
+    [
+        (lambda p: p.write_text("not onnx"), ["x.onnx", "not a readable ONNX model"]),
+        (
+            lambda p: onnx.save(models.relu_only_model(), str(p)),
+            ["x.onnx", "not a tensoropt training step"],
+        ),
+        (lambda p: p.mkdir(), ["x.onnx", "no manifest.json"]),
+    ],
+    ids=["not-onnx", "not-a-step", "empty-dir"],
+)
+def test_inspect_bad_targets(tmp_path, capsys, make, fragments):
+    target = tmp_path / "x.onnx"
+    make(target)
+    assert_bad_input(cli(capsys, "inspect", target), "inspect", *fragments)
+
+
+def test_inspect_outdir_with_missing_or_corrupt_device_file(tmp_path, capsys):
+    out = _compile(tmp_path, capsys, 2)
+    (out / "device_1.onnx").write_bytes(b"\x08garbage")
+    assert_bad_input(cli(capsys, "inspect", out), "inspect", "device_1.onnx")
+    (out / "device_1.onnx").unlink()
+    assert_bad_input(cli(capsys, "inspect", out), "inspect", "device_1.onnx", "missing")

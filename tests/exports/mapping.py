@@ -1,0 +1,98 @@
+"""Map the initializers of a torch.onnx export back to the torch parameters, by value.
+
+The exporter renames parameters it folds (``val_9`` for ``h.0.c_attn.weight``
+transposed), cuts position embeddings to the rows used, broadcasts a cls token to
+the batch, and folds BatchNorm into Conv. Names therefore say little; values say
+everything, because the test models have unique random values (see models.py).
+
+An initializer ``V`` maps to a torch parameter ``P`` through one of:
+
+* ``same``: ``V == P``;
+* ``transposed``: ``V == P.T`` (a Linear weight stored as ``[in, out]``);
+* ``rows``: ``V`` viewed as rows of ``P.shape[-1]`` equals the first rows of ``P``
+  (a position table cut to the sequence length, with leading 1-dims added);
+* ``broadcast``: ``P`` has a leading 1-dim and every ``V[i]`` equals ``P[0]`` (a
+  cls token expanded to the batch).
+
+Equality is ``allclose`` at float32 precision (BN folding rounds differently in
+onnxscript and torch). Each mapping turns the gradient of ``V`` into a
+contribution to the gradient of ``P``; contributions of several initializers to
+one parameter add up (a tie the exporter did not keep).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class How(enum.Enum):
+    SAME = "same"
+    TRANSPOSED = "transposed"
+    ROWS = "rows"
+    BROADCAST = "broadcast"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    initializer: str
+    param: str
+    how: How
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.allclose(
+        a, b, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(b).max())
+    )
+
+
+def _how(v: np.ndarray, p: np.ndarray) -> How | None:
+    if _close(v, p):
+        return How.SAME
+    if v.ndim == 2 and p.ndim == 2 and _close(v, p.T):
+        return How.TRANSPOSED
+    if p.ndim == 2 and v.size % p.shape[-1] == 0 and v.shape[-1] == p.shape[-1]:
+        rows = v.size // p.shape[-1]
+        if rows < p.shape[0] and _close(v.reshape(rows, -1), p[:rows]):
+            return How.ROWS
+    broadcast = p.ndim >= 2 and p.shape[0] == 1 and v.shape[1:] == p.shape[1:]
+    if broadcast and v.shape[0] > 1 and all(_close(v[i : i + 1], p) for i in range(v.shape[0])):
+        return How.BROADCAST
+    return None
+
+
+def match_initializers(
+    initializers: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]
+) -> dict[str, Match]:
+    """initializer name -> its torch parameter, for every float initializer that has one.
+
+    Raises if an initializer matches more than one parameter (the mapping would be a
+    guess).
+    """
+    found: dict[str, Match] = {}
+    for name, v in initializers.items():
+        if v.dtype.kind != "f" or v.ndim == 0:
+            continue
+        hits = [(p, how) for p, arr in params.items() if (how := _how(v, arr)) is not None]
+        if len(hits) > 1:
+            raise AssertionError(f"initializer {name} matches several parameters: {hits}")
+        if hits:
+            found[name] = Match(name, hits[0][0], hits[0][1])
+    return found
+
+
+def to_param_grad(match: Match, grad: np.ndarray, param_shape: tuple[int, ...]) -> np.ndarray:
+    """The contribution of the initializer's gradient to the parameter's gradient."""
+    if match.how is How.SAME:
+        return grad
+    if match.how is How.TRANSPOSED:
+        return grad.T
+    if match.how is How.ROWS:
+        out = np.zeros(param_shape, grad.dtype)
+        rows = grad.size // param_shape[-1]
+        out[:rows] = grad.reshape(rows, -1)
+        return out
+    return grad.sum(axis=0, keepdims=True)
