@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tensoropt.ir.costs import CostProblem
 from tensoropt.search import BlockMode, merge_frontiers, solve
+from tensoropt.search.ilp import ilp_min_time
 from tensoropt.search.synthetic import MESHES, transformer_problem
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -58,69 +58,6 @@ def depth_table(depths: list[int], mesh: tuple[int, ...]) -> list[str]:
         )
         print(rows[-1], flush=True)
     return rows
-
-
-def ilp_min_time(problem: CostProblem, budget: float) -> tuple[tuple[int, ...], float]:
-    """Alpa-style MILP: binary unit choices, continuous edge-pair variables tied to them."""
-    import highspy
-
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("mip_abs_gap", 0.0)
-    cost, mem, ucol = [], [], []
-    for u in problem.units:
-        ucol.append(len(cost))
-        cost += [s.time_s for s in u.strategies]
-        mem += [s.memory_bytes for s in u.strategies]
-    n_unit_cols = len(cost)
-    rows: list[tuple[list[int], list[float], float, float]] = [
-        (list(range(ucol[i], ucol[i] + len(u.strategies))), [1.0] * len(u.strategies), 1.0, 1.0)
-        for i, u in enumerate(problem.units)
-    ]
-    for e in problem.edges:
-        base = len(cost)
-        sa, sb = len(e.time_s), len(e.time_s[0])
-        cost += [v for r in e.time_s for v in r]
-        mem += [v for r in e.memory_bytes for v in r]
-        for i in range(sa):
-            idx = [base + i * sb + j for j in range(sb)] + [ucol[e.src] + i]
-            rows.append((idx, [1.0] * sb + [-1.0], 0.0, 0.0))
-        for j in range(sb):
-            idx = [base + i * sb + j for i in range(sa)] + [ucol[e.dst] + j]
-            rows.append((idx, [1.0] * sa + [-1.0], 0.0, 0.0))
-    rows.append((list(range(len(cost))), mem, -np.inf, budget))
-    n = len(cost)
-    h.addCols(
-        n,
-        np.array(cost),
-        np.zeros(n),
-        np.ones(n),
-        0,
-        np.zeros(0, np.int32),
-        np.zeros(0, np.int32),
-        np.zeros(0),
-    )
-    h.changeColsIntegrality(
-        n_unit_cols, np.arange(n_unit_cols, dtype=np.int32), np.ones(n_unit_cols, dtype=np.uint8)
-    )
-    starts = np.cumsum([0] + [len(r[0]) for r in rows[:-1]]).astype(np.int32)
-    h.addRows(
-        len(rows),
-        np.array([r[2] for r in rows]),
-        np.array([r[3] for r in rows]),
-        sum(len(r[0]) for r in rows),
-        starts,
-        np.array([i for r in rows for i in r[0]], dtype=np.int32),
-        np.array([v for r in rows for v in r[1]]),
-    )
-    h.run()
-    x = np.array(h.getSolution().col_value)
-    choice = tuple(
-        int(np.argmax(x[ucol[i] : ucol[i] + len(u.strategies)]))
-        for i, u in enumerate(problem.units)
-    )
-    return choice, problem.evaluate(choice)[0]
 
 
 def ilp_table(layers_list: list[int], mesh: tuple[int, ...]) -> list[str]:

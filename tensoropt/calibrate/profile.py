@@ -8,7 +8,7 @@ reads it) whose rates are medians of repeated measurements:
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
 * ``op_throughput``: per family one FLOP/s number (median over the family's
   sizes), for readers and for code that does not use the curves;
-* ``peak_flops`` (best MatMul), ``memory_bandwidth`` (largest element-wise op),
+* ``peak_flops`` (best MatMul), ``memory_bandwidth`` (largest element-wise Add),
   ``op_floor_s`` (one tiny kernel inside a graph), ``efficiency`` = 1 (the rates
   are already achieved ones);
 * ``intra`` = ``inter``: the joint alpha-beta fit of the collectives (one host);
@@ -160,7 +160,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
     link = {"alpha_s": fits.joint.alpha_s, "bandwidth": fits.joint.bandwidth}
     throughput, fam_spread = _throughput(results)
     matmul = [r.rate for r in results if r.case.family == "matmul"]
-    streams = [r for r in results if r.case.op_type == "Relu"]
+    streams = [r for r in results if r.case.op_type == "Add"]
     bandwidth = max(streams, key=lambda r: r.case.work).rate
     machine = machine_info()
     return {

@@ -49,8 +49,9 @@ class PlanCheck:
     summary: str
     est_time_s: float
     est_memory_bytes: float
-    liveness_peak_bytes: int  # static liveness of device_0.onnx
+    liveness_peak_bytes: int  # largest static liveness peak over the device graphs
     profile: ProfileReport
+    est_compute_s: float  # the same plan costed with free communication
 
     @property
     def measured_time_s(self) -> float:
@@ -59,6 +60,14 @@ class PlanCheck:
     @property
     def measured_memory_bytes(self) -> float:
         return max(r.memory_bytes for r in self.profile.ranks)
+
+    @property
+    def measured_compute_s(self) -> float:
+        return max(r.compute_s for r in self.profile.ranks)
+
+    @property
+    def compute_error(self) -> float:
+        return rel_error(self.est_compute_s, self.measured_compute_s)
 
     @property
     def time_error(self) -> float:
@@ -82,18 +91,22 @@ class PlanCheck:
             "summary": self.summary,
             "estimate": {
                 "time_s": self.est_time_s,
+                "compute_s": self.est_compute_s,
+                "comm_s": self.est_time_s - self.est_compute_s,
                 "memory_bytes": self.est_memory_bytes,
                 "liveness_peak_bytes": self.liveness_peak_bytes,
             },
             "measured": {
                 "time_s": self.measured_time_s,
                 "memory_bytes": self.measured_memory_bytes,
-                "compute_s": max(r.compute_s for r in ranks),
+                "compute_s": self.measured_compute_s,
+                "compute_cpu_s": max(r.compute_cpu_s for r in ranks),
                 "comm_s": max(r.comm_s for r in ranks),
                 "step_spread": max(r.step_spread for r in ranks),
                 "ranks": [r.to_json() for r in ranks],
             },
             "time_rel_error": self.time_error,
+            "compute_rel_error": self.compute_error,
             "memory_rel_error": self.memory_error,
             "liveness_rel_error": self.liveness_error,
         }
@@ -124,6 +137,7 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
         "median_time_rel_error": _median_abs([c.time_error for c in checks]),
         "median_memory_rel_error": _median_abs([c.memory_error for c in checks]),
         "median_liveness_rel_error": _median_abs([c.liveness_error for c in checks]),
+        "median_compute_rel_error": _median_abs([c.compute_error for c in checks]),
         "error_definition": "|estimate - measured| / measured (medians); signed per plan",
         "results": [c.to_json() for c in checks],
     }
@@ -131,14 +145,16 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
 
 def table(checks: Sequence[PlanCheck]) -> str:
     head = (
-        f"{'dev':>3} {'mesh':>5} {'pt':>3}  {'est ms':>8} {'meas ms':>8} {'err':>6}  "
+        f"{'dev':>3} {'mesh':>5} {'pt':>3}  {'est ms':>8} {'meas ms':>8} {'err':>6} "
+        f"{'comp err':>8}  "
         f"{'est MiB':>8} {'live MiB':>8} {'meas MiB':>8} {'err':>6}  plan"
     )
     lines = [head]
     for c in checks:
         lines.append(
             f"{c.devices:>3} {'x'.join(map(str, c.mesh)):>5} {c.index:>3}  "
-            f"{c.est_time_s * 1e3:>8.3f} {c.measured_time_s * 1e3:>8.3f} {c.time_error:>+6.0%}  "
+            f"{c.est_time_s * 1e3:>8.3f} {c.measured_time_s * 1e3:>8.3f} {c.time_error:>+6.0%} "
+            f"{c.compute_error:>+8.0%}  "
             f"{c.est_memory_bytes / 2**20:>8.2f} {c.liveness_peak_bytes / 2**20:>8.2f} "
             f"{c.measured_memory_bytes / 2**20:>8.2f} {c.memory_error:>+6.0%}  {c.summary}"
         )
@@ -162,11 +178,12 @@ def plot(checks: Sequence[PlanCheck], path: str) -> None:
     from tensoropt.runtime.checkpoint import write_atomic
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    ms = [c.measured_time_s * 1e3 for c in checks]
+    mib = [c.measured_memory_bytes / 2**20 for c in checks]
     panels = (
-        ("step time (ms)", [c.measured_time_s * 1e3 for c in checks], [c.est_time_s * 1e3 for c in checks]),
-        ("memory per device (MiB)", [c.measured_memory_bytes / 2**20 for c in checks],
-         [c.est_memory_bytes / 2**20 for c in checks]),
-    )  # fmt: skip
+        ("step time (ms)", ms, [c.est_time_s * 1e3 for c in checks]),
+        ("memory per device (MiB)", mib, [c.est_memory_bytes / 2**20 for c in checks]),
+    )
     for ax, (what, measured, estimated) in zip(axes, panels, strict=True):
         for d in sorted({c.devices for c in checks}):
             xs = [m for m, c in zip(measured, checks, strict=True) if c.devices == d]

@@ -138,7 +138,8 @@ def _sample(rows, limit=10):
     return [(i, rows[i]) for i in picks]
 
 
-def print_tables(sg, exp, out=sys.stdout) -> None:
+def print_tables(sg, exp, out=None) -> None:
+    out = out or sys.stdout
     table = per_device_points(exp)
     for d, rows in table.items():
         print(f"\n{d} device{'s' if d > 1 else ''}: {len(rows)} frontier points", file=out)

@@ -88,6 +88,26 @@ def _explore(args, devices):
         ) from None
 
 
+def _compute_only(sg, profile):
+    """``f(mesh, choice)``: the plan's estimated time with free communication (cached)."""
+    import dataclasses
+
+    from tensoropt.cost.cluster import Link
+    from tensoropt.cost.model import build_problem
+
+    free = Link(0.0, 1e300)
+    no_comm = dataclasses.replace(profile, intra=free, inter=free)
+    problems = {}
+
+    def estimate(mesh, choice) -> float:
+        key = tuple(mesh.shape)
+        if key not in problems:
+            problems[key] = build_problem(sg, mesh, no_comm).problem
+        return problems[key].evaluate(choice)[0]
+
+    return estimate
+
+
 def _check_args(args) -> None:
     if args.cluster is None:
         raise TensorOptError(
@@ -119,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     devices = parse_devices(args.devices)
     threads = _threads(args, devices)
-    args.epsilon = args.epsilon  # from add_search_options
-    _, _, exp = _explore(args, devices)
+    sg, profile, exp = _explore(args, devices)
+    compute_only = _compute_only(sg, profile)
     picks = []
     for d in devices:
         rows = device_frontier(exp, d)
@@ -147,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
                 PlanCheck(
                     d, tuple(search.mesh.shape), k, size, summary, point.time_s,
                     point.memory_bytes, liveness_peak(outdir), result.profile,
+                    compute_only(search.mesh, point.choice),
                 )
             )  # fmt: skip
     print(table(checks))

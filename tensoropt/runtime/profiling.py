@@ -2,14 +2,17 @@
 
 Per step and rank: the wall time of the engine's step (segments, collectives and
 the glue between them; batch generation is outside), compute = the sum of the
-segments' ``session.run`` times, communication = the sum of the collectives' times,
-and memory.
+segments' ``session.run`` times (also as this thread's CPU time, which other
+processes on a busy machine do not inflate when onnxruntime runs one thread),
+communication = the sum of the collectives' times (including waiting for the other
+members), and memory.
 
 Memory is the process's *anonymous* resident memory (``/proc/self/statm``:
 resident minus file-backed pages, so library code pages touched on the first run
 do not count), sampled before the step and after every segment and collective,
 minus the same quantity when the step loop starts (sessions built, no training
-state yet). It therefore counts what training adds to the process: parameter and
+state yet). glibc's ``malloc_trim`` runs before each step, so freed memory that the
+allocator kept does not count. It therefore counts what training adds to the process: parameter and
 optimizer-state arrays (inputs and their ``__new`` outputs), activations and
 gradients in onnxruntime's arenas (which keep their high-water mark), data shards
 and collective buffers. Not counted: the interpreter, libraries, the loaded
@@ -32,6 +35,27 @@ import numpy as np
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _libc_trim() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``), where available.
+
+    Called before each profiled step, so that memory a previous step freed but glibc
+    kept does not count as this step's use.
+    """
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
 def anon_rss_bytes() -> int:
     """Resident anonymous memory of this process (resident - shared pages), in bytes."""
     try:
@@ -48,19 +72,24 @@ class StepClock:
 
     baseline: int = 0
     compute_s: float = 0.0
+    compute_cpu_s: float = 0.0
     comm_s: float = 0.0
     peak: int = 0
 
     def start_loop(self) -> None:
+        _libc_trim()
         self.baseline = anon_rss_bytes()
 
     def start_step(self) -> None:
+        _libc_trim()
         self.compute_s = 0.0
+        self.compute_cpu_s = 0.0
         self.comm_s = 0.0
         self.peak = anon_rss_bytes()
 
-    def add_compute(self, seconds: float) -> None:
+    def add_compute(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.compute_s += seconds
+        self.compute_cpu_s += cpu_seconds
         self.sample()
 
     def add_comm(self, seconds: float) -> None:
@@ -72,7 +101,10 @@ class StepClock:
 
     def record(self, step: int, seconds: float) -> StepRecord:
         self.sample()
-        return StepRecord(step, seconds, self.compute_s, self.comm_s, self.peak - self.baseline)
+        return StepRecord(
+            step, seconds, self.compute_s, self.comm_s, self.peak - self.baseline,
+            self.compute_cpu_s,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +114,7 @@ class StepRecord:
     compute_s: float
     comm_s: float
     memory_bytes: int
+    compute_cpu_s: float = 0.0  # this thread's CPU time in the segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +128,7 @@ class RankProfile:
     comm_s: float
     memory_bytes: float
     step_spread: float  # IQR / median of the step time
+    compute_cpu_s: float = 0.0
     records: tuple[StepRecord, ...] = field(default=())
 
     def to_json(self) -> dict:
@@ -104,6 +138,7 @@ class RankProfile:
             "step_s": self.step_s,
             "compute_s": self.compute_s,
             "comm_s": self.comm_s,
+            "compute_cpu_s": self.compute_cpu_s,
             "other_s": max(self.step_s - self.compute_s - self.comm_s, 0.0),
             "memory_bytes": self.memory_bytes,
             "step_spread": self.step_spread,
@@ -123,6 +158,7 @@ def summarize(rank: int, records: Sequence[StepRecord], warmup: int) -> RankProf
         comm_s=float(np.median([r.comm_s for r in measured])),
         memory_bytes=float(np.median([r.memory_bytes for r in measured])),
         step_spread=float((q3 - q1) / med) if med > 0 else 0.0,
+        compute_cpu_s=float(np.median([r.compute_cpu_s for r in measured])),
         records=tuple(records),
     )
 
@@ -158,6 +194,7 @@ class ProfileReport:
                 float(r["comm_s"]),
                 float(r["memory_bytes"]),
                 float(r["step_spread"]),
+                float(r.get("compute_cpu_s", 0.0)),
             )
             for r in d["ranks"]
         )
@@ -166,3 +203,8 @@ class ProfileReport:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def cpu_now() -> float:
+    """This thread's CPU seconds: with one intra-op thread, a segment's own work."""
+    return time.thread_time()

@@ -24,7 +24,7 @@ import onnxruntime as ort
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import Communicator, dispatch
-from tensoropt.runtime.profiling import StepClock, now
+from tensoropt.runtime.profiling import StepClock, cpu_now, now
 from tensoropt.runtime.split import SplitPlan
 
 log = logging.getLogger(__name__)
@@ -107,10 +107,10 @@ class RankProgram:
         seg = self.plan.stages[i].segment
         if sess is None or seg is None:
             return
-        t0 = now()
+        t0, c0 = now(), cpu_now()
         results = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
         if self.clock is not None:
-            self.clock.add_compute(now() - t0)
+            self.clock.add_compute(now() - t0, cpu_now() - c0)
         env.update(zip(seg.outputs, results, strict=True))
 
     def release(self, i: int, env: dict[str, np.ndarray]) -> None:

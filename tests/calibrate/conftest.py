@@ -1,0 +1,41 @@
+"""Fixtures of the calibration tests: one quick calibration per session, zoo files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tensoropt.cli import main
+from tensoropt.models import build_model, save_model
+
+
+@pytest.fixture(scope="session")
+def quick_profile(tmp_path_factory) -> Path:
+    """``tensoropt calibrate --quick`` on the default (mpi, 2 ranks) backend, run once."""
+    path = tmp_path_factory.mktemp("calibrate") / "here.json"
+    code = main(["calibrate", "-o", str(path), "--quick", "--repeats", "3"])
+    assert code == 0
+    return path
+
+
+@pytest.fixture(scope="session")
+def zoo_model(tmp_path_factory) -> Callable[..., Path]:
+    """``zoo_model(name, preset="tiny", **knobs)``: a zoo model file, written once."""
+    made: dict[tuple, Path] = {}
+
+    def get(name: str, preset: str = "tiny", **knobs) -> Path:
+        key = (name, preset, tuple(sorted(knobs.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp("zoo") / f"{name}.onnx"
+            save_model(build_model(name, preset, **knobs), str(path))
+            made[key] = path
+        return made[key]
+
+    return get
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())

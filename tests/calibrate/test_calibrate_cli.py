@@ -1,0 +1,178 @@
+"""``tensoropt calibrate``: a valid, complete profile that search accepts; bad files refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tensoropt.cli import main
+from tensoropt.cost.cluster import load_cluster
+from tensoropt.cost.compute import family
+
+from .conftest import load
+
+pytestmark = pytest.mark.mpi
+
+FAMILIES = {"matmul", "conv", "elementwise", "reduce", "softmax", "norm", "pool"}
+
+
+def test_quick_profile_has_every_rate_and_family(quick_profile):
+    data = load(quick_profile)
+    profile = load_cluster(str(quick_profile))
+    assert set(profile.op_throughput) == FAMILIES
+    assert set(profile.op_curves) == FAMILIES
+    assert profile.devices_per_node == 2
+    assert profile.intra == profile.inter
+    assert profile.op_floor_s > 0 and profile.peak_flops > 0 and profile.memory_bandwidth > 0
+    # the matmul curve is keyed by FLOPs and covers small to large sizes
+    sizes = [p[0] for p in profile.op_curves["matmul"].points]
+    assert profile.op_curves["matmul"].work == "flops" and max(sizes) / min(sizes) > 100
+    assert profile.op_curves["elementwise"].work == "bytes"
+    assert profile.peak_flops == max(r for _, r in profile.op_curves["matmul"].points)
+    cal = data["calibration"]
+    assert cal["ranks"] == 2 and cal["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
+    assert cal["backend"] == "mpi" and cal["repeats"] == 3
+    assert data["machine"]["cores"] == os.cpu_count()
+    assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
+    assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]
+    assert set(data["collectives"]["per_kind"]) == {
+        "AllReduce", "AllGather", "ReduceScatter", "AllToAll"
+    }  # fmt: skip
+
+
+def test_every_entry_records_its_spread(quick_profile):
+    data = load(quick_profile)
+    spread = data["spread"]
+    assert set(spread["op_throughput"]) == FAMILIES
+    assert set(spread["collectives"]) == set(data["collectives"]["per_kind"])
+    for fam, curve in data["op_curves"].items():
+        for point in curve["points"]:
+            assert len(point) == 3 and point[2] >= 0, (fam, point)
+        assert all(family(label.split()[0]) == fam for label in curve["cases"])
+    for kind, fit in data["collectives"]["per_kind"].items():
+        sizes = [p[0] for p in fit["points"]]
+        assert sizes == sorted(sizes) and sizes[0] <= 64 and sizes[-1] >= 1 << 22, kind
+        assert all(len(p) == 3 and p[1] > 0 and p[2] >= 0 for p in fit["points"])
+        assert fit["alpha_s"] >= 0 and fit["bandwidth"] > 0
+
+
+def test_search_accepts_the_calibrated_profile(quick_profile, zoo_model, capsys, tmp_path):
+    model = zoo_model("mlp")
+    out = tmp_path / "s.json"
+    code = main(["search", str(model), "--devices", "1,2", "--cluster", str(quick_profile),
+                 "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["cluster"]["name"].startswith("calibrated-")
+    times = [p["time_s"] for p in result["frontier"]]
+    # a CPU is ~1000x slower than the h100 default: calibrated estimates are milliseconds
+    assert all(math.isfinite(t) and t > 1e-5 for t in times)
+
+
+def _bad(tmp_path, capsys, profile: dict, *fragments: str, model) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(profile))
+    capsys.readouterr()
+    code = main(["search", str(model), "--devices", "1", "--cluster", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("tensoropt search: error: ")
+    for fragment in fragments:
+        assert fragment in err[0], (fragment, err[0])
+
+
+@pytest.mark.parametrize(
+    "edit, fragments",
+    [
+        (lambda d: d.pop("peak_flops"), ("every rate", "peak_flops")),
+        (lambda d: d.pop("memory_bandwidth"), ("missing rate", "memory_bandwidth")),
+        (lambda d: d.pop("intra"), ("missing link", "intra")),
+        (lambda d: d.__setitem__("memory_bandwidth", -1.0), ("memory_bandwidth", "-1.0")),
+        (lambda d: d["intra"].__setitem__("bandwidth", -5), ("intra.bandwidth", "-5")),
+        (lambda d: d["op_throughput"].__setitem__("matmul", 0), ("op_throughput.matmul",)),
+        (lambda d: d["op_curves"]["conv"]["points"][0].__setitem__(1, -2.0), ("op_curves.conv",)),
+        (lambda d: d["op_curves"]["norm"].__setitem__("work", "joules"), ("op_curves.norm",)),
+    ],
+)
+def test_missing_or_negative_rates_exit_2(quick_profile, zoo_model, tmp_path, capsys, edit,
+                                          fragments):  # fmt: skip
+    data = load(quick_profile)
+    edit(data)
+    _bad(tmp_path, capsys, data, str(tmp_path / "bad.json"), *fragments, model=zoo_model("mlp"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_calibration_leaves_no_file(tmp_path, sig):
+    out = tmp_path / "cluster.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensoropt", "calibrate", "-o", str(out), "--backend", "local"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2.5)  # imports done, inside the measurements (a full run takes ~30 s)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert stderr.strip().splitlines() == ["tensoropt calibrate: interrupted"]
+    assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary
+
+
+def test_bad_options_exit_2(tmp_path, capsys):
+    code = main(["calibrate", "-o", str(tmp_path / "x.json"), "--ranks", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--ranks 1" in err[0]
+    assert not (tmp_path / "x.json").exists()
+
+
+def _marked_pids(marker: str) -> list[int]:
+    """Processes whose environment carries ``marker`` (this test's children only)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _workers(marker: str) -> list[int]:
+    found = []
+    for pid in _marked_pids(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"comm_worker" in f.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_interrupt_during_mpi_collectives_stops_every_rank(tmp_path):
+    marker = f"TENSOROPT_CALIBRATE_TEST={os.getpid()}-{time.time_ns()}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    out = tmp_path / "cluster.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensoropt", "calibrate", "-o", str(out), "--quick"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not _workers(marker) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _workers(marker), "the MPI benchmark never started"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and stderr.strip() == "tensoropt calibrate: interrupted"
+    time.sleep(0.5)
+    assert _marked_pids(marker) == []  # mpiexec and every rank are gone
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,119 @@
+"""Alpha-beta fits, medians and spreads, and the cost model's use of measured curves."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tensoropt.calibrate.collectives import KINDS, fit, latency_terms, volume
+from tensoropt.calibrate.kernels import build_model, cases
+from tensoropt.calibrate.stats import Sample, fit_alpha_beta
+from tensoropt.cost.cluster import OpCurve, builtin
+from tensoropt.cost.compute import curve_rate, forward_flops, op_time, update_time
+
+
+@given(
+    alpha=st.floats(1e-7, 1e-3),
+    bandwidth=st.floats(1e7, 1e11),
+    terms=st.sampled_from([1, 2]),
+)
+def test_fit_recovers_exact_alpha_beta(alpha, bandwidth, terms):
+    volumes = [64.0 * 4**k for k in range(9)]
+    seconds = [terms * alpha + v / bandwidth for v in volumes]
+    got = fit_alpha_beta([terms] * len(volumes), volumes, seconds)
+    assert got.alpha_s == pytest.approx(alpha, rel=1e-4, abs=1e-12)
+    assert got.bandwidth == pytest.approx(bandwidth, rel=1e-4)
+    assert got.rel_residual < 1e-6
+
+
+def test_fit_never_returns_negative_rates():
+    # noisy latency-bound points whose unconstrained fit has a negative intercept
+    got = fit_alpha_beta([1, 1, 1], [10.0, 1e6, 2e6], [1e-9, 1e-3, 2.2e-3])
+    assert got.alpha_s >= 0 and got.bandwidth > 0
+
+
+def test_joint_fit_leaves_alltoall_out():
+    rows = {}
+    for kind in KINDS:
+        scale = 3.0 if kind.value == "AllToAll" else 1.0  # disagrees with the volume model
+        rows[kind.value] = [
+            [b, latency_terms(kind) * 1e-5 + scale * volume(kind, b, 2) / 1e9, 0.0]
+            for b in (64.0, 4096.0, 1 << 20, 1 << 24)
+        ]
+    fits = fit(rows, 2, "synthetic")
+    assert fits.joint.bandwidth == pytest.approx(1e9, rel=1e-6)
+    assert fits.per_kind["AllToAll"].bandwidth == pytest.approx(1e9 / 3, rel=1e-6)
+
+
+def test_sample_median_and_spread():
+    s = Sample.of([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s.median == 3.0 and s.repeats == 5
+    assert s.spread == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+def _calibrated(**curves):
+    return dataclasses.replace(builtin("h100"), op_curves=curves, op_floor_s=1e-9)
+
+
+def test_curve_interpolates_log_log_and_clamps():
+    curve = OpCurve("flops", ((1e3, 1e9), (1e9, 1e11)))
+    assert curve_rate(curve, 1e3) == 1e9 and curve_rate(curve, 1e12) == 1e11
+    assert curve_rate(curve, 10.0) == 1e9
+    assert curve_rate(curve, 1e6) == pytest.approx(1e10)  # halfway in log space
+
+
+def test_op_time_follows_the_matmul_curve():
+    profile = _calibrated(matmul=OpCurve("flops", ((1e6, 1e10), (1e9, 2e11))))
+    shapes, out = [(512, 512), (512, 512)], [(512, 512)]
+    flops = forward_flops("MatMul", {}, shapes, out)
+    expected = 3 * flops / curve_rate(profile.op_curves["matmul"], flops)
+    assert op_time("MatMul", {}, shapes, out, 4, profile) == pytest.approx(expected)
+    small = [(8, 8), (8, 8)]
+    # small kernels run at the small end of the curve: slower per FLOP than big ones
+    per_flop_small = op_time("MatMul", {}, small, [(8, 8)], 4, profile) / (2 * 8**3)
+    assert per_flop_small > op_time("MatMul", {}, shapes, out, 4, profile) / flops
+
+
+def test_memory_bound_families_use_bytes():
+    profile = _calibrated(elementwise=OpCurve("bytes", ((1e3, 1e9), (1e8, 4e10))))
+    shape = (1024, 1024)
+    traffic = 4 * 3 * math.prod(shape)
+    rate = curve_rate(profile.op_curves["elementwise"], traffic)
+    assert op_time("Add", {}, [shape, shape], [shape], 4, profile) == pytest.approx(
+        3 * traffic / rate
+    )
+    update = update_time(1e6, 1, 4, profile)
+    assert update == pytest.approx(4 * 1e6 * 5 / curve_rate(profile.op_curves["elementwise"], 2e7))
+
+
+def test_profiles_without_curves_keep_the_roofline():
+    profile = builtin("v100")
+    shapes, out = [(256, 256), (256, 256)], [(256, 256)]
+    flops = 2 * 256**3
+    traffic = 4 * 3 * 256 * 256
+    roofline = max(flops / (profile.peak_flops * profile.efficiency),
+                   traffic / profile.memory_bandwidth, profile.op_floor_s)  # fmt: skip
+    assert op_time("MatMul", {}, shapes, out, 4, profile) == pytest.approx(3 * roofline)
+
+
+@pytest.mark.parametrize("case", cases(quick=True), ids=lambda c: c.label())
+def test_benchmark_models_compute_their_op(case):
+    """Every benchmark model is valid ONNX, has R copies, and outputs the declared shape."""
+    import onnx
+    import onnxruntime as ort
+
+    model = build_model(case, 3)
+    onnx.checker.check_model(model, full_check=True)
+    assert [n.op_type for n in model.graph.node] == [case.op_type] * 3
+    # distinct parameters per copy (no copy reads another's weights from cache)
+    params = [i for n in model.graph.node for i in n.input[1:] if i != "axes"]
+    assert len(params) == len(set(params))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.ones(case.shapes[0], np.float32)
+    outs = sess.run(None, {"x": x})
+    assert all(o.shape == case.out_shape for o in outs)

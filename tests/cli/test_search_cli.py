@@ -1,0 +1,208 @@
+"""`tensoropt search`, `compile --pick` and `demo` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensoropt.ir.costs import load_costs
+from tensoropt.ir.plan import Plan
+from tensoropt.runtime.run import run_steps
+from tensoropt.search.solver import solve
+from tests.cli.cli_run import assert_bad_input, cli, cli_process
+
+pytest.importorskip("matplotlib")
+
+
+def test_search_prints_tables_and_writes_json_plot_costs(zoo_file, tmp_path, capsys):
+    out = cli(
+        capsys,
+        "search",
+        zoo_file("gpt"),
+        "--devices",
+        "1,2,4",
+        "--json",
+        tmp_path / "s.json",
+        "--plot",
+        tmp_path / "f.png",
+        "--dump-costs",
+        tmp_path / "c.json",
+    )
+    assert out.code == 0, out.err
+    for fragment in (
+        "1 device:",
+        "2 devices:",
+        "4 devices:",
+        "overall frontier",
+        "data-parallel",
+        "samples/s",
+        "guarantee: exact",
+    ):
+        assert fragment in out.out, fragment
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["schema"] == "tensoropt.search/1"
+    assert set(data["per_device"]) == {"1", "2", "4"}
+    for points in data["per_device"].values():
+        times = [p["time_s"] for p in points]
+        mems = [p["memory_bytes"] for p in points]
+        assert times == sorted(times) and mems == sorted(mems, reverse=True)
+        for p in points:
+            plan = Plan.from_json(p["plan"])
+            assert plan.mesh.shape == tuple(p["mesh"]) and plan.units
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = load_costs(tmp_path / "c.json")
+    assert {r.problem.devices for r in records} == {1, 2, 4}
+    for record in records:  # recomputed from the file alone
+        again = solve(record.problem).points
+        assert [(p.time_s, p.memory_bytes) for p in again] == [
+            (p.time_s, p.memory_bytes) for p in record.frontier
+        ]
+
+
+def test_memory_budget_below_reach_names_the_smallest_memory(zoo_file, capsys):
+    out = cli(capsys, "search", zoo_file("gpt"), "--devices", "1,2", "--memory-budget", "1KiB")
+    line = assert_bad_input(out, "search", "1 devices:", "2 devices:", "smallest memory")
+    assert "fewest devices" in line or "search more devices" in line
+
+
+def test_budget_reports_the_fewest_devices_that_fit(zoo_file, capsys, tmp_path):
+    """A budget between the 8-device and 1-device minimum: the advice names a count."""
+    full = cli(capsys, "search", zoo_file("gpt"), "--devices", "1,8", "--json", tmp_path / "s.json")
+    assert full.code == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    low = {d: min(p["memory_bytes"] for p in pts) for d, pts in data["per_device"].items()}
+    assert low["8"] < low["1"]
+    budget = (low["8"] + low["1"]) / 2
+    out = cli(
+        capsys, "search", zoo_file("gpt"), "--devices", "1", "--memory-budget", f"{int(budget)}"
+    )
+    assert_bad_input(out, "search", "1 devices:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--devices", "3", "--mesh", "2x2"], ["--mesh 2x2", "device count 3"]),
+        (["--cluster", "tpu-v9"], ["unknown cluster profile", "h100"]),
+        (["--devices", "two"], ["--devices"]),
+        (["--epsilon", "2"], ["--epsilon"]),
+    ],
+)
+def test_bad_search_arguments(zoo_file, capsys, argv, fragments):
+    assert_bad_input(cli(capsys, "search", zoo_file("mlp"), *argv), "search", *fragments)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"base": "h100", "intra": {"bandwidth": -5}}', "intra.bandwidth"),
+        ('{"peak_flops": 1e12}', "missing"),
+        ('{"base": "h100", "warp_speed": 9}', "unknown keys"),
+    ],
+)
+def test_malformed_cluster_file(zoo_file, capsys, tmp_path, content, fragment):
+    path = tmp_path / "cluster.json"
+    path.write_text(content)
+    out = cli(capsys, "search", zoo_file("mlp"), "--cluster", path)
+    assert_bad_input(out, "search", fragment)
+
+
+def test_cluster_file_overrides_rates(zoo_file, capsys, tmp_path):
+    """A slower interconnect makes the fastest multi-device plan slower."""
+    path = tmp_path / "slow.json"
+    path.write_text(
+        json.dumps({"base": "h100", "intra": {"bandwidth": 1e8}, "inter": {"bandwidth": 1e8}})
+    )
+    fast = cli(
+        capsys,
+        "search",
+        zoo_file("gpt"),
+        "--devices",
+        "4",
+        "--mesh",
+        "4",
+        "--json",
+        tmp_path / "a.json",
+    )
+    slow = cli(
+        capsys,
+        "search",
+        zoo_file("gpt"),
+        "--devices",
+        "4",
+        "--mesh",
+        "4",
+        "--cluster",
+        path,
+        "--json",
+        tmp_path / "b.json",
+    )
+    assert fast.code == slow.code == 0
+    a = json.loads((tmp_path / "a.json").read_text())["per_device"]["4"]
+    b = json.loads((tmp_path / "b.json").read_text())["per_device"]["4"]
+    assert min(p["memory_bytes"] for p in b) >= min(p["memory_bytes"] for p in a) * 0.999
+    assert b[-1]["time_s"] > a[-1]["time_s"]
+
+
+@pytest.mark.parametrize(
+    ("name", "policy", "devices"),
+    [
+        ("mlp", "min-memory", 2),
+        ("gpt", "min-memory", 4),
+        pytest.param("gpt", "fastest", 2, marks=pytest.mark.slow),
+        pytest.param("gpt", "1", 4, marks=pytest.mark.slow),
+        pytest.param("rnnlm", "min-memory", 2, marks=pytest.mark.slow),
+        pytest.param("resnet50", "min-memory", 2, marks=pytest.mark.slow),
+        pytest.param("bert", "min-memory", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_picked_plans_really_run(zoo_file, capsys, tmp_path, name, policy, devices):
+    out = cli(
+        capsys,
+        "compile",
+        zoo_file(name),
+        "--devices",
+        devices,
+        "--pick",
+        policy,
+        "-o",
+        tmp_path / "out",
+    )
+    assert out.code == 0, out.err
+    assert f"picked {policy}" in out.err
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["data_axes"] is None and plan["units"]
+    report = run_steps(tmp_path / "out", 3, "local", verify=True, threads=1).verify
+    assert report is not None and report.ok, report.to_json()
+
+
+def test_pick_budget_and_index_errors(zoo_file, capsys, tmp_path):
+    out = cli(
+        capsys,
+        "compile",
+        zoo_file("mlp"),
+        "--devices",
+        "2",
+        "--pick",
+        "fastest-under:1KiB",
+        "-o",
+        tmp_path / "o",
+    )
+    assert_bad_input(out, "compile", "smallest memory at 2 devices")
+    out = cli(
+        capsys, "compile", zoo_file("mlp"), "--devices", "2", "--pick", "999", "-o", tmp_path / "o"
+    )
+    assert_bad_input(out, "compile", "frontier at 2 devices has")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_demo_runs_end_to_end(tmp_path):
+    out = cli_process("demo", "--dir", tmp_path / "demo", timeout=300)
+    assert out.code == 0, out.err
+    assert "verify: ok" in out.out
+    for name in ("gpt.onnx", "frontier.png", "search.json", "compiled/manifest.json"):
+        assert (tmp_path / "demo" / name).exists(), name
