@@ -68,6 +68,8 @@ class KernelCase:
 class KernelResult:
     case: KernelCase
     seconds: Sample  # one kernel, inside a graph
+    copies: int = 1  # R of the slope
+    step: Sample | None = None  # one copy's forward + backward + update in a step graph
 
     @property
     def rate(self) -> float:
@@ -208,4 +210,4 @@ def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, S
         slope = max((tr - t1) / (copies - 1), 1e-9)
         per_op.append(slope)
         overhead.append(max(t1 - slope, 0.0))
-    return KernelResult(case, Sample.of(per_op)), Sample.of(overhead)
+    return KernelResult(case, Sample.of(per_op), copies), Sample.of(overhead)

@@ -6,6 +6,9 @@ reads it) whose rates are medians of repeated measurements:
 * ``op_curves``: per op family, rate against size (FLOP/s against FLOPs for
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
+* ``op_backward``: per family, (training-step time - forward - modelled update) /
+  forward against size (:mod:`tensoropt.calibrate.steps`): what the backward
+  really costs, instead of the roofline's fixed 2x;
 * ``op_throughput``: per family one FLOP/s number (median over the family's
   sizes), for readers and for code that does not use the curves;
 * ``peak_flops`` (best MatMul), ``memory_bandwidth`` (largest element-wise Add),
@@ -83,13 +86,18 @@ def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
 
 def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     """(results per case, floor result, session-run overhead sample)."""
+    import dataclasses
+
+    from tensoropt.calibrate.steps import measure_step
+
     kopts = _kernel_options(opts)
     results = []
     overheads = []
     for case in kernels.cases(opts.quick):
         tick(case.label())
         result, overhead = kernels.measure_case(case, kopts)
-        results.append(result)
+        step = measure_step(case, min(result.copies, 8), kopts)
+        results.append(dataclasses.replace(result, step=step))
         overheads.append(overhead.median)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
@@ -110,6 +118,40 @@ def _curves(results) -> dict:
             "cases": [r.case.label() for r in rows],
         }
     return curves
+
+
+def _backward(results, curves: dict) -> dict:
+    """Per family: (step - forward - modelled update) / forward against size.
+
+    With this ratio, ``op_time`` (forward x (1 + ratio)) plus the cost model's own
+    ``update_time`` of the op's parameters equals the measured step slope at every
+    calibrated size. Ratios are floored at 0.05 (a step is never cheaper than its
+    forward; below that is timing noise).
+    """
+    import math
+
+    from tensoropt.cost.cluster import from_json
+    from tensoropt.cost.compute import update_time
+
+    probe = from_json(
+        {"base": "h100", "op_curves": {f: {k: c[k] for k in ("work", "points")}
+                                       for f, c in curves.items()}},
+        "calibration",
+    )  # fmt: skip
+    by_family: dict[str, list] = {}
+    for r in results:
+        if r.step is None:
+            continue
+        params = sum(math.prod(s) for s in r.case.shapes[1:])
+        update = update_time(params, 1, 4, probe) if params else 0.0
+        ratio = max((r.step.median - r.seconds.median - update) / r.seconds.median, 0.05)
+        by_family.setdefault(r.case.family, []).append(
+            [r.case.work, ratio, round(r.step.spread, 4)]
+        )
+    return {
+        fam: {"work": curves[fam]["work"], "points": sorted(rows)}
+        for fam, rows in sorted(by_family.items())
+    }
 
 
 def _throughput(results) -> tuple[dict[str, float], dict[str, float]]:
@@ -159,6 +201,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
         fits = coll.run_local(opts.ranks, spec, on_point)
     link = {"alpha_s": fits.joint.alpha_s, "bandwidth": fits.joint.bandwidth}
     throughput, fam_spread = _throughput(results)
+    curves = _curves(results)
     matmul = [r.rate for r in results if r.case.family == "matmul"]
     streams = [r for r in results if r.case.op_type == "Add"]
     bandwidth = max(streams, key=lambda r: r.case.work).rate
@@ -180,7 +223,8 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
         "efficiency": 1.0,
         "op_floor_s": floor.seconds.median,
         "op_throughput": throughput,
-        "op_curves": _curves(results),
+        "op_curves": curves,
+        "op_backward": _backward(results, curves),
         "collectives": _collectives_json(fits),
         "spread": {
             "op_throughput": fam_spread,

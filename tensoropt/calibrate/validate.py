@@ -29,9 +29,10 @@ def select_points(count: int, k: int) -> list[int]:
     """Indices into a frontier of ``count`` points (fastest first): both ends, evenly between."""
     if count <= 0 or k <= 0:
         return []
+    k = min(k, count)
     if k == 1:
         return [0]
-    return sorted({round(i * (count - 1) / (k - 1)) for i in range(min(k, count))})
+    return sorted({round(i * (count - 1) / (k - 1)) for i in range(k)})
 
 
 def rel_error(estimate: float, measured: float) -> float:
@@ -52,6 +53,7 @@ class PlanCheck:
     liveness_peak_bytes: int  # largest static liveness peak over the device graphs
     profile: ProfileReport
     est_compute_s: float  # the same plan costed with free communication
+    state_bytes: int = 0  # largest rank's parameter + optimizer-state shards
 
     @property
     def measured_time_s(self) -> float:
@@ -95,6 +97,7 @@ class PlanCheck:
                 "comm_s": self.est_time_s - self.est_compute_s,
                 "memory_bytes": self.est_memory_bytes,
                 "liveness_peak_bytes": self.liveness_peak_bytes,
+                "state_bytes": self.state_bytes,
             },
             "measured": {
                 "time_s": self.measured_time_s,
@@ -112,16 +115,22 @@ class PlanCheck:
         }
 
 
-def liveness_peak(outdir: str) -> int:
-    """Largest static-liveness peak over the device graphs of a compiled directory."""
+def graph_memory(outdir: str) -> tuple[int, int]:
+    """(static-liveness peak, parameter + optimizer-state bytes), largest over the ranks."""
+    import json
+
     from tensoropt.passes.device_stats import device_stats
 
-    peaks = []
+    with open(os.path.join(outdir, "manifest.json")) as f:
+        step = json.load(f)["step"]
+    peaks, states = [], []
     for name in sorted(os.listdir(outdir)):
         if name.startswith("device_") and name.endswith(".onnx"):
             model = onnx.load(os.path.join(outdir, name))
-            peaks.append(device_stats(model, [], []).peak_bytes)
-    return max(peaks)
+            stats = device_stats(model, list(step["params"]), list(step["states"]))
+            peaks.append(stats.peak_bytes)
+            states.append(stats.state_bytes)
+    return max(peaks), max(states)
 
 
 def _median_abs(values: Sequence[float]) -> float | None:

@@ -125,7 +125,7 @@ def _check_args(args) -> None:
 def run(args: argparse.Namespace) -> int:
     from tensoropt.calibrate.validate import (
         PlanCheck,
-        liveness_peak,
+        graph_memory,
         plot,
         report_json,
         select_points,
@@ -163,11 +163,12 @@ def run(args: argparse.Namespace) -> int:
             )
             assert result.profile is not None
             summary = search.summaries[search.result.points.index(point)]
+            peak, state = graph_memory(outdir)
             checks.append(
                 PlanCheck(
                     d, tuple(search.mesh.shape), k, size, summary, point.time_s,
-                    point.memory_bytes, liveness_peak(outdir), result.profile,
-                    compute_only(search.mesh, point.choice),
+                    point.memory_bytes, peak, result.profile,
+                    compute_only(search.mesh, point.choice), state,
                 )
             )  # fmt: skip
     print(table(checks))

@@ -56,6 +56,8 @@ class ClusterProfile:
     op_floor_s: float = 5e-6  # smallest time of any kernel (launch overhead)
     op_throughput: dict[str, float] = field(default_factory=dict)  # measured FLOP/s by family
     op_curves: dict[str, OpCurve] = field(default_factory=dict)  # measured rate vs size
+    # measured (step - forward - update) / forward vs size: the backward's cost
+    op_backward: dict[str, OpCurve] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -212,8 +214,9 @@ def from_json(obj, where: str) -> ClusterProfile:
         values["op_throughput"] = {
             k: _rate(v, f"{where}.op_throughput.{k}") for k, v in table.items()
         }
-    if "op_curves" in obj:
-        values["op_curves"] = _curves(obj["op_curves"], f"{where}.op_curves")
+    for key in ("op_curves", "op_backward"):
+        if key in obj:
+            values[key] = _curves(obj[key], f"{where}.{key}")
     name = str(obj.get("name", base.name + "+file" if base else "custom"))
     description = str(obj.get("description", f"from {where}"))
     if base is None:

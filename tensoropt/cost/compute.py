@@ -6,7 +6,9 @@ rate is the profile's measured throughput for the op's family when it has one
 with measured rate-vs-size curves (``op_curves``) replaces the family's term by
 the time the curve gives at the op's size, interpolated log-log between measured
 sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
-families (small kernels are slower per FLOP and per byte). The backward of a
+families (small kernels are slower per FLOP and per byte), and a measured
+backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below.
+The backward of a
 contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
 backward of other ops is taken as twice the forward traffic.
 """
@@ -105,6 +107,10 @@ def op_time(
     traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
     fam = family(op_type)
     fwd = max(_kernel_time(fam, flops, traffic, profile), profile.op_floor_s)
+    backward = profile.op_backward.get(fam)
+    if backward is not None:  # measured backward-to-forward ratio at this size
+        size = flops if backward.work == "flops" else traffic
+        return fwd * (1.0 + curve_rate(backward, max(size, 1.0)))
     if fam in ("matmul", "conv"):
         return 3.0 * fwd  # dX and dW are contractions of the same size
     return 3.0 * fwd  # backward taken as twice the forward traffic

@@ -32,14 +32,36 @@ def unit_kind(mp: MeshProblem, sg: SearchGraph, k: int, s: int) -> str:
     return " x ".join(parts) if parts else "replicated"
 
 
+class Summarizer:
+    """Summaries of many plans of one problem (unit kinds are computed once each)."""
+
+    def __init__(self, mp: MeshProblem, sg: SearchGraph):
+        self.mp = mp
+        self.sg = sg
+        self.weighted = [
+            k
+            for k, info in enumerate(mp.units)
+            if any(v is not None and v.name in sg.params for v in info.node.inputs)
+        ]
+        self.kinds: dict[tuple[int, int], str] = {}
+
+    def __call__(self, choice: Sequence[int]) -> str:
+        by_op: dict[str, Counter] = defaultdict(Counter)
+        for k in self.weighted:
+            s = choice[k]
+            kind = self.kinds.get((k, s))
+            if kind is None:
+                kind = self.kinds[(k, s)] = unit_kind(self.mp, self.sg, k, s)
+            by_op[self.mp.units[k].node.op_type][kind] += 1
+        return _render(by_op)
+
+
 def summarize(mp: MeshProblem, sg: SearchGraph, choice: Sequence[int]) -> str:
     """``dp=8 on Gather; tp=4 x dp=2 on MatMul (24), dp=8 on MatMul (2)``: weight layers only."""
-    by_op: dict[str, Counter] = defaultdict(Counter)
-    for k, s in enumerate(choice):
-        node = mp.units[k].node
-        if not any(v is not None and v.name in sg.params for v in node.inputs):
-            continue
-        by_op[node.op_type][unit_kind(mp, sg, k, s)] += 1
+    return Summarizer(mp, sg)(choice)
+
+
+def _render(by_op: dict[str, Counter]) -> str:
     parts = []
     for op, kinds in sorted(by_op.items(), key=lambda kv: -sum(kv[1].values())):
         if len(kinds) == 1:

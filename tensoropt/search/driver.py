@@ -136,18 +136,19 @@ _SG: SearchGraph | None = None  # the graph a forked worker reads (set before fo
 
 
 def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) -> MeshSearch:
-    from tensoropt.cost.summary import summarize
+    from tensoropt.cost.summary import Summarizer
 
     mesh, profile, budget, epsilon = job
     sg = _SG
     assert sg is not None
     mp = build_problem(sg, mesh, profile)
     result = solve(mp.problem, memory_budget=budget, epsilon=epsilon)
+    summarize = Summarizer(mp, sg)
     refs, ref_summaries = {}, {}
     for name, choice in reference_choices(sg, mp).items():
         t, m = mp.problem.evaluate(choice)
         refs[name] = (t, m, choice)
-        ref_summaries[name] = summarize(mp, sg, choice)
+        ref_summaries[name] = summarize(choice)
     return MeshSearch(
         mesh=mesh,
         problem=mp.problem,
@@ -157,7 +158,7 @@ def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) ->
         unit_layouts=tuple(
             tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
         ),
-        summaries=tuple(summarize(mp, sg, p.choice) for p in result.points),
+        summaries=tuple(summarize(p.choice) for p in result.points),
         reference_summaries=ref_summaries,
     )
 

@@ -21,7 +21,7 @@ def _check(profile, ranks: int, steps: int, warmup: int) -> None:
     assert [r.rank for r in profile.ranks] == list(range(ranks))
     for r in profile.ranks:
         assert r.steps == steps - warmup
-        assert len(r.records) == steps
+        assert len(r.records) in (0, steps)  # per-step records stay in the MPI workers
         assert 0 < r.compute_s <= r.step_s
         assert r.comm_s > 0  # the data-parallel gradients are all-reduced
         assert r.compute_s + r.comm_s <= r.step_s * 1.001

@@ -1,0 +1,92 @@
+"""Training-step cost of one op: forward + backward + SGD-momentum update, measured.
+
+The cost model charges a unit ``op_time`` (forward + backward) plus ``update_time``
+per owned parameter. A forward kernel alone says little about the rest: a step
+graph holds ~15 nodes per forward op (the gradient rules' Transposes, Where,
+ReduceSum, the optimizer's Mul/Add/Sub), many of them small. So each calibration
+case is also built as a training step by the project's own passes
+(``build_training_step``: MSE loss, SGD with momentum 0.9) and timed as the slope
+between R copies and one copy, which leaves one copy's forward, backward and
+update. ``profile.py`` turns ``(step - forward - modelled update) / forward`` into
+the backward-to-forward ratio curve that :func:`tensoropt.cost.compute.op_time` uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import helper, numpy_helper
+
+from tensoropt.calibrate.kernels import KernelCase, KernelOptions, build_model
+from tensoropt.calibrate.stats import Sample, time_call
+from tensoropt.runtime.program import SessionConfig
+
+
+def _trainable_forward(case: KernelCase, copies: int) -> onnx.ModelProto:
+    """The benchmark model, made trainable and single-output.
+
+    Ops without parameters get a scalar-like weight ``w`` [1] multiplied into the
+    input (one extra Mul, in every copy count, so the slope cancels it); copies side
+    by side are summed into one output so the loss reaches every copy.
+    """
+    model = build_model(case, copies)
+    graph = model.graph
+    if not any(i.dims and i.data_type == onnx.TensorProto.FLOAT for i in graph.initializer):
+        graph.initializer.append(numpy_helper.from_array(np.ones(1, np.float32), "w"))
+        graph.node.insert(0, helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"))
+        for node in graph.node[1:]:
+            node.input[:] = ["xw" if n == "x" else n for n in node.input]
+    if not case.chain:
+        outs = [o.name for o in graph.output]
+        graph.node.append(helper.make_node("Sum", outs, ["total"], name="sum"))
+        del graph.output[:]
+        graph.output.append(helper.make_tensor_value_info("total", 1, list(case.out_shape)))
+    return model
+
+
+def build_train_model(case: KernelCase, copies: int) -> onnx.ModelProto:
+    """The training step (one SGD-momentum step under an MSE loss) of ``copies`` copies."""
+    from tensoropt.passes.loss import LossKind
+    from tensoropt.passes.optimizer import OptimizerOptions
+    from tensoropt.passes.training_step import TrainingOptions, build_training_step
+
+    proto = onnx.shape_inference.infer_shapes(_trainable_forward(case, copies), strict_mode=True)
+    forward = ir.serde.deserialize_model(proto)
+    opts = TrainingOptions(loss=LossKind.MSE, optimizer=OptimizerOptions(momentum=0.9))
+    step = build_training_step(forward, opts)
+    return ir.serde.serialize_model(step.model)
+
+
+def _feeds(sess, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feeds = {}
+    for arg in sess.get_inputs():
+        shape = [int(d) for d in arg.shape]
+        feeds[arg.name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return feeds
+
+
+def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
+    """Seconds of one copy's forward + backward + update inside a training step."""
+    import onnxruntime as ort
+
+    config = SessionConfig(intra_op_threads=opts.threads)
+    rng = np.random.default_rng(2)
+    runners = []
+    for count in (1, copies):
+        model = build_train_model(case, count)
+        sess = ort.InferenceSession(
+            model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
+        )
+        names = [o.name for o in sess.get_outputs()]
+        feeds = _feeds(sess, rng)
+        runners.append(lambda s=sess, n=names, f=feeds: s.run(n, f))
+    for run in runners:
+        for _ in range(2):
+            run()
+    slopes = []
+    for _ in range(opts.repeats):
+        t1 = time_call(runners[0], min_seconds=opts.block_seconds)
+        tr = time_call(runners[1], min_seconds=opts.block_seconds)
+        slopes.append(max((tr - t1) / (copies - 1), 1e-9))
+    return Sample.of(slopes)

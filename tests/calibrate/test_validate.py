@@ -1,0 +1,78 @@
+"""``tensoropt validate``: estimates against measured runs, JSON, plot, infeasible models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensoropt.calibrate.validate import rel_error, select_points
+from tensoropt.cli import main
+
+from .conftest import load
+
+pytestmark = pytest.mark.mpi
+
+
+def test_select_points_keeps_both_ends_evenly_spaced():
+    assert select_points(10, 4) == [0, 3, 6, 9]
+    assert select_points(3, 4) == [0, 1, 2]
+    assert select_points(1, 4) == [0]
+    assert select_points(5, 1) == [0]
+    assert select_points(0, 4) == []
+
+
+def test_rel_error_sign():
+    assert rel_error(1.2, 1.0) == pytest.approx(0.2)
+    assert rel_error(0.5, 1.0) == pytest.approx(-0.5)
+
+
+def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys):
+    model = zoo_model("mlp")
+    out, png = tmp_path / "v.json", tmp_path / "v.png"
+    code = main([
+        "validate", str(model), "--devices", "1,2", "--cluster", str(quick_profile),
+        "--points", "2", "--steps", "3", "--warmup", "1", "--json", str(out), "--plot", str(png),
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads(out.read_text())
+    assert data["schema"] == "tensoropt.validate/1"
+    assert data["threads_per_rank"] == load(quick_profile)["calibration"]["threads_per_rank"]
+    results = data["results"]
+    assert {r["devices"] for r in results} == {1, 2}
+    assert all(len(r["measured"]["ranks"]) == r["devices"] for r in results)
+    for r in results:
+        est, meas = r["estimate"], r["measured"]
+        assert est["time_s"] > 0 and meas["time_s"] > 0 and meas["memory_bytes"] > 0
+        assert est["liveness_peak_bytes"] > 0
+        assert r["time_rel_error"] == pytest.approx(
+            (est["time_s"] - meas["time_s"]) / meas["time_s"]
+        )
+        assert 0 <= est["compute_s"] <= est["time_s"]
+    errors = sorted(abs(r["time_rel_error"]) for r in results)
+    median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+    assert data["median_time_rel_error"] == pytest.approx(median)
+    assert data["median_memory_rel_error"] >= 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = captured.out.splitlines()
+    assert table[0].split()[:3] == ["dev", "mesh", "pt"]
+    assert table[-1].startswith(f"median |relative error| over {len(results)} plans")
+
+
+def test_model_that_fits_nowhere_exits_2(quick_profile, zoo_model, tmp_path, capsys):
+    data = load(quick_profile)
+    data["memory_bytes"] = 1024.0  # 1 KiB per device: no plan of any model fits
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(data))
+    code = main(["validate", str(zoo_model("mlp")), "--devices", "1,2", "--cluster", str(small)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("tensoropt validate: error: ")
+    assert "does not fit at 1, 2 devices" in err[0]
+
+
+def test_validate_needs_a_cluster(zoo_model, capsys):
+    code = main(["validate", str(zoo_model("mlp"))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--cluster is required" in err[0]
