@@ -160,9 +160,6 @@ def quality(tmp: str, quick: bool) -> list[str]:
                 pts = [p for s in exp.searches for p in s.result.points]
                 fastest = min(pts, key=lambda p: p.time_s)
                 lowest = min(pts, key=lambda p: p.memory_bytes)
-                refs = {
-                    n: (t, m) for s in exp.searches for n, (t, m, _) in s.references.items() if True
-                }
                 best_ref = {}
                 for s in exp.searches:
                     for n, (t, m, _) in s.references.items():
