@@ -54,6 +54,8 @@ class PlanCheck:
     profile: ProfileReport
     est_compute_s: float  # the same plan costed with free communication
     state_bytes: int = 0  # largest rank's parameter + optimizer-state shards
+    graph_comm_s: float = 0.0  # the emitted graph's collectives at the profile's link rates
+    collectives: int = 0  # collectives per step in the emitted graph (largest rank)
 
     @property
     def measured_time_s(self) -> float:
@@ -66,6 +68,10 @@ class PlanCheck:
     @property
     def measured_compute_s(self) -> float:
         return max(r.compute_s for r in self.profile.ranks)
+
+    @property
+    def measured_comm_s(self) -> float:
+        return max(r.comm_s for r in self.profile.ranks)
 
     @property
     def compute_error(self) -> float:
@@ -98,13 +104,15 @@ class PlanCheck:
                 "memory_bytes": self.est_memory_bytes,
                 "liveness_peak_bytes": self.liveness_peak_bytes,
                 "state_bytes": self.state_bytes,
+                "graph_comm_s": self.graph_comm_s,
+                "graph_collectives": self.collectives,
             },
             "measured": {
                 "time_s": self.measured_time_s,
                 "memory_bytes": self.measured_memory_bytes,
                 "compute_s": self.measured_compute_s,
                 "compute_cpu_s": max(r.compute_cpu_s for r in ranks),
-                "comm_s": max(r.comm_s for r in ranks),
+                "comm_s": self.measured_comm_s,
                 "step_spread": max(r.step_spread for r in ranks),
                 "ranks": [r.to_json() for r in ranks],
             },
@@ -115,22 +123,41 @@ class PlanCheck:
         }
 
 
-def graph_memory(outdir: str) -> tuple[int, int]:
-    """(static-liveness peak, parameter + optimizer-state bytes), largest over the ranks."""
+@dataclass(frozen=True, slots=True)
+class GraphFacts:
+    """What the emitted device graphs say, largest over the ranks."""
+
+    liveness_peak: int
+    state_bytes: int
+    collectives: int
+    comm_s: float  # their collectives priced by the link's alpha-beta
+
+
+def graph_facts(outdir: str, link) -> GraphFacts:
+    """Static facts of a compiled directory: liveness peak, state, collectives and their
+    alpha-beta time (``count x latency terms x alpha + bytes sent / bandwidth``)."""
     import json
 
     from tensoropt.passes.device_stats import device_stats
 
     with open(os.path.join(outdir, "manifest.json")) as f:
         step = json.load(f)["step"]
-    peaks, states = [], []
+    facts = []
     for name in sorted(os.listdir(outdir)):
-        if name.startswith("device_") and name.endswith(".onnx"):
-            model = onnx.load(os.path.join(outdir, name))
-            stats = device_stats(model, list(step["params"]), list(step["states"]))
-            peaks.append(stats.peak_bytes)
-            states.append(stats.state_bytes)
-    return max(peaks), max(states)
+        if not (name.startswith("device_") and name.endswith(".onnx")):
+            continue
+        model = onnx.load(os.path.join(outdir, name))
+        stats = device_stats(model, list(step["params"]), list(step["states"]))
+        count = sum(c.count for c in stats.collectives)
+        alphas = sum(c.count * (2 if c.kind == "AllReduce" else 1) for c in stats.collectives)
+        seconds = alphas * link.alpha_s + stats.bytes_sent / link.bandwidth
+        facts.append(GraphFacts(stats.peak_bytes, stats.state_bytes, count, seconds))
+    return GraphFacts(
+        max(f.liveness_peak for f in facts),
+        max(f.state_bytes for f in facts),
+        max(f.collectives for f in facts),
+        max(f.comm_s for f in facts),
+    )
 
 
 def _median_abs(values: Sequence[float]) -> float | None:
@@ -147,6 +174,9 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
         "median_memory_rel_error": _median_abs([c.memory_error for c in checks]),
         "median_liveness_rel_error": _median_abs([c.liveness_error for c in checks]),
         "median_compute_rel_error": _median_abs([c.compute_error for c in checks]),
+        "median_graph_comm_rel_error": _median_abs(
+            [rel_error(c.graph_comm_s, c.measured_comm_s) for c in checks if c.devices > 1]
+        ),
         "error_definition": "|estimate - measured| / measured (medians); signed per plan",
         "results": [c.to_json() for c in checks],
     }

@@ -70,15 +70,15 @@ def explore_from_args(args, devices):
     from tensoropt.cli.common import progress
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.errors import TensorOptError
-    from tensoropt.search.driver import explore, mesh_shapes
+    from tensoropt.search.driver import explore, search_meshes
 
     if args.epsilon is not None and not 0 < args.epsilon < 1:
         raise TensorOptError(f"--epsilon {args.epsilon}: give a value in (0, 1), e.g. 0.05")
     profile = load_cluster(args.cluster)
     budget = parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None
     mesh_spec = getattr(args, "mesh", None) or "auto"
-    total = sum(len(mesh_shapes(d, mesh_spec)) for d in devices)
     sg = search_graph(args)
+    total = len(search_meshes(sg, devices, mesh_spec))
     bar = progress(range(total), total=total, desc="search")
     it = iter(bar)
 

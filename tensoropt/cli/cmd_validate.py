@@ -125,7 +125,7 @@ def _check_args(args) -> None:
 def run(args: argparse.Namespace) -> int:
     from tensoropt.calibrate.validate import (
         PlanCheck,
-        graph_memory,
+        graph_facts,
         plot,
         report_json,
         select_points,
@@ -163,12 +163,13 @@ def run(args: argparse.Namespace) -> int:
             )
             assert result.profile is not None
             summary = search.summaries[search.result.points.index(point)]
-            peak, state = graph_memory(outdir)
+            facts = graph_facts(outdir, profile.intra)
             checks.append(
                 PlanCheck(
                     d, tuple(search.mesh.shape), k, size, summary, point.time_s,
-                    point.memory_bytes, peak, result.profile,
-                    compute_only(search.mesh, point.choice), state,
+                    point.memory_bytes, facts.liveness_peak, result.profile,
+                    compute_only(search.mesh, point.choice), facts.state_bytes,
+                    facts.comm_s, facts.collectives,
                 )
             )  # fmt: skip
     print(table(checks))

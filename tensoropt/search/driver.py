@@ -84,6 +84,21 @@ def mesh_shapes(devices: int, spec: str) -> list[Mesh]:
     return [Mesh(dims, ("dp",) if len(dims) == 1 else ("dp", "tp"))]
 
 
+def search_meshes(sg: SearchGraph, devices: Sequence[int], mesh_spec: str) -> list[Mesh]:
+    """The meshes searched for ``devices``.
+
+    With ``auto``, a 2-D mesh whose data axis does not divide the batch is skipped: that
+    axis could only replicate, so every plan on it is a plan of the smaller mesh on more
+    devices (dominated in the merged frontier).
+    """
+    return [
+        m
+        for d in devices
+        for m in mesh_shapes(d, mesh_spec)
+        if mesh_spec != "auto" or m.ndim == 1 or sg.batch % m.shape[0] == 0
+    ]
+
+
 def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> Plan:
     """The plan of one frontier point: explicit layouts for every unit."""
     units = {}
@@ -182,11 +197,12 @@ def explore(
 ) -> Exploration:
     """Solve every (devices, mesh) problem (in parallel processes) and merge the frontiers.
 
+
     Problems are independent, so they are spread over the machine's cores (fork;
     ``TENSOROPT_JOBS`` overrides the count, 1 = in this process).
     """
     global _SG
-    meshes = [m for d in devices for m in mesh_shapes(d, mesh_spec)]
+    meshes = search_meshes(sg, devices, mesh_spec)
     jobs = [(m, profile, memory_budget, epsilon) for m in meshes]
     _SG = sg
     try:
