@@ -120,6 +120,9 @@ def cases(quick: bool) -> tuple[KernelCase, ...]:
             _same("LayerNormalization", (rows, cols), (cols,), (cols,), attrs=(("axis", -1),))
         )
         out.append(KernelCase("ReduceMean", ((rows, cols),), (rows, 1), chain=False))
+    bns = [(8, 16, 16)] if quick else [(8, 16, 32), (8, 64, 16), (8, 256, 4)]
+    for n, c, hw in bns:  # inference-form BatchNorm, as the zoo's CNNs use it
+        out.append(_same("BatchNormalization", (n, c, hw, hw), *[(c,)] * 4))
     pools = [(8, 16, 16)] if quick else [(8, 16, 32), (8, 64, 16), (16, 64, 32)]
     pool_attrs = (("kernel_shape", (3, 3)), ("pads", (1, 1, 1, 1)))
     out += [_same("MaxPool", (n, c, hw, hw), attrs=pool_attrs) for n, c, hw in pools]

@@ -46,6 +46,14 @@ class MeshSearch:
     unit_layouts: tuple[UnitLayouts, ...]  # per unit, per strategy: (inputs, outputs)
     summaries: tuple[str, ...]  # per frontier point
     reference_summaries: dict[str, str]
+    # Per-unit detail for reports (``tensoropt report``); empty when not computed.
+    # strategy_kinds[k][s]: what strategy s does with unit k, as ``cost.summary.unit_kind``
+    # says ("dp=8", "tp=4 x dp=2", "replicated"); a point's kinds are
+    # ``strategy_kinds[k][point.choice[k]]``. Stored per strategy, not per point: exact
+    # frontiers reach thousands of points, strategies stay a few per unit.
+    strategy_kinds: tuple[tuple[str, ...], ...] = ()
+    unit_ops: tuple[str, ...] = ()  # op type of each unit's root node
+    unit_weighted: tuple[bool, ...] = ()  # whether the unit reads a trained parameter
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +159,7 @@ _SG: SearchGraph | None = None  # the graph a forked worker reads (set before fo
 
 
 def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) -> MeshSearch:
-    from tensoropt.cost.summary import Summarizer
+    from tensoropt.cost.summary import Summarizer, unit_kind
 
     mesh, profile, budget, epsilon = job
     sg = _SG
@@ -175,6 +183,14 @@ def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) ->
         ),
         summaries=tuple(summarize(p.choice) for p in result.points),
         reference_summaries=ref_summaries,
+        strategy_kinds=tuple(
+            tuple(unit_kind(mp, sg, k, s) for s in range(len(u.strategies)))
+            for k, u in enumerate(mp.units)
+        ),
+        unit_ops=tuple(u.node.op_type for u in mp.units),
+        unit_weighted=tuple(
+            any(v is not None and v.name in sg.params for v in u.node.inputs) for u in mp.units
+        ),
     )
 
 

@@ -5,9 +5,7 @@ depthwise), auto_pad, ceil_mode, count_include_pad."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from grad_harness import FAST, SLOW, check_gradients, distinct, node_case, normal, rng_of
-from hypothesis import given
+from grad_harness import check_gradients, distinct, node_case, normal, rng_of
 from hypothesis import strategies as st
 
 
@@ -127,21 +125,6 @@ CASES = {
     "GlobalAveragePool": _global("GlobalAveragePool", normal),
     "GlobalMaxPool": _global("GlobalMaxPool", lambda rng, s: distinct(rng, [s])[0]),
 }
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_resnet_stem_conv():

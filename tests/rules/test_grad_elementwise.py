@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from grad_harness import (
-    FAST,
-    SLOW,
     Const,
     GradCase,
     away_from_zero,
@@ -19,7 +16,6 @@ from grad_harness import (
     rng_of,
     shapes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 from onnx import helper
 
@@ -143,21 +139,6 @@ CASES = {
     "Min": _variadic("Min", distinct),
     "Clip": _clip(),
 }
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_max_at_ties_splits_the_gradient():

@@ -4,9 +4,7 @@ any axis, negative and repeated indices, constant or runtime indices."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from grad_harness import FAST, SLOW, Const, check_gradients, node_case, normal, rng_of, shapes
-from hypothesis import given
+from grad_harness import Const, check_gradients, node_case, normal, rng_of, shapes
 from hypothesis import strategies as st
 
 
@@ -56,21 +54,6 @@ def _gather_elements(draw):
 
 
 CASES = {"Gather": _gather(), "GatherND": _gather_nd(), "GatherElements": _gather_elements()}
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_embedding_with_repeated_ids_accumulates():

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from grad_harness import (
-    FAST,
-    SLOW,
     GradCase,
     broadcastable_to,
     build_grad_model,
@@ -17,7 +14,6 @@ from grad_harness import (
     rng_of,
     shapes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 from onnx import helper
 
@@ -75,21 +71,6 @@ def _einsum(draw):
 
 
 CASES = {"MatMul": _matmul(), "Gemm": _gemm(), "Einsum": _einsum()}
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_linear_weight_gradient_is_one_2d_matmul():

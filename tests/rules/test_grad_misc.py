@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 from grad_harness import (
-    FAST,
-    SLOW,
     Const,
     GradCase,
     broadcastable_to,
     build_grad_model,
-    check_gradients,
     make_model,
     make_runner,
     node_case,
@@ -20,7 +16,6 @@ from grad_harness import (
     rng_of,
     shapes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
@@ -100,21 +95,6 @@ CASES = {
     "Trilu": _trilu(),
     "CumSum": _cumsum(),
 }
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def _gradient_run(case: GradCase, seed: int = 0):

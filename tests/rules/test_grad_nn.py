@@ -4,13 +4,9 @@ BatchNormalization gradients."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from grad_harness import (
-    FAST,
-    SLOW,
     Const,
     build_grad_model,
-    check_gradients,
     make_model,
     node_case,
     normal,
@@ -18,7 +14,6 @@ from grad_harness import (
     rng_of,
     shapes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 
 
@@ -86,21 +81,6 @@ CASES = {
     "LayerNormalization": _layer_norm(),
     "BatchNormalization": _batch_norm(),
 }
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_layer_norm_backward_uses_standard_ops_only():

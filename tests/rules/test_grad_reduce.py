@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from grad_harness import (
-    FAST,
-    SLOW,
     Const,
     away_from_zero,
     build_grad_model,
@@ -19,7 +17,6 @@ from grad_harness import (
     rng_of,
     shapes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 
 
@@ -59,21 +56,6 @@ CASES = {
     "ReduceL2": _reduction("ReduceL2", away_from_zero),
     "ReduceLogSumExp": _reduction("ReduceLogSumExp", normal),
 }
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_reduce_mean_with_axes_attribute_of_older_opsets():

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from grad_harness import (
-    FAST,
-    SLOW,
     Const,
     broadcastable_to,
     check_gradients,
@@ -15,7 +12,6 @@ from grad_harness import (
     rng_of,
     shapes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -192,21 +188,6 @@ CASES = {
     "Slice": _slice(),
     "Pad": _pad(),
 }
-
-
-@pytest.mark.parametrize("op", sorted(CASES))
-@FAST
-@given(data=st.data())
-def test_matches_finite_differences(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(CASES))
-@SLOW
-@given(data=st.data())
-def test_matches_finite_differences_sweep(op, data):
-    check_gradients(data.draw(CASES[op], label=op))
 
 
 def test_slice_with_negative_strided_steps_on_two_axes():

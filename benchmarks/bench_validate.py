@@ -1,0 +1,180 @@
+"""The cost model's estimates against measurements on this machine (``tensoropt validate``).
+
+1. A calibrated profile: ``tensoropt calibrate`` (mpi, 2 ranks) unless --cluster is given.
+2. For each zoo model (small presets, or tiny CNNs, sized so compute is measurable):
+   ``tensoropt validate MODEL --devices 1,2 --points K`` -- K frontier points per
+   device count, compiled as ``compile --pick`` does and run with ``run --profile``
+   on the mpi backend (one thread per rank, as calibrated).
+3. Median |relative error| of step time and of per-rank memory over all plans, and
+   per term: compute (the plan costed with free communication, against the measured
+   sum of segment times), communication (the model's, the emitted graph's
+   collectives priced at the calibrated link, and the measured collective time),
+   memory (the search's estimate, the estimate plus the parameter and optimizer-state
+   shards that the runtime holds twice -- inputs and ``__new`` outputs --, the static
+   liveness peak, and the measured growth of anonymous resident memory).
+
+Usage: python benchmarks/bench_validate.py [--cluster FILE.json] [--points K] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+SECTION = "## Estimates against measurements"
+MODELS = ("mlp:small", "gpt:small", "vgg16:tiny", "resnet50:tiny")
+
+
+def _main(argv: list[str]) -> tuple[int, str]:
+    from tensoropt.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def calibrate(path: Path) -> None:
+    code, out = _main(["calibrate", "-o", str(path)])
+    if code != 0:
+        raise SystemExit(f"calibrate failed ({code}): {out}")
+
+
+def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
+    from tensoropt.models import build_model, save_model
+
+    name, preset = model.split(":")
+    path = tmp / f"{name}-{preset}.onnx"
+    save_model(build_model(name, preset), str(path))
+    out = tmp / f"{name}-{preset}.json"
+    argv = ["validate", str(path), "--devices", "1,2", "--cluster", str(cluster),
+            "--points", str(args.points), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--json", str(out)]  # fmt: skip
+    code, text = _main(argv)
+    if code != 0:
+        raise SystemExit(f"validate {model} failed ({code}): {text}")
+    data = json.loads(out.read_text())
+    for r in data["results"]:
+        r["model"] = model
+    return data
+
+
+def _err(est: float, meas: float) -> float:
+    return (est - meas) / meas if meas > 0 else float("inf")
+
+
+def _med(values) -> float:
+    values = [abs(v) for v in values]
+    return statistics.median(values) if values else float("nan")
+
+
+def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
+    rows = [
+        "| model | dev | mesh | pt | est ms | meas ms | time err | est comp ms | meas comp"
+        " ms (cpu) | comp err | model comm ms | graph comm ms (coll.) | meas comm ms | est MiB"
+        " | +state MiB | liveness MiB | meas MiB | mem err | +state err |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|---:|",
+    ]
+    for p in plans:
+        e, m = p["estimate"], p["measured"]
+        plus = e["memory_bytes"] + e["state_bytes"]
+        rows.append(
+            f"| {p['model']} | {p['devices']} | {'x'.join(map(str, p['mesh']))} | {p['point']} "
+            f"| {e['time_s'] * 1e3:.2f} | {m['time_s'] * 1e3:.2f} | {p['time_rel_error']:+.0%} "
+            f"| {e['compute_s'] * 1e3:.2f} | {m['compute_s'] * 1e3:.2f} "
+            f"({m['compute_cpu_s'] * 1e3:.2f}) | {p['compute_rel_error']:+.0%} "
+            f"| {e['comm_s'] * 1e3:.2f} | {e['graph_comm_s'] * 1e3:.2f} ({e['graph_collectives']})"
+            f" | {m['comm_s'] * 1e3:.2f} | {e['memory_bytes'] / 2**20:.2f} "
+            f"| {plus / 2**20:.2f} | {e['liveness_peak_bytes'] / 2**20:.2f} "
+            f"| {m['memory_bytes'] / 2**20:.2f} | {p['memory_rel_error']:+.0%} "
+            f"| {_err(plus, m['memory_bytes']):+.0%} |"
+        )
+    one = [p for p in plans if p["devices"] == 1]
+    two = [p for p in plans if p["devices"] == 2]
+
+    def line(label, sel, fn):
+        return f"| {label} | {_med([fn(p) for p in sel]):.1%} |"
+
+    comp_cpu = lambda p: _err(p["estimate"]["compute_s"], p["measured"]["compute_cpu_s"])  # noqa: E731
+    plus = lambda p: _err(  # noqa: E731
+        p["estimate"]["memory_bytes"] + p["estimate"]["state_bytes"], p["measured"]["memory_bytes"]
+    )
+    summary = [
+        "| median abs. relative error | value |",
+        "|---|---:|",
+        line(f"step time, all {len(plans)} plans", plans, lambda p: p["time_rel_error"]),
+        line(f"step time, {len(one)} plans on 1 device", one, lambda p: p["time_rel_error"]),
+        line(f"step time, {len(two)} plans on 2 devices", two, lambda p: p["time_rel_error"]),
+        line("compute term (vs segment time), all", plans, lambda p: p["compute_rel_error"]),
+        line("compute term, 1 device", one, lambda p: p["compute_rel_error"]),
+        line("compute term, 2 devices", two, lambda p: p["compute_rel_error"]),
+        line("compute term vs segment CPU time, 1 device", one, comp_cpu),
+        line("compute term vs segment CPU time, 2 devices", two, comp_cpu),
+        line("comm: model vs measured, 2 devices", two,
+             lambda p: _err(p["estimate"]["comm_s"], p["measured"]["comm_s"])),
+        line("comm: emitted graph at calibrated link vs measured", two,
+             lambda p: _err(p["estimate"]["graph_comm_s"], p["measured"]["comm_s"])),
+        line("comm: model vs emitted graph at calibrated link", two,
+             lambda p: _err(p["estimate"]["comm_s"], p["estimate"]["graph_comm_s"])),
+        line("memory: search estimate, all", plans, lambda p: p["memory_rel_error"]),
+        line("memory: estimate + state shards (the __new outputs)", plans, plus),
+        line("memory: static liveness peak", plans, lambda p: p["liveness_rel_error"]),
+    ]  # fmt: skip
+    return rows, summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", help="a calibrated profile (default: calibrate now)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--points", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help=f"append to {RESULTS.name}")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-validate-") as tmp_name:
+        tmp = Path(tmp_name)
+        cluster = Path(args.cluster) if args.cluster else tmp / "here.json"
+        load_start = os.getloadavg()[0]
+        if not args.cluster:
+            calibrate(cluster)
+        profile = json.loads(cluster.read_text())
+        plans = []
+        for model in args.models.split(","):
+            plans += validate(model, cluster, tmp, args)["results"]
+            print(f"{model}: {sum(p['model'] == model for p in plans)} plans", flush=True)
+    rows, summary = rows_and_summary(plans)
+    load_end = os.getloadavg()[0]
+    cal = profile["calibration"]
+    flag = f" --cluster {args.cluster}" if args.cluster else ""
+    head = (
+        f"`python benchmarks/bench_validate.py{flag}"
+        f" --points {args.points} --steps {args.steps}` -- "
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} cores "
+        f"({profile['machine']['cpu']}), Python {platform.python_version()}, load average "
+        f"{load_start:.1f} at the start and {load_end:.1f} at the end. Profile calibrated "
+        f"{cal['date']} ({cal['backend']}, {cal['ranks']} ranks x {cal['threads_per_rank']} "
+        f"thread, {cal['repeats']} repeats). Models: {args.models}; {len(plans)} plans; "
+        f"{args.steps} steps per run, medians after {args.warmup} warm-up steps; mpi backend."
+    )
+    text = "\n".join([head, "", *summary, "", *rows, ""])
+    print(text)
+    if args.write:
+        existing = RESULTS.read_text()
+        prefix = "" if SECTION in existing else f"\n{SECTION}\n\n"
+        with RESULTS.open("a") as f:
+            f.write(prefix + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``tensoropt report``: the trade-off study of one model on one cluster, as a directory."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from tensoropt.cli.cmd_search import add_search_options, explore_from_args
+from tensoropt.cli.common import parse_devices
+
+EPILOG = """\
+what it does: runs the same search as `tensoropt search` (every mesh of every device
+count, Frontier Tracking, merged frontier) and writes REPORT_DIR/report.md with PNG
+figures:
+  1. the frontier per device count (memory per device vs step time), with the
+     data-parallel and Megatron plans marked, and a few plans per device count;
+  2. the fastest plan for each memory capacity per device (16..141 GiB and the
+     model's own range), naming the device count and mesh;
+  3. the fewest devices for each step-time target, without and within capacities;
+  4. how the chosen strategies change along the frontier at --detail-devices
+     (default 8 and the largest): a heatmap and sentences derived from it;
+  5. data-parallel and Megatron plans against the frontier (speed-up, memory saving).
+The directory is written completely or not at all; an existing report is replaced.
+
+examples:
+  tensoropt report gpt.onnx --devices 1..64 --cluster v100 -o report/
+  tensoropt report bert.onnx --devices 1..64 --cluster h100 --epsilon 0.02 -o bert-h100/
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="write a markdown + PNG study of the time/memory/devices trade-offs",
+        description="Search the frontier of MODEL and write a trade-off report.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--devices", default="1..64", help="e.g. 1..64 (default) or 1,2,4,8")
+    p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
+    add_search_options(p)
+    p.add_argument(
+        "--detail-devices",
+        metavar="N[,N]",
+        help="device counts whose strategies are drawn (default: 8 and the largest)",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="REPORT_DIR")
+    p.set_defaults(func=run)
+
+
+def _model_name(path: str) -> str:
+    """``gpt (paper preset)`` for zoo models, else the file name."""
+    import onnx
+
+    from tensoropt.models import zoo_info
+
+    try:
+        info = zoo_info(onnx.load(path, load_external_data=False))
+    except Exception:  # the search already read the file; a name is all we want here
+        info = None
+    if info is None:
+        return os.path.basename(path)
+    return f"{info.name} ({info.preset} preset)"
+
+
+def _param_count(sg) -> int:
+    total = 0
+    for name in sg.params:
+        value = sg.graph.initializers.get(name)
+        if value is None or value.shape is None:
+            continue
+        count = 1
+        for dim in value.shape:
+            count *= int(dim)
+        total += count
+    return total
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensoropt.report.build import ReportOptions, prepare_report_dir, write_report
+    from tensoropt.report.render import Header
+
+    devices = parse_devices(args.devices)
+    detail = tuple(parse_devices(args.detail_devices)) if args.detail_devices else ()
+    os.rmdir(prepare_report_dir(args.output))  # refuse a bad -o before the long search
+    start = time.perf_counter()
+    sg, profile, exp = explore_from_args(args, devices)
+    seconds = time.perf_counter() - start
+    head = Header(
+        model=_model_name(args.model),
+        model_path=os.path.basename(args.model),
+        params=_param_count(sg),
+        batch=sg.batch,
+        optimizer=args.optimizer,
+        devices=tuple(devices),
+        mesh_spec=args.mesh,
+        meshes=len(exp.searches),
+        epsilon=exp.epsilon,
+        memory_budget=exp.memory_budget,
+        guarantee=exp.searches[0].result.guarantee if exp.searches else "",
+        seconds=seconds,
+    )
+    names = write_report(exp, head, profile, args.output, ReportOptions(detail_devices=detail))
+    print(f"wrote {os.path.join(args.output, names[0])} and {len(names) - 1} figures")
+    print(f"guarantee: {head.guarantee}", file=sys.stderr)
+    return 0

@@ -1,0 +1,213 @@
+"""The report's figures (matplotlib, Agg backend, small PNGs).
+
+Each function takes analysis data and a path and writes one PNG. matplotlib is imported
+when a figure is drawn, never at import time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tensoropt.report.analysis import GIB, Point, Reference
+from tensoropt.report.strategies import Track, kind_order
+
+DPI = 100
+_MARKERS = {"data-parallel": ("s", "data-parallel"), "megatron": ("^", "Megatron")}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def memory_scale(values: Sequence[float]) -> tuple[float, str]:
+    """(bytes per unit, unit name) for an axis of memory values."""
+    top = max(values, default=0.0)
+    if top >= GIB:
+        return float(GIB), "GiB"
+    if top >= 2**20:
+        return float(2**20), "MiB"
+    return 1024.0, "KiB"
+
+
+def _spread(values: Sequence[float]) -> float:
+    positive = [v for v in values if v > 0]
+    return max(positive) / min(positive) if positive else 1.0
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=DPI)
+    _pyplot().close(fig)
+
+
+def frontier(
+    rows: Mapping[int, Sequence[Point]],
+    refs: Mapping[int, Sequence[Reference]],
+    path: Path,
+    title: str,
+) -> None:
+    """Memory per device against step time, one staircase per device count, with the
+    reference plans of each count marked in its colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    mems = [p.memory_bytes for ps in rows.values() for p in ps]
+    mems += [r.memory_bytes for rs in refs.values() for r in rs]
+    times = [p.time_s for ps in rows.values() for p in ps]
+    scale, unit = memory_scale(mems)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (d, points) in enumerate(rows.items()):
+        c = colors[k % len(colors)]
+        xs = [p.time_s * 1e3 for p in points]
+        ys = [p.memory_bytes / scale for p in points]
+        ax.step(xs, ys, where="post", color=c, label=f"{d} dev", marker="o", ms=2.5, lw=1.2)
+        for r in refs.get(d, ()):
+            marker, _ = _MARKERS[r.name]
+            ax.scatter(
+                [r.time_s * 1e3], [r.memory_bytes / scale], marker=marker, s=50,
+                facecolors="none", edgecolors=c,
+            )
+    for marker, label in _MARKERS.values():
+        ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
+    if _spread(times) > 10:
+        ax.set_xscale("log")
+    if _spread(mems) > 10:
+        ax.set_yscale("log")
+    ax.set_xlabel("estimated step time (ms)")
+    ax.set_ylabel(f"memory per device ({unit})")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path)
+
+
+def capacity(steps: Sequence[Point], marks: Sequence[float], path: Path, title: str) -> None:
+    """Best step time (any device count) against memory capacity per device: a step
+    function, each step coloured by the device count that reaches it."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    xs_all = [p.memory_bytes for p in steps]
+    # the axis covers the model's range: beyond the last step more memory buys nothing
+    top = max(xs_all, default=1.0) * 2.0
+    scale, unit = memory_scale(xs_all)
+    xs = [p.memory_bytes / scale for p in steps] + [top / scale]
+    ys = [p.time_s * 1e3 for p in steps]
+    ys = [*ys, ys[-1]] if ys else ys
+    ax.step(xs, ys, where="post", color="0.3", lw=1.3)
+    counts = sorted({p.devices for p in steps})
+    cmap = plt.get_cmap("viridis", max(len(counts), 2))
+    for i, d in enumerate(counts):
+        pts = [p for p in steps if p.devices == d]
+        ax.scatter(
+            [p.memory_bytes / scale for p in pts],
+            [p.time_s * 1e3 for p in pts],
+            color=cmap(i),
+            s=22,
+            zorder=3,
+            label=f"{d} dev",
+        )
+    for m in marks:
+        if min(xs_all, default=0) <= m <= top:
+            ax.axvline(m / scale, color="0.75", lw=0.8, ls="--", zorder=0)
+    if _spread(xs) > 10:
+        ax.set_xscale("log")
+    if _spread(ys) > 10:
+        ax.set_yscale("log")
+    ax.set_xlabel(f"memory capacity per device ({unit})")
+    ax.set_ylabel("best step time (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, title="devices used", title_fontsize=7)
+    _save(fig, path)
+
+
+def fewest_devices(
+    curves: Mapping[str, Sequence[Point]], path: Path, title: str
+) -> None:
+    """Fewest devices against step-time target: one staircase per memory capacity.
+
+    A curve's points are (fastest time at d devices, d) where d beats every smaller
+    count; for any target between two such times the fewer-device point's count holds.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    times = [p.time_s for pts in curves.values() for p in pts]
+    right = max(times, default=1.0) * 1.5 * 1e3
+    for label, pts in curves.items():
+        if not pts:
+            continue
+        xs = [p.time_s * 1e3 for p in reversed(pts)] + [right]
+        ys = [p.devices for p in reversed(pts)]
+        ys = [*ys, ys[-1]]
+        ax.step(xs, ys, where="post", label=label, marker="o", ms=3, lw=1.2)
+    if _spread(times) > 10:
+        ax.set_xscale("log")
+    counts = sorted({p.devices for pts in curves.values() for p in pts})
+    if counts and counts[-1] > 2 * max(counts[0], 1):
+        ax.set_yscale("log", base=2)
+    ax.set_yticks(counts)
+    ax.set_yticklabels([str(d) for d in counts])
+    ax.minorticks_off()
+    ax.set_xlabel("step-time target (ms)")
+    ax.set_ylabel("fewest devices")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, title="memory per device", title_fontsize=7)
+    _save(fig, path)
+
+
+def heatmap(tr: Track, columns: Sequence[int], path: Path, title: str, unit_scale) -> None:
+    """Kind of every weight unit (rows, graph order) at frontier points (columns, from
+    fastest to least memory)."""
+    import numpy as np
+
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    kinds = sorted({tr.kinds[u][i] for u in range(len(tr.units)) for i in columns}, key=kind_order)
+    code = {k: n for n, k in enumerate(kinds)}
+    grid = np.array([[code[tr.kinds[u][i]] for i in columns] for u in range(len(tr.units))])
+    base = plt.get_cmap("tab10" if len(kinds) <= 10 else "tab20")
+    cmap = ListedColormap([base(n % base.N) for n in range(len(kinds))])
+    height = min(7.0, 2.5 + 0.02 * len(tr.units))
+    fig, ax = plt.subplots(figsize=(8.0, height))
+    ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5,
+              vmax=len(kinds) - 0.5)
+    step = max(1, len(columns) // 8)
+    ticks = list(range(0, len(columns), step))
+    scale, unit = unit_scale
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(
+        [f"{tr.points[columns[t]].memory_bytes / scale:.3g}" for t in ticks], fontsize=7
+    )
+    ax.set_xlabel(f"frontier point, fastest (left) to least memory (right): memory per device ({unit})")
+    rows = _row_ticks(tr)
+    ax.set_yticks([r for r, _ in rows])
+    ax.set_yticklabels([label for _, label in rows], fontsize=6)
+    ax.set_ylabel("weight units, graph order")
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color=cmap(code[k]), label=k) for k in kinds]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _save(fig, path)
+
+
+def _row_ticks(tr: Track, limit: int = 24) -> list[tuple[int, str]]:
+    """Label the first unit of each layer (leading name component), at most ``limit``."""
+    firsts: list[tuple[int, str]] = []
+    seen = set()
+    for u, row in enumerate(tr.units):
+        head = row.name.split("/")[0]
+        if head not in seen:
+            seen.add(head)
+            firsts.append((u, head))
+    if len(firsts) > limit:
+        stride = math.ceil(len(firsts) / limit)
+        firsts = firsts[::stride]
+    return firsts

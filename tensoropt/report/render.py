@@ -1,0 +1,291 @@
+"""The report's markdown: every number comes from analysis data, every sentence from it too."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tensoropt.cost.cluster import ClusterProfile
+from tensoropt.report.analysis import (
+    BaselineRow,
+    CapacityRow,
+    Point,
+    Reference,
+    TargetRow,
+    sample_indices,
+)
+from tensoropt.report.strategies import GroupChange, Track, layer_ranges
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What the report says about its input and how it was searched."""
+
+    model: str  # display name (zoo name and preset, or the file name)
+    model_path: str
+    params: int
+    batch: int
+    optimizer: str
+    devices: tuple[int, ...]
+    mesh_spec: str
+    meshes: int  # (devices, mesh) problems solved
+    epsilon: float | None
+    memory_budget: float | None
+    guarantee: str
+    seconds: float
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def fmt_mem(b: float) -> str:
+    if math.isinf(b):
+        return "any"
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _points(n: int) -> str:
+    return f"{n} frontier point{'s' if n != 1 else ''}"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def header(h: Header, profile: ClusterProfile) -> list[str]:
+    intra, inter = profile.intra, profile.inter
+    budget = fmt_mem(h.memory_budget) if h.memory_budget is not None else "none"
+    mode = f"epsilon = {h.epsilon}" if h.epsilon is not None else "exact"
+    return [
+        f"# Parallelization trade-offs: {h.model} on {profile.name}",
+        "",
+        "All times and memories are the cost model's estimates (roofline compute, "
+        "alpha-beta communication, additive memory), not measurements.",
+        "",
+        f"- **Model**: {h.model} (`{h.model_path}`), {fmt_count(h.params)} trained parameters, "
+        f"batch {h.batch} per step, optimizer {h.optimizer}.",
+        f"- **Cluster** `{profile.name}`: {profile.description}. "
+        f"{profile.peak_flops / 1e12:.0f} TFLOP/s peak at {profile.efficiency:.0%} efficiency, "
+        f"{profile.memory_bandwidth / 1e9:.0f} GB/s memory, {fmt_mem(profile.memory_bytes)} per "
+        f"device, {profile.devices_per_node} devices per node; intra-node "
+        f"{intra.bandwidth / 1e9:.4g} GB/s ({intra.alpha_s * 1e6:.3g} µs), inter-node "
+        f"{inter.bandwidth / 1e9:.4g} GB/s ({inter.alpha_s * 1e6:.3g} µs).",
+        f"- **Search**: devices {', '.join(map(str, h.devices))}; mesh {h.mesh_spec} "
+        f"({h.meshes} mesh problems); {mode}; memory budget {budget}.",
+        f"- **Guarantee**: {h.guarantee}",
+        f"- **Time taken**: {h.seconds:.1f} s.",
+        "",
+    ]
+
+
+def frontier_section(
+    rows: Mapping[int, Sequence[Point]], batch: int, png: str, per_count: int = 5
+) -> list[str]:
+    total = sum(len(ps) for ps in rows.values())
+    out = [
+        "## 1. The frontier per device count",
+        "",
+        f"Memory per device against step time, {total} frontier points over "
+        f"{len(rows)} device counts. Open squares: data parallel; open triangles: Megatron "
+        "(the best mesh of each device count, same colour).",
+        "",
+        f"![frontier per device count]({png})",
+        "",
+    ]
+    for d, points in rows.items():
+        out.append(f"**{d} device{'s' if d > 1 else ''}**: {_points(len(points))}.")
+        out.append("")
+        body = []
+        for i in sample_indices(len(points), per_count):
+            p = points[i]
+            role = "fastest" if i == 0 else ("least memory" if i == len(points) - 1 else "")
+            body.append(
+                [str(i), role, p.mesh_text, fmt_time(p.time_s), fmt_mem(p.memory_bytes),
+                 f"{batch / p.time_s:.4g}", p.summary]
+            )
+        out += _table(["#", "", "mesh", "step time", "memory/device", "samples/s", "plan"], body)
+        out.append("")
+    return out
+
+
+def capacity_section(rows: Sequence[CapacityRow], steps: Sequence[Point], png: str) -> list[str]:
+    out = [
+        "## 2. The fastest plan for each memory capacity",
+        "",
+        "For a device memory capacity, the fastest plan over every device count searched "
+        f"whose memory per device fits. The curve steps down {len(steps)} times; grey lines "
+        "mark the capacities of the table.",
+        "",
+        f"![best step time per memory capacity]({png})",
+        "",
+    ]
+    body = []
+    for r in rows:
+        if r.best is None:
+            body.append([fmt_mem(r.capacity), "does not fit", "", "", "", "", ""])
+            continue
+        few = r.fewest
+        fewest = f"{few.devices} ({fmt_time(few.time_s)})" if few else ""
+        body.append(
+            [fmt_mem(r.capacity), fmt_time(r.best.time_s), str(r.best.devices),
+             r.best.mesh_text, fmt_mem(r.best.memory_bytes), fewest, r.best.summary]
+        )
+    head = ["capacity", "best step time", "devices", "mesh", "memory used",
+            "fewest devices that fit (time)", "plan"]
+    return [*out, *_table(head, body), ""]
+
+
+def target_section(
+    rows: Sequence[TargetRow], caps: Sequence[float], png: str
+) -> list[str]:
+    out = [
+        "## 3. The fewest devices for each step-time target",
+        "",
+        "For a step-time target, the fewest devices with a plan that reaches it, without a "
+        "memory limit and within each listed capacity per device (cell: devices, mesh).",
+        "",
+        f"![fewest devices per step-time target]({png})",
+        "",
+    ]
+    head = ["step-time target", *(f"≤ {fmt_mem(c)}" for c in caps), "any memory"]
+    body = []
+    for r in rows:
+        cells = [f"{p.devices} ({p.mesh_text})" if p else "none" for p in r.by_capacity]
+        body.append([fmt_time(r.target_s), *cells])
+    return [*out, *_table(head, body), ""]
+
+
+def _kinds_list(kinds: Sequence[str]) -> str:
+    return ", ".join(dict.fromkeys(kinds))
+
+
+def change_sentences(tr: Track, changes: Sequence[GroupChange], limit: int = 10) -> list[str]:
+    """Sentences saying which units change strategy where along the frontier."""
+    first, last = tr.points[0], tr.points[-1]
+    d = tr.devices
+    lines = [
+        f"On {d} devices the frontier has {len(tr.points)} points, from "
+        f"{fmt_mem(first.memory_bytes)} at {fmt_time(first.time_s)} (fastest) to "
+        f"{fmt_mem(last.memory_bytes)} at {fmt_time(last.time_s)} (least memory); "
+        f"{len(tr.units)} weight units."
+    ]
+    moving = [g for g in changes if g.first_point >= 0]
+    still = [g for g in changes if g.first_point < 0]
+    if not moving:
+        kinds = _kinds_list([g.fast_kind for g in changes])
+        lines.append(f"No weight unit changes strategy along this frontier ({kinds}).")
+        return lines
+    order = [f"`{g.role}` ({g.ops})" for g in moving[:4]]
+    lines.append(
+        f"As memory tightens from {fmt_mem(first.memory_bytes)} to "
+        f"{fmt_mem(last.memory_bytes)}, the first to change are " + ", then ".join(order) + "."
+    )
+    lines.append("")
+    for g in moving[:limit]:
+        p = tr.points[g.first_point]
+        where = ""
+        if len(g.switched) < len(g.units):
+            ranges = layer_ranges(g.switched)
+            where = f", {len(g.switched)} of {len(g.units)} units" + (f": {ranges}" if ranges else "")
+        else:
+            where = f", all {len(g.units)} units" if len(g.units) > 1 else ""
+        text = (
+            f"- from point {g.first_point} ({fmt_mem(p.memory_bytes)}, {fmt_time(p.time_s)}): "
+            f"`{g.role}` ({g.ops}{where}): {g.fast_kind} → {g.new_kind}"
+        )
+        notes = []
+        if g.lean_kind != g.new_kind:
+            notes.append(f"at the least-memory point {g.lean_kind}")
+        if g.back_and_forth:
+            notes.append(f"{g.back_and_forth} return to {g.fast_kind} further along")
+        if notes:
+            text += f" ({'; '.join(notes)})"
+        lines.append(text + ".")
+    if len(moving) > limit:
+        lines.append(f"- and {len(moving) - limit} more groups change later.")
+    if still:
+        kept = ", ".join(f"`{g.role}` ({g.ops}: {g.fast_kind})" for g in still[:8])
+        more = f" and {len(still) - 8} more groups" if len(still) > 8 else ""
+        lines.append(f"- unchanged along the whole frontier: {kept}{more}.")
+    return lines
+
+
+def strategy_section(blocks: Sequence[tuple[Track, Sequence[GroupChange], str, int]]) -> list[str]:
+    out = [
+        "## 4. How the strategies change along the frontier",
+        "",
+        "Each weight unit (one forward op that reads parameters, with its backward and "
+        "update) at frontier points from the fastest (left) to the least memory (right). "
+        "`dp=N`: the op's work is split N ways with replicated weights (gradients "
+        "all-reduced); `tp=N`: its weights are sharded N ways; `replicated`: every device "
+        "does all of it; `k x redundant`: that many devices repeat the same shard.",
+        "",
+    ]
+    for tr, changes, png, shown in blocks:
+        note = f" ({shown} of {len(tr.points)} points shown)" if shown < len(tr.points) else ""
+        out += [f"### {tr.devices} devices", "", f"![strategies at {tr.devices} devices{note}]({png})", ""]
+        out += change_sentences(tr, changes)
+        out.append("")
+    return out
+
+
+def baseline_section(rows: Sequence[BaselineRow]) -> list[str]:
+    out = [
+        "## 5. Data-parallel and Megatron plans against the frontier",
+        "",
+        "Reference plans evaluated on the same cost model (Megatron on its fastest mesh). "
+        "Speed-up: reference time / fastest frontier time. Memory saving: reference memory / "
+        "least memory of a frontier plan at most as slow as the reference.",
+        "",
+    ]
+    body = []
+    best_speed: tuple[float, str] = (0.0, "")
+    best_save: tuple[float, str] = (0.0, "")
+    for r in rows:
+        for ref, lean in zip(r.references, r.lean_at_reference_time, strict=True):
+            speed = ref.time_s / r.fastest.time_s
+            save = ref.memory_bytes / lean.memory_bytes
+            label = f"{_ref_name(ref)} at {r.devices} devices"
+            best_speed = max(best_speed, (speed, label))
+            best_save = max(best_save, (save, label))
+            body.append(
+                [str(r.devices), _ref_name(ref), "x".join(map(str, ref.mesh)),
+                 fmt_time(ref.time_s), fmt_mem(ref.memory_bytes), fmt_time(r.fastest.time_s),
+                 f"{speed:.2f}x", fmt_mem(lean.memory_bytes), f"{save:.2f}x",
+                 fmt_mem(r.leanest.memory_bytes)]
+            )
+    if not body:
+        return [*out, "No reference plan is expressible on the searched meshes.", ""]
+    head = ["devices", "reference", "mesh", "step time", "memory", "frontier fastest",
+            "speed-up", "frontier memory at ≤ reference time", "saving", "frontier least memory"]
+    out += _table(head, body)
+    out += [
+        "",
+        f"Largest speed-up of the frontier over a reference: {best_speed[0]:.2f}x "
+        f"({best_speed[1]}); largest memory saving at no loss of speed: {best_save[0]:.2f}x "
+        f"({best_save[1]}).",
+        "",
+    ]
+    return out
+
+
+def _ref_name(ref: Reference) -> str:
+    return "data parallel" if ref.name == "data-parallel" else "Megatron"
