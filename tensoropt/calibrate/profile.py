@@ -241,6 +241,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "backend": fits.backend,
             "ranks": opts.ranks,
             "threads_per_rank": opts.threads_per_rank,
+            "compute_clock": _kernel_options(opts).clock_name,
             "repeats": opts.repeats,
             "quick": opts.quick,
             "run_overhead_s": overhead.median,

@@ -86,7 +86,7 @@ def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
             run()
     slopes = []
     for _ in range(opts.repeats):
-        t1 = time_call(runners[0], min_seconds=opts.block_seconds)
-        tr = time_call(runners[1], min_seconds=opts.block_seconds)
+        t1 = time_call(runners[0], min_seconds=opts.block_seconds, clock=opts.clock)
+        tr = time_call(runners[1], min_seconds=opts.block_seconds, clock=opts.clock)
         slopes.append(max((tr - t1) / (copies - 1), 1e-9))
     return Sample.of(slopes)

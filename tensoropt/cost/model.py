@@ -153,7 +153,10 @@ class _Costs:
             shard = local.input_shapes[i]
             elements = _numel(shard)
             isz = _itemsize(value)
-            memory += elements * isz * (2 + self.sg.optimizer_states)
+            # The step holds the parameter and its gradient, the new parameter it returns,
+            # and each optimizer state twice (in and out): the emitted graph has no
+            # in-place update (measured: docs/design/measured.md).
+            memory += elements * isz * (3 + 2 * self.sg.optimizer_states)
             seconds += update_time(elements, self.sg.optimizer_states, isz, self.profile)
             sync = [a for a in split_axes if isinstance(layout.placements[a], Replicate)]
             if sync:

@@ -186,7 +186,7 @@ def comm_bytes(
     ``local_shape`` is the shape each rank holds before the step. ``B`` is the size of the
     full buffer the collective works on: the gathered output for AllGather, the unscattered
     input for ReduceScatter, the buffer for AllReduce and AllToAll. Volumes are
-    AllGather / ReduceScatter (n-1)/n*B, AllReduce 2(n-1)/n*B, AllToAll (n-1)/n^2*B, local
+    AllGather / ReduceScatter (n-1)/n*B, AllReduce 2(n-1)/n*B, AllToAll (n-1)/n*B_local, local
     steps 0. Multiply by the axis' inverse bandwidth and add ``latency_terms`` alphas.
     """
     if not step.kind.communicates or n <= 1:
@@ -198,7 +198,9 @@ def comm_bytes(
         CollectiveKind.ALL_REDUCE: 2 * (n - 1) / n,
         CollectiveKind.REDUCE_SCATTER: (n - 1) / n,
         CollectiveKind.ALL_GATHER: (n - 1) / n,
-        CollectiveKind.ALL_TO_ALL: (n - 1) / n**2,
+        # Each rank keeps 1/n of its local buffer and sends the rest (what the runtime
+        # moves); DESIGN's (n-1)/n^2 B is the same volume with B the global tensor.
+        CollectiveKind.ALL_TO_ALL: (n - 1) / n,
     }[step.kind]
     return factor * nbytes
 

@@ -156,7 +156,7 @@ def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) ->
     """Bytes a device sends to turn ``have`` into ``need`` (alpha-beta volume terms).
 
     Per mesh axis of size n and local size B: P->R 2(n-1)/n B, P->S and S->R (n-1)/n B,
-    S->S (n-1)/n^2 B, R->S nothing; R->P is charged like P->R (see below).
+    S->S (n-1)/n B, R->S nothing; R->P is charged like P->R (see below).
     """
     key = (have, need, static_shape(value), value.dtype, mesh.shape)
     cached = _BYTES_CACHE.get(key)
@@ -190,5 +190,5 @@ def _conversion_bytes(have: Layout, need: Layout, shape, itemsize: int, mesh: Me
         elif isinstance(b, Replicate):
             total += frac * size * n
         else:
-            total += frac * size / n
+            total += frac * size  # all-to-all: each rank sends (n-1)/n of its piece
     return total

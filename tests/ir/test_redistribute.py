@@ -141,7 +141,7 @@ def test_comm_bytes_follow_the_alpha_beta_volumes() -> None:
     assert comm_bytes(Step(K.REDUCE_SCATTER, 0, dim=0), shape, 1, n) == pytest.approx(3 / 4 * b)
     assert comm_bytes(Step(K.ALL_GATHER, 0, dim=0), shape, 1, n) == pytest.approx(3 / 4 * b * n)
     a2a = Step(K.ALL_TO_ALL, 0, src_dim=0, dst_dim=1)
-    assert comm_bytes(a2a, shape, np.float64, n) == pytest.approx(3 / 16 * 2 * b)
+    assert comm_bytes(a2a, shape, np.float64, n) == pytest.approx(3 / 4 * 2 * b)
     assert comm_bytes(Step(K.LOCAL_SLICE, 0, dim=0), shape, 1, n) == 0.0
     assert [latency_terms(k) for k in K] == [2, 1, 1, 1, 0, 0]
 
