@@ -9,6 +9,7 @@ import time
 
 from tensoropt.cli.cmd_search import add_search_options, explore_from_args
 from tensoropt.cli.common import parse_devices
+from tensoropt.errors import TensorOptError
 
 EPILOG = """\
 what it does: runs the same search as `tensoropt search` (every mesh of every device
@@ -79,16 +80,22 @@ def _param_count(sg) -> int:
     return total
 
 
-def run(args: argparse.Namespace) -> int:
-    from tensoropt.report.build import ReportOptions, prepare_report_dir, write_report
+def search_for_report(args: argparse.Namespace):
+    """(header, profile, exploration, detail device counts): everything but the writing."""
+    from tensoropt.report.build import prepare_report_dir
     from tensoropt.report.render import Header
 
     devices = parse_devices(args.devices)
     detail = tuple(parse_devices(args.detail_devices)) if args.detail_devices else ()
+    missing = [d for d in detail if d not in devices]
+    if missing:
+        raise TensorOptError(
+            f"--detail-devices {','.join(map(str, missing))}: not among the searched device "
+            f"counts {','.join(map(str, devices))}"
+        )
     os.rmdir(prepare_report_dir(args.output))  # refuse a bad -o before the long search
     start = time.perf_counter()
     sg, profile, exp = explore_from_args(args, devices)
-    seconds = time.perf_counter() - start
     head = Header(
         model=_model_name(args.model),
         model_path=os.path.basename(args.model),
@@ -101,8 +108,15 @@ def run(args: argparse.Namespace) -> int:
         epsilon=exp.epsilon,
         memory_budget=exp.memory_budget,
         guarantee=exp.searches[0].result.guarantee if exp.searches else "",
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
     )
+    return head, profile, exp, detail
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensoropt.report.build import ReportOptions, write_report
+
+    head, profile, exp, detail = search_for_report(args)
     names = write_report(exp, head, profile, args.output, ReportOptions(detail_devices=detail))
     print(f"wrote {os.path.join(args.output, names[0])} and {len(names) - 1} figures")
     print(f"guarantee: {head.guarantee}", file=sys.stderr)

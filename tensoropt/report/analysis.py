@@ -96,9 +96,7 @@ def device_frontiers(exp: Exploration) -> dict[int, list[Point]]:
     """Per device count, its frontier over all its meshes, fastest first."""
     out = {}
     for d in device_counts(exp):
-        out[d] = [
-            _point(s, s.result.points.index(p)) for s, p in device_frontier(exp, d)
-        ]
+        out[d] = [_point(s, s.result.points.index(p)) for s, p in device_frontier(exp, d)]
     return out
 
 
@@ -213,19 +211,27 @@ def time_targets(exp: Exploration, count: int = 8) -> list[float]:
     return sorted({_round_sig(t, up=True) for t in raw})
 
 
-def binding_capacities(exp: Exploration, caps: Sequence[float], limit: int = 4) -> list[float]:
+def binding_capacities(
+    exp: Exploration, caps: Sequence[float], limit: int = 4, prefer: Sequence[float] = ()
+) -> list[float]:
     """Capacities that change the fewest-devices answer: fit something, bind somewhere.
 
     A capacity at or above the memory of every point gives the unlimited answer and is
-    left out (the table has an unlimited column). At most ``limit``, spread out.
+    left out (the table has an unlimited column). ``prefer`` (e.g. the cluster's own
+    device memory) comes first when it binds; the rest is spread over ``caps``; at most
+    ``limit`` in all, sorted.
     """
     points = merged_points(exp)
     if not points:
         return []
     lo = min(p.memory_bytes for p in points)
     hi = max(p.memory_bytes for p in points)
-    useful = [c for c in caps if lo <= c < hi]
-    return [useful[i] for i in sample_indices(len(useful), limit)]
+    chosen = [c for c in dict.fromkeys(prefer) if lo <= c < hi][:limit]
+    useful = [c for c in caps if lo <= c < hi and c not in chosen]
+    room = limit - len(chosen)
+    if room > 0 and useful:
+        chosen += [useful[i] for i in sample_indices(len(useful), room)]
+    return sorted(chosen)
 
 
 def target_table(
@@ -234,9 +240,7 @@ def target_table(
     """Rows of fewest devices per target; the last column is without a capacity limit."""
     points = merged_points(exp)
     limits = [*caps, math.inf]
-    return [
-        TargetRow(t, tuple(fewest_under(points, c, t) for c in limits)) for t in targets
-    ]
+    return [TargetRow(t, tuple(fewest_under(points, c, t) for c in limits)) for t in targets]
 
 
 def device_steps(exp: Exploration, capacity: float = math.inf) -> list[Point]:

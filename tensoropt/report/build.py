@@ -116,10 +116,10 @@ def _write_into(
 
     caps = analysis.capacities(exp)
     steps = analysis.capacity_steps(exp)
-    plots.capacity(steps, caps, root / CAPACITY_PNG, f"Best step time per capacity: {title}")
+    plots.capacity(steps, rows, caps, root / CAPACITY_PNG, f"Best step time per capacity: {title}")
     lines += render.capacity_section(analysis.capacity_table(exp, caps), steps, CAPACITY_PNG)
 
-    binding = analysis.binding_capacities(exp, caps)
+    binding = analysis.binding_capacities(exp, caps, prefer=(profile.memory_bytes,))
     curves = {f"≤ {render.fmt_mem(c)}": analysis.device_steps(exp, c) for c in binding}
     curves["any"] = analysis.device_steps(exp)
     plots.fewest_devices(curves, root / DEVICES_PNG, f"Fewest devices per target: {title}")
@@ -135,11 +135,13 @@ def _write_into(
         columns = analysis.sample_indices(len(tr.points), options.heatmap_points)
         png = strategy_png(d)
         scale = plots.memory_scale([p.memory_bytes for p in tr.points])
-        plots.heatmap(tr, columns, root / png, f"Strategies along the frontier: {title}, {d} devices", scale)
+        plots.heatmap(
+            tr, columns, root / png, f"Strategies along the frontier: {title}, {d} devices", scale
+        )
         blocks.append((tr, strategies.group_changes(tr), png, len(columns)))
         names.append(png)
     lines += render.strategy_section(blocks)
-    lines += render.baseline_section(analysis.baselines(exp))
+    lines += render.baseline_section(analysis.baselines(exp), head.batch)
 
     (root / REPORT_FILE).write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     log.info("report written: %s", ", ".join(names))

@@ -41,6 +41,27 @@ def _spread(values: Sequence[float]) -> float:
     return max(positive) / min(positive) if positive else 1.0
 
 
+def _plain(axis) -> None:
+    """Tick labels like ``2`` and ``300`` instead of ``2x10^0`` on a log axis."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if _mantissa(v) in (2, 5) else ""))
+
+
+def _mantissa(v: float) -> int:
+    return round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+
+
+def _log_if_spread(ax, xs: Sequence[float], ys: Sequence[float]) -> None:
+    if _spread(xs) > 10:
+        ax.set_xscale("log")
+        _plain(ax.xaxis)
+    if _spread(ys) > 10:
+        ax.set_yscale("log")
+        _plain(ax.yaxis)
+
+
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=DPI)
@@ -70,15 +91,16 @@ def frontier(
         for r in refs.get(d, ()):
             marker, _ = _MARKERS[r.name]
             ax.scatter(
-                [r.time_s * 1e3], [r.memory_bytes / scale], marker=marker, s=50,
-                facecolors="none", edgecolors=c,
+                [r.time_s * 1e3],
+                [r.memory_bytes / scale],
+                marker=marker,
+                s=50,
+                facecolors="none",
+                edgecolors=c,
             )
     for marker, label in _MARKERS.values():
         ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
-    if _spread(times) > 10:
-        ax.set_xscale("log")
-    if _spread(mems) > 10:
-        ax.set_yscale("log")
+    _log_if_spread(ax, times, mems)
     ax.set_xlabel("estimated step time (ms)")
     ax.set_ylabel(f"memory per device ({unit})")
     ax.set_title(title, fontsize=10)
@@ -87,49 +109,62 @@ def frontier(
     _save(fig, path)
 
 
-def capacity(steps: Sequence[Point], marks: Sequence[float], path: Path, title: str) -> None:
-    """Best step time (any device count) against memory capacity per device: a step
-    function, each step coloured by the device count that reaches it."""
+def capacity(
+    steps: Sequence[Point],
+    rows: Mapping[int, Sequence[Point]],
+    marks: Sequence[float],
+    path: Path,
+    title: str,
+) -> None:
+    """Best step time against memory capacity per device: the best over all device
+    counts (black staircase, dots coloured by the device count that reaches each step)
+    and, thin, the best at each device count alone."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    xs_all = [p.memory_bytes for p in steps]
-    # the axis covers the model's range: beyond the last step more memory buys nothing
-    top = max(xs_all, default=1.0) * 2.0
-    scale, unit = memory_scale(xs_all)
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    mems = [p.memory_bytes for ps in rows.values() for p in ps]
+    # the axis covers the model's range: beyond the fastest plan more memory buys nothing
+    top = max(mems, default=1.0) * 1.6
+    scale, unit = memory_scale(mems)
+    counts = sorted(rows)
+    cmap = plt.get_cmap("viridis", max(len(counts), 2))
+    color = {d: cmap(i) for i, d in enumerate(counts)}
+    for d, points in rows.items():
+        ordered = sorted(points, key=lambda p: p.memory_bytes)
+        xs = [p.memory_bytes / scale for p in ordered] + [top / scale]
+        ys = [p.time_s * 1e3 for p in ordered]
+        ax.step(xs, [*ys, ys[-1]], where="post", color=color[d], lw=0.8, alpha=0.6)
     xs = [p.memory_bytes / scale for p in steps] + [top / scale]
     ys = [p.time_s * 1e3 for p in steps]
-    ys = [*ys, ys[-1]] if ys else ys
-    ax.step(xs, ys, where="post", color="0.3", lw=1.3)
-    counts = sorted({p.devices for p in steps})
-    cmap = plt.get_cmap("viridis", max(len(counts), 2))
-    for i, d in enumerate(counts):
+    ax.step(xs, [*ys, ys[-1]], where="post", color="black", lw=1.6, label="best of all")
+    for d in counts:
         pts = [p for p in steps if p.devices == d]
         ax.scatter(
             [p.memory_bytes / scale for p in pts],
             [p.time_s * 1e3 for p in pts],
-            color=cmap(i),
-            s=22,
+            color=color[d],
+            edgecolors="black",
+            linewidths=0.5,
+            s=24,
             zorder=3,
             label=f"{d} dev",
         )
     for m in marks:
-        if min(xs_all, default=0) <= m <= top:
-            ax.axvline(m / scale, color="0.75", lw=0.8, ls="--", zorder=0)
-    if _spread(xs) > 10:
-        ax.set_xscale("log")
-    if _spread(ys) > 10:
-        ax.set_yscale("log")
+        if min(mems, default=0) <= m <= top:
+            ax.axvline(m / scale, color="0.6", lw=0.8, ls="--", zorder=0)
+    _log_if_spread(
+        ax,
+        [*xs, *(m / scale for m in mems)],
+        ys + [p.time_s * 1e3 for ps in rows.values() for p in ps],
+    )
     ax.set_xlabel(f"memory capacity per device ({unit})")
     ax.set_ylabel("best step time (ms)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, title="devices used", title_fontsize=7)
+    ax.legend(fontsize=7, ncol=2, title="devices (thin: that count alone)", title_fontsize=7)
     _save(fig, path)
 
 
-def fewest_devices(
-    curves: Mapping[str, Sequence[Point]], path: Path, title: str
-) -> None:
+def fewest_devices(curves: Mapping[str, Sequence[Point]], path: Path, title: str) -> None:
     """Fewest devices against step-time target: one staircase per memory capacity.
 
     A curve's points are (fastest time at d devices, d) where d beats every smaller
@@ -146,14 +181,15 @@ def fewest_devices(
         ys = [p.devices for p in reversed(pts)]
         ys = [*ys, ys[-1]]
         ax.step(xs, ys, where="post", label=label, marker="o", ms=3, lw=1.2)
-    if _spread(times) > 10:
-        ax.set_xscale("log")
+    _log_if_spread(ax, times, [])
     counts = sorted({p.devices for pts in curves.values() for p in pts})
     if counts and counts[-1] > 2 * max(counts[0], 1):
         ax.set_yscale("log", base=2)
     ax.set_yticks(counts)
     ax.set_yticklabels([str(d) for d in counts])
-    ax.minorticks_off()
+    from matplotlib.ticker import NullLocator
+
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("step-time target (ms)")
     ax.set_ylabel("fewest devices")
     ax.set_title(title, fontsize=10)
@@ -174,12 +210,13 @@ def heatmap(tr: Track, columns: Sequence[int], path: Path, title: str, unit_scal
     kinds = sorted({tr.kinds[u][i] for u in range(len(tr.units)) for i in columns}, key=kind_order)
     code = {k: n for n, k in enumerate(kinds)}
     grid = np.array([[code[tr.kinds[u][i]] for i in columns] for u in range(len(tr.units))])
-    base = plt.get_cmap("tab10" if len(kinds) <= 10 else "tab20")
-    cmap = ListedColormap([base(n % base.N) for n in range(len(kinds))])
+    colors = kind_colors(kinds)
+    cmap = ListedColormap([colors[k] for k in kinds])
     height = min(7.0, 2.5 + 0.02 * len(tr.units))
     fig, ax = plt.subplots(figsize=(8.0, height))
-    ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5,
-              vmax=len(kinds) - 0.5)
+    ax.imshow(
+        grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=len(kinds) - 0.5
+    )
     step = max(1, len(columns) // 8)
     ticks = list(range(0, len(columns), step))
     scale, unit = unit_scale
@@ -187,19 +224,51 @@ def heatmap(tr: Track, columns: Sequence[int], path: Path, title: str, unit_scal
     ax.set_xticklabels(
         [f"{tr.points[columns[t]].memory_bytes / scale:.3g}" for t in ticks], fontsize=7
     )
-    ax.set_xlabel(f"frontier point, fastest (left) to least memory (right): memory per device ({unit})")
+    ax.set_xlabel(
+        f"frontier point, fastest (left) to least memory (right): memory per device ({unit})"
+    )
     rows = _row_ticks(tr)
     ax.set_yticks([r for r, _ in rows])
     ax.set_yticklabels([label for _, label in rows], fontsize=6)
     ax.set_ylabel("weight units, graph order")
     ax.set_title(title, fontsize=10)
-    handles = [Patch(color=cmap(code[k]), label=k) for k in kinds]
+    handles = [Patch(color=colors[k], label=k) for k in kinds]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
 
 
+def kind_colors(kinds: Sequence[str]) -> dict[str, tuple]:
+    """Grey for replicated, blues for data parallel, reds for tensor parallel, purples for
+    both; darker for higher degrees, lighter where devices repeat a shard."""
+    plt = _pyplot()
+    families = {"replicated": "Greys", "dp": "Blues", "tp": "Reds", "tp x dp": "Purples"}
+    by_family: dict[str, list[str]] = {}
+    for k in kinds:
+        head = k.split(",")[0]
+        family = (
+            "replicated"
+            if head == "replicated"
+            else (
+                "tp x dp" if "tp=" in head and "dp=" in head else ("tp" if "tp=" in head else "dp")
+            )
+        )
+        by_family.setdefault(family, []).append(k)
+    out = {}
+    for family, members in by_family.items():
+        cmap = plt.get_cmap(families[family])
+        for n, k in enumerate(members):
+            shade = 0.3 if family == "replicated" else 0.35 + 0.55 * (n + 1) / len(members)
+            if "redundant" in k:
+                shade *= 0.75
+            out[k] = cmap(shade)
+    return out
+
+
 def _row_ticks(tr: Track, limit: int = 24) -> list[tuple[int, str]]:
-    """Label the first unit of each layer (leading name component), at most ``limit``."""
+    """Every unit's name when few, else the first unit of each layer (leading name
+    component), at most ``limit`` labels."""
+    if len(tr.units) <= 40:
+        return [(u, row.name.removesuffix("/" + row.op)) for u, row in enumerate(tr.units)]
     firsts: list[tuple[int, str]] = []
     seen = set()
     for u, row in enumerate(tr.units):

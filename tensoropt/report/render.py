@@ -118,8 +118,15 @@ def frontier_section(
             p = points[i]
             role = "fastest" if i == 0 else ("least memory" if i == len(points) - 1 else "")
             body.append(
-                [str(i), role, p.mesh_text, fmt_time(p.time_s), fmt_mem(p.memory_bytes),
-                 f"{batch / p.time_s:.4g}", p.summary]
+                [
+                    str(i),
+                    role,
+                    p.mesh_text,
+                    fmt_time(p.time_s),
+                    fmt_mem(p.memory_bytes),
+                    f"{batch / p.time_s:.4g}",
+                    p.summary,
+                ]
             )
         out += _table(["#", "", "mesh", "step time", "memory/device", "samples/s", "plan"], body)
         out.append("")
@@ -131,8 +138,9 @@ def capacity_section(rows: Sequence[CapacityRow], steps: Sequence[Point], png: s
         "## 2. The fastest plan for each memory capacity",
         "",
         "For a device memory capacity, the fastest plan over every device count searched "
-        f"whose memory per device fits. The curve steps down {len(steps)} times; grey lines "
-        "mark the capacities of the table.",
+        f"whose memory per device fits. The black curve (best of all counts) steps down "
+        f"{len(steps)} times; thin curves are each device count alone; dashed lines mark "
+        "the capacities of the table.",
         "",
         f"![best step time per memory capacity]({png})",
         "",
@@ -145,17 +153,29 @@ def capacity_section(rows: Sequence[CapacityRow], steps: Sequence[Point], png: s
         few = r.fewest
         fewest = f"{few.devices} ({fmt_time(few.time_s)})" if few else ""
         body.append(
-            [fmt_mem(r.capacity), fmt_time(r.best.time_s), str(r.best.devices),
-             r.best.mesh_text, fmt_mem(r.best.memory_bytes), fewest, r.best.summary]
+            [
+                fmt_mem(r.capacity),
+                fmt_time(r.best.time_s),
+                str(r.best.devices),
+                r.best.mesh_text,
+                fmt_mem(r.best.memory_bytes),
+                fewest,
+                r.best.summary,
+            ]
         )
-    head = ["capacity", "best step time", "devices", "mesh", "memory used",
-            "fewest devices that fit (time)", "plan"]
+    head = [
+        "capacity",
+        "best step time",
+        "devices",
+        "mesh",
+        "memory used",
+        "fewest devices that fit (time)",
+        "plan",
+    ]
     return [*out, *_table(head, body), ""]
 
 
-def target_section(
-    rows: Sequence[TargetRow], caps: Sequence[float], png: str
-) -> list[str]:
+def target_section(rows: Sequence[TargetRow], caps: Sequence[float], png: str) -> list[str]:
     out = [
         "## 3. The fewest devices for each step-time target",
         "",
@@ -177,12 +197,39 @@ def _kinds_list(kinds: Sequence[str]) -> str:
     return ", ".join(dict.fromkeys(kinds))
 
 
+def _at(tr: Track, i: int) -> str:
+    p = tr.points[i]
+    return f"point {i} ({fmt_mem(p.memory_bytes)}, {fmt_time(p.time_s)})"
+
+
+def _group_line(tr: Track, g: GroupChange) -> str:
+    size = f"{len(g.units)} units" if len(g.units) > 1 else "1 unit"
+    if g.changed:
+        if len(g.units) == 1:
+            which = "1 unit changes"
+        elif len(g.changed) == len(g.units):
+            which = f"all {size} change"
+        else:
+            ranges = layer_ranges(g.changed)
+            which = f"{len(g.changed)} of {size} change" + (f": {ranges}" if ranges else "")
+        text = (
+            f"- `{g.role}` ({g.ops}; {which}): {g.fast_state} → {g.lean_state}; "
+            f"first moves at {_at(tr, g.first_point)}, settled from {_at(tr, g.settle_point)}"
+        )
+        if g.detours:
+            text += f"; {g.detours} more units detour and come back"
+        return text + "."
+    return (
+        f"- `{g.role}` ({g.ops}, {size}): {g.fast_state} at both ends; {g.detours} units "
+        f"take other strategies in between, from {_at(tr, g.first_point)}."
+    )
+
+
 def change_sentences(tr: Track, changes: Sequence[GroupChange], limit: int = 10) -> list[str]:
     """Sentences saying which units change strategy where along the frontier."""
     first, last = tr.points[0], tr.points[-1]
-    d = tr.devices
     lines = [
-        f"On {d} devices the frontier has {len(tr.points)} points, from "
+        f"On {tr.devices} devices the frontier has {_points(len(tr.points))}, from "
         f"{fmt_mem(first.memory_bytes)} at {fmt_time(first.time_s)} (fastest) to "
         f"{fmt_mem(last.memory_bytes)} at {fmt_time(last.time_s)} (least memory); "
         f"{len(tr.units)} weight units."
@@ -190,39 +237,23 @@ def change_sentences(tr: Track, changes: Sequence[GroupChange], limit: int = 10)
     moving = [g for g in changes if g.first_point >= 0]
     still = [g for g in changes if g.first_point < 0]
     if not moving:
-        kinds = _kinds_list([g.fast_kind for g in changes])
+        kinds = ", ".join(dict.fromkeys(g.fast_state for g in changes))
         lines.append(f"No weight unit changes strategy along this frontier ({kinds}).")
         return lines
-    order = [f"`{g.role}` ({g.ops})" for g in moving[:4]]
-    lines.append(
-        f"As memory tightens from {fmt_mem(first.memory_bytes)} to "
-        f"{fmt_mem(last.memory_bytes)}, the first to change are " + ", then ".join(order) + "."
-    )
-    lines.append("")
-    for g in moving[:limit]:
-        p = tr.points[g.first_point]
-        where = ""
-        if len(g.switched) < len(g.units):
-            ranges = layer_ranges(g.switched)
-            where = f", {len(g.switched)} of {len(g.units)} units" + (f": {ranges}" if ranges else "")
-        else:
-            where = f", all {len(g.units)} units" if len(g.units) > 1 else ""
-        text = (
-            f"- from point {g.first_point} ({fmt_mem(p.memory_bytes)}, {fmt_time(p.time_s)}): "
-            f"`{g.role}` ({g.ops}{where}): {g.fast_kind} → {g.new_kind}"
+    settled = [g for g in moving if g.changed]
+    if settled:
+        order = [f"`{g.role}` ({g.fast_state} → {g.lean_state})" for g in settled[:4]]
+        lines.append(
+            f"As memory tightens from {fmt_mem(first.memory_bytes)} to "
+            f"{fmt_mem(last.memory_bytes)}, the groups settle into their least-memory "
+            "strategy in this order: " + ", then ".join(order) + "."
         )
-        notes = []
-        if g.lean_kind != g.new_kind:
-            notes.append(f"at the least-memory point {g.lean_kind}")
-        if g.back_and_forth:
-            notes.append(f"{g.back_and_forth} return to {g.fast_kind} further along")
-        if notes:
-            text += f" ({'; '.join(notes)})"
-        lines.append(text + ".")
+    lines.append("")
+    lines += [_group_line(tr, g) for g in moving[:limit]]
     if len(moving) > limit:
-        lines.append(f"- and {len(moving) - limit} more groups change later.")
+        lines.append(f"- and {len(moving) - limit} more groups change.")
     if still:
-        kept = ", ".join(f"`{g.role}` ({g.ops}: {g.fast_kind})" for g in still[:8])
+        kept = ", ".join(f"`{g.role}` ({g.ops}: {g.fast_state})" for g in still[:8])
         more = f" and {len(still) - 8} more groups" if len(still) > 8 else ""
         lines.append(f"- unchanged along the whole frontier: {kept}{more}.")
     return lines
@@ -241,13 +272,18 @@ def strategy_section(blocks: Sequence[tuple[Track, Sequence[GroupChange], str, i
     ]
     for tr, changes, png, shown in blocks:
         note = f" ({shown} of {len(tr.points)} points shown)" if shown < len(tr.points) else ""
-        out += [f"### {tr.devices} devices", "", f"![strategies at {tr.devices} devices{note}]({png})", ""]
+        out += [
+            f"### {tr.devices} devices",
+            "",
+            f"![strategies at {tr.devices} devices{note}]({png})",
+            "",
+        ]
         out += change_sentences(tr, changes)
         out.append("")
     return out
 
 
-def baseline_section(rows: Sequence[BaselineRow]) -> list[str]:
+def baseline_section(rows: Sequence[BaselineRow], batch: int) -> list[str]:
     out = [
         "## 5. Data-parallel and Megatron plans against the frontier",
         "",
@@ -259,31 +295,64 @@ def baseline_section(rows: Sequence[BaselineRow]) -> list[str]:
     body = []
     best_speed: tuple[float, str] = (0.0, "")
     best_save: tuple[float, str] = (0.0, "")
+    degenerate = []
     for r in rows:
         for ref, lean in zip(r.references, r.lean_at_reference_time, strict=True):
             speed = ref.time_s / r.fastest.time_s
             save = ref.memory_bytes / lean.memory_bytes
-            label = f"{_ref_name(ref)} at {r.devices} devices"
-            best_speed = max(best_speed, (speed, label))
-            best_save = max(best_save, (save, label))
+            name = _ref_name(ref)
+            if ref.name == "data-parallel" and batch % r.devices:
+                degenerate.append(r.devices)
+                name += " *"
+            else:
+                label = f"{_ref_name(ref)} at {r.devices} devices"
+                best_speed = max(best_speed, (speed, label))
+                best_save = max(best_save, (save, label))
             body.append(
-                [str(r.devices), _ref_name(ref), "x".join(map(str, ref.mesh)),
-                 fmt_time(ref.time_s), fmt_mem(ref.memory_bytes), fmt_time(r.fastest.time_s),
-                 f"{speed:.2f}x", fmt_mem(lean.memory_bytes), f"{save:.2f}x",
-                 fmt_mem(r.leanest.memory_bytes)]
+                [
+                    str(r.devices),
+                    name,
+                    "x".join(map(str, ref.mesh)),
+                    fmt_time(ref.time_s),
+                    fmt_mem(ref.memory_bytes),
+                    fmt_time(r.fastest.time_s),
+                    f"{speed:.2f}x",
+                    fmt_mem(lean.memory_bytes),
+                    f"{save:.2f}x",
+                    fmt_mem(r.leanest.memory_bytes),
+                ]
             )
     if not body:
         return [*out, "No reference plan is expressible on the searched meshes.", ""]
-    head = ["devices", "reference", "mesh", "step time", "memory", "frontier fastest",
-            "speed-up", "frontier memory at ≤ reference time", "saving", "frontier least memory"]
-    out += _table(head, body)
-    out += [
-        "",
-        f"Largest speed-up of the frontier over a reference: {best_speed[0]:.2f}x "
-        f"({best_speed[1]}); largest memory saving at no loss of speed: {best_save[0]:.2f}x "
-        f"({best_save[1]}).",
-        "",
+    head = [
+        "devices",
+        "reference",
+        "mesh",
+        "step time",
+        "memory",
+        "frontier fastest",
+        "speed-up",
+        "frontier memory at ≤ reference time",
+        "saving",
+        "frontier least memory",
     ]
+    out += _table(head, body)
+    out.append("")
+    if degenerate:
+        out += [
+            f"\\* The batch of {batch} does not split over "
+            f"{', '.join(map(str, degenerate))} devices, so the data-parallel plan there "
+            "replicates the batch (every device runs the whole step) and is left out of the "
+            "summary below.",
+            "",
+        ]
+    if best_speed[1]:
+        out += [
+            f"Largest speed-up of the frontier over a reference: {best_speed[0]:.2f}x "
+            f"({best_speed[1]}); largest memory saving at no loss of speed: "
+            f"{best_save[0]:.2f}x ({best_save[1]}).",
+            "",
+        ]
     return out
 
 

@@ -45,17 +45,17 @@ class Track:
 
 @dataclass(frozen=True, slots=True)
 class GroupChange:
-    """One group of units and where along the frontier it changes."""
+    """One group of units and how it changes from the fastest to the least-memory plan."""
 
     role: str
     ops: str  # op types of the group's units, most common first ("MatMul+Add")
-    units: tuple[str, ...]  # every unit of the group
-    switched: tuple[str, ...]  # those whose kind differs from the fastest plan somewhere
-    first_point: int  # first frontier point where one of them differs (-1: never)
-    fast_kind: str  # most common kind in the fastest plan
-    new_kind: str  # most common kind the switched units take first
-    lean_kind: str  # most common kind at the least-memory point
-    back_and_forth: int  # switched units that return to their fastest kind later
+    units: tuple[str, ...]  # every unit of the group, graph order
+    changed: tuple[str, ...]  # units whose kind at the least-memory point differs from the fastest
+    fast_state: str  # kinds of the group in the fastest plan, e.g. "dp=8 (36), tp=8 (36)"
+    lean_state: str  # the same at the least-memory point
+    first_point: int  # first point where a unit differs from its fastest kind (-1: never)
+    settle_point: int  # median point from which changed units keep their final kind (-1: none)
+    detours: int  # units with the same kind at both ends but another one in between
 
 
 def normal_kind(kind: str, devices: int) -> str:
@@ -106,7 +106,9 @@ def track(exp: Exploration, devices: int, rows: Sequence[Point]) -> Track:
         )
     weighted = [k for k, w in enumerate(first.unit_weighted) if w]
     units = tuple(
-        UnitRow(first.unit_names[k], first.unit_ops[k], role_of(first.unit_names[k], first.unit_ops[k]))
+        UnitRow(
+            first.unit_names[k], first.unit_ops[k], role_of(first.unit_names[k], first.unit_ops[k])
+        )
         for k in weighted
     )
     columns = []
@@ -122,16 +124,32 @@ def track(exp: Exploration, devices: int, rows: Sequence[Point]) -> Track:
     return Track(devices, tuple(rows), units, kinds)
 
 
-def _most_common(values: Sequence[str]) -> str:
+def state(kinds: Sequence[str], limit: int = 3) -> str:
+    """``dp=8 (36), tp=8 (36)``: a group's kinds with counts, most common first."""
     counts: dict[str, int] = defaultdict(int)
-    for v in values:
-        counts[v] += 1
-    return max(counts, key=lambda v: (counts[v], -values.index(v)))
+    for k in kinds:
+        counts[k] += 1
+    ranked = sorted(counts, key=lambda k: (-counts[k], kind_order(k)))
+    if len(ranked) == 1:
+        return ranked[0]
+    text = ", ".join(f"{k} ({counts[k]})" for k in ranked[:limit])
+    return text + (f", {len(ranked) - limit} more kinds" if len(ranked) > limit else "")
+
+
+def _unit_path(series: Sequence[str]) -> tuple[int, int, bool]:
+    """(first point off the fastest kind or -1, point from which the final kind holds,
+    whether the unit detours: same kind at both ends, another one in between)."""
+    off = [i for i, k in enumerate(series) if k != series[0]]
+    first = off[0] if off else -1
+    unsettled = [i for i, k in enumerate(series) if k != series[-1]]
+    settle = unsettled[-1] + 1 if unsettled else 0
+    return first, settle, bool(off) and series[-1] == series[0]
 
 
 def group_changes(tr: Track) -> list[GroupChange]:
     """Per role (a weight op and its bias add share one), ordered by where along the
-    frontier the group first changes."""
+    frontier the group settles into its least-memory strategy; groups that only detour
+    come next, unchanged groups last."""
     groups: dict[str, list[int]] = defaultdict(list)
     for u, row in enumerate(tr.units):
         groups[row.role].append(u)
@@ -140,43 +158,46 @@ def group_changes(tr: Track) -> list[GroupChange]:
         ops: dict[str, int] = defaultdict(int)
         for u in members:
             ops[tr.units[u].op] += 1
-        firsts: dict[int, int] = {}
-        back = 0
-        for u in members:
-            series = tr.kinds[u]
-            changed = [i for i, k in enumerate(series) if k != series[0]]
-            if not changed:
-                continue
-            firsts[u] = changed[0]
-            back += any(k == series[0] for k in series[changed[0] :])
-        first = min(firsts.values(), default=-1)
-        movers = [u for u in members if firsts.get(u) == first]
+        paths = {u: _unit_path(tr.kinds[u]) for u in members}
+        changed = [u for u in members if tr.kinds[u][0] != tr.kinds[u][-1]]
+        settles = sorted(paths[u][1] for u in changed)
+        firsts = [paths[u][0] for u in members if paths[u][0] >= 0]
         out.append(
             GroupChange(
                 role=role,
                 ops="+".join(sorted(ops, key=lambda o: -ops[o])),
                 units=tuple(tr.units[u].name for u in members),
-                switched=tuple(tr.units[u].name for u in members if u in firsts),
-                first_point=first,
-                fast_kind=_most_common([tr.kinds[u][0] for u in members]),
-                new_kind=_most_common([tr.kinds[u][first] for u in movers]) if movers else "",
-                lean_kind=_most_common([tr.kinds[u][-1] for u in members]),
-                back_and_forth=back,
+                changed=tuple(tr.units[u].name for u in changed),
+                fast_state=state([tr.kinds[u][0] for u in members]),
+                lean_state=state([tr.kinds[u][-1] for u in members]),
+                first_point=min(firsts, default=-1),
+                settle_point=settles[len(settles) // 2] if settles else -1,
+                detours=sum(paths[u][2] for u in members),
             )
         )
-    never = len(tr.points) + 1
-    out.sort(key=lambda g: (g.first_point if g.first_point >= 0 else never, g.role))
+    out.sort(key=_change_order)
     return out
 
 
+def _change_order(g: GroupChange) -> tuple[int, int, str]:
+    if g.changed:
+        return (0, g.settle_point, g.role)
+    if g.first_point >= 0:
+        return (1, g.first_point, g.role)
+    return (2, 0, g.role)
+
+
 def layer_ranges(names: Sequence[str]) -> str:
-    """``h0..h5, h9`` for units named ``h0/...``; empty when names carry no numbers."""
+    """``h0..h5, h9, lm_head`` for units named ``h0/...``: numbered names by their first
+    number, the others by their name without the op type."""
     prefix_numbers: dict[str, list[int]] = defaultdict(list)
+    plain: list[str] = []
     for name in names:
         match = re.match(r"(\D*)(\d+)", name)
-        if not match:
-            return ""
-        prefix_numbers[match.group(1)].append(int(match.group(2)))
+        if match:
+            prefix_numbers[match.group(1)].append(int(match.group(2)))
+        elif (stem := name.rsplit("/", 1)[0]) not in plain:
+            plain.append(stem)
     parts = []
     for prefix, numbers in prefix_numbers.items():
         numbers = sorted(set(numbers))
@@ -185,7 +206,9 @@ def layer_ranges(names: Sequence[str]) -> str:
             if n is not None and n == prev + 1:
                 prev = n
                 continue
-            parts.append(f"{prefix}{start}" if start == prev else f"{prefix}{start}..{prefix}{prev}")
+            parts.append(
+                f"{prefix}{start}" if start == prev else f"{prefix}{start}..{prefix}{prev}"
+            )
             if n is not None:
                 start = prev = n
-    return ", ".join(parts)
+    return ", ".join([*parts, *plain])

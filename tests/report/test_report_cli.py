@@ -1,0 +1,112 @@
+"""`tensoropt report` as a user runs it: sections, figures, links, atomicity, bad input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tensoropt.report import plots
+from tests.cli.cli_run import assert_bad_input, cli
+
+pytest.importorskip("matplotlib")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SECTIONS = (
+    "# Parallelization trade-offs: gpt (tiny preset) on h100",
+    "## 1. The frontier per device count",
+    "## 2. The fastest plan for each memory capacity",
+    "## 3. The fewest devices for each step-time target",
+    "## 4. How the strategies change along the frontier",
+    "## 5. Data-parallel and Megatron plans against the frontier",
+)
+
+
+def _leftovers(parent):
+    return [p.name for p in parent.iterdir() if p.name.startswith(".tensoropt-report-")]
+
+
+def test_report_has_every_section_and_its_figures(gpt_file, tmp_path, capsys):
+    out_dir = tmp_path / "report"
+    out = cli(capsys, "report", gpt_file, "--devices", "1,2,4", "-o", out_dir)
+    assert out.code == 0, out.err
+    text = (out_dir / "report.md").read_text()
+    for heading in SECTIONS:
+        assert heading in text, heading
+    for fragment in ("**Guarantee**: exact", "**Time taken**", "1, 2, 4", "### 4 devices"):
+        assert fragment in text, fragment
+    for capacity in (16, 24, 32, 40, 48, 80, 141):
+        assert f"| {capacity} GiB |" in text, capacity
+    assert "data parallel" in text and "Megatron" in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    expected = {"frontier.png", "capacity.png", "fewest-devices.png", "strategies-4.png"}
+    assert set(links) == expected
+    for name in links:
+        assert (out_dir / name).read_bytes()[:8] == PNG, name
+    assert {p.name for p in out_dir.iterdir()} == expected | {"report.md"}
+    assert _leftovers(tmp_path) == []
+
+
+def test_report_replaces_an_old_report(gpt_file, tmp_path, capsys):
+    out_dir = tmp_path / "report"
+    first = cli(capsys, "report", gpt_file, "--devices", "1,2", "-o", out_dir)
+    assert first.code == 0, first.err
+    assert (out_dir / "strategies-2.png").exists()
+    again = cli(capsys, "report", gpt_file, "--devices", "1", "-o", out_dir)
+    assert again.code == 0, again.err
+    assert not (out_dir / "strategies-2.png").exists()  # replaced, not merged
+    assert "devices 1;" in (out_dir / "report.md").read_text()
+
+
+def test_failure_while_plotting_leaves_no_report(gpt_file, tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(plots, "heatmap", broken)
+    out_dir = tmp_path / "report"
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        cli(capsys, "report", gpt_file, "--devices", "1,2", "-o", out_dir)
+    assert not out_dir.exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_failure_keeps_the_previous_report(gpt_file, tmp_path, capsys, monkeypatch):
+    out_dir = tmp_path / "report"
+    assert cli(capsys, "report", gpt_file, "--devices", "1,2", "-o", out_dir).code == 0
+    before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(plots, "capacity", broken)
+    with pytest.raises(RuntimeError):
+        cli(capsys, "report", gpt_file, "--devices", "1,2,4", "-o", out_dir)
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--cluster", "tpu-v9"], ["unknown cluster profile", "h100"]),
+        (["--memory-budget", "1KiB"], ["smallest memory", "1 devices:"]),
+        (["--detail-devices", "8"], ["--detail-devices 8", "1,2"]),
+        (["--epsilon", "3"], ["--epsilon"]),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(gpt_file, tmp_path, capsys, argv, fragments):
+    out_dir = tmp_path / "report"
+    out = cli(capsys, "report", gpt_file, "--devices", "1,2", "-o", out_dir, *argv)
+    assert_bad_input(out, "report", *fragments)
+    assert not out_dir.exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_report(gpt_file, tmp_path, capsys):
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    out = cli(capsys, "report", gpt_file, "--devices", "1", "-o", other)
+    assert_bad_input(out, "report", "not a tensoropt report directory")
+    assert (other / "notes.txt").read_text() == "keep me"
+    assert _leftovers(tmp_path) == []
