@@ -111,9 +111,9 @@ def op_time(
     if backward is not None:  # measured backward-to-forward ratio at this size
         size = flops if backward.work == "flops" else traffic
         return fwd * (1.0 + curve_rate(backward, max(size, 1.0)))
-    if fam in ("matmul", "conv"):
-        return 3.0 * fwd  # dX and dW are contractions of the same size
-    return 3.0 * fwd  # backward taken as twice the forward traffic
+    # Without a measurement: a contraction's backward is two contractions of its size
+    # (dX and dW); other ops' backward is taken as twice the forward traffic. Both 3x.
+    return 3.0 * fwd
 
 
 def update_time(param_elements: float, states: int, itemsize: int, profile) -> float:
