@@ -6,7 +6,7 @@
 set -euo pipefail
 models_dir=$(mktemp -d)
 trap 'rm -rf "$models_dir"' EXIT
-EPSILON_MODELS=" EPSILON_LIST "
+EPSILON_MODELS=" inception_v3-h100 rnnlm-v100 rnnlm-h100 "
 for model in mlp gpt bert vgg16 resnet50 inception_v3 rnnlm wide_resnet; do
   tensoropt model "$model" --preset paper -o "$models_dir/$model.onnx"
   for profile in v100 h100; do
