@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results import write_section  # noqa: E402  (benchmarks/ is on sys.path)
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## Sharded runs"
 
@@ -68,18 +70,6 @@ def paired(fn_a, fn_b, repeats: int):
 
 def _med(results, k: int) -> float:
     return statistics.median(r[k] for r in results)
-
-
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (or append it); leave others alone."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        RESULTS.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + len(SECTION))
-    rest = "" if end < 0 else old[end + 1 :]
-    RESULTS.write_text(old[:start] + text + ("\n" + rest if rest else ""))
 
 
 def main() -> None:
@@ -165,7 +155,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
-        write_section(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from results import write_section  # noqa: E402  (benchmarks/ is on sys.path)
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## Import and training step"
 TARGET_S = 10.0
@@ -146,18 +148,6 @@ def table(results: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (or append it); leave others alone."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        RESULTS.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + len(SECTION))
-    rest = "" if end < 0 else old[end + 1 :]
-    RESULTS.write_text(old[:start] + text + ("\n" + rest if rest else ""))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
@@ -202,7 +192,7 @@ def main() -> None:
     if prof:
         print(prof)
     if args.write:
-        write_section(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import platform
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from results import write_section  # benchmarks/ is on sys.path when run as a script
 
 from tensoropt.cli.common import search_graph
 from tensoropt.cost.cluster import BUILTIN_NAMES, builtin
@@ -34,7 +35,6 @@ from tensoropt.search.driver import explore, mesh_shapes
 from tensoropt.search.ilp import ilp_min_time
 from tensoropt.search.solver import solve
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## Frontier Tracking on real models"
 
 
@@ -215,10 +215,7 @@ def main() -> None:
         print("\n".join(part), flush=True)
         lines += part
     if args.write:
-        text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        head, sep, rest = text.partition(SECTION)
-        tail = rest[rest.find("\n## ") :] if sep and "\n## " in rest else ""
-        RESULTS.write_text(head.rstrip() + "\n\n" + "\n".join(lines) + tail)
+        write_section(SECTION, "\n".join(lines))
     sys.stdout.flush()
 
 
