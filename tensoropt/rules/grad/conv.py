@@ -85,7 +85,8 @@ def _window(ctx: GradContext, kernel: tuple[int, ...]) -> _Window:
     return _Window(spatial, kernel, out, strides, dilations, begin, end)
 
 
-def _conv_input_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
+def _transpose_conv(b, win: _Window, grad: ir.Value, weight: ir.Value, group: int) -> ir.Value:
+    """ConvTranspose of ``grad`` by ``weight`` back to the forward input's spatial shape."""
     pads, extra = win.transpose_pads()
     attrs = {
         "strides": list(win.strides),
@@ -95,7 +96,11 @@ def _conv_input_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
     }
     if any(extra):
         attrs["output_padding"] = extra
-    return ctx.b.op("ConvTranspose", [ctx.grad_outputs[0], ctx.inputs[1]], attrs)
+    return b.op("ConvTranspose", [grad, weight], attrs)
+
+
+def _conv_input_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
+    return _transpose_conv(ctx.b, win, ctx.grad_outputs[0], ctx.inputs[1], group)
 
 
 def _conv_weight_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
@@ -209,16 +214,7 @@ def _average_pool(ctx: GradContext) -> Grads:
         [b.ints([c, 1, *kernel])],
         {"value": ir.tensor(np.ones([1], dtype=dtype))},
     )
-    pads, extra = win.transpose_pads()
-    attrs = {
-        "strides": list(win.strides),
-        "dilations": list(win.dilations),
-        "pads": pads,
-        "group": c,
-    }
-    if any(extra):
-        attrs["output_padding"] = extra
-    return [b.op("ConvTranspose", [scaled, ones], attrs)]
+    return [_transpose_conv(b, win, scaled, ones, c)]
 
 
 def _global_average_pool(ctx: GradContext) -> Grads:
