@@ -122,6 +122,9 @@ def test_interrupted_calibration_leaves_no_file(tmp_path, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensoropt", "calibrate", "-o", str(out), "--backend", "local"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # xdist workers may ignore SIGINT, and a child inherits an ignored signal (Python
+        # then never raises KeyboardInterrupt): give the child the default disposition.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     time.sleep(2.5)  # imports done, inside the measurements (a full run takes ~30 s)
     assert proc.poll() is None, proc.communicate()
