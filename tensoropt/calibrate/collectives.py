@@ -35,10 +35,11 @@ from tensoropt.runtime.collectives import CollectiveCall, CollectiveKind
 from tensoropt.runtime.comm import Communicator, LocalWorld
 
 KINDS = tuple(CollectiveKind)
-# Collectives whose runtime traffic matches the DESIGN §4 volume model. AllToAll's
-# model volume is (n-1)/n^2 B while the runtime sends (n-1)/n B per rank, so it is
-# fitted on its own and kept out of the joint fit that becomes the profile's link.
-JOINT_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
+# Collectives in the joint fit that becomes the profile's link. Every kind's volume is
+# the one ``comm_bytes`` charges (AllToAll: (n-1)/n of the rank's buffer, what the
+# runtime sends), so all four share the convention; each also keeps its own fit
+# (``per_kind``), which the cost model prefers on the link it was measured on.
+JOINT_KINDS = KINDS
 LATENCY_TERMS = {CollectiveKind.ALL_REDUCE: 2}  # every other collective: 1
 
 
@@ -47,12 +48,13 @@ def latency_terms(kind: CollectiveKind) -> int:
 
 
 def volume(kind: CollectiveKind, buffer_bytes: float, n: int) -> float:
-    """DESIGN §4 volume of one call; ``buffer_bytes`` is B as in ``comm_bytes``."""
+    """Volume of one call as ``comm_bytes`` charges it; ``buffer_bytes`` is B there.
+
+    AllReduce 2(n-1)/n B; AllGather and ReduceScatter (n-1)/n B; AllToAll (n-1)/n of
+    the rank's own buffer (what ``_local_input`` holds)."""
     frac = (n - 1) / n
     if kind is CollectiveKind.ALL_REDUCE:
         return 2 * frac * buffer_bytes
-    if kind is CollectiveKind.ALL_TO_ALL:
-        return frac / n * buffer_bytes
     return frac * buffer_bytes
 
 

@@ -58,6 +58,20 @@ class ClusterProfile:
     op_curves: dict[str, OpCurve] = field(default_factory=dict)  # measured rate vs size
     # measured (step - forward - update) / forward vs size: the backward's cost
     op_backward: dict[str, OpCurve] = field(default_factory=dict)
+    # measured alpha-beta of each collective kind ("AllReduce", ...) inside one node
+    # (calibrate's ``collectives.per_kind``); preferred over ``intra`` for that kind
+    collective_links: dict[str, Link] = field(default_factory=dict)
+
+    def link_for(self, kind: str, link: Link) -> Link:
+        """The rates of collective ``kind`` on ``link`` (intra or inter).
+
+        A calibrated profile measured every collective kind on one node; those fits are
+        used on the intra-node link (they see the runtime's real per-kind costs, e.g. an
+        AllReduce that is two passes, not the joint fit's average). Inter-node links were
+        not measured per kind and keep the link's own rates."""
+        if link is self.intra or link == self.intra:
+            return self.collective_links.get(kind, link)
+        return link
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -140,6 +154,28 @@ def _link(obj, base: Link, where: str) -> Link:
     return Link(alpha, bw)
 
 
+COLLECTIVE_KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
+
+
+def _collective_links(obj, where: str) -> dict[str, Link]:
+    """``collectives.per_kind`` of a calibrated profile: {kind: {alpha_s, bandwidth, ...}}."""
+    if not isinstance(obj, dict):
+        raise ClusterError(f"{where}: expected an object")
+    table = obj.get("per_kind", {})
+    if not isinstance(table, dict):
+        raise ClusterError(f"{where}.per_kind: expected an object")
+    out = {}
+    for kind, fit in table.items():
+        at = f"{where}.per_kind.{kind}"
+        if kind not in COLLECTIVE_KINDS:
+            raise ClusterError(f"{at}: unknown collective; expected one of {COLLECTIVE_KINDS}")
+        if not isinstance(fit, dict) or "alpha_s" not in fit or "bandwidth" not in fit:
+            raise ClusterError(f"{at}: expected an object with alpha_s and bandwidth")
+        alpha = _positive(fit["alpha_s"], f"{at}.alpha_s")
+        out[kind] = Link(alpha, _rate(fit["bandwidth"], f"{at}.bandwidth"))
+    return out
+
+
 def _rate(value, where: str) -> float:
     rate = _positive(value, where)
     if rate == 0:
@@ -217,6 +253,8 @@ def from_json(obj, where: str) -> ClusterProfile:
     for key in ("op_curves", "op_backward"):
         if key in obj:
             values[key] = _curves(obj[key], f"{where}.{key}")
+    if "collectives" in obj:
+        values["collective_links"] = _collective_links(obj["collectives"], f"{where}.collectives")
     name = str(obj.get("name", base.name + "+file" if base else "custom"))
     description = str(obj.get("description", f"from {where}"))
     if base is None:

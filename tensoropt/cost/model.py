@@ -36,6 +36,7 @@ from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.redistribute import (
+    CollectiveKind,
     comm_bytes,
     latency_terms,
     plan_redistribution,
@@ -76,6 +77,15 @@ class MeshProblem:
     units: tuple[UnitInfo, ...]
 
 
+# the runtime op type of each communicating redistribution step (profile.link_for keys)
+_OP_TYPE = {
+    CollectiveKind.ALL_REDUCE: "AllReduce",
+    CollectiveKind.ALL_GATHER: "AllGather",
+    CollectiveKind.REDUCE_SCATTER: "ReduceScatter",
+    CollectiveKind.ALL_TO_ALL: "AllToAll",
+}
+
+
 def axis_link(mesh: Mesh, axes: Sequence[int], profile: ClusterProfile):
     """The link a collective over ``axes`` uses: inter-node when its group spans nodes."""
     span = 1
@@ -112,7 +122,9 @@ class _Costs:
         dtype = np.dtype(f"V{itemsize}")
         for step in steps:
             n = self.mesh.shape[step.mesh_axis]
-            link = axis_link(self.mesh, [step.mesh_axis], self.profile)
+            link = self.profile.link_for(
+                _OP_TYPE.get(step.kind, ""), axis_link(self.mesh, [step.mesh_axis], self.profile)
+            )
             volume = comm_bytes(step, current, dtype, n)
             seconds += latency_terms(step.kind) * link.alpha_s + volume / link.bandwidth
             current = step_output_shape(step, current, n)
@@ -161,7 +173,7 @@ class _Costs:
             sync = [a for a in split_axes if isinstance(layout.placements[a], Replicate)]
             if sync:
                 n = int(np.prod([self.mesh.shape[a] for a in sync]))
-                link = axis_link(self.mesh, sync, self.profile)
+                link = self.profile.link_for("AllReduce", axis_link(self.mesh, sync, self.profile))
                 seconds += 2 * link.alpha_s + 2 * (n - 1) / n * elements * isz / link.bandwidth
         return seconds, memory
 

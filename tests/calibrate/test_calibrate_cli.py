@@ -107,6 +107,10 @@ def _bad(tmp_path, capsys, profile: dict, *fragments: str, model) -> None:
         (lambda d: d["op_throughput"].__setitem__("matmul", 0), ("op_throughput.matmul",)),
         (lambda d: d["op_curves"]["conv"]["points"][0].__setitem__(1, -2.0), ("op_curves.conv",)),
         (lambda d: d["op_curves"]["norm"].__setitem__("work", "joules"), ("op_curves.norm",)),
+        (
+            lambda d: d["collectives"]["per_kind"]["AllReduce"].__setitem__("bandwidth", -1.0),
+            ("collectives.per_kind.AllReduce.bandwidth", "-1.0"),
+        ),
     ],
 )
 def test_missing_or_negative_rates_exit_2(quick_profile, zoo_model, tmp_path, capsys, edit,

@@ -37,17 +37,88 @@ def test_fit_never_returns_negative_rates():
     assert got.alpha_s >= 0 and got.bandwidth > 0
 
 
-def test_joint_fit_leaves_alltoall_out():
+def test_each_collective_keeps_its_own_fit():
     rows = {}
     for kind in KINDS:
-        scale = 3.0 if kind.value == "AllToAll" else 1.0  # disagrees with the volume model
+        scale = 3.0 if kind.value == "AllToAll" else 1.0  # a slower collective
         rows[kind.value] = [
             [b, latency_terms(kind) * 1e-5 + scale * volume(kind, b, 2) / 1e9, 0.0]
             for b in (64.0, 4096.0, 1 << 20, 1 << 24)
         ]
     fits = fit(rows, 2, "synthetic")
-    assert fits.joint.bandwidth == pytest.approx(1e9, rel=1e-6)
     assert fits.per_kind["AllToAll"].bandwidth == pytest.approx(1e9 / 3, rel=1e-6)
+    for kind in ("AllReduce", "AllGather", "ReduceScatter"):
+        assert fits.per_kind[kind].bandwidth == pytest.approx(1e9, rel=1e-6)
+        assert fits.per_kind[kind].alpha_s == pytest.approx(1e-5, rel=1e-4)
+
+
+def test_alltoall_volume_is_what_comm_bytes_charges():
+    from tensoropt.ir.layout import Shard
+    from tensoropt.ir.redistribute import CollectiveKind as Kind
+    from tensoropt.ir.redistribute import Step, comm_bytes
+    from tensoropt.runtime.collectives import CollectiveKind
+
+    step = Step(Kind.ALL_TO_ALL, 0, Shard(0), Shard(1))
+    for n in (2, 4):
+        local = (8, 16)  # the rank's buffer: 512 bytes of float32
+        assert volume(CollectiveKind.ALL_TO_ALL, 512.0, n) == comm_bytes(step, local, np.float32, n)
+
+
+def _profile_with(per_kind: dict) -> object:
+    from tensoropt.cost.cluster import from_json
+
+    return from_json({"base": "h100", "collectives": {"per_kind": per_kind}}, "c.json")
+
+
+def test_profile_uses_measured_collective_rates_inside_a_node():
+    from tensoropt.cost.cluster import Link
+
+    profile = _profile_with({"AllReduce": {"alpha_s": 1e-5, "bandwidth": 1e9, "points": []}})
+    assert profile.link_for("AllReduce", profile.intra) == Link(1e-5, 1e9)
+    assert profile.link_for("AllGather", profile.intra) == profile.intra
+    assert profile.link_for("AllReduce", profile.inter) == profile.inter  # not measured
+
+
+@pytest.mark.parametrize(
+    "fit, field",
+    [
+        ({"alpha_s": 1e-5, "bandwidth": -1.0}, "per_kind.AllReduce.bandwidth"),
+        ({"alpha_s": -1e-5, "bandwidth": 1e9}, "per_kind.AllReduce.alpha_s"),
+        ({"alpha_s": 1e-5}, "per_kind.AllReduce"),
+    ],
+)
+def test_bad_collective_rates_name_the_field(fit, field):
+    from tensoropt.errors import ClusterError
+
+    with pytest.raises(ClusterError, match=field.replace(".", r"\.")):
+        _profile_with({"AllReduce": fit})
+
+
+def test_cost_model_charges_the_gradient_allreduce_at_its_measured_rate(tmp_path):
+    import argparse
+
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.model import build_problem
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.models import build_model, save_model
+    from tensoropt.search.driver import reference_choices
+
+    path = tmp_path / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(path))
+    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
+                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
+    sg = search_graph(args)
+    mesh = Mesh((2,), ("x",))
+    base = builtin("h100")
+    slow = _profile_with({"AllReduce": {"alpha_s": 1e-4, "bandwidth": 1e8}})
+    times = []
+    for profile in (base, slow):
+        mp = build_problem(sg, mesh, profile)
+        times.append(mp.problem.evaluate(reference_choices(sg, mp)["data-parallel"])[0])
+    param_bytes = sum(4 * math.prod(sg.graph.initializers[p].shape) for p in sg.params)
+    alphas = 2 * len(sg.params) * (1e-4 - base.intra.alpha_s)
+    betas = param_bytes * (1 / 1e8 - 1 / base.intra.bandwidth)  # 2 (n-1)/n = 1 at n = 2
+    assert times[1] - times[0] == pytest.approx(alphas + betas, rel=1e-9)
 
 
 def test_sample_median_and_spread():
