@@ -103,6 +103,12 @@ class _Inserter:
         current = value
         tags = {ROLE_KEY: "redistribution", UNIT_KEY: unit}
         for step, axes in _merge_all_reduces(plan_redistribution(have, need, shape, self.mesh)):
+            if all(self.mesh.shape[a] == 1 for a in axes):
+                # a mesh axis of size 1: its only member holds the whole value, so the step
+                # is the identity; emitting it would split the device graph at a no-op
+                for axis in axes:
+                    have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
+                continue
             self.count += 1
             node = _step_node(step, current, tags, f"redist_{self.count}")
             if len(axes) > 1:
@@ -119,10 +125,28 @@ class _Inserter:
                 have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
             self.layouts[out] = have
             current = out
+        if self.layouts[current] != need and have == need:
+            current = self._relabel(current, need, anchor, tags)
         if have != need:
             raise AssertionError(f"redistribution of {value.name} ended at {have}, not {need}")
         self.cache[key] = current
         return current
+
+    def _relabel(self, value: ir.Value, need: Layout, anchor, tags) -> ir.Value:
+        """``value`` under the name of layout ``need`` when only size-1 axes differ."""
+        self.count += 1
+        node = ir.Node("", "Identity", [value], name=f"redist_{self.count}",
+                       metadata_props=dict(tags), num_outputs=1)  # fmt: skip
+        out = node.outputs[0]
+        out.name = f"{value.name}__r{self.count}"
+        out.dtype = value.dtype
+        out.shape = ir.Shape(static_shape(value))
+        if anchor is None:
+            self.graph.append(node)
+        else:
+            self.graph.insert_before(anchor, node)
+        self.layouts[out] = need
+        return out
 
     def run(self) -> dict[ir.Value, Layout]:
         for node in list(self.graph):

@@ -278,3 +278,16 @@ def test_megatron_on_two_by_two_mesh_groups(tmp_path):
         )
         [loss] = [c for c in found if c.graph_output == "loss"]
         assert loss.group == dp_columns[rank]
+
+
+@pytest.mark.parametrize("plan, mesh", [("data-parallel", "1"), ("data-parallel", "2x1")])
+def test_size_one_mesh_axes_emit_no_collectives(plan, mesh, tmp_path):
+    """A step on a mesh axis of size 1 is the identity: nothing may split the graph there."""
+    devices, step = _compile(mlp_block(), plan, mesh, tmp_path / "out")
+    for device in devices:
+        kinds = [c.kind for c in collectives(device)]
+        if mesh == "1":
+            assert kinds == []
+        else:  # as on a 1-D mesh of 2: one sync per parameter, plus the loss
+            assert kinds == ["AllReduce"] * (len(step["params"]) + 1)
+            assert all(len(c.group) == 2 for c in collectives(device))
