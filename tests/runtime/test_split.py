@@ -185,3 +185,19 @@ def test_split_execution_equals_whole_graph_with_fewest_segments(graph):
     no_dead = all(o in live for node in nodes for o in node.output)
     if no_dead and any(n.domain != DOMAIN for n in nodes):
         assert last + 1 == _min_segments(nodes)
+
+
+def test_compute_runs_in_the_segment_of_its_first_consumer():
+    """As late as possible: Relu(k) only feeds a node after the collective, so it runs
+    there (in one session with its consumer, which can fuse them), not in segment 0."""
+    nodes = [
+        helper.make_node("Neg", ["x"], ["a"], name="neg"),
+        helper.make_node("AllReduce", ["a"], ["r"], name="c", domain=DOMAIN, group=[0]),
+        helper.make_node("Relu", ["k"], ["t"], name="relu"),
+        helper.make_node("Mul", ["r", "t"], ["y"], name="mul"),
+    ]
+    plan = split_graph(_model(nodes, ["y"], None), 0, 1, {"x"})
+    names = [[n.name for n in s.segment.model.graph.node] if s.segment else [] for s in plan.stages]
+    assert names == [["neg"], ["relu", "mul"]]
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(LocalEngine({0: plan}).step({0: {"x": x}})[0]["y"], -0.5 * x)
