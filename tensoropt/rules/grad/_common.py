@@ -22,6 +22,7 @@ __all__ = [
     "expand_to",
     "float_dtype",
     "grad_or_zeros",
+    "mask",
     "in_dtype",
     "normalize_axes",
     "normalize_axis",
@@ -30,6 +31,17 @@ __all__ = [
     "unsupported",
     "zeros",
 ]
+
+
+def mask(b: Builder, cond: ir.Value, grad: ir.Value, like: ir.Value) -> ir.Value:
+    """``grad`` where ``cond`` holds, 0 elsewhere: ``grad * Cast(cond)``.
+
+    Not ``Where(cond, grad, 0)``: onnxruntime's CPU Where with a scalar branch takes its
+    generic broadcasting path, measured 9x slower than Cast + Mul on a [64, 1024] float
+    gradient (211 vs 23 us, one thread), and every ReLU backward has one. The values are
+    the same except where the masked-out gradient is inf or NaN (then NaN, not 0)."""
+    dtype = int(like.dtype) if like.dtype is not None else int(ir.DataType.FLOAT)
+    return b.op("Mul", [grad, b.op("Cast", [cond], {"to": dtype})])
 
 
 def float_dtype(value: ir.Value | None) -> np.dtype:

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from tensoropt.rules.grad._common import in_dtype, unbroadcast
+from tensoropt.rules.grad._common import in_dtype, mask, unbroadcast
 from tensoropt.rules.grad.api import GradContext, GradRegistry, GradRule
 
 Grads = list[ir.Value | None]
@@ -215,7 +215,7 @@ def _hard_swish_local(ctx: GradContext) -> ir.Value:
 def _relu(ctx: GradContext) -> Grads:
     b = ctx.b
     positive = b.op("Greater", [ctx.inputs[0], _scalar(ctx, 0.0)])
-    return [b.op("Where", [positive, ctx.grad_outputs[0], _scalar(ctx, 0.0)])]
+    return [mask(b, positive, ctx.grad_outputs[0], ctx.node.outputs[0])]
 
 
 def _leaky_relu(ctx: GradContext) -> Grads:
@@ -243,12 +243,12 @@ def _max_min(ctx: GradContext) -> Grads:
     dtype_enum = int(y.dtype) if y.dtype is not None else int(ir.DataType.FLOAT)
     masks = [b.op("Cast", [b.op("Equal", [x, y])], {"to": dtype_enum}) for x in ctx.inputs]
     count = masks[0]
-    for mask in masks[1:]:
-        count = b.op("Add", [count, mask])
+    for m in masks[1:]:
+        count = b.op("Add", [count, m])
     share = b.op("Div", [g, count])
     return [
-        _to_input(ctx, i, b.op("Mul", [share, mask])) if need else None
-        for i, (mask, need) in enumerate(zip(masks, ctx.needs, strict=True))
+        _to_input(ctx, i, b.op("Mul", [share, m])) if need else None
+        for i, (m, need) in enumerate(zip(masks, ctx.needs, strict=True))
     ]
 
 
@@ -261,7 +261,6 @@ def _clip(ctx: GradContext) -> Grads:
         lo = _scalar(ctx, float(ctx.attr("min")))
     if hi is None and "max" in ctx.node.attributes:
         hi = _scalar(ctx, float(ctx.attr("max")))
-    zero = _scalar(ctx, 0.0)
     keep = None
     if lo is not None:
         keep = b.op("GreaterOrEqual", [x, lo])
@@ -270,10 +269,10 @@ def _clip(ctx: GradContext) -> Grads:
         keep = below_hi if keep is None else b.op("And", [keep, below_hi])
     grads: Grads = [None] * len(ctx.inputs)
     if ctx.needs[0]:
-        grads[0] = g if keep is None else b.op("Where", [keep, g, zero])
+        grads[0] = g if keep is None else mask(b, keep, g, ctx.node.outputs[0])
     for index, bound, cmp in ((1, lo, "Less"), (2, hi, "Greater")):
         if index < len(ctx.needs) and ctx.needs[index] and bound is not None:
-            outside = b.op("Where", [b.op(cmp, [x, bound]), g, zero])
+            outside = mask(b, b.op(cmp, [x, bound]), g, ctx.node.outputs[0])
             grads[index] = unbroadcast(b, outside, ctx.shape(0), ctx.shape(index))
     return grads
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from tensoropt.rules.grad._common import unbroadcast, unsupported
+from tensoropt.rules.grad._common import mask, unbroadcast, unsupported
 from tensoropt.rules.grad.api import GradContext, GradRegistry, GradRule
 
 Grads = list[ir.Value | None]
@@ -57,12 +57,13 @@ NON_DIFFERENTIABLE: tuple[str, ...] = (
 
 def _where(ctx: GradContext) -> Grads:
     b, g, cond = ctx.b, ctx.grad_outputs[0], ctx.inputs[0]
-    zero = b.scalar_like(0.0, ctx.outputs[0])
+    like = ctx.outputs[0]
     grads: Grads = [None, None, None]
     if ctx.needs[1]:
-        grads[1] = unbroadcast(b, b.op("Where", [cond, g, zero]), ctx.out_shape(), ctx.shape(1))
+        grads[1] = unbroadcast(b, mask(b, cond, g, like), ctx.out_shape(), ctx.shape(1))
     if ctx.needs[2]:
-        grads[2] = unbroadcast(b, b.op("Where", [cond, zero, g]), ctx.out_shape(), ctx.shape(2))
+        other = mask(b, b.op("Not", [cond]), g, like)
+        grads[2] = unbroadcast(b, other, ctx.out_shape(), ctx.shape(2))
     return grads
 
 
