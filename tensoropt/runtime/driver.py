@@ -20,6 +20,7 @@ import numpy as np
 
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime import checkpoint as ckpt
+from tensoropt.runtime.arena import ArenaMode
 from tensoropt.runtime.data import batch_source, specs_from_manifest
 from tensoropt.runtime.engine import Engine, initial_state
 from tensoropt.runtime.manifest import InputKind, Manifest, assemble, shard
@@ -53,16 +54,19 @@ class RunOptions:
     profile: bool = False  # time segments and collectives, sample memory (run --profile)
     profile_warmup: int = 2  # steps left out of the profile's medians
     fault: tuple[int, int, str] | None = None  # (rank, step, "exit"|"hang"): tests only
+    arena: ArenaMode = ArenaMode.SHARED  # onnxruntime CPU memory pools (runtime.arena)
 
     def to_json(self) -> dict:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
         d["fault"] = list(self.fault) if self.fault else None
+        d["arena"] = self.arena.value
         return d
 
     @staticmethod
     def from_json(d: Mapping) -> RunOptions:
         fault = d.get("fault")
-        return RunOptions(**{**d, "fault": tuple(fault) if fault else None})
+        arena = ArenaMode(d.get("arena", ArenaMode.SHARED.value))
+        return RunOptions(**{**d, "fault": tuple(fault) if fault else None, "arena": arena})
 
 
 @dataclass(frozen=True, slots=True)

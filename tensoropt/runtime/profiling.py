@@ -12,13 +12,17 @@ resident minus file-backed pages, so library code pages touched on the first run
 do not count), sampled before the step and after every segment and collective,
 minus the same quantity when the step loop starts (sessions built, no training
 state yet). glibc's ``malloc_trim`` runs before each step, so freed memory that the
-allocator kept does not count. It therefore counts what training adds to the process: parameter and
+allocator kept does not count; the shared onnxruntime arena
+(:mod:`tensoropt.runtime.arena`) is trimmed once, when the loop starts, so regions
+left by session construction or an earlier run in the process do not hide the
+step's growth. It therefore counts what training adds to the process: parameter and
 optimizer-state arrays (inputs and their ``__new`` outputs), activations and
-gradients in onnxruntime's arenas (which keep their high-water mark), data shards
-and collective buffers. Not counted: the interpreter, libraries, the loaded
-device graphs and constants inside the sessions. Samples at stage boundaries can
-miss a buffer that lives only inside one collective call. With the ``local``
-backend every rank lives in one process: each rank reports the process's figure.
+gradients in the rank's one onnxruntime arena (which keeps its high-water mark:
+the pool a device would need), data shards and collective buffers. Not counted:
+the interpreter, libraries, the loaded device graphs and constants inside the
+sessions. Samples at stage boundaries can miss a buffer that lives only inside one
+collective call. With the ``local`` backend every rank lives in one process and
+shares one arena: each rank reports the process's figure (all ranks together).
 
 Summaries are medians over the steps after ``warmup``.
 """
@@ -31,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from tensoropt.runtime.arena import trim_shared_arena
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -77,6 +83,7 @@ class StepClock:
     peak: int = 0
 
     def start_loop(self) -> None:
+        trim_shared_arena()  # free regions left by session construction or earlier runs
         _libc_trim()
         self.baseline = anon_rss_bytes()
 

@@ -22,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from tensoropt.errors import TensorOptError
+from tensoropt.runtime.arena import ArenaMode, apply_arena
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import Communicator, dispatch
 from tensoropt.runtime.profiling import StepClock, cpu_now, now
@@ -41,12 +42,22 @@ class SessionConfig:
     # lockstep, MPI polling) the spinning threads steal the cores: a 4-rank local run
     # of the A2A case took 0.9 s with spinning and 0.02 s without.
     allow_spinning: bool = True
+    # Where tensors live: by default one arena per process shared by every segment
+    # session, so a rank holds the peak of its step, not the sum of its segments'
+    # peaks (tensoropt.runtime.arena; measurements in docs/design/runtime.md).
+    arena: ArenaMode = ArenaMode.SHARED
+    # onnxruntime's memory pattern pre-plans one block per session for all of its
+    # intermediate tensors, sized by its planner: 20-30 MiB more than allocating each
+    # tensor from the arena on gpt-small, at the same step time (docs/design/runtime.md).
+    memory_pattern: bool = False
 
     def options(self) -> ort.SessionOptions:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.intra_op_threads
         opts.inter_op_num_threads = self.inter_op_threads
         opts.log_severity_level = 3
+        opts.enable_mem_pattern = self.memory_pattern
+        apply_arena(opts, self.arena)
         if not self.allow_spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -84,6 +95,11 @@ class RankProgram:
     @property
     def rank(self) -> int:
         return self.plan.rank
+
+    @property
+    def sessions(self) -> tuple[ort.InferenceSession, ...]:
+        """The compute segments' sessions, in stage order."""
+        return tuple(s for s in self._sessions if s is not None)
 
     @property
     def num_stages(self) -> int:

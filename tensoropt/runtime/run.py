@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from tensoropt.errors import TensorOptError
+from tensoropt.runtime.arena import ArenaMode
 from tensoropt.runtime.checkpoint import npz_bytes, write_atomic
 from tensoropt.runtime.data import load_npz, specs_from_manifest
 from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
@@ -42,6 +43,7 @@ def run_steps(
     on_step: OnStep | None = None,
     profile: bool = False,
     profile_warmup: int = 2,
+    arena: ArenaMode | str = ArenaMode.SHARED,
 ) -> RunResult:
     """Run global steps 0..steps-1 (or continue them with ``resume``) of OUTDIR.
 
@@ -50,9 +52,12 @@ def run_steps(
     optimizer state, reassembled from the rank shards under their original names.
     ``on_step(step, loss, verify_step_or_None)`` is called after every step.
     ``profile`` times every rank's steps after ``profile_warmup`` steps
-    (``RunResult.profile``; see :mod:`tensoropt.runtime.profiling`).
+    (``RunResult.profile``; see :mod:`tensoropt.runtime.profiling`). ``arena`` says
+    where onnxruntime puts tensors (:class:`~tensoropt.runtime.arena.ArenaMode`; the
+    default, one shared arena per process, is what a device's single memory pool does).
     """
     backend = _backend(backend)
+    arena = _arena(arena)
     if steps < 1:
         raise TensorOptError(f"--steps must be at least 1, got {steps}")
     if checkpoint_every < 1:
@@ -85,6 +90,7 @@ def run_steps(
         threads=threads,
         profile=profile,
         profile_warmup=profile_warmup,
+        arena=arena,
     )
     if backend is Backend.LOCAL:
         result = _run_local(manifest, opts, on_step)
@@ -103,10 +109,19 @@ def _backend(value: str | Backend) -> Backend:
         raise TensorOptError(f"unknown backend {value!r}; choose one of {choices}") from None
 
 
+def _arena(value: ArenaMode | str) -> ArenaMode:
+    try:
+        return ArenaMode(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in ArenaMode)
+        raise TensorOptError(f"unknown arena mode {value!r}; choose one of {choices}") from None
+
+
 def _run_local(manifest: Manifest, opts: RunOptions, on_step: OnStep | None) -> RunResult:
     models = {r: load_device(manifest, r) for r in range(manifest.world_size)}
     plans = split_all(manifest, models)
-    engine = LocalEngine(plans, SessionConfig(intra_op_threads=opts.threads or 0))
+    config = SessionConfig(intra_op_threads=opts.threads or 0, arena=opts.arena)
+    engine = LocalEngine(plans, config)
     result = drive(engine, manifest, models, opts, on_step)
     assert result is not None  # the local engine is always the root
     return result

@@ -66,7 +66,7 @@ def _run(rundir: Path, config: dict, rank: int, world) -> None:
     model = load_device(manifest, rank)
     plan = split_graph(model, rank, manifest.world_size, fed_names(manifest))
     threads = opts.threads or _threads(world)
-    engine = MpiEngine(plan, world, SessionConfig(intra_op_threads=threads))
+    engine = MpiEngine(plan, world, SessionConfig(intra_op_threads=threads, arena=opts.arena))
 
     def on_step(k: int, loss: float, vstep) -> None:
         line = {"step": k, "loss": loss, "verify": vstep.to_json() if vstep else None}
