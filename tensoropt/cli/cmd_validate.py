@@ -96,7 +96,7 @@ def _compute_only(sg, profile):
     from tensoropt.cost.model import build_problem
 
     free = Link(0.0, 1e300)
-    no_comm = dataclasses.replace(profile, intra=free, inter=free)
+    no_comm = dataclasses.replace(profile, intra=free, inter=free, collective_links={})
     problems = {}
 
     def estimate(mesh, choice) -> float:

@@ -57,6 +57,9 @@ class SearchGraph:
     data_inputs: tuple[str, ...]
     optimizer_states: int  # state tensors per parameter (SGD momentum 1, Adam 2)
     batch: int  # global samples per step (dim 0 of the first data input)
+    # forward values the training step's backward reads (saved for backward); None =
+    # unknown, every op output counts as saved
+    saved: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +156,13 @@ class _Costs:
             self.profile,
         )
         memory = 0.0
+        saved = self.sg.saved
         for j, shape in enumerate(local.output_shapes):
-            if node.op_type not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
-                memory += _numel(shape) * _itemsize(node.outputs[j])
+            if node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
+                continue  # a view of its input
+            if saved is not None and node.outputs[j].name not in saved:
+                continue  # freed during the forward: no backward node reads it
+            memory += _numel(shape) * _itemsize(node.outputs[j])
         split_axes = _split_axes(strategy, self.mesh)
         for i in owned:
             value = node.inputs[i]

@@ -188,3 +188,31 @@ def test_benchmark_models_compute_their_op(case):
     x = np.ones(case.shapes[0], np.float32)
     outs = sess.run(None, {"x": x})
     assert all(o.shape == case.out_shape for o in outs)
+
+
+def test_activation_memory_counts_only_values_the_backward_reads(tmp_path):
+    """1 device: memory = parameters x (3 + 2 states) + the saved forward values."""
+    import argparse
+
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.model import build_problem
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.models import build_model, save_model
+
+    path = tmp_path / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(path))
+    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
+                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
+    sg = search_graph(args)
+    assert sg.saved and len(sg.saved) < sum(len(n.outputs) for n in sg.graph)
+    views = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")  # no memory of their own
+    values = {v.name: v for n in sg.graph if n.op_type not in views for v in n.outputs}
+    saved_bytes = sum(
+        values[name].dtype.itemsize * math.prod(values[name].shape)
+        for name in sg.saved
+        if name in values
+    )
+    param_bytes = sum(4 * math.prod(sg.graph.initializers[p].shape) for p in sg.params)
+    mp = build_problem(sg, Mesh((1,), ("x",)), builtin("h100"))
+    memory = mp.problem.evaluate([0] * len(mp.problem.units))[1]
+    assert memory == param_bytes * (3 + 2 * sg.optimizer_states) + saved_bytes
