@@ -108,9 +108,11 @@ class StepClock:
 
     def record(self, step: int, seconds: float) -> StepRecord:
         self.sample()
+        # growth over the baseline; pages the process freed since the baseline (trimmed
+        # heap left by earlier work) would make a step with no growth look negative
+        growth = max(0, self.peak - self.baseline)
         return StepRecord(
-            step, seconds, self.compute_s, self.comm_s, self.peak - self.baseline,
-            self.compute_cpu_s,
+            step, seconds, self.compute_s, self.comm_s, growth, self.compute_cpu_s
         )  # fmt: skip
 
 
