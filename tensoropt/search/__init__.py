@@ -5,11 +5,19 @@ Public entry points: :func:`solve` (one cost problem -> :class:`SearchResult`) a
 """
 
 from tensoropt.search.merge import MergedPoint, merge_frontiers
-from tensoropt.search.solver import BlockMode, SearchResult, SearchStats, evaluate_choices, solve
+from tensoropt.search.solver import (
+    BlockMode,
+    Pruning,
+    SearchResult,
+    SearchStats,
+    evaluate_choices,
+    solve,
+)
 
 __all__ = [
     "BlockMode",
     "MergedPoint",
+    "Pruning",
     "SearchResult",
     "SearchStats",
     "evaluate_choices",

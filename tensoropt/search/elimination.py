@@ -24,6 +24,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 
+from tensoropt.search.bounds import Bound, Schedule, Step, compute_bounds
 from tensoropt.search.factor import Context, Factor, multiply_all
 
 Key = tuple[int, int, int]
@@ -95,24 +96,67 @@ def elimination_order(
     return min((_greedy(adj, dims, todo, k) for k in (min_weight, min_fill)), key=lambda r: r[1])
 
 
+def _plan(
+    factors: list[Factor], order: list[int]
+) -> tuple[list[Step], dict[int, tuple[int, ...]], list[int]]:
+    """The elimination steps for `order` (factor ids: inputs 0..n-1, then one per step),
+    the scope of every factor id, and the ids left over at the end."""
+    scopes = {i: f.scope for i, f in enumerate(factors)}
+    sizes = {i: f.n_entries for i, f in enumerate(factors)}
+    dims = {v: d for f in factors for v, d in zip(f.scope, f.shape, strict=True)}
+    holding: dict[int, set[int]] = {v: set() for v in dims}
+    for i, f in enumerate(factors):
+        for v in f.scope:
+            holding[v].add(i)
+    live = set(scopes)
+    steps: list[Step] = []
+    for v in order:
+        ids = sorted(sorted(holding.pop(v)), key=lambda i: (sizes[i], scopes[i]))
+        out = len(scopes)
+        scopes[out] = tuple(sorted({u for i in ids for u in scopes[i]} - {v}))
+        sizes[out] = math.prod(dims[u] for u in scopes[out])
+        for u in scopes[out]:
+            holding[u].difference_update(ids)
+            holding[u].add(out)
+        live.difference_update(ids)
+        live.add(out)
+        steps.append(Step(tuple(ids), v, out))
+    return steps, scopes, sorted(live)
+
+
 def eliminate(
     ctx: Context, factors: list[Factor], dims: dict[int, int], keep: set[int]
 ) -> list[Factor]:
-    """Eliminate every unit of `factors` not in `keep`; returns the factors left over `keep`."""
+    """Eliminate every unit of `factors` not in `keep`; returns the factors left over `keep`.
+
+    With ``ctx.bounding`` (exact mode), once a step's inputs hold ``ctx.bound_trigger``
+    points, the remaining steps drop partial plans that cannot reach the frontier
+    (:mod:`tensoropt.search.bounds`; needs ``keep`` empty, so that the rest is known)."""
     variables = {v for f in factors for v in f.scope}
     order, _ = elimination_order((f.scope for f in factors), dims, variables - keep)
+    steps, scopes, roots = _plan(factors, order)
     live: dict[int, Factor] = dict(enumerate(factors))
-    holding: dict[int, set[int]] = {v: set() for v in variables}
-    for i, f in live.items():
-        for v in f.scope:
-            holding[v].add(i)
-    next_id = len(factors)
-    for v in order:
-        ids = sorted(holding.pop(v))
-        new = multiply_all(ctx, [live.pop(i) for i in ids], frozenset((v,)))
-        for u in new.scope:
-            holding[u].difference_update(ids)
-            holding[u].add(next_id)
-        live[next_id] = new
-        next_id += 1
+    bounds: dict[tuple[int, int], Bound] | None = None
+    start = 0
+    for j, st in enumerate(steps):
+        inputs = [live[i] for i in st.inputs]
+        if bounds is None and _wants_bounds(ctx, inputs, keep):
+            sched = Schedule(steps[j:], scopes, dims, roots)
+            leaves = {i: f.table for i, f in live.items() if f.table is not None}
+            bounds, start = compute_bounds(sched, leaves), j
+            ctx.notes.append(f"bound pruning from step {j} of {len(steps)}")
+        for i in st.inputs:
+            del live[i]
+        per = None
+        if bounds:
+            n = max(len(inputs) - 1, 1)
+            per = [bounds.get((j - start, p)) for p in range(n)]
+        live[st.out] = multiply_all(ctx, inputs, frozenset((st.var,)), per)
     return list(live.values())
+
+
+def _wants_bounds(ctx: Context, inputs: list[Factor], keep: set[int]) -> bool:
+    if not ctx.bounding or ctx.symbolic or keep:
+        return False
+    points = sum(len(f.table.t) for f in inputs if f.table is not None)
+    return points >= ctx.bound_trigger

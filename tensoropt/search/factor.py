@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tensoropt.search.frontier import Filter, Table, sum_entries
 from tensoropt.search.provenance import Provenance
+
+if TYPE_CHECKING:
+    from tensoropt.search.bounds import Bound
 
 
 @dataclass(slots=True)
@@ -43,6 +47,8 @@ class Context:
     prov: Provenance
     flt: Filter
     symbolic: bool = False
+    bounding: bool = False  # exact bound pruning allowed (exact mode only)
+    bound_trigger: int = 0  # ... once a step's inputs hold this many points
     max_frontier: int = 0
     max_scope: int = 0
     max_entries: int = 0
@@ -57,9 +63,14 @@ def _ravel(coords: np.ndarray, shape: tuple[int, ...], n: int) -> np.ndarray:
 
 
 def multiply(
-    ctx: Context, a: Factor, b: Factor | None, eliminate: frozenset[int] = frozenset()
+    ctx: Context,
+    a: Factor,
+    b: Factor | None,
+    eliminate: frozenset[int] = frozenset(),
+    bound: Bound | None = None,
 ) -> Factor:
     """The product a ⊗ b (b None: a alone), with the units `eliminate` summed out by ∪.
+    `bound` (over the output entries) drops points that cannot reach the frontier.
 
     The work is proportional to the sum, over the joint assignments of both scopes, of the
     products of the two entries' frontier sizes: exponential only in the joint scope size.
@@ -82,30 +93,46 @@ def multiply(
     ia = _ravel(coords[[pos[v] for v in a.scope]], a.shape, n)
     group = _ravel(coords[[pos[v] for v in out]], oshape, n)
     if b is None:
-        table = sum_entries(a.table, ia, None, None, group, math.prod(oshape), ctx.prov, ctx.flt)
+        table = sum_entries(
+            a.table, ia, None, None, group, math.prod(oshape), ctx.prov, ctx.flt, bound
+        )
     else:
         assert b.table is not None
         ib = _ravel(coords[[pos[v] for v in b.scope]], b.shape, n)
-        table = sum_entries(a.table, ia, b.table, ib, group, math.prod(oshape), ctx.prov, ctx.flt)
+        table = sum_entries(
+            a.table, ia, b.table, ib, group, math.prod(oshape), ctx.prov, ctx.flt, bound
+        )
     ctx.products += 1
     if table.n_entries:
         ctx.max_frontier = max(ctx.max_frontier, int(table.sizes.max()))
     return Factor(out, oshape, table, depth)
 
 
+def product_order(factors: list[Factor]) -> list[int]:
+    """Indices of `factors` in the order `multiply_all` multiplies them."""
+    return sorted(range(len(factors)), key=lambda i: (factors[i].n_entries, factors[i].scope))
+
+
 def multiply_all(
-    ctx: Context, factors: list[Factor], eliminate: frozenset[int] = frozenset()
+    ctx: Context,
+    factors: list[Factor],
+    eliminate: frozenset[int] = frozenset(),
+    bounds: list[Bound | None] | None = None,
 ) -> Factor:
-    """Product of several factors, smallest tables first; `eliminate` is summed out last."""
+    """Product of several factors, smallest tables first; `eliminate` is summed out last.
+
+    bounds: one per product (max(n - 1, 1) of them, in order), or None.
+    """
     if not factors:
         raise AssertionError("multiply_all needs at least one factor")
-    todo = sorted(factors, key=lambda f: (f.n_entries, f.scope))
+    todo = [factors[i] for i in product_order(factors)]
+    bnd = bounds if bounds is not None else [None] * max(len(todo) - 1, 1)
     acc = todo[0]
     if len(todo) == 1:
-        return multiply(ctx, acc, None, eliminate) if eliminate else acc
-    for f in todo[1:-1]:
-        acc = multiply(ctx, acc, f)
-    return multiply(ctx, acc, todo[-1], eliminate)
+        return multiply(ctx, acc, None, eliminate, bnd[0]) if eliminate else acc
+    for p, f in enumerate(todo[1:-1]):
+        acc = multiply(ctx, acc, f, frozenset(), bnd[p])
+    return multiply(ctx, acc, todo[-1], eliminate, bnd[-1])
 
 
 def translate(ctx: Context, f: Factor, offset: int) -> Factor:

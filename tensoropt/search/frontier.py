@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tensoropt.search.provenance import Provenance
+
+if TYPE_CHECKING:
+    from tensoropt.search.bounds import Bound
 
 CHUNK = 1 << 21
 
@@ -195,8 +199,13 @@ def sum_entries(
     n_groups: int,
     prov: Provenance,
     flt: Filter,
+    bound: Bound | None = None,
 ) -> Table:
-    """Output entry g = prune( ∪_{k: group[k]=g} A[ia[k]] ⊕ B[ib[k]] ), B=None means A alone."""
+    """Output entry g = prune( ∪_{k: group[k]=g} A[ia[k]] ⊕ B[ib[k]] ), B=None means A alone.
+
+    bound: also drop points that no completion can bring onto the frontier
+    (:mod:`tensoropt.search.bounds`; exact).
+    """
     order = np.argsort(group, kind="stable")
     ia, group = ia[order], group[order]
     sa = A.sizes[ia]
@@ -221,6 +230,9 @@ def sum_entries(
         if flt.budget != math.inf:
             fits = m <= flt.budget
             pa, pb, t, m, g = pa[fits], pb[fits], t[fits], m[fits], g[fits]
+        if bound is not None:
+            live = bound.keep(g, t, m)
+            pa, pb, t, m, g = pa[live], pb[live], t[live], m[live], g[live]
         keep = prune_groups(g, t, m)
         kept_a.append(pa[keep])
         kept_b.append(pb[keep])

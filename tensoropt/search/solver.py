@@ -44,6 +44,7 @@ from tensoropt.search.blocks import (
 from tensoropt.search.elimination import eliminate
 from tensoropt.search.factor import Context, Factor, multiply_all
 from tensoropt.search.frontier import Filter, prune_groups
+from tensoropt.search.hubs import find_splits, split_factors
 from tensoropt.search.prepared import Prepared, prepare
 from tensoropt.search.provenance import Provenance
 
@@ -57,6 +58,19 @@ class BlockMode(enum.Enum):
     AUTO = "auto"
     ALWAYS = "always"
     OFF = "off"
+
+
+class Pruning(enum.Enum):
+    """Exact bound pruning (:mod:`bounds`, exact mode only): AUTO starts it once a step's
+    inputs hold BOUND_TRIGGER frontier points (small problems never pay for it); ALWAYS
+    from the first step (tests); OFF never. Results do not depend on it."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    OFF = "off"
+
+
+BOUND_TRIGGER = 10000
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +128,23 @@ def _schedule(ctx: Context, prep: Prepared, regions: list[Region], adaptive: boo
         for i in range(prep.n_units)
         if not any(r.covers_unit(i) for r in regions)
     ]
-    factors += [
-        prep.edge_factor(ctx, key)
-        for key in prep.edges
-        if not any(r.covers_edge(*key) for r in regions)
-    ]
-    dims = {v: prep.dims[v] for f in factors for v in f.scope}
+    keys = [key for key in prep.edges if not any(r.covers_edge(*key) for r in regions)]
+    covered = {u for r in regions for u in range(prep.n_units) if r.covers_unit(u)}
+    splits = find_splits(prep, [k for k in keys if not (set(k) & covered)], prep.n_units)
+    rewired = {(min(h.unit, w), max(h.unit, w)) for h in splits for w in h.neighbours}
+    factors += [prep.edge_factor(ctx, key) for key in keys if key not in rewired]
+    for h in splits:
+        factors += split_factors(ctx, prep, h)
+    if splits:
+        ctx.notes.append(
+            f"{len(splits)} hub(s) split: "
+            + ", ".join(
+                f"unit {h.unit} ({prep.dims[h.unit]} -> {int(h.labels.max()) + 1} classes, "
+                f"{len(h.neighbours)} edges)"
+                for h in splits
+            )
+        )
+    dims = {v: d for f in factors for v, d in zip(f.scope, f.shape, strict=True)}
     return multiply_all(ctx, eliminate(ctx, factors, dims, set()))
 
 
@@ -181,6 +206,7 @@ def solve(
     memory_budget: float | None = None,
     epsilon: float | None = None,
     blocks: BlockMode = BlockMode.AUTO,
+    pruning: Pruning = Pruning.AUTO,
 ) -> SearchResult:
     """Pareto frontier over (time, memory) of `problem`, each point with its choice vector.
 
@@ -188,6 +214,7 @@ def solve(
     as soon as they appear; sound since costs are nonnegative). The result may be empty.
     epsilon: approximate, with the guarantee stated in the result (module docstring).
     blocks: how repeated blocks are recognised (the result does not depend on it).
+    pruning: exact bound pruning in exact mode (the result does not depend on it).
     """
     _check_args(memory_budget, epsilon)
     start = time.perf_counter()
@@ -200,6 +227,8 @@ def solve(
         depth = _schedule(dry, prep, regions, adaptive=False).depth
         delta = (1.0 + epsilon) ** (1.0 / max(depth, 1)) - 1.0
     ctx = Context(Provenance(), Filter(budget, delta))
+    ctx.bounding = epsilon is None and pruning is not Pruning.OFF
+    ctx.bound_trigger = 0 if pruning is Pruning.ALWAYS else BOUND_TRIGGER
     final = _schedule(ctx, prep, regions, adaptive=epsilon is None)
     assert final.table is not None and final.scope == ()
     choices = ctx.prov.recover(final.table.prov, prep.n_units)

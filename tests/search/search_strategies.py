@@ -98,3 +98,37 @@ def block_chains(draw, max_units: int = 8):
             Edge(last, tail, *draw(tables(len(us[last].strategies), len(us[tail].strategies))))
         )
     return CostProblem(us, tuple(edges)), (pre, size, count)
+
+
+@st.composite
+def hub_problems(draw, steps: int = 8):
+    """An LSTM-like layer: a chain of `steps` units, a hub that touches every step through
+    a coarse function of its strategy (like the owner of a shared weight: its edges depend
+    only on the weight's layout), a second hub with full-rank edges (like a Concat of all
+    steps), and an extra edge between the hub and the first step that sees the whole
+    strategy. Exact dyadic costs, small enough for brute force."""
+    hub_dim = draw(st.integers(3, 4))
+    classes = draw(st.integers(1, hub_dim - 1))
+    label = [draw(st.integers(0, classes - 1)) for _ in range(hub_dim)]
+    chain = draw(units(steps, 2))
+    hub = Unit("hub", tuple(Strategy(f"h{j}", draw(COST), draw(MEM)) for j in range(hub_dim)))
+    cat = Unit("cat", tuple(Strategy(f"c{j}", draw(COST), draw(MEM)) for j in range(2)))
+    us = (hub, *chain, cat)
+    cat_i = len(us) - 1
+    edges = []
+    for k in range(1, steps + 1):
+        if k < steps:
+            t, m = draw(tables(len(us[k].strategies), len(us[k + 1].strategies)))
+            edges.append(Edge(k, k + 1, t, m))
+        ct, cm = draw(tables(classes, len(us[k].strategies)))
+        t = tuple(ct[label[j]] for j in range(hub_dim))
+        m = tuple(cm[label[j]] for j in range(hub_dim))
+        if draw(st.booleans()):  # either direction
+            edges.append(Edge(0, k, t, m))
+        else:
+            edges.append(Edge(k, 0, tuple(zip(*t, strict=True)), tuple(zip(*m, strict=True))))
+        t, m = draw(tables(len(us[k].strategies), 2))
+        edges.append(Edge(k, cat_i, t, m))
+    t, m = draw(tables(hub_dim, len(us[1].strategies)))
+    edges.append(Edge(0, 1, t, m))
+    return CostProblem(us, tuple(edges), devices=1, mesh=(1,))

@@ -1,0 +1,254 @@
+"""Exact bound pruning for variable elimination: drop partial plans that cannot reach the
+frontier.
+
+Why: in hub-structured graphs (an LSTM's shared recurrent weight, the Split of the input
+projection and the Concat of the hidden states each touch all time steps) every factor of
+the time sweep carries the hubs in its scope. Most joint hub assignments lead only to
+dominated plans, but the plain DP keeps a full, growing frontier for each of them.
+
+How: scalar min-sum DPs over the same elimination steps give, for every entry e of every
+product the schedule will form, lower bounds of the time and of the memory that the rest
+of the problem adds to any partial plan of e (``lb_t[e]``, ``lb_m[e]``: an inside pass,
+then an outside pass as in a junction tree). Weighted-sum DPs (time/memory scalarised with
+a few weights) give *incumbents*: values of complete plans. A partial point p of entry e
+is dropped iff an incumbent q satisfies q <= p + lb(e) in both coordinates, not equal in
+both. Every completion c of p has p + c >= p + lb(e), so every plan through p is strictly
+dominated by the plan of q; the frontier plans themselves are never dropped (a frontier
+value cannot be strictly dominated). The frontier is therefore unchanged, point for point.
+
+Floating point: incumbents are inflated by a relative 1e-9 before the test, so a rounding
+error in the DP's sums cannot turn a tie into a drop. Epsilon mode does not prune (the
+epsilon cover argument would compound with it; see docs/design/search.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensoropt.search.frontier import Table
+
+INFLATE = 1e-9  # relative slack on incumbents (rounding of the DP's float sums)
+WEIGHTS = 17  # scalarisations tried for incumbents (time weight 0..1, both ends excluded)
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """Per output entry of one product: lower bounds of what the rest adds; incumbents."""
+
+    lb_t: np.ndarray  # float64, one per output entry (C order over the output scope)
+    lb_m: np.ndarray
+    inc_t: np.ndarray  # incumbent staircase: time ascending, memory strictly descending
+    inc_m: np.ndarray
+
+    def keep(self, g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Mask of the candidate points (output entry g, time t, memory m) to keep."""
+        st, sm = t + self.lb_t[g], m + self.lb_m[g]
+        k = np.searchsorted(self.inc_t, st, side="right") - 1
+        has = k >= 0
+        kk = np.maximum(k, 0)
+        qt, qm = self.inc_t[kk], self.inc_m[kk]
+        dominated = has & (qm <= sm) & ((qt < st) | (qm < sm))
+        return ~dominated
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One elimination step: multiply `inputs` (factor ids, in product order), sum out
+    `var` (None: nothing), giving factor `out`."""
+
+    inputs: tuple[int, ...]
+    var: int | None
+    out: int
+
+
+def _expand(arr: np.ndarray, scope: tuple[int, ...], joint: tuple[int, ...], dims) -> np.ndarray:
+    """A channel-first table over `scope` (sorted) as a broadcastable one over `joint`."""
+    shape = [arr.shape[0], *(dims[v] if v in scope else 1 for v in joint)]
+    return arr.reshape(shape)
+
+
+def _reduce_to(
+    arr: np.ndarray, joint: tuple[int, ...], scope: tuple[int, ...], dims: dict[int, int]
+) -> np.ndarray:
+    """Min over the joint axes not in `scope` (arr may be broadcastable only)."""
+    arr = np.broadcast_to(arr, (arr.shape[0], *(dims[v] for v in joint)))
+    axes = tuple(1 + i for i, v in enumerate(joint) if v not in scope)
+    return arr.min(axis=axes) if axes else np.array(arr)
+
+
+def _entry_argmin(table: Table, score: np.ndarray) -> np.ndarray:
+    """Index of the point of least `score` in each entry; -1 for empty entries."""
+    out = np.full(table.n_entries, -1, dtype=np.int64)
+    nonempty = np.flatnonzero(table.sizes)
+    if not len(nonempty):
+        return out
+    group = np.repeat(np.arange(table.n_entries), table.sizes)
+    order = np.lexsort((score, group))
+    out[nonempty] = order[np.searchsorted(group[order], nonempty)]
+    return out
+
+
+def _entry_min(table: Table, values: np.ndarray) -> np.ndarray:
+    """Minimum of `values` (one per point) over each entry; +inf for empty entries."""
+    out = np.full(table.n_entries, np.inf)
+    nonempty = np.flatnonzero(table.sizes)
+    if len(nonempty):
+        out[nonempty] = np.minimum.reduceat(values, table.offsets[nonempty])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Steps still to run, the factors they start from, and the roots they end in."""
+
+    steps: list[Step]
+    scopes: dict[int, tuple[int, ...]]  # every factor id (live and future)
+    dims: dict[int, int]
+    roots: list[int]  # factor ids left over after all steps (scope ())
+
+    def joint(self, step: Step) -> tuple[int, ...]:
+        return tuple(sorted({v for i in step.inputs for v in self.scopes[i]}))
+
+    def shape(self, fid: int) -> tuple[int, ...]:
+        return tuple(self.dims[v] for v in self.scopes[fid])
+
+
+def _sum(parts: list[np.ndarray]) -> np.ndarray:
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _inside(sched: Schedule, leaves: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Channel-wise min-sum over the steps: a table (channels, *shape) for every factor."""
+    tab = dict(leaves)
+    for st in sched.steps:
+        joint = sched.joint(st)
+        total = _sum([_expand(tab[i], sched.scopes[i], joint, sched.dims) for i in st.inputs])
+        tab[st.out] = _reduce_to(total, joint, sched.scopes[st.out], sched.dims)
+    return tab
+
+
+def _outside(sched: Schedule, inside: dict[int, np.ndarray]) -> dict[tuple[int, int], np.ndarray]:
+    """Per (step index, product index): the least the rest adds, per output entry and
+    channel, as (channels, entries)."""
+    dims, scopes = sched.dims, sched.scopes
+    roots = [inside[r].reshape(inside[r].shape[0]) for r in sched.roots]
+    out: dict[int, np.ndarray] = {}
+    for k, r in enumerate(sched.roots):
+        others = [v for j, v in enumerate(roots) if j != k]
+        out[r] = _sum(others) if others else np.zeros_like(roots[k])
+    per_product: dict[tuple[int, int], np.ndarray] = {}
+    for j in range(len(sched.steps) - 1, -1, -1):
+        st = sched.steps[j]
+        joint = sched.joint(st)
+        rest = _expand(out[st.out], scopes[st.out], joint, dims)
+        parts = [_expand(inside[i], scopes[i], joint, dims) for i in st.inputs]
+        n = len(parts)
+        # suffix[i] = rest + parts[i:]; prefix[i] = parts[:i] (None when empty).
+        suffix = [rest] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + parts[i]
+        # Product p multiplies inputs[0..p] by inputs[p+1]; the last one (p = n-2, or 0
+        # when n = 1) sums out the variable and gives `out`; the others keep the joint
+        # scope so far, whose rest is `out`'s rest plus the inputs not yet multiplied.
+        acc = set(scopes[st.inputs[0]])
+        for p in range(n - 2):
+            acc |= set(scopes[st.inputs[p + 1]])
+            sub = _reduce_to(suffix[p + 2], joint, tuple(sorted(acc)), dims)
+            per_product[(j, p)] = sub.reshape(sub.shape[0], -1)
+        per_product[(j, max(n - 2, 0))] = out[st.out].reshape(out[st.out].shape[0], -1)
+        prefix = None
+        for i, fid in enumerate(st.inputs):
+            others = suffix[i + 1] if prefix is None else prefix + suffix[i + 1]
+            out[fid] = _reduce_to(others, joint, scopes[fid], dims)
+            prefix = parts[i] if prefix is None else prefix + parts[i]
+    return per_product
+
+
+def _decode(sched: Schedule, inside: dict[int, np.ndarray], channel: int) -> dict[int, int]:
+    """An assignment of every variable minimising channel `channel` (top-down)."""
+    assign: dict[int, int] = {}
+    for st in reversed(sched.steps):
+        total = np.zeros(sched.dims[st.var])
+        for i in st.inputs:
+            idx = tuple(slice(None) if v == st.var else assign[v] for v in sched.scopes[i])
+            total = total + inside[i][channel][idx]
+        assign[st.var] = int(np.argmin(total))
+    return assign
+
+
+def _incumbents(
+    sched: Schedule,
+    inside: dict[int, np.ndarray],
+    leaves: dict[int, Table],
+    weights: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Values of complete plans: one per weight, each minimising w t + (1 - w) m."""
+    ts, ms = [], []
+    for c, w in enumerate(weights):
+        assign = _decode(sched, inside, 2 + c)
+        t_tot, m_tot = 0.0, 0.0
+        for fid, table in leaves.items():
+            entry = (
+                int(
+                    np.ravel_multi_index(
+                        tuple(assign[v] for v in sched.scopes[fid]), sched.shape(fid)
+                    )
+                )
+                if sched.scopes[fid]
+                else 0
+            )
+            lo, hi = int(table.offsets[entry]), int(table.offsets[entry + 1])
+            if lo == hi:
+                t_tot = math.inf
+                break
+            score = w[0] * table.t[lo:hi] + w[1] * table.m[lo:hi]
+            k = lo + int(np.argmin(score))
+            t_tot += float(table.t[k])
+            m_tot += float(table.m[k])
+        if math.isfinite(t_tot) and math.isfinite(m_tot):
+            ts.append(t_tot)
+            ms.append(m_tot)
+    return _staircase(np.array(ts), np.array(ms))
+
+
+def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if not len(t):
+        return np.zeros(0), np.zeros(0)
+    t = t * (1.0 + INFLATE)
+    m = m * (1.0 + INFLATE)
+    order = np.lexsort((m, t))
+    t, m = t[order], m[order]
+    keep = np.ones(len(t), dtype=bool)
+    keep[1:] = m[1:] < np.minimum.accumulate(m)[:-1]
+    return t[keep], m[keep]
+
+
+def _leaf_channels(sched: Schedule, fid: int, table: Table, weights: np.ndarray) -> np.ndarray:
+    chans = [_entry_min(table, table.t), _entry_min(table, table.m)]
+    chans += [_entry_min(table, w[0] * table.t + w[1] * table.m) for w in weights]
+    return np.stack(chans).reshape((len(chans), *sched.shape(fid)))
+
+
+def compute_bounds(sched: Schedule, leaves: dict[int, Table]) -> dict[tuple[int, int], Bound]:
+    """A Bound for every product of the schedule: key (step index, product index), where
+    the products of a step with n inputs are numbered 0..max(n-2, 0) and the last one
+    yields the step's output."""
+    plain = {i: _leaf_channels(sched, i, tb, np.zeros((0, 2))) for i, tb in leaves.items()}
+    lows = _inside(sched, plain)
+    t_min = sum(float(lows[r][0].reshape(-1)[0]) for r in sched.roots)
+    m_min = sum(float(lows[r][1].reshape(-1)[0]) for r in sched.roots)
+    if not (math.isfinite(t_min) and math.isfinite(m_min)):
+        return {}  # no feasible plan (budget): nothing to prune against
+    frac = np.linspace(0.0, 1.0, WEIGHTS + 2)[1:-1]
+    weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
+    leaf = {i: _leaf_channels(sched, i, tb, weights) for i, tb in leaves.items()}
+    inside = _inside(sched, leaf)
+    inc_t, inc_m = _incumbents(sched, inside, leaves, weights)
+    prod = _outside(sched, {i: v[:2] for i, v in inside.items()})
+    return {key: Bound(v[0], v[1], inc_t, inc_m) for key, v in prod.items()}
