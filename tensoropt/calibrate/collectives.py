@@ -33,6 +33,7 @@ from tensoropt.calibrate.stats import AlphaBeta, Sample, fit_alpha_beta
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.collectives import CollectiveCall, CollectiveKind
 from tensoropt.runtime.comm import Communicator, LocalWorld
+from tensoropt.runtime.malloc import child_env
 
 KINDS = tuple(CollectiveKind)
 # Collectives in the joint fit that becomes the profile's link. Every kind's volume is
@@ -222,7 +223,7 @@ def run_mpi(ranks: int, spec: CommSpec, threads: int, on_point=None) -> CommFits
         config.write_text(json.dumps({"spec": spec.to_json(), "out": str(out)}))
         cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m"]
         cmd += ["tensoropt.calibrate.comm_worker", str(config)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = {**child_env(), "OMP_NUM_THREADS": str(threads)}  # the runtime's settings
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True,

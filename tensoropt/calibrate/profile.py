@@ -186,7 +186,10 @@ def _collectives_json(fits: coll.CommFits) -> dict:
 
 def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None) -> dict:
     """Measure this machine; the cluster JSON object of a calibrated profile."""
+    from tensoropt.runtime.malloc import tune_process
+
     opts.check()
+    tune_process()  # measure kernels with the malloc settings the runtime runs under
     tick = tick or (lambda _label: None)
     t0 = time.perf_counter()
     results, floor, overhead = measure_kernels(opts, tick)

@@ -42,6 +42,7 @@ import numpy as np
 from tensoropt import errors
 from tensoropt.errors import TensorOptError, WorkerFault
 from tensoropt.runtime.driver import RunOptions, RunResult
+from tensoropt.runtime.malloc import child_env
 from tensoropt.runtime.profiling import ProfileReport
 from tensoropt.runtime.verify import VerifyReport, VerifyStep
 from tensoropt.runtime.worker import PROGRESS
@@ -127,8 +128,9 @@ def launch(
         cmd += [sys.executable, "-m", "tensoropt.runtime.worker", str(config)]
         log.info("starting %s", " ".join(cmd))
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, env=child_env(),
+        )  # fmt: skip
         watch = _Watch(rundir, world_size)
         try:
             output = _supervise(proc, watch, on_step, stall_timeout)

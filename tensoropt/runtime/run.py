@@ -18,6 +18,7 @@ from tensoropt.runtime.checkpoint import npz_bytes, write_atomic
 from tensoropt.runtime.data import load_npz, specs_from_manifest
 from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
 from tensoropt.runtime.engine import LocalEngine, load_device, split_all
+from tensoropt.runtime.malloc import tune_process
 from tensoropt.runtime.manifest import Manifest, load_outdir
 from tensoropt.runtime.program import SessionConfig, check_collective_order
 from tensoropt.runtime.split import collective_order
@@ -118,6 +119,7 @@ def _arena(value: ArenaMode | str) -> ArenaMode:
 
 
 def _run_local(manifest: Manifest, opts: RunOptions, on_step: OnStep | None) -> RunResult:
+    tune_process()  # the MPI ranks get the same malloc settings through their environment
     models = {r: load_device(manifest, r) for r in range(manifest.world_size)}
     plans = split_all(manifest, models)
     config = SessionConfig(intra_op_threads=opts.threads or 0, arena=opts.arena)
