@@ -200,9 +200,13 @@ class _Costs:
         for a, have in enumerate(haves):
             for b, sw in enumerate(w.strategies):
                 need = sw.inputs[i]
-                if need is None or need == have:
+                if need is None:
                     continue
                 fwd_t, buf = self.convert(have, need, shape, isz)
+                # The backward runs even when the forward needs no conversion: a consumer
+                # that splits an axis on which it reads the value replicated (a
+                # column-parallel MatMul) returns a partial gradient, which must be
+                # summed (Megatron's backward AllReduce).
                 grad_have = _grad_at_consumer(need, sw, self.mesh)
                 bwd_t, _ = self.convert(grad_have, _grad_needed(have), shape, isz)
                 times[a, b] = fwd_t + bwd_t

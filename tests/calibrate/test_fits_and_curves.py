@@ -216,3 +216,32 @@ def test_activation_memory_counts_only_values_the_backward_reads(tmp_path):
     mp = build_problem(sg, Mesh((1,), ("x",)), builtin("h100"))
     memory = mp.problem.evaluate([0] * len(mp.problem.units))[1]
     assert memory == param_bytes * (3 + 2 * sg.optimizer_states) + saved_bytes
+
+
+def test_column_parallel_consumer_pays_the_backward_allreduce(tmp_path):
+    """Forward R -> R needs nothing, but the gradient of a column-parallel MatMul's input
+    is partial over the tp axis: the edge charges its AllReduce (Megatron's backward)."""
+    import argparse
+
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.model import build_problem
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.models import build_model, save_model
+
+    path = tmp_path / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(path))
+    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
+                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
+    sg = search_graph(args)
+    profile = _profile_with({"AllReduce": {"alpha_s": 1e-5, "bandwidth": 1e9}})
+    mp = build_problem(sg, Mesh((2,), ("x",)), profile)
+    names = [u.name for u in mp.problem.units]
+    dst = names.index("fc1/MatMul")
+    col = next(j for j, s in enumerate(mp.problem.units[dst].strategies)
+               if s.label.startswith("(R, S(1))"))  # fmt: skip
+    edge = next(e for e in mp.problem.edges if e.dst == dst)
+    src = mp.problem.units[edge.src]
+    rep = next(j for j, s in enumerate(src.strategies) if s.label.endswith("-> (R)"))
+    value = mp.units[dst].node.inputs[0]
+    nbytes = 4 * math.prod(value.shape)
+    assert edge.time_s[rep][col] == pytest.approx(2 * 1e-5 + nbytes / 1e9, rel=1e-12)
