@@ -163,7 +163,7 @@ def highs(tmp: str) -> list[str]:
     return [*lines, ""]
 
 
-def quality(tmp: str, quick: bool) -> list[str]:
+def quality(tmp: str, quick: bool, only_models: list[str] | None = None) -> list[str]:
     lines = [
         "### Plan quality against data parallelism and Megatron (same cost model)",
         "",
@@ -172,7 +172,7 @@ def quality(tmp: str, quick: bool) -> list[str]:
         " dominates DP & Megatron |",
         "|---|---|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
-    models = ["gpt", "mlp"] if quick else list(MODEL_NAMES)
+    models = only_models or (["gpt", "mlp"] if quick else list(MODEL_NAMES))
     profiles = ["h100"] if quick else list(BUILTIN_NAMES)
     for name in models:
         sg = search_graph(_args(_model(tmp, name, "paper")))
@@ -216,13 +216,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     parser.add_argument("--only", choices=["target", "scaling", "highs", "quality"])
+    parser.add_argument("--models", help="quality: these zoo models only (comma-separated)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
+    only = args.models.split(",") if args.models else None
     parts = {
         "target": lambda: target(tmp),
         "scaling": lambda: scaling(tmp, args.quick),
         "highs": lambda: highs(tmp),
-        "quality": lambda: quality(tmp, args.quick),
+        "quality": lambda: quality(tmp, args.quick, only),
     }
     lines = [
         SECTION,
