@@ -32,26 +32,83 @@ from tensoropt.search.frontier import Table
 
 INFLATE = 1e-9  # relative slack on incumbents (rounding of the DP's float sums)
 WEIGHTS = 17  # scalarisations tried for incumbents (time weight 0..1, both ends excluded)
+LB_WEIGHTS = 5  # of them carried as convex lower bounds (more: slower outside pass)
+BATCH = 6  # weight channels per incumbent pass
 
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    """Per output entry of one product: lower bounds of what the rest adds; incumbents."""
+    """Per output entry of one product: lower bounds of what the rest adds; incumbents.
+
+    lb_t, lb_m: least time and least memory the rest adds (the rest's ideal point).
+    lb_w (channels x entries, optional): least w.r the rest adds, for each weight row of
+    `weights` (w_t, w_m > 0). Together they bound the set p + rest from below by a convex
+    polygon: every plan x through point p has x >= p + (lb_t, lb_m) and
+    w.x >= w.p + lb_w for every channel.
+    """
 
     lb_t: np.ndarray  # float64, one per output entry (C order over the output scope)
     lb_m: np.ndarray
     inc_t: np.ndarray  # incumbent staircase: time ascending, memory strictly descending
     inc_m: np.ndarray
+    lb_w: np.ndarray | None = None  # (channels, entries); float32 rounded down from solve
+    weights: np.ndarray | None = None  # float64 (channels, 2): (w_t, w_m), both > 0
 
     def keep(self, g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
-        """Mask of the candidate points (output entry g, time t, memory m) to keep."""
-        st, sm = t + self.lb_t[g], m + self.lb_m[g]
-        k = np.searchsorted(self.inc_t, st, side="right") - 1
-        has = k >= 0
-        kk = np.maximum(k, 0)
-        qt, qm = self.inc_t[kk], self.inc_m[kk]
-        dominated = has & (qm <= sm) & ((qt < st) | (qm < sm))
-        return ~dominated
+        """Mask of the candidate points (output entry g, time t, memory m) to keep.
+
+        A point is dropped iff the region R = {x >= a, w.x >= b_c} (a = p + ideal of the
+        rest, b_c = w_c.p + lb_w[c]) lies in the upward closure of the staircase and holds
+        no incumbent itself: then every plan through p is strictly dominated. (A tie with
+        an incumbent can only happen through the ideal-point test, which keeps it.) R (upward
+        closed) escapes the closure iff it meets the open lower quadrant of a corner
+        (t_j, m_{j-1}) of the staircase (t_k = m_{-1} = +inf), iff a < corner and
+        w_c.corner > b_c for every channel (take x = corner - tiny).
+        """
+        at, am = t + self.lb_t[g], m + self.lb_m[g]
+        it, im = self.inc_t, self.inc_m
+        k = len(it)
+        lo = np.searchsorted(it, at, side="right")  # first corner with corner_t > a_t
+        hi = k - np.searchsorted(im[::-1], am, side="right")  # last corner, corner_m > a_m
+        # Corners lo..hi meet a < corner; none: the ideal point is covered (old test).
+        tie = np.zeros(len(at), dtype=bool)
+        kk = np.clip(lo - 1, 0, max(k - 1, 0))
+        if k:
+            tie = (lo >= 1) & (it[kk] == at) & (im[kk] == am)
+        drop = (lo > hi) & ~tie
+        if self.lb_w is None or self.weights is None or k < 2:
+            return ~drop
+        # Candidates whose open corners are all finite (1 <= lo <= hi <= k - 1).
+        cand = np.flatnonzero((lo <= hi) & (lo >= 1) & (hi <= k - 1))
+        if not len(cand):
+            return ~drop
+        drop[cand] = self._covered(
+            g[cand], t[cand], m[cand], at[cand], am[cand], lo[cand], hi[cand]
+        )
+        return ~drop
+
+    def _covered(self, g, t, m, at, am, lo, hi) -> np.ndarray:
+        """For candidates with corners lo..hi (all finite): is every corner cut off by a
+        channel (w.corner <= b)? Then no incumbent q lies in the region either (so no plan
+        through p can be q's own plan): each q_i with q_i >= a is below corner i or i + 1
+        of the range in one coordinate and equal in the other, so w.q < w.corner <= b."""
+        assert self.lb_w is not None and self.weights is not None
+        w = self.weights
+        b = w[:, :1] * t + w[:, 1:] * m + self.lb_w[:, g]  # (channels, n)
+        ct, cm = self.inc_t[1:], self.inc_m[:-1]  # corners 1..k-1 (index j - 1)
+        vc = w[:, :1] * ct + w[:, 1:] * cm  # (channels, corners)
+        ok = np.ones(len(g), dtype=bool)
+        live = np.arange(len(g))
+        for d in range(int((hi - lo).max()) + 1):
+            j = lo[live] + d
+            act = j <= hi[live]
+            live, j = live[act], j[act]
+            if not len(live):
+                break
+            cut = (b[:, live] >= vc[:, j - 1]).any(axis=0)
+            ok[live[~cut]] = False
+            live = live[cut]
+        return ok
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +244,12 @@ def _incumbents(
     inside: dict[int, np.ndarray],
     leaves: dict[int, Table],
     weights: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Values of complete plans: one per weight, each minimising w t + (1 - w) m."""
+) -> tuple[list[float], list[float]]:
+    """Values of complete plans: one per weight (channel c of `inside` holds weight c's
+    inside table), each minimising w.(t, m); as two lists (no staircase yet)."""
     ts, ms = [], []
     for c, w in enumerate(weights):
-        assign = _decode(sched, inside, 2 + c)
+        assign = _decode(sched, inside, c)
         t_tot, m_tot = 0.0, 0.0
         for fid, table in leaves.items():
             entry = (
@@ -214,7 +272,7 @@ def _incumbents(
         if math.isfinite(t_tot) and math.isfinite(m_tot):
             ts.append(t_tot)
             ms.append(m_tot)
-    return _staircase(np.array(ts), np.array(ms))
+    return ts, ms
 
 
 def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -229,26 +287,69 @@ def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t[keep], m[keep]
 
 
-def _leaf_channels(sched: Schedule, fid: int, table: Table, weights: np.ndarray) -> np.ndarray:
-    chans = [_entry_min(table, table.t), _entry_min(table, table.m)]
+def _leaf_channels(
+    sched: Schedule, fid: int, table: Table, weights: np.ndarray, ideal: bool = True
+) -> np.ndarray:
+    chans = [_entry_min(table, table.t), _entry_min(table, table.m)] if ideal else []
     chans += [_entry_min(table, w[0] * table.t + w[1] * table.m) for w in weights]
     return np.stack(chans).reshape((len(chans), *sched.shape(fid)))
 
 
-def compute_bounds(sched: Schedule, leaves: dict[int, Table]) -> dict[tuple[int, int], Bound]:
-    """A Bound for every product of the schedule: key (step index, product index), where
+class BoundSet:
+    """A Bound per product of the schedule, handed out once each (then freed: the stored
+    bounds shrink as the sweep advances)."""
+
+    def __init__(self, per_product: dict[tuple[int, int], Bound]) -> None:
+        self._per = per_product
+
+    def __len__(self) -> int:
+        return len(self._per)
+
+    def get(self, key: tuple[int, int]) -> Bound | None:
+        return self._per.pop(key, None)
+
+
+def compute_bounds(
+    sched: Schedule, leaves: dict[int, Table], convex: bool = True
+) -> BoundSet | None:
+    """Bounds for every product of the schedule: key (step index, product index), where
     the products of a step with n inputs are numbered 0..max(n-2, 0) and the last one
-    yields the step's output."""
+    yields the step's output. None: no feasible plan (nothing to prune against).
+    convex: also carry LB_WEIGHTS weighted lower bounds (stronger, costs an outside pass
+    of that many more channels)."""
     plain = {i: _leaf_channels(sched, i, tb, np.zeros((0, 2))) for i, tb in leaves.items()}
     lows = _inside(sched, plain)
     t_min = sum(float(lows[r][0].reshape(-1)[0]) for r in sched.roots)
     m_min = sum(float(lows[r][1].reshape(-1)[0]) for r in sched.roots)
     if not (math.isfinite(t_min) and math.isfinite(m_min)):
-        return {}  # no feasible plan (budget): nothing to prune against
+        return None
     frac = np.linspace(0.0, 1.0, WEIGHTS + 2)[1:-1]
     weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
-    leaf = {i: _leaf_channels(sched, i, tb, weights) for i, tb in leaves.items()}
-    inside = _inside(sched, leaf)
-    inc_t, inc_m = _incumbents(sched, inside, leaves, weights)
-    prod = _outside(sched, {i: v[:2] for i, v in inside.items()})
-    return {key: Bound(v[0], v[1], inc_t, inc_m) for key, v in prod.items()}
+    ts: list[float] = []
+    ms: list[float] = []
+    for lo in range(0, WEIGHTS, BATCH):  # a few channels at a time: bounded memory
+        part = weights[lo : lo + BATCH]
+        leaf = {i: _leaf_channels(sched, i, tb, part, ideal=False) for i, tb in leaves.items()}
+        t_part, m_part = _incumbents(sched, _inside(sched, leaf), leaves, part)
+        ts += t_part
+        ms += m_part
+    inc_t, inc_m = _staircase(np.array(ts), np.array(ms))
+    if not convex:
+        prod = _outside(sched, {i: v[:2] for i, v in lows.items()})
+        return BoundSet({key: Bound(v[0], v[1], inc_t, inc_m) for key, v in prod.items()})
+    lw = weights[np.unique(np.linspace(0, WEIGHTS - 1, LB_WEIGHTS).round().astype(np.int64))]
+    leaf = {i: _leaf_channels(sched, i, tb, lw) for i, tb in leaves.items()}
+    prod = _outside(sched, _inside(sched, leaf))
+    per = {
+        key: Bound(_down32(v[0]), _down32(v[1]), inc_t, inc_m, _down32(v[2:]), lw)
+        for key, v in prod.items()
+    }
+    return BoundSet(per)
+
+
+def _down32(x: np.ndarray) -> np.ndarray:
+    """float32 copy rounded toward -inf: still a lower bound, half the memory."""
+    y = x.astype(np.float32)
+    up = y > x
+    y[up] = np.nextafter(y[up], np.float32(-np.inf))
+    return y

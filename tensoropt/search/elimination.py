@@ -24,7 +24,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 
-from tensoropt.search.bounds import Bound, Schedule, Step, compute_bounds
+from tensoropt.search.bounds import BoundSet, Schedule, Step, compute_bounds
 from tensoropt.search.factor import Context, Factor, multiply_all
 
 Key = tuple[int, int, int]
@@ -136,21 +136,19 @@ def eliminate(
     order, _ = elimination_order((f.scope for f in factors), dims, variables - keep)
     steps, scopes, roots = _plan(factors, order)
     live: dict[int, Factor] = dict(enumerate(factors))
-    bounds: dict[tuple[int, int], Bound] | None = None
-    start = 0
+    bounds: BoundSet | None = None
+    start = -1
     for j, st in enumerate(steps):
         inputs = [live[i] for i in st.inputs]
-        if bounds is None and _wants_bounds(ctx, inputs, keep):
+        if start < 0 and _wants_bounds(ctx, inputs, keep):
             sched = Schedule(steps[j:], scopes, dims, roots)
             leaves = {i: f.table for i, f in live.items() if f.table is not None}
-            bounds, start = compute_bounds(sched, leaves), j
+            bounds, start = compute_bounds(sched, leaves, ctx.convex_bounds), j
             ctx.notes.append(f"bound pruning from step {j} of {len(steps)}")
         for i in st.inputs:
             del live[i]
-        per = None
-        if bounds:
-            n = max(len(inputs) - 1, 1)
-            per = [bounds.get((j - start, p)) for p in range(n)]
+        n = max(len(inputs) - 1, 1)
+        per = [bounds.get((j - start, p)) for p in range(n)] if bounds else None
         live[st.out] = multiply_all(ctx, inputs, frozenset((st.var,)), per)
     return list(live.values())
 

@@ -49,6 +49,7 @@ class Context:
     symbolic: bool = False
     bounding: bool = False  # exact bound pruning allowed (exact mode only)
     bound_trigger: int = 0  # ... once a step's inputs hold this many points
+    convex_bounds: bool = False  # ... with weighted (convex) lower bounds too
     max_frontier: int = 0
     max_scope: int = 0
     max_entries: int = 0
