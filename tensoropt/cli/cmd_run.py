@@ -61,6 +61,14 @@ def add_parser(sub) -> None:
     p.add_argument("--hostfile", metavar="FILE", help="MPI hostfile (--backend mpi)")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads per rank")
     p.add_argument(
+        "--arena",
+        choices=["shared", "shared-pow2", "per-session", "none"],
+        default="shared",
+        help="where a rank's tensors live: one pool per rank growing as requested (default, "
+        "like a device), the same growing by doubling, one pool per graph segment "
+        "(onnxruntime's default), or no pool",
+    )
+    p.add_argument(
         "--stall-timeout", type=float, metavar="S", help="stop an MPI job with no step for S s"
     )
     p.add_argument(
@@ -151,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             on_step=table.on_step,
             profile=args.profile,
             profile_warmup=args.profile_warmup,
+            arena=args.arena,
         )
     finally:
         table.close()

@@ -79,3 +79,19 @@ def test_mpi_backend_from_the_cli(outdirs, capsys):
     assert code == 0
     local = json.loads(_run(capsys, outdirs("dp2"), "--steps", 2, "--json")[1])
     assert json.loads(out)["losses"] == local["losses"]
+
+
+@pytest.mark.parametrize("arena", ["per-session", "none"])
+def test_arena_choice_keeps_the_numbers(outdirs, capsys, arena):
+    code, out, err = _run(capsys, outdirs("dp2_tp2"), "--steps", 2, "--json")
+    assert code == 0, err
+    default = json.loads(out)["losses"]
+    code, out, err = _run(capsys, outdirs("dp2_tp2"), "--steps", 2, "--json", "--arena", arena)
+    assert code == 0, err
+    assert json.loads(out)["losses"] == default
+
+
+def test_unknown_arena_exits_2(outdirs, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _run(capsys, outdirs("dp2_tp2"), "--arena", "huge")
+    assert exc.value.code == 2
