@@ -102,20 +102,21 @@ def run_steps(
     return result
 
 
-def _backend(value: str | Backend) -> Backend:
+def _choice(enum_cls, value, what: str):
+    """``value`` as a member of ``enum_cls``, or one line naming the choices."""
     try:
-        return Backend(value)
+        return enum_cls(value)
     except ValueError:
-        choices = ", ".join(b.value for b in Backend)
-        raise TensorOptError(f"unknown backend {value!r}; choose one of {choices}") from None
+        choices = ", ".join(m.value for m in enum_cls)
+        raise TensorOptError(f"unknown {what} {value!r}; choose one of {choices}") from None
+
+
+def _backend(value: str | Backend) -> Backend:
+    return _choice(Backend, value, "backend")
 
 
 def _arena(value: ArenaMode | str) -> ArenaMode:
-    try:
-        return ArenaMode(value)
-    except ValueError:
-        choices = ", ".join(m.value for m in ArenaMode)
-        raise TensorOptError(f"unknown arena mode {value!r}; choose one of {choices}") from None
+    return _choice(ArenaMode, value, "arena mode")
 
 
 def _run_local(manifest: Manifest, opts: RunOptions, on_step: OnStep | None) -> RunResult:

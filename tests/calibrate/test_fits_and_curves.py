@@ -64,6 +64,21 @@ def test_alltoall_volume_is_what_comm_bytes_charges():
         assert volume(CollectiveKind.ALL_TO_ALL, 512.0, n) == comm_bytes(step, local, np.float32, n)
 
 
+@pytest.fixture(scope="module")
+def mlp_tiny_sg(tmp_path_factory):
+    """The search graph of the zoo's tiny mlp (SGD with momentum)."""
+    import argparse
+
+    from tensoropt.cli.common import search_graph
+    from tensoropt.models import build_model, save_model
+
+    path = tmp_path_factory.mktemp("mlp") / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(path))
+    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
+                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
+    return search_graph(args)
+
+
 def _profile_with(per_kind: dict) -> object:
     from tensoropt.cost.cluster import from_json
 
@@ -94,20 +109,12 @@ def test_bad_collective_rates_name_the_field(fit, field):
         _profile_with({"AllReduce": fit})
 
 
-def test_cost_model_charges_the_gradient_allreduce_at_its_measured_rate(tmp_path):
-    import argparse
-
-    from tensoropt.cli.common import search_graph
+def test_cost_model_charges_the_gradient_allreduce_at_its_measured_rate(mlp_tiny_sg):
     from tensoropt.cost.model import build_problem
     from tensoropt.ir.mesh import Mesh
-    from tensoropt.models import build_model, save_model
     from tensoropt.search.driver import reference_choices
 
-    path = tmp_path / "mlp.onnx"
-    save_model(build_model("mlp", "tiny"), str(path))
-    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
-                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
-    sg = search_graph(args)
+    sg = mlp_tiny_sg
     mesh = Mesh((2,), ("x",))
     base = builtin("h100")
     slow = _profile_with({"AllReduce": {"alpha_s": 1e-4, "bandwidth": 1e8}})
@@ -190,20 +197,12 @@ def test_benchmark_models_compute_their_op(case):
     assert all(o.shape == case.out_shape for o in outs)
 
 
-def test_activation_memory_counts_only_values_the_backward_reads(tmp_path):
+def test_activation_memory_counts_only_values_the_backward_reads(mlp_tiny_sg):
     """1 device: memory = parameters x (3 + 2 states) + the saved forward values."""
-    import argparse
-
-    from tensoropt.cli.common import search_graph
     from tensoropt.cost.model import build_problem
     from tensoropt.ir.mesh import Mesh
-    from tensoropt.models import build_model, save_model
 
-    path = tmp_path / "mlp.onnx"
-    save_model(build_model("mlp", "tiny"), str(path))
-    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
-                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
-    sg = search_graph(args)
+    sg = mlp_tiny_sg
     assert sg.saved and len(sg.saved) < sum(len(n.outputs) for n in sg.graph)
     views = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")  # no memory of their own
     values = {v.name: v for n in sg.graph if n.op_type not in views for v in n.outputs}
@@ -218,21 +217,13 @@ def test_activation_memory_counts_only_values_the_backward_reads(tmp_path):
     assert memory == param_bytes * (3 + 2 * sg.optimizer_states) + saved_bytes
 
 
-def test_column_parallel_consumer_pays_the_backward_allreduce(tmp_path):
+def test_column_parallel_consumer_pays_the_backward_allreduce(mlp_tiny_sg):
     """Forward R -> R needs nothing, but the gradient of a column-parallel MatMul's input
     is partial over the tp axis: the edge charges its AllReduce (Megatron's backward)."""
-    import argparse
-
-    from tensoropt.cli.common import search_graph
     from tensoropt.cost.model import build_problem
     from tensoropt.ir.mesh import Mesh
-    from tensoropt.models import build_model, save_model
 
-    path = tmp_path / "mlp.onnx"
-    save_model(build_model("mlp", "tiny"), str(path))
-    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
-                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
-    sg = search_graph(args)
+    sg = mlp_tiny_sg
     profile = _profile_with({"AllReduce": {"alpha_s": 1e-5, "bandwidth": 1e9}})
     mp = build_problem(sg, Mesh((2,), ("x",)), profile)
     names = [u.name for u in mp.problem.units]
