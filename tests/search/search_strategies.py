@@ -10,6 +10,16 @@ from hypothesis import strategies as st
 
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
 
+
+def values(result) -> list[tuple[float, float]]:
+    return [(p.time_s, p.memory_bytes) for p in result.points]
+
+
+def assert_choices_exact(problem: CostProblem, result) -> None:
+    for p in result.points:
+        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
+
+
 COST = st.integers(0, 24).map(lambda k: k / 4)
 MEM = st.integers(0, 24).map(lambda k: k / 8)
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
-from search_strategies import block_chains
+from search_strategies import block_chains, values
 
 from tensoropt.errors import PlanError
 from tensoropt.ir.costs import BlockHint, CostProblem
 from tensoropt.search import BlockMode, solve
 from tensoropt.search.synthetic import transformer_problem
-
-
-def values(result) -> list[tuple[float, float]]:
-    return [(p.time_s, p.memory_bytes) for p in result.points]
 
 
 @settings(max_examples=30, deadline=None)

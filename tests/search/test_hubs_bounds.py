@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from search_strategies import hub_problems, problems
+from search_strategies import assert_choices_exact, hub_problems, problems, values
 
 from tensoropt.ir.costs import CostProblem
 from tensoropt.search import BlockMode, Pruning, solve
@@ -14,15 +14,6 @@ from tensoropt.search.bounds import Bound
 from tensoropt.search.exhaustive import exhaustive_frontier
 from tensoropt.search.hubs import find_splits
 from tensoropt.search.prepared import prepare
-
-
-def values(result) -> list[tuple[float, float]]:
-    return [(p.time_s, p.memory_bytes) for p in result.points]
-
-
-def assert_choices_exact(problem: CostProblem, result) -> None:
-    for p in result.points:
-        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
 
 
 @settings(max_examples=40, deadline=None)

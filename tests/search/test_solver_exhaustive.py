@@ -6,20 +6,11 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from search_strategies import block_chains, problems
+from search_strategies import assert_choices_exact, block_chains, problems, values
 
 from tensoropt.ir.costs import BlockHint, CostProblem
 from tensoropt.search import BlockMode, solve
 from tensoropt.search.exhaustive import all_plans, exhaustive_frontier, pareto
-
-
-def values(result) -> list[tuple[float, float]]:
-    return [(p.time_s, p.memory_bytes) for p in result.points]
-
-
-def assert_choices_exact(problem: CostProblem, result) -> None:
-    for p in result.points:
-        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
 
 
 @settings(max_examples=200, deadline=None)
