@@ -72,14 +72,13 @@ class CommSpec:
 
     sizes: tuple[int, ...]
     repeats: int
-    block_seconds: float
 
     def to_json(self) -> dict:
-        return {"sizes": list(self.sizes), "repeats": self.repeats, "block": self.block_seconds}
+        return {"sizes": list(self.sizes), "repeats": self.repeats}
 
     @staticmethod
     def from_json(d: dict) -> CommSpec:
-        return CommSpec(tuple(d["sizes"]), int(d["repeats"]), float(d["block"]))
+        return CommSpec(tuple(d["sizes"]), int(d["repeats"]))
 
 
 def _local_input(kind: CollectiveKind, buffer_bytes: int, n: int) -> np.ndarray:
@@ -113,16 +112,14 @@ def measure_comm(
     comm: Communicator,
     spec: CommSpec,
     slowest: Callable[[float], float],
-    agree: Callable[[int], int],
     on_point: Callable[[], None] | None = None,
 ) -> dict[str, list[list[float]]]:
     """Per collective: ``[buffer_bytes, median_seconds, spread]`` per size (every rank calls).
 
     Each time is one call as a training step makes it (see ``EVICT_BYTES``); the median
     of ``max(spec.repeats, IN_STEP_SAMPLES)`` samples. ``slowest(t)`` returns the max of
-    ``t`` over ranks; ``agree`` is kept for callers that time blocks of calls.
+    ``t`` over ranks.
     """
-    del agree  # every sample is a single call on every rank
     n = comm.size
     group = tuple(range(n))
     scratch = np.ones(EVICT_BYTES // 4, dtype=np.float32)
@@ -184,7 +181,7 @@ def run_local(ranks: int, spec: CommSpec, on_point=None) -> CommFits:
     """Time :meth:`LocalWorld.run_batched` (the local engine's collective path)."""
     world = LocalWorld(ranks)
     comm = _BatchedComm(world)
-    points = measure_comm(comm, spec, lambda t: t, lambda k: k, on_point)
+    points = measure_comm(comm, spec, lambda t: t, on_point)
     return fit(points, ranks, "local")
 
 

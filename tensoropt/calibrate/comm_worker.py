@@ -31,14 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     def slowest(t: float) -> float:
         return float(world.allreduce(t, op=MPI.MAX))
 
-    def agree(k: int) -> int:
-        return int(world.bcast(k, root=0))
-
     def on_point() -> None:
         if root:
             print("POINT", flush=True)
 
-    points = measure_comm(comm, spec, slowest, agree, on_point)
+    points = measure_comm(comm, spec, slowest, on_point)
     if root:
         write_atomic(config["out"], json.dumps(points).encode())
     world.Barrier()

@@ -71,7 +71,7 @@ class CalibrateOptions:
 
 
 def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
-    return coll.CommSpec(coll.sizes(opts.quick), opts.repeats, 0.01 if opts.quick else 0.05)
+    return coll.CommSpec(coll.sizes(opts.quick), opts.repeats)
 
 
 def work_items(opts: CalibrateOptions) -> int:

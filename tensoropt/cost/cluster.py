@@ -69,7 +69,7 @@ class ClusterProfile:
         used on the intra-node link (they see the runtime's real per-kind costs, e.g. an
         AllReduce that is two passes, not the joint fit's average). Inter-node links were
         not measured per kind and keep the link's own rates."""
-        if link is self.intra or link == self.intra:
+        if link == self.intra:
             return self.collective_links.get(kind, link)
         return link
 

@@ -103,49 +103,38 @@ class _Inserter:
         current = value
         tags = {ROLE_KEY: "redistribution", UNIT_KEY: unit}
         for step, axes in _merge_all_reduces(plan_redistribution(have, need, shape, self.mesh)):
+            for axis in axes:
+                have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
             if all(self.mesh.shape[a] == 1 for a in axes):
                 # a mesh axis of size 1: its only member holds the whole value, so the step
                 # is the identity; emitting it would split the device graph at a no-op
-                for axis in axes:
-                    have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
                 continue
             self.count += 1
             node = _step_node(step, current, tags, f"redist_{self.count}")
             if len(axes) > 1:
                 node.attributes["mesh_axis"] = ir.AttrInt64s("mesh_axis", list(axes))
-            out = node.outputs[0]
-            out.name = f"{value.name}__r{self.count}"
-            out.dtype = value.dtype
-            out.shape = ir.Shape(shape)
-            if anchor is None:
-                self.graph.append(node)
-            else:
-                self.graph.insert_before(anchor, node)
-            for axis in axes:
-                have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
-            self.layouts[out] = have
-            current = out
-        if self.layouts[current] != need and have == need:
-            current = self._relabel(current, need, anchor, tags)
+            current = self._emit(node, value, anchor, have)
         if have != need:
             raise AssertionError(f"redistribution of {value.name} ended at {have}, not {need}")
+        if self.layouts[current] != need:  # only size-1 axes differ: relabel, move nothing
+            self.count += 1
+            node = ir.Node("", "Identity", [current], name=f"redist_{self.count}",
+                           metadata_props=dict(tags), num_outputs=1)  # fmt: skip
+            current = self._emit(node, value, anchor, need)
         self.cache[key] = current
         return current
 
-    def _relabel(self, value: ir.Value, need: Layout, anchor, tags) -> ir.Value:
-        """``value`` under the name of layout ``need`` when only size-1 axes differ."""
-        self.count += 1
-        node = ir.Node("", "Identity", [value], name=f"redist_{self.count}",
-                       metadata_props=dict(tags), num_outputs=1)  # fmt: skip
+    def _emit(self, node: ir.Node, source: ir.Value, anchor, layout: Layout) -> ir.Value:
+        """Insert ``node`` (converting ``source``) before ``anchor``; its output's value."""
         out = node.outputs[0]
-        out.name = f"{value.name}__r{self.count}"
-        out.dtype = value.dtype
-        out.shape = ir.Shape(static_shape(value))
+        out.name = f"{source.name}__r{self.count}"
+        out.dtype = source.dtype
+        out.shape = ir.Shape(static_shape(source))
         if anchor is None:
             self.graph.append(node)
         else:
             self.graph.insert_before(anchor, node)
-        self.layouts[out] = need
+        self.layouts[out] = layout
         return out
 
     def run(self) -> dict[ir.Value, Layout]:
