@@ -108,3 +108,16 @@ class Builder:
         """A scalar constant with the float dtype of ``like`` (float32 by default)."""
         dtype = like.dtype.numpy() if like.dtype is not None else np.float32
         return self.const(np.asarray(value, dtype=dtype))
+
+    def factor_like(self, value: float, like: ir.Value) -> ir.Value:
+        """``value`` as a constant of shape [1] * rank(``like``): a factor that an
+        element-wise op broadcasts against ``like``, with the same results as a scalar.
+
+        onnxruntime's CPU broadcast of a rank-0 (or [1]) operand against a tensor whose
+        last dimension is 1 loops element by element: Mul(scalar, W[256, 64, 1, 1])
+        took 104 us against 4.5 us for the same Mul with a [1, 1, 1, 1] factor (a 1x1
+        convolution's weight in an optimizer update; measured on this project's
+        2-core machine, onnxruntime 1.32.0). Equal ranks take the fast path."""
+        dtype = like.dtype.numpy() if like.dtype is not None else np.float32
+        rank = len(like.shape) if like.shape is not None else 0
+        return self.const(np.full((1,) * rank, value, dtype=dtype))

@@ -94,13 +94,13 @@ def build_update(
 
 
 def _sgd(b, graph, param, grad, opts) -> Update:
-    lr = b.scalar_like(opts.lr, param)
+    lr = b.factor_like(opts.lr, param)
     if not opts.momentum:
         new_p = b.op("Sub", [param, b.op("Mul", [lr, grad])])
         return Update((), (new_p,))
     (name,) = state_names(param.name, opts.kind, opts.momentum)
     mom = _state_value(graph, name, param)
-    new_mom = b.op("Add", [b.op("Mul", [b.scalar_like(opts.momentum, param), mom]), grad])
+    new_mom = b.op("Add", [b.op("Mul", [b.factor_like(opts.momentum, param), mom]), grad])
     new_p = b.op("Sub", [param, b.op("Mul", [lr, new_mom])])
     return Update((mom,), (new_p, new_mom))
 
@@ -109,7 +109,7 @@ def _adam(b, graph, param, grad, opts, new_step) -> Update:
     m_name, v_name = state_names(param.name, opts.kind, opts.momentum)
     m = _state_value(graph, m_name, param)
     v = _state_value(graph, v_name, param)
-    c = lambda x: b.scalar_like(x, param)  # noqa: E731
+    c = lambda x: b.factor_like(x, param)  # noqa: E731
     new_m = b.op("Add", [b.op("Mul", [c(opts.beta1), m]), b.op("Mul", [c(1 - opts.beta1), grad])])
     g2 = b.op("Mul", [grad, grad])
     new_v = b.op("Add", [b.op("Mul", [c(opts.beta2), v]), b.op("Mul", [c(1 - opts.beta2), g2])])

@@ -161,3 +161,31 @@ def test_tied_parameter_gradients_accumulate():
     dy = 2 * (h @ w - lab) / lab.size
     expected = h.T @ dy + xb.T @ (dy @ w.T)
     np.testing.assert_allclose(grads["W"], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_optimizer_factors_match_the_parameter_rank(optimizer):
+    """The update's constant factors have the rank of the tensor they scale: onnxruntime
+    broadcasts a rank-0 factor against a [.., 1] tensor element by element (~20x slower
+    on a 1x1 convolution's weight), so a scalar there would be a performance bug."""
+    opts = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind(optimizer)))
+    proto, _ = zoo_step("resnet50", opts)
+    inferred = onnx.shape_inference.infer_shapes(proto).graph
+    values = (*inferred.input, *inferred.value_info, *inferred.output)
+    rank = {v.name: len(v.type.tensor_type.shape.dim) for v in values}
+    consts = {
+        n.output[0]: len(onnx.numpy_helper.to_array(n.attribute[0].t).shape)
+        for n in proto.graph.node
+        if n.op_type == "Constant"
+    }
+    checked = 0
+    for node in proto.graph.node:
+        role = {p.key: p.value for p in node.metadata_props}.get("tensoropt.role")
+        if role != "optimizer" or node.op_type not in ("Mul", "Add", "Sub", "Div"):
+            continue
+        factors = [consts[i] for i in node.input if i in consts]
+        tensors = [rank[i] for i in node.input if i not in consts and rank.get(i, 0) > 0]
+        if factors and tensors:
+            assert factors == [max(tensors)] * len(factors), node.name
+            checked += 1
+    assert checked > 100  # every conv weight's update, at least
