@@ -2,15 +2,17 @@
 
 Each collective (AllReduce, AllGather, ReduceScatter, AllToAll) runs through the
 runtime's own communicator, over the whole world, at message sizes from bytes to
-tens of MiB. Per point: K repeats of a timed block of calls, each block started
-after a barrier and ended when the slowest rank is done (the max over ranks), and
-the median kept. Then ``time = latency_terms * alpha + volume / bandwidth`` is fitted
+tens of MiB. Per point: the median of single calls made as a training step makes
+them (:func:`measure_comm`), each ended when the slowest rank is done (the max over
+ranks). Then ``time = latency_terms * alpha + volume / bandwidth`` is fitted
 per collective and jointly, with the volume convention of
 :func:`tensoropt.ir.redistribute.comm_bytes` (DESIGN §4), so the fitted rates mean
 what the cost model multiplies them by.
 
 Backends: ``mpi`` starts ``mpiexec -n N python -m tensoropt.calibrate.comm_worker``
-(the :class:`~tensoropt.runtime.mpi_comm.MpiCommunicator`); ``local`` times
+(the :class:`~tensoropt.runtime.mpi_comm.MpiCommunicator`) ``launches`` times, each a
+fresh set of processes, and keeps per point the median over the launches (see
+:func:`merge_launches`); ``local`` times
 :class:`~tensoropt.runtime.comm.LocalWorld` in this process (the local engine's
 path: numpy copies and sums, no transport).
 """
@@ -108,44 +110,52 @@ EVICT_BYTES = 32 << 20
 IN_STEP_SAMPLES = 15
 
 
+def samples_per_point(spec: CommSpec) -> int:
+    return max(spec.repeats, IN_STEP_SAMPLES)
+
+
 def measure_comm(
     comm: Communicator,
     spec: CommSpec,
     slowest: Callable[[float], float],
-    on_point: Callable[[], None] | None = None,
+    on_round: Callable[[], None] | None = None,
 ) -> dict[str, list[list[float]]]:
     """Per collective: ``[buffer_bytes, median_seconds, spread]`` per size (every rank calls).
 
     Each time is one call as a training step makes it (see ``EVICT_BYTES``); the median
-    of ``max(spec.repeats, IN_STEP_SAMPLES)`` samples. ``slowest(t)`` returns the max of
-    ``t`` over ranks.
+    of :func:`samples_per_point` samples. The samples are taken in rounds, each round
+    one sample of every (collective, size) point, so that a slow phase of the processes
+    (the first seconds after start measured 1.5-1.8x slower small AllReduces than the
+    rest, and AllReduce used to be measured first) spreads over every point instead
+    of shifting one collective's latency. ``slowest(t)`` returns the max of ``t`` over
+    ranks; ``on_round`` is called after each round.
     """
     n = comm.size
     group = tuple(range(n))
     scratch = np.ones(EVICT_BYTES // 4, dtype=np.float32)
-    samples = max(spec.repeats, IN_STEP_SAMPLES)
-    out: dict[str, list[list[float]]] = {}
-    for kind in KINDS:
-        run = _call_of(comm, kind, group)
-        rows = []
-        for size in spec.sizes:
-            x = _local_input(kind, size, n)
-            for _ in range(2):
-                run(x)  # warm-up (buffers, sub-communicators)
-            times = []
-            for _ in range(samples):
-                np.add(scratch, 1.0, out=scratch)  # the compute between collectives
-                fresh = x.copy()  # written just before, as a segment's output is
-                comm.barrier()
-                t0 = time.perf_counter()
-                run(fresh)
-                times.append(slowest(time.perf_counter() - t0))
-            sample = Sample.of(times)
-            nbytes = x.nbytes * (n if kind is CollectiveKind.ALL_GATHER else 1)
-            rows.append([float(nbytes), sample.median, sample.spread])
-            if on_point is not None:
-                on_point()
-        out[kind.value] = rows
+    points = [(kind, size) for kind in KINDS for size in spec.sizes]
+    calls = {kind: _call_of(comm, kind, group) for kind in KINDS}
+    inputs = {(kind, size): _local_input(kind, size, n) for kind, size in points}
+    for kind, size in points:
+        for _ in range(2):
+            calls[kind](inputs[kind, size])  # warm-up (buffers, sub-communicators)
+    times: dict[tuple, list[float]] = {point: [] for point in points}
+    for _ in range(samples_per_point(spec)):
+        for kind, size in points:
+            np.add(scratch, 1.0, out=scratch)  # the compute between collectives
+            fresh = inputs[kind, size].copy()  # written just before, as a segment's output is
+            comm.barrier()
+            t0 = time.perf_counter()
+            calls[kind](fresh)
+            times[kind, size].append(slowest(time.perf_counter() - t0))
+        if on_round is not None:
+            on_round()
+    out: dict[str, list[list[float]]] = {kind.value: [] for kind in KINDS}
+    for kind, size in points:
+        sample = Sample.of(times[kind, size])
+        x = inputs[kind, size]
+        nbytes = x.nbytes * (n if kind is CollectiveKind.ALL_GATHER else 1)
+        out[kind.value].append([float(nbytes), sample.median, sample.spread])
     return out
 
 
@@ -219,7 +229,44 @@ class _BatchedComm:
         return None
 
 
-def run_mpi(ranks: int, spec: CommSpec, threads: int, on_point=None) -> CommFits:
+# Two calibrations in a row on a quiet 2-core machine differed by up to 2x at single
+# points (16 MiB AllToAll) while each run's own IQR was a few percent: the rate
+# depends on the processes (where MPI's shared memory and the heap landed), not only
+# on the repeats. So each point is the median over several fresh launches.
+DEFAULT_LAUNCHES = 3
+
+
+def merge_launches(runs: Sequence[dict[str, list[list[float]]]]) -> dict[str, list[list[float]]]:
+    """Per point: the median over launches, and spread = the larger of the launches'
+    median own spread (IQR / median) and their range over the median (max - min) /
+    median, so the file shows how far one launch can be from another."""
+    if len(runs) == 1:
+        return runs[0]
+    merged: dict[str, list[list[float]]] = {}
+    for kind, rows in runs[0].items():
+        out = []
+        for i, (nbytes, _, _) in enumerate(rows):
+            medians = np.array([run[kind][i][1] for run in runs])
+            own = float(np.median([run[kind][i][2] for run in runs]))
+            mid = float(np.median(medians))
+            across = float(np.ptp(medians) / mid) if mid > 0 else 0.0
+            out.append([nbytes, mid, max(own, across)])
+        merged[kind] = out
+    return merged
+
+
+def run_mpi(
+    ranks: int, spec: CommSpec, threads: int, on_point=None, launches: int = DEFAULT_LAUNCHES
+) -> CommFits:
+    """Time the collectives in ``launches`` fresh sets of ``ranks`` MPI workers; the
+    per-point median over the launches (:func:`merge_launches`) is fitted."""
+    runs = [_launch_mpi(ranks, spec, threads, on_point) for _ in range(launches)]
+    return fit(merge_launches(runs), ranks, "mpi")
+
+
+def _launch_mpi(
+    ranks: int, spec: CommSpec, threads: int, on_point
+) -> dict[str, list[list[float]]]:
     """Start ``ranks`` MPI workers that time the collectives; rank 0 writes the points."""
     from tensoropt.runtime.launcher import mpiexec_path
 
@@ -245,8 +292,7 @@ def run_mpi(ranks: int, spec: CommSpec, threads: int, on_point=None) -> CommFits
                 f"calibrate: the {ranks}-rank MPI collective benchmark failed "
                 f"(exit {proc.returncode}: {last}); try --backend local"
             )
-        points = json.loads(out.read_text())
-    return fit(points, ranks, "mpi")
+        return json.loads(out.read_text())
 
 
 def _follow(proc: subprocess.Popen, on_point) -> None:
@@ -271,8 +317,9 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def total_points(spec: CommSpec) -> int:
-    return len(KINDS) * len(spec.sizes)
+def total_points(spec: CommSpec, launches: int = 1) -> int:
+    """Progress ticks of the collective benchmark: one per round of every launch."""
+    return samples_per_point(spec) * launches
 
 
 def check_sizes(values: Sequence[int]) -> None:

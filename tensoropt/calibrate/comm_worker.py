@@ -2,7 +2,7 @@
 
 ``mpiexec -n N python -m tensoropt.calibrate.comm_worker CONFIG.json``: every rank
 times the collectives through :class:`~tensoropt.runtime.mpi_comm.MpiCommunicator`;
-rank 0 prints ``POINT`` after each measured size (the parent's progress bar) and
+rank 0 prints ``POINT`` after each round of samples (the parent's progress bar) and
 writes the points to the path in the config.
 """
 

@@ -56,6 +56,7 @@ class CalibrateOptions:
     repeats: int = 5
     quick: bool = False
     threads: int | None = None  # intra-op threads per rank; None = cores // ranks
+    launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
 
     @property
     def threads_per_rank(self) -> int:
@@ -66,6 +67,8 @@ class CalibrateOptions:
             raise TensorOptError(f"--ranks {self.ranks}: collectives need at least 2 ranks")
         if self.repeats < 3:
             raise TensorOptError(f"--repeats {self.repeats}: give at least 3 (medians, IQR)")
+        if self.launches < 1:
+            raise TensorOptError(f"--launches {self.launches}: give at least 1")
         if self.threads is not None and self.threads < 1:
             raise TensorOptError(f"--threads {self.threads}: give at least 1")
 
@@ -76,7 +79,8 @@ def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
 
 def work_items(opts: CalibrateOptions) -> int:
     """Progress-bar length: kernel cases + the floor + collective points."""
-    return len(kernels.cases(opts.quick)) + 1 + coll.total_points(_comm_spec(opts))
+    launches = opts.launches if opts.backend is CommBackend.MPI else 1
+    return len(kernels.cases(opts.quick)) + 1 + coll.total_points(_comm_spec(opts), launches)
 
 
 def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
@@ -199,7 +203,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
         tick("collectives")
 
     if opts.backend is CommBackend.MPI:
-        fits = coll.run_mpi(opts.ranks, spec, opts.threads_per_rank, on_point)
+        fits = coll.run_mpi(opts.ranks, spec, opts.threads_per_rank, on_point, opts.launches)
     else:
         fits = coll.run_local(opts.ranks, spec, on_point)
     link = {"alpha_s": fits.joint.alpha_s, "bandwidth": fits.joint.bandwidth}
@@ -246,6 +250,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "threads_per_rank": opts.threads_per_rank,
             "compute_clock": _kernel_options(opts).clock_name,
             "repeats": opts.repeats,
+            "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,
             "run_overhead_s": overhead.median,
             "inter": "single host: inter is a copy of intra (no inter-node link was measured)",

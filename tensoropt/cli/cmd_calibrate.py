@@ -16,7 +16,10 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
-            DESIGN section 4 volume model, per collective and jointly (the profile's link)
+            DESIGN section 4 volume model, per collective and jointly (the profile's link);
+            with mpi, every point is the median over --launches fresh process sets
+            (one set's rates can sit 30-50% from another's), its spread the larger of
+            the in-launch IQR/median and the across-launch range/median
 
 output: a cluster JSON file for `tensoropt search --cluster FILE.json` (and compile,
 validate): rates, rate-vs-size curves per op family, every point with its spread,
@@ -45,6 +48,13 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks", type=int, default=2, help="ranks for the collectives (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (default 5)")
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default cores//ranks)")
+    p.add_argument(
+        "--launches",
+        type=int,
+        default=3,
+        help="fresh MPI process sets the collectives are timed in; each point is the "
+        "median over them (default 3; rates vary more between processes than within one)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing blocks")
     p.add_argument("--json", action="store_true", help="print the profile on stdout too")
     p.set_defaults(func=run)
@@ -109,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         quick=args.quick,
         threads=args.threads,
+        launches=args.launches,
     )
     opts.check()
     total = work_items(opts)

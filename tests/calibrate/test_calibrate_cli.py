@@ -38,7 +38,7 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert profile.peak_flops == max(r for _, r in profile.op_curves["matmul"].points)
     cal = data["calibration"]
     assert cal["ranks"] == 2 and cal["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
-    assert cal["backend"] == "mpi" and cal["repeats"] == 3
+    assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3
     assert cal["compute_clock"] == ("thread_cpu" if cal["threads_per_rank"] == 1 else "wall")
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
@@ -139,8 +139,9 @@ def test_interrupted_calibration_leaves_no_file(tmp_path, sig):
     assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary
 
 
-def test_bad_options_exit_2(tmp_path, capsys):
-    code = main(["calibrate", "-o", str(tmp_path / "x.json"), "--ranks", "1"])
+@pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"]])
+def test_bad_options_exit_2(tmp_path, capsys, flag):
+    code = main(["calibrate", "-o", str(tmp_path / "x.json"), *flag])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "--ranks 1" in err[0]
+    assert code == 2 and len(err) == 1 and " ".join(flag) in err[0]
     assert not (tmp_path / "x.json").exists()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensoropt.calibrate.collectives import KINDS, fit, latency_terms, volume
+from tensoropt.calibrate.collectives import KINDS, fit, latency_terms, merge_launches, volume
 from tensoropt.calibrate.kernels import build_model, cases
 from tensoropt.calibrate.stats import Sample, fit_alpha_beta
 from tensoropt.cost.cluster import OpCurve, builtin
@@ -126,6 +126,19 @@ def test_cost_model_charges_the_gradient_allreduce_at_its_measured_rate(mlp_tiny
     alphas = 2 * len(sg.params) * (1e-4 - base.intra.alpha_s)
     betas = param_bytes * (1 / 1e8 - 1 / base.intra.bandwidth)  # 2 (n-1)/n = 1 at n = 2
     assert times[1] - times[0] == pytest.approx(alphas + betas, rel=1e-9)
+
+
+def test_launches_merge_to_the_median_with_the_wider_spread():
+    runs = [
+        {"AllReduce": [[64.0, 1.0, 0.05], [1024.0, 2.0, 0.30]]},
+        {"AllReduce": [[64.0, 3.0, 0.01], [1024.0, 2.2, 0.20]]},
+        {"AllReduce": [[64.0, 2.0, 0.02], [1024.0, 2.1, 0.10]]},
+    ]
+    merged = merge_launches(runs)["AllReduce"]
+    # median over launches; spread = max(median own spread, (max - min) / median)
+    assert merged[0] == [64.0, 2.0, (3.0 - 1.0) / 2.0]
+    assert merged[1][:2] == [1024.0, 2.1] and merged[1][2] == 0.20
+    assert merge_launches(runs[:1]) is runs[0]
 
 
 def test_sample_median_and_spread():
