@@ -264,9 +264,7 @@ def run_mpi(
     return fit(merge_launches(runs), ranks, "mpi")
 
 
-def _launch_mpi(
-    ranks: int, spec: CommSpec, threads: int, on_point
-) -> dict[str, list[list[float]]]:
+def _launch_mpi(ranks: int, spec: CommSpec, threads: int, on_point) -> dict[str, list[list[float]]]:
     """Start ``ranks`` MPI workers that time the collectives; rank 0 writes the points."""
     from tensoropt.runtime.launcher import mpiexec_path
 
