@@ -15,9 +15,6 @@ def test_child_env_adds_the_settings_and_keeps_the_users():
 
 
 def test_tune_process_applies_once_on_glibc():
-    code = (
-        "from tensoropt.runtime.malloc import tune_process;"
-        "print(tune_process(), tune_process())"
-    )
+    code = "from tensoropt.runtime.malloc import tune_process;print(tune_process(), tune_process())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
