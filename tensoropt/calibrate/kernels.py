@@ -29,6 +29,10 @@ from tensoropt.cost.compute import family, forward_flops
 from tensoropt.runtime.program import SessionConfig
 
 CONTRACTIONS = ("matmul", "conv")
+GRIDDED = ("matmul",)  # families with a rate grid (cost.cluster.RateGrid)
+GRID_ROWS = (16, 64, 256, 1024)
+GRID_SIDES = (64, 256, 1024)
+QUICK_GRID = ((16, 256), (64, 512))
 _ITEMSIZE = 4  # float32
 
 
@@ -54,6 +58,13 @@ class KernelCase:
     def traffic(self) -> float:
         elements = sum(math.prod(s) for s in self.shapes) + math.prod(self.out_shape)
         return float(_ITEMSIZE * elements)
+
+    @property
+    def rows(self) -> float:
+        """Output rows of the GEMM (contractions with a shape-aware fit)."""
+        from tensoropt.cost.compute import contraction_rows
+
+        return contraction_rows(self.op_type, dict(self.attrs), self.shapes)
 
     @property
     def work(self) -> float:
@@ -99,9 +110,11 @@ def _rows(n: int) -> tuple[int, int]:
 
 def cases(quick: bool) -> tuple[KernelCase, ...]:
     """The measured shapes: small to ~1024^3 MatMuls, ResNet-like Convs, memory-bound ops."""
-    sizes = [64, 256, 512] if quick else [32, 64, 128, 256, 512, 1024]
-    out = [_matmul(n, n) for n in sizes]
-    out += [_matmul(64, 256)] if quick else [_matmul(64, 256), _matmul(64, 1024), _matmul(512, 64)]
+    # MatMul on the grid of rows x operand side (cost.cluster.RateGrid), plus the
+    # squares in between for the FLOP-keyed curve and the backward ratios
+    rows, sides = QUICK_GRID if quick else (GRID_ROWS, GRID_SIDES)
+    out = [_matmul(m, k) for m in rows for k in sides]
+    out += [_matmul(n, n) for n in ([] if quick else [32, 128, 512])]
     convs = [(8, 4, 16, 3), (8, 16, 16, 3)] if quick else [
         (8, 4, 32, 3), (8, 8, 32, 3), (8, 8, 16, 1),  # the tiny CNNs' few channels
         (8, 16, 32, 3), (8, 32, 16, 3), (8, 64, 8, 3), (8, 64, 16, 1),

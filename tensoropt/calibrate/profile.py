@@ -6,6 +6,9 @@ reads it) whose rates are medians of repeated measurements:
 * ``op_curves``: per op family, rate against size (FLOP/s against FLOPs for
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
+* ``op_grids``: for MatMul, FLOP/s on a grid of output rows (16..1024) x operand side
+  sqrt(K N) (64..1024); the cost model prefers it to the curve (a MatMul's rate
+  follows its shape: 16 rows ran at a third of the rate of 256 at equal K and N);
 * ``op_backward``: per family, (training-step time - forward - modelled update) /
   forward against size (:mod:`tensoropt.calibrate.steps`): what the backward
   really costs, instead of the roofline's fixed 2x;
@@ -26,6 +29,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -122,6 +126,30 @@ def _curves(results) -> dict:
             "cases": [r.case.label() for r in rows],
         }
     return curves
+
+
+def _grids(results) -> dict:
+    """Per family in ``kernels.GRIDDED``: FLOP/s on the grid of rows x operand side
+    (:class:`~tensoropt.cost.cluster.RateGrid`), from the cases that sit on it."""
+    out = {}
+    for fam in kernels.GRIDDED:
+        rate = {}
+        for r in results:
+            if r.case.family == fam:
+                side = round(math.sqrt(r.case.flops / (2.0 * r.case.rows)))
+                rate[int(r.case.rows), side] = r.rate
+        # the grid: sides measured at two or more row counts (the squares in between
+        # are one-off points), then the row counts measured at every such side
+        sides = sorted(k for k in {k for _, k in rate} if sum(1 for _, j in rate if j == k) > 1)
+        rows = sorted(m for m in {m for m, _ in rate} if all((m, k) in rate for k in sides))
+        if len(rows) < 2 or len(sides) < 2:
+            continue
+        out[fam] = {
+            "rows": rows,
+            "sides": sides,
+            "rates": [[rate[m, k] for k in sides] for m in rows],
+        }
+    return out
 
 
 def _backward(results, curves: dict) -> dict:
@@ -231,6 +259,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
         "op_floor_s": floor.seconds.median,
         "op_throughput": throughput,
         "op_curves": curves,
+        "op_grids": _grids(results),
         "op_backward": _backward(results, curves),
         "collectives": _collectives_json(fits),
         "spread": {

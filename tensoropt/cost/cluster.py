@@ -41,6 +41,43 @@ class OpCurve:
 
 
 @dataclass(frozen=True, slots=True)
+class RateGrid:
+    """Measured FLOP/s of a contraction against its shape (``tensoropt calibrate``).
+
+    ``rates[i][j]`` is the rate of a GEMM with ``rows[i]`` output rows and a K x N
+    operand of side ``sides[j]`` = sqrt(K * N) (the operand the GEMM packs once per
+    call and every row reuses). The rate is interpolated bilinearly in log space and
+    held constant beyond the grid. A rate-against-FLOPs curve cannot express this:
+    on the 2-core machine a 16 x 1024 x 1024 MatMul ran at 85 GFLOP/s and a 256-row
+    one at 216, and a linear fit of a packing term missed K = N = 1024 by 27-44%
+    (packing a panel that fits in cache is cheaper per element than one that does not).
+    """
+
+    rows: tuple[float, ...]
+    sides: tuple[float, ...]
+    rates: tuple[tuple[float, ...], ...]
+
+    def rate(self, rows: float, side: float) -> float:
+        i, u = _grid_pos(self.rows, rows)
+        j, v = _grid_pos(self.sides, side)
+        logs = [[math.log(r) for r in row] for row in self.rates]
+        i1, j1 = min(i + 1, len(self.rows) - 1), min(j + 1, len(self.sides) - 1)
+        low = logs[i][j] * (1 - v) + logs[i][j1] * v
+        high = logs[i1][j] * (1 - v) + logs[i1][j1] * v
+        return math.exp(low * (1 - u) + high * u)
+
+
+def _grid_pos(axis: tuple[float, ...], x: float) -> tuple[int, float]:
+    """(cell index, fraction in log space) of ``x`` on ``axis``, clamped to its ends."""
+    if x <= axis[0] or len(axis) == 1:
+        return 0, 0.0
+    if x >= axis[-1]:
+        return len(axis) - 1, 0.0
+    i = max(k for k in range(len(axis)) if axis[k] <= x)
+    return i, math.log(x / axis[i]) / math.log(axis[i + 1] / axis[i])
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterProfile:
     """Rates of one kind of device and its interconnect."""
 
@@ -58,6 +95,8 @@ class ClusterProfile:
     op_curves: dict[str, OpCurve] = field(default_factory=dict)  # measured rate vs size
     # measured (step - forward - update) / forward vs size: the backward's cost
     op_backward: dict[str, OpCurve] = field(default_factory=dict)
+    # measured rate of contraction families against rows and operand side (over a curve)
+    op_grids: dict[str, RateGrid] = field(default_factory=dict)
     # measured alpha-beta of each collective kind ("AllReduce", ...) inside one node
     # (calibrate's ``collectives.per_kind``); preferred over ``intra`` for that kind
     collective_links: dict[str, Link] = field(default_factory=dict)
@@ -206,6 +245,37 @@ def _curves(table, where: str) -> dict[str, OpCurve]:
     return out
 
 
+def _grids(table, where: str) -> dict[str, RateGrid]:
+    """``{family: {"rows": [...], "sides": [...], "rates": [[FLOP/s per side] per row]}}``."""
+    if not isinstance(table, dict):
+        raise ClusterError(f"{where}: expected an object of op families")
+    out = {}
+    for fam, grid in table.items():
+        at = f"{where}.{fam}"
+        if not isinstance(grid, dict) or not all(k in grid for k in ("rows", "sides", "rates")):
+            expected = '{"rows": [...], "sides": [...], "rates": [[...]]}'
+            raise ClusterError(f"{at}: expected {expected}")
+        axes = []
+        for key in ("rows", "sides"):
+            values = grid[key]
+            if not isinstance(values, list) or not values:
+                raise ClusterError(f"{at}.{key}: expected a non-empty increasing list")
+            axis = tuple(_rate(v, f"{at}.{key}[{i}]") for i, v in enumerate(values))
+            if any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
+                raise ClusterError(f"{at}.{key}: expected strictly increasing values")
+            axes.append(axis)
+        rates = grid["rates"]
+        if not isinstance(rates, list) or len(rates) != len(axes[0]):
+            raise ClusterError(f"{at}.rates: expected one row of rates per entry of rows")
+        table_rows = []
+        for i, row in enumerate(rates):
+            if not isinstance(row, list) or len(row) != len(axes[1]):
+                raise ClusterError(f"{at}.rates[{i}]: expected one rate per entry of sides")
+            table_rows.append(tuple(_rate(r, f"{at}.rates[{i}][{j}]") for j, r in enumerate(row)))
+        out[fam] = RateGrid(axes[0], axes[1], tuple(table_rows))
+    return out
+
+
 def from_json(obj, where: str) -> ClusterProfile:
     """A profile from a JSON object; ``base`` names a built-in profile to start from."""
     if not isinstance(obj, dict):
@@ -253,6 +323,8 @@ def from_json(obj, where: str) -> ClusterProfile:
     for key in ("op_curves", "op_backward"):
         if key in obj:
             values[key] = _curves(obj[key], f"{where}.{key}")
+    if "op_grids" in obj:
+        values["op_grids"] = _grids(obj["op_grids"], f"{where}.op_grids")
     if "collectives" in obj:
         values["collective_links"] = _collective_links(obj["collectives"], f"{where}.collectives")
     name = str(obj.get("name", base.name + "+file" if base else "custom"))

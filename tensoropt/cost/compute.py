@@ -8,6 +8,9 @@ the time the curve gives at the op's size, interpolated log-log between measured
 sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
 families (small kernels are slower per FLOP and per byte), and a measured
 backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below.
+A measured rate grid of a contraction family (``op_grids``: FLOP/s against the
+GEMM's rows and operand side, see :class:`~tensoropt.cost.cluster.RateGrid`) is
+preferred over its curve: a MatMul's rate depends on its shape, not only its FLOPs.
 The backward of a
 contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
 backward of other ops is taken as twice the forward traffic.
@@ -15,6 +18,7 @@ backward of other ops is taken as twice the forward traffic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -81,8 +85,33 @@ def curve_rate(curve: OpCurve, size: float) -> float:
     return float(np.exp(np.interp(np.log(size), np.log(sizes), np.log(rates))))
 
 
-def _kernel_time(fam: str, flops: float, traffic: float, profile: ClusterProfile) -> float:
-    """Forward seconds of one kernel of family ``fam``."""
+def contraction_rows(op_type: str, attrs, in_shapes) -> float:
+    """Output rows of the GEMM a contraction runs (what its packing cost is shared by).
+
+    MatMul with a 2-D (shared) B folds A's batch dimensions into the rows; batched
+    B keeps one GEMM per batch, of A's last-but-one dimension. Gemm: M (after transA).
+    """
+    a = list(in_shapes[0] or []) if in_shapes else []
+    if not a:
+        return 1.0
+    if op_type == "Gemm":
+        return float(a[-1] if attrs.get("transA", 0) else a[0])
+    b = list(in_shapes[1] or []) if len(in_shapes) > 1 else []
+    if len(a) == 1:
+        return 1.0
+    if len(b) <= 2:
+        return float(np.prod(a[:-1], dtype=np.float64))
+    return float(a[-2])
+
+
+def _kernel_time(
+    fam: str, flops: float, traffic: float, profile: ClusterProfile, rows: float = 0.0
+) -> float:
+    """Forward seconds of one kernel of family ``fam`` (``rows``: see contraction_rows)."""
+    grid = profile.op_grids.get(fam)
+    if grid is not None and rows > 0 and flops > 0:
+        side = math.sqrt(flops / (2.0 * rows))  # sqrt(K * N)
+        return max(flops / grid.rate(rows, side), traffic / profile.memory_bandwidth)
     curve = profile.op_curves.get(fam)
     if curve is not None and curve.work == "flops":
         return max(flops / curve_rate(curve, flops), traffic / profile.memory_bandwidth)
@@ -106,7 +135,8 @@ def op_time(
     flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
     traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
     fam = family(op_type)
-    fwd = max(_kernel_time(fam, flops, traffic, profile), profile.op_floor_s)
+    rows = contraction_rows(op_type, attrs, in_shapes) if fam == "matmul" else 0.0
+    fwd = max(_kernel_time(fam, flops, traffic, profile, rows), profile.op_floor_s)
     backward = profile.op_backward.get(fam)
     if backward is not None:  # measured backward-to-forward ratio at this size
         size = flops if backward.work == "flops" else traffic

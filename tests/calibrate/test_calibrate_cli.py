@@ -36,6 +36,9 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert profile.op_curves["matmul"].work == "flops" and max(sizes) / min(sizes) > 100
     assert profile.op_curves["elementwise"].work == "bytes"
     assert profile.peak_flops == max(r for _, r in profile.op_curves["matmul"].points)
+    grid = profile.op_grids["matmul"]  # the quick grid: 16 and 256 rows x sides 64 and 512
+    assert grid.rows == (16.0, 256.0) and grid.sides == (64.0, 512.0)
+    assert all(r > 0 for row in grid.rates for r in row)
     cal = data["calibration"]
     assert cal["ranks"] == 2 and cal["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
     assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3

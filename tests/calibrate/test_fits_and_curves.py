@@ -13,8 +13,15 @@ from hypothesis import strategies as st
 from tensoropt.calibrate.collectives import KINDS, fit, latency_terms, merge_launches, volume
 from tensoropt.calibrate.kernels import build_model, cases
 from tensoropt.calibrate.stats import Sample, fit_alpha_beta
-from tensoropt.cost.cluster import OpCurve, builtin
-from tensoropt.cost.compute import curve_rate, forward_flops, op_time, update_time
+from tensoropt.cost.cluster import OpCurve, RateGrid, builtin, from_json
+from tensoropt.cost.compute import (
+    contraction_rows,
+    curve_rate,
+    forward_flops,
+    op_time,
+    update_time,
+)
+from tensoropt.errors import ClusterError
 
 
 @given(
@@ -180,6 +187,70 @@ def test_memory_bound_families_use_bytes():
     )
     update = update_time(1e6, 1, 4, profile)
     assert update == pytest.approx(4 * 1e6 * 5 / curve_rate(profile.op_curves["elementwise"], 2e7))
+
+
+def test_contraction_rows_follow_the_gemm_the_op_runs():
+    assert contraction_rows("MatMul", {}, [(8, 128, 64), (64, 32)]) == 8 * 128  # shared weight
+    assert contraction_rows("MatMul", {}, [(8, 128, 64), (8, 64, 32)]) == 128  # batched
+    assert contraction_rows("MatMul", {}, [(64,), (64, 32)]) == 1
+    assert contraction_rows("Gemm", {}, [(16, 64), (64, 32)]) == 16
+    assert contraction_rows("Gemm", {"transA": 1}, [(64, 16), (64, 32)]) == 16
+
+
+def test_rate_grid_interpolates_log_bilinear_and_clamps():
+    grid = RateGrid((16.0, 256.0), (64.0, 1024.0), ((1e10, 4e10), (1e11, 1e11)))
+    assert grid.rate(16, 64) == pytest.approx(1e10)
+    assert grid.rate(256, 1024) == pytest.approx(1e11)
+    assert grid.rate(1, 1) == pytest.approx(1e10) and grid.rate(1e6, 1e6) == pytest.approx(1e11)
+    assert grid.rate(16, 256) == pytest.approx(2e10)  # halfway in log side
+    assert grid.rate(64, 64) == pytest.approx(math.sqrt(1e10 * 1e11))  # halfway in log rows
+    middle = grid.rate(64, 256)  # the geometric mean of the four corners
+    assert middle == pytest.approx((1e10 * 4e10 * 1e11 * 1e11) ** 0.25)
+
+
+def test_calibration_grid_takes_the_grid_cases_only():
+    from tensoropt.calibrate.kernels import GRID_ROWS, GRID_SIDES, KernelResult
+    from tensoropt.calibrate.profile import _grids
+
+    # rate = rows * side: every grid entry is recognisable; the squares in between drop out
+    results = [
+        KernelResult(c, Sample(c.flops / (c.rows * math.sqrt(c.flops / (2 * c.rows))), 0.0, 3))
+        for c in cases(quick=False)
+    ]
+    grid = _grids(results)["matmul"]
+    assert grid["rows"] == list(GRID_ROWS) and grid["sides"] == list(GRID_SIDES)
+    expected = [[pytest.approx(float(m * k)) for k in GRID_SIDES] for m in GRID_ROWS]
+    assert grid["rates"] == expected
+
+
+def test_op_time_prefers_the_rate_grid():
+    grid = RateGrid((16.0, 256.0), (256.0, 1024.0), ((2e10, 1e10), (2e11, 2e11)))
+    curve = OpCurve("flops", ((1e6, 1e10), (1e9, 2e11)))
+    profile = dataclasses.replace(_calibrated(matmul=curve), op_grids={"matmul": grid})
+    skinny, wide = [(16, 1024), (1024, 1024)], [(256, 1024), (1024, 1024)]
+    flops = 2 * 16 * 1024 * 1024
+    t_skinny = op_time("MatMul", {}, skinny, [(16, 1024)], 4, profile)
+    assert t_skinny == pytest.approx(3 * flops / 1e10)
+    t_wide = op_time("MatMul", {}, wide, [(256, 1024)], 4, profile)
+    assert t_wide == pytest.approx(3 * 16 * flops / 2e11)
+    # batch dimensions of A fold into the rows when B is a shared weight
+    batched = [(4, 4, 1024), (1024, 1024)]
+    assert op_time("MatMul", {}, batched, [(4, 4, 1024)], 4, profile) == pytest.approx(t_skinny)
+
+
+@pytest.mark.parametrize(
+    "grid, field",
+    [
+        ({"rows": [16, 8], "sides": [64], "rates": [[1e9], [1e9]]}, r"matmul\.rows"),
+        ({"rows": [16], "sides": [64], "rates": [[-1.0]]}, r"rates\[0\]\[0\]"),
+        ({"rows": [16, 64], "sides": [64], "rates": [[1e9]]}, r"matmul\.rates"),
+        ({"rows": [16], "sides": [64, 128], "rates": [[1e9]]}, r"rates\[0\]"),
+        ({"rows": [16], "sides": [64]}, r"op_grids\.matmul"),
+    ],
+)
+def test_bad_rate_grids_name_the_field(grid, field):
+    with pytest.raises(ClusterError, match=field):
+        from_json({"base": "h100", "op_grids": {"matmul": grid}}, "f.json")
 
 
 def test_profiles_without_curves_keep_the_roofline():
