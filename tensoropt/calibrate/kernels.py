@@ -29,10 +29,14 @@ from tensoropt.cost.compute import family, forward_flops
 from tensoropt.runtime.program import SessionConfig
 
 CONTRACTIONS = ("matmul", "conv")
-GRIDDED = ("matmul",)  # families with a rate grid (cost.cluster.RateGrid)
+# Shape grids of the training-step rates (cost.cluster: op_train_grids)
 GRID_ROWS = (16, 64, 256, 1024)
 GRID_SIDES = (64, 256, 1024)
 QUICK_GRID = ((16, 256), (64, 512))
+# Conv: channels (Cin = Cout) x spatial side (positions = batch x side^2) x kernel size
+CONV_BATCH = 8
+CONV_GRID = ((8, 32, 128), (1, 2, 4, 16, 32), (1, 3))
+QUICK_CONV_GRID = ((8, 32), (2, 16), (3,))
 _ITEMSIZE = 4  # float32
 
 
@@ -60,13 +64,6 @@ class KernelCase:
         return float(_ITEMSIZE * elements)
 
     @property
-    def rows(self) -> float:
-        """Output rows of the GEMM (contractions with a shape-aware fit)."""
-        from tensoropt.cost.compute import contraction_rows
-
-        return contraction_rows(self.op_type, dict(self.attrs), self.shapes)
-
-    @property
     def work(self) -> float:
         """What the family's rate is per: FLOPs for contractions, bytes otherwise."""
         return self.flops if self.family in CONTRACTIONS else self.traffic
@@ -82,6 +79,7 @@ class KernelResult:
     seconds: Sample  # one kernel, inside a graph
     copies: int = 1  # R of the slope
     step: Sample | None = None  # one copy's forward + backward + update in a step graph
+    update: Sample | None = None  # one copy's optimizer update alone (SGD momentum)
 
     @property
     def rate(self) -> float:
@@ -115,11 +113,10 @@ def cases(quick: bool) -> tuple[KernelCase, ...]:
     rows, sides = QUICK_GRID if quick else (GRID_ROWS, GRID_SIDES)
     out = [_matmul(m, k) for m in rows for k in sides]
     out += [_matmul(n, n) for n in ([] if quick else [32, 128, 512])]
-    convs = [(8, 4, 16, 3), (8, 16, 16, 3)] if quick else [
-        (8, 4, 32, 3), (8, 8, 32, 3), (8, 8, 16, 1),  # the tiny CNNs' few channels
-        (8, 16, 32, 3), (8, 32, 16, 3), (8, 64, 8, 3), (8, 64, 16, 1),
-    ]  # fmt: skip
-    out += [_conv(*c) for c in convs]
+    # Conv on the grid of channels x output positions x kernel size, measured as
+    # training steps too (cost.cluster: op_train_grids)
+    channels, sides, sizes = QUICK_CONV_GRID if quick else CONV_GRID
+    out += [_conv(CONV_BATCH, c, hw, k) for k in sizes for c in channels for hw in sides]
     elems = (
         [1 << 10, 1 << 16, 1 << 20]
         if quick

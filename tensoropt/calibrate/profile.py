@@ -6,9 +6,12 @@ reads it) whose rates are medians of repeated measurements:
 * ``op_curves``: per op family, rate against size (FLOP/s against FLOPs for
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
-* ``op_grids``: for MatMul, FLOP/s on a grid of output rows (16..1024) x operand side
-  sqrt(K N) (64..1024); the cost model prefers it to the curve (a MatMul's rate
-  follows its shape: 16 rows ran at a third of the rate of 256 at equal K and N);
+* ``op_train_grids``: MatMul and Conv, forward + backward FLOP/s measured inside a
+  training step on a grid of their shape (MatMul: output rows 16..1024 x operand side
+  sqrt(K N) 64..1024; Conv: channels 8..128 x output positions 8..8192, per kernel
+  side 1 and 3); the cost model takes these ops' time from it instead of forward
+  curve x backward ratio (a MatMul's rate follows its rows: 16 rows ran at a third of
+  the rate of 256 at equal K and N; convs of equal FLOPs differed 5x);
 * ``op_backward``: per family, (training-step time - forward - modelled update) /
   forward against size (:mod:`tensoropt.calibrate.steps`): what the backward
   really costs, instead of the roofline's fixed 2x;
@@ -96,7 +99,7 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     """(results per case, floor result, session-run overhead sample)."""
     import dataclasses
 
-    from tensoropt.calibrate.steps import measure_step
+    from tensoropt.calibrate.steps import measure_step, measure_update
 
     kopts = _kernel_options(opts)
     results = []
@@ -104,8 +107,11 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     for case in kernels.cases(opts.quick):
         tick(case.label())
         result, overhead = kernels.measure_case(case, kopts)
-        step = measure_step(case, min(result.copies, 8), kopts)
-        results.append(dataclasses.replace(result, step=step))
+        copies = min(result.copies, 8)
+        step = measure_step(case, copies, kopts)
+        contraction = case.family in kernels.CONTRACTIONS
+        update = measure_update(case, copies, kopts) if contraction else None
+        results.append(dataclasses.replace(result, step=step, update=update))
         overheads.append(overhead.median)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
@@ -128,28 +134,50 @@ def _curves(results) -> dict:
     return curves
 
 
-def _grids(results) -> dict:
-    """Per family in ``kernels.GRIDDED``: FLOP/s on the grid of rows x operand side
-    (:class:`~tensoropt.cost.cluster.RateGrid`), from the cases that sit on it."""
-    out = {}
-    for fam in kernels.GRIDDED:
-        rate = {}
-        for r in results:
-            if r.case.family == fam:
-                side = round(math.sqrt(r.case.flops / (2.0 * r.case.rows)))
-                rate[int(r.case.rows), side] = r.rate
-        # the grid: sides measured at two or more row counts (the squares in between
-        # are one-off points), then the row counts measured at every such side
-        sides = sorted(k for k in {k for _, k in rate} if sum(1 for _, j in rate if j == k) > 1)
-        rows = sorted(m for m in {m for m, _ in rate} if all((m, k) in rate for k in sides))
-        if len(rows) < 2 or len(sides) < 2:
+def _train_grids(results) -> dict:
+    """MatMul and Conv: forward + backward FLOP/s inside a training step on their shape
+    grids (``kernels.GRID_*``, ``kernels.CONV_GRID``), per kernel side: FLOPs / (step -
+    measured update) (the cost model charges the update separately). One-off cases
+    off the grid are left out."""
+    from tensoropt.cost.compute import train_key
+
+    cells: dict[tuple[str, int], dict[tuple[float, float], float]] = {}
+    for r in results:
+        case = r.case
+        key = train_key(case.op_type, dict(case.attrs), case.shapes, (case.out_shape,), case.flops)
+        if key is None or r.step is None:
             continue
-        out[fam] = {
-            "rows": rows,
-            "sides": sides,
-            "rates": [[rate[m, k] for k in sides] for m in rows],
+        update = r.update.median if r.update is not None else 0.0
+        train = max(r.step.median - update, r.seconds.median)
+        side, first, second = key
+        cells.setdefault((case.family, side), {})[round(first, 6), round(second, 6)] = (
+            case.flops / train
+        )
+    out: dict[str, dict] = {}
+    for (fam, side), rate in sorted(cells.items()):
+        # the grid: second keys measured at two or more first keys, then the first
+        # keys measured at every such second key
+        seconds = sorted(j for j in {j for _, j in rate} if sum(1 for _, k in rate if k == j) > 1)
+        firsts = sorted(i for i in {i for i, _ in rate} if all((i, j) in rate for j in seconds))
+        if len(firsts) < 2 or len(seconds) < 2:
+            continue
+        out.setdefault(fam, {})[f"kernel_{side}"] = {
+            "rows": firsts,
+            "sides": seconds,
+            "rates": [[rate[i, j] for j in seconds] for i in firsts],
         }
     return out
+
+
+def _probe(curves: dict):
+    """A profile holding only the measured curves (to price a case's own update)."""
+    from tensoropt.cost.cluster import from_json
+
+    return from_json(
+        {"base": "h100", "op_curves": {f: {k: c[k] for k in ("work", "points")}
+                                       for f, c in curves.items()}},
+        "calibration",
+    )  # fmt: skip
 
 
 def _backward(results, curves: dict) -> dict:
@@ -160,16 +188,9 @@ def _backward(results, curves: dict) -> dict:
     calibrated size. Ratios are floored at 0.05 (a step is never cheaper than its
     forward; below that is timing noise).
     """
-    import math
-
-    from tensoropt.cost.cluster import from_json
     from tensoropt.cost.compute import update_time
 
-    probe = from_json(
-        {"base": "h100", "op_curves": {f: {k: c[k] for k in ("work", "points")}
-                                       for f, c in curves.items()}},
-        "calibration",
-    )  # fmt: skip
+    probe = _probe(curves)
     by_family: dict[str, list] = {}
     for r in results:
         if r.step is None:
@@ -259,7 +280,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
         "op_floor_s": floor.seconds.median,
         "op_throughput": throughput,
         "op_curves": curves,
-        "op_grids": _grids(results),
+        "op_train_grids": _train_grids(results),
         "op_backward": _backward(results, curves),
         "collectives": _collectives_json(fits),
         "spread": {

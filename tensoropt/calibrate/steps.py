@@ -66,15 +66,14 @@ def _feeds(sess, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return feeds
 
 
-def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
-    """Seconds of one copy's forward + backward + update inside a training step."""
+def _slope(models: tuple[onnx.ModelProto, onnx.ModelProto], copies: int, opts) -> Sample:
+    """Seconds per copy: the slope between a 1-copy and a ``copies``-copy model."""
     import onnxruntime as ort
 
     config = SessionConfig(intra_op_threads=opts.threads)
     rng = np.random.default_rng(2)
     runners = []
-    for count in (1, copies):
-        model = build_train_model(case, count)
+    for model in models:
         sess = ort.InferenceSession(
             model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
         )
@@ -90,3 +89,44 @@ def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
         tr = time_call(runners[1], min_seconds=opts.block_seconds, clock=opts.clock)
         slopes.append(max((tr - t1) / (copies - 1), 1e-9))
     return Sample.of(slopes)
+
+
+def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
+    """Seconds of one copy's forward + backward + update inside a training step."""
+    return _slope((build_train_model(case, 1), build_train_model(case, copies)), copies, opts)
+
+
+def build_update_model(case: KernelCase, copies: int) -> onnx.ModelProto:
+    """The SGD-momentum update of ``copies`` copies of the case's parameters, as
+    passes/optimizer.py emits it: Mul(mu, m), Add(., g), Mul(lr, .), Sub(p, .), with
+    factors of the parameter's rank."""
+    nodes, inputs, outputs, inits = [], [], [], []
+    for i in range(copies):
+        for j, shape in enumerate(case.shapes[1:]):
+            tag = f"{i}_{j}"
+            ones = [1] * len(shape)
+            for name, value in (("mu", 0.9), ("lr", 0.01)):
+                inits.append(numpy_helper.from_array(np.full(ones, value, np.float32), name + tag))
+            for name in ("p", "m", "g"):
+                inputs.append(helper.make_tensor_value_info(name + tag, 1, list(shape)))
+            nodes += [
+                helper.make_node("Mul", ["mu" + tag, "m" + tag], ["a" + tag]),
+                helper.make_node("Add", ["a" + tag, "g" + tag], ["nm" + tag]),
+                helper.make_node("Mul", ["lr" + tag, "nm" + tag], ["b" + tag]),
+                helper.make_node("Sub", ["p" + tag, "b" + tag], ["np" + tag]),
+            ]
+            for name in ("nm", "np"):
+                outputs.append(helper.make_tensor_value_info(name + tag, 1, list(shape)))
+    graph = helper.make_graph(nodes, "update", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def measure_update(case: KernelCase, copies: int, opts: KernelOptions) -> Sample | None:
+    """Seconds of one copy's optimizer update (None: the case has no parameters).
+
+    Subtracted from the step to leave forward + backward: measured, not modelled,
+    because for small convolutions the update is most of the step and a modelled
+    one that is off by a little leaves nothing (or less than nothing) behind."""
+    if len(case.shapes) < 2:
+        return None
+    return _slope((build_update_model(case, 1), build_update_model(case, copies)), copies, opts)

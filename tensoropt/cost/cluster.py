@@ -42,15 +42,15 @@ class OpCurve:
 
 @dataclass(frozen=True, slots=True)
 class RateGrid:
-    """Measured FLOP/s of a contraction against its shape (``tensoropt calibrate``).
+    """Measured FLOP/s of a contraction against two shape keys (``tensoropt calibrate``).
 
-    ``rates[i][j]`` is the rate of a GEMM with ``rows[i]`` output rows and a K x N
-    operand of side ``sides[j]`` = sqrt(K * N) (the operand the GEMM packs once per
-    call and every row reuses). The rate is interpolated bilinearly in log space and
-    held constant beyond the grid. A rate-against-FLOPs curve cannot express this:
-    on the 2-core machine a 16 x 1024 x 1024 MatMul ran at 85 GFLOP/s and a 256-row
-    one at 216, and a linear fit of a packing term missed K = N = 1024 by 27-44%
-    (packing a panel that fits in cache is cheaper per element than one that does not).
+    ``rates[i][j]`` is the rate at ``rows[i]`` and ``sides[j]``, interpolated bilinearly
+    in log space and held constant beyond the grid. MatMul: the GEMM's output rows and
+    the side sqrt(K * N) of the operand it packs once per call and every row reuses.
+    Conv: channels and output positions (see :func:`tensoropt.cost.compute.conv_key`).
+    A rate-against-FLOPs curve cannot express either: on the 2-core machine a
+    16 x 1024 x 1024 MatMul ran at 85 GFLOP/s and a 256-row one at 216, and convs of
+    equal FLOPs differed 5x with their channels.
     """
 
     rows: tuple[float, ...]
@@ -95,8 +95,9 @@ class ClusterProfile:
     op_curves: dict[str, OpCurve] = field(default_factory=dict)  # measured rate vs size
     # measured (step - forward - update) / forward vs size: the backward's cost
     op_backward: dict[str, OpCurve] = field(default_factory=dict)
-    # measured rate of contraction families against rows and operand side (over a curve)
-    op_grids: dict[str, RateGrid] = field(default_factory=dict)
+    # measured forward + backward FLOP/s of contractions inside a training step, against
+    # their shape: ((kernel side, grid), ...) per family (MatMul: one slice, side 1)
+    op_train_grids: dict[str, tuple[tuple[int, RateGrid], ...]] = field(default_factory=dict)
     # measured alpha-beta of each collective kind ("AllReduce", ...) inside one node
     # (calibrate's ``collectives.per_kind``); preferred over ``intra`` for that kind
     collective_links: dict[str, Link] = field(default_factory=dict)
@@ -276,6 +277,28 @@ def _grids(table, where: str) -> dict[str, RateGrid]:
     return out
 
 
+def _train_grids(table, where: str) -> dict[str, tuple[tuple[int, RateGrid], ...]]:
+    """``{family: {"kernel_K": {"rows": [...], "sides": [...], "rates": [[...]]}, ...}}``.
+
+    K is the kernel side of that slice (1 for MatMul). A grid's ``rates[i][j]`` is the
+    FLOP/s at ``rows[i]`` and ``sides[j]`` (see :class:`RateGrid`)."""
+    if not isinstance(table, dict):
+        raise ClusterError(f"{where}: expected an object of op families")
+    out = {}
+    for fam, slices in table.items():
+        at = f"{where}.{fam}"
+        if not isinstance(slices, dict) or not slices:
+            raise ClusterError(f'{at}: expected {{"kernel_1": {{...}}, "kernel_3": {{...}}}}')
+        parsed = []
+        for key, grid in slices.items():
+            side = key.removeprefix("kernel_")
+            if not key.startswith("kernel_") or not side.isdigit() or int(side) < 1:
+                raise ClusterError(f"{at}.{key}: expected a key kernel_K with K >= 1")
+            parsed.append((int(side), _grids({key: grid}, at)[key]))
+        out[fam] = tuple(sorted(parsed, key=lambda s: s[0]))
+    return out
+
+
 def from_json(obj, where: str) -> ClusterProfile:
     """A profile from a JSON object; ``base`` names a built-in profile to start from."""
     if not isinstance(obj, dict):
@@ -323,8 +346,8 @@ def from_json(obj, where: str) -> ClusterProfile:
     for key in ("op_curves", "op_backward"):
         if key in obj:
             values[key] = _curves(obj[key], f"{where}.{key}")
-    if "op_grids" in obj:
-        values["op_grids"] = _grids(obj["op_grids"], f"{where}.op_grids")
+    if "op_train_grids" in obj:
+        values["op_train_grids"] = _train_grids(obj["op_train_grids"], f"{where}.op_train_grids")
     if "collectives" in obj:
         values["collective_links"] = _collective_links(obj["collectives"], f"{where}.collectives")
     name = str(obj.get("name", base.name + "+file" if base else "custom"))

@@ -8,9 +8,13 @@ the time the curve gives at the op's size, interpolated log-log between measured
 sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
 families (small kernels are slower per FLOP and per byte), and a measured
 backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below.
-A measured rate grid of a contraction family (``op_grids``: FLOP/s against the
-GEMM's rows and operand side, see :class:`~tensoropt.cost.cluster.RateGrid`) is
-preferred over its curve: a MatMul's rate depends on its shape, not only its FLOPs.
+A MatMul, Gemm or Conv with a measured training-step grid (``op_train_grids``:
+forward + backward FLOP/s inside a training step against the op's shape, see
+:class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly. Neither a
+rate-against-FLOPs curve nor forward x backward ratio fits these: a MatMul's rate
+follows its rows, onnxruntime runs a Conv inside a training step in another layout
+than alone (a forward-only chain of Convs ran 2x faster), and the weight-gradient
+convolution's cost follows the channels.
 The backward of a
 contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
 backward of other ops is taken as twice the forward traffic.
@@ -104,14 +108,51 @@ def contraction_rows(op_type: str, attrs, in_shapes) -> float:
     return float(a[-2])
 
 
-def _kernel_time(
-    fam: str, flops: float, traffic: float, profile: ClusterProfile, rows: float = 0.0
-) -> float:
-    """Forward seconds of one kernel of family ``fam`` (``rows``: see contraction_rows)."""
-    grid = profile.op_grids.get(fam)
-    if grid is not None and rows > 0 and flops > 0:
-        side = math.sqrt(flops / (2.0 * rows))  # sqrt(K * N)
-        return max(flops / grid.rate(rows, side), traffic / profile.memory_bandwidth)
+def conv_key(attrs, in_shapes, out_shapes) -> tuple[float, float, int]:
+    """(channels, output positions, kernel side) of a Conv's local shard.
+
+    channels = sqrt(Cin * Cout) / group (the calibrated cases have Cin = Cout);
+    positions = batch x output spatial size (the N of the GEMM a convolution is);
+    kernel side = the larger kernel dimension (1 for a pointwise convolution).
+    """
+    w = list(in_shapes[1] or []) if len(in_shapes) > 1 else []
+    out = list(out_shapes[0] or []) if out_shapes else []
+    if len(w) < 3 or len(out) < 3:
+        return 1.0, 1.0, 1
+    group = float(attrs.get("group", 1))
+    cin = float(w[1]) * group
+    channels = math.sqrt(cin * float(w[0])) / group
+    positions = float(out[0]) * float(np.prod(out[2:], dtype=np.float64))
+    return channels, positions, int(max(w[2:]))
+
+
+def train_key(op_type: str, attrs, in_shapes, out_shapes, flops: float):
+    """(kernel side, first key, second key) of an op's training-step grid, or None.
+
+    MatMul and Gemm: (1, GEMM rows, sqrt(K * N)); Conv: :func:`conv_key`."""
+    if op_type == "Conv":
+        channels, positions, kernel = conv_key(attrs, in_shapes, out_shapes)
+        return kernel, channels, positions
+    if op_type in ("MatMul", "Gemm"):
+        rows = contraction_rows(op_type, attrs, in_shapes)
+        return 1, rows, math.sqrt(flops / (2.0 * rows))
+    return None
+
+
+def _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile) -> float | None:
+    """Forward + backward seconds from the profile's training-step grid of the op's
+    family, or None when it has none (then: forward curve x backward ratio)."""
+    slices = profile.op_train_grids.get(family(op_type))
+    key = train_key(op_type, attrs, in_shapes, out_shapes, flops) if slices else None
+    if key is None or flops <= 0:
+        return None
+    kernel, first, second = key
+    _, grid = min(slices, key=lambda s: abs(math.log(s[0] / max(kernel, 1))))
+    return flops / grid.rate(first, second)
+
+
+def _kernel_time(fam: str, flops: float, traffic: float, profile: ClusterProfile) -> float:
+    """Forward seconds of one kernel of family ``fam``."""
     curve = profile.op_curves.get(fam)
     if curve is not None and curve.work == "flops":
         return max(flops / curve_rate(curve, flops), traffic / profile.memory_bandwidth)
@@ -135,8 +176,10 @@ def op_time(
     flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
     traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
     fam = family(op_type)
-    rows = contraction_rows(op_type, attrs, in_shapes) if fam == "matmul" else 0.0
-    fwd = max(_kernel_time(fam, flops, traffic, profile, rows), profile.op_floor_s)
+    trained = _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile)
+    if trained is not None:
+        return max(trained, profile.op_floor_s)
+    fwd = max(_kernel_time(fam, flops, traffic, profile), profile.op_floor_s)
     backward = profile.op_backward.get(fam)
     if backward is not None:  # measured backward-to-forward ratio at this size
         size = flops if backward.work == "flops" else traffic
@@ -146,9 +189,23 @@ def op_time(
     return 3.0 * fwd
 
 
+# The optimizer update as passes/optimizer.py emits it, one element-wise op at a time
+# (nothing fuses them): (ops, element accesses per parameter element) by state count.
+# Plain SGD: Mul(lr, g), Sub(p, .) -> 2 ops, 2 + 3 accesses. Momentum: Mul(mu, m),
+# Add(., g), Mul(lr, .), Sub(p, .) -> 4 ops, 10. Adam: 19 ops (moments, squares, bias
+# corrections on scalars, Sqrt, Div, the step), 33 accesses.
+_UPDATE_OPS = {0: (2, 5), 1: (4, 10), 2: (19, 33)}
+
+
 def update_time(param_elements: float, states: int, itemsize: int, profile) -> float:
-    """Optimizer update of a parameter shard: memory-bound over param, grad and state."""
-    traffic = itemsize * param_elements * (2 + 2 * states + 1)
+    """Optimizer update of a parameter shard: memory-bound element-wise ops.
+
+    Charged op by op as emitted (``_UPDATE_OPS``): each reads and writes whole
+    tensors, so the traffic is 2x (momentum) to 4.7x (Adam) that of a fused update
+    that touches param, grad and state once; each op costs at least the op floor."""
+    ops, accesses = _UPDATE_OPS[states]
+    traffic = itemsize * param_elements * accesses
     curve = profile.op_curves.get("elementwise")
-    bandwidth = profile.memory_bandwidth if curve is None else curve_rate(curve, traffic)
-    return max(traffic / bandwidth, profile.op_floor_s)
+    per_op = traffic / ops
+    bandwidth = profile.memory_bandwidth if curve is None else curve_rate(curve, per_op)
+    return max(traffic / bandwidth, ops * profile.op_floor_s)

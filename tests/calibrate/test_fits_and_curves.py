@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -185,8 +186,36 @@ def test_memory_bound_families_use_bytes():
     assert op_time("Add", {}, [shape, shape], [shape], 4, profile) == pytest.approx(
         3 * traffic / rate
     )
-    update = update_time(1e6, 1, 4, profile)
-    assert update == pytest.approx(4 * 1e6 * 5 / curve_rate(profile.op_curves["elementwise"], 2e7))
+    update = update_time(1e6, 1, 4, profile)  # momentum: 4 ops, 10 accesses per element
+    per_op = 4 * 1e6 * 10 / 4
+    rate = curve_rate(profile.op_curves["elementwise"], per_op)
+    assert update == pytest.approx(4 * 1e6 * 10 / rate)
+
+
+@pytest.mark.parametrize("optimizer, momentum", [("sgd", 0.0), ("sgd", 0.9), ("adam", 0.0)])
+def test_update_cost_counts_the_ops_the_optimizer_emits(optimizer, momentum):
+    """update_time charges the element-wise ops of passes/optimizer.py one by one:
+    their number and the tensor accesses of a parameter's shape they make."""
+    from tensoropt.cost.compute import _UPDATE_OPS
+    from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
+    from tensoropt.passes.training_step import TrainingOptions
+    from tests.helpers.steps import zoo_step
+
+    opts = OptimizerOptions(OptimizerKind(optimizer), momentum=momentum)
+    proto, _ = zoo_step("mlp", TrainingOptions(optimizer=opts))
+    param = next(i.name for i in proto.graph.input if i.name.endswith("weight"))
+    nodes = [
+        n for n in proto.graph.node
+        if n.op_type != "Constant"
+        and {p.key: p.value for p in n.metadata_props}.get("tensoropt.param") == param
+    ]  # fmt: skip
+    inferred = onnx.shape_inference.infer_shapes(proto).graph
+    values = (*inferred.input, *inferred.value_info, *inferred.output)
+    shape = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+    full = shape[param]
+    accesses = sum(sum(shape.get(name) == full for name in (*n.input, *n.output)) for n in nodes)
+    states = {"sgd": 1 if momentum else 0, "adam": 2}[optimizer]
+    assert _UPDATE_OPS[states] == (len(nodes), accesses)
 
 
 def test_contraction_rows_follow_the_gemm_the_op_runs():
@@ -208,49 +237,88 @@ def test_rate_grid_interpolates_log_bilinear_and_clamps():
     assert middle == pytest.approx((1e10 * 4e10 * 1e11 * 1e11) ** 0.25)
 
 
-def test_calibration_grid_takes_the_grid_cases_only():
-    from tensoropt.calibrate.kernels import GRID_ROWS, GRID_SIDES, KernelResult
-    from tensoropt.calibrate.profile import _grids
+def test_calibration_grids_take_the_grid_cases_only():
+    from tensoropt.calibrate.kernels import CONV_GRID, GRID_ROWS, GRID_SIDES, KernelResult
+    from tensoropt.calibrate.profile import _train_grids
+    from tensoropt.cost.compute import train_key
 
-    # rate = rows * side: every grid entry is recognisable; the squares in between drop out
-    results = [
-        KernelResult(c, Sample(c.flops / (c.rows * math.sqrt(c.flops / (2 * c.rows))), 0.0, 3))
-        for c in cases(quick=False)
-    ]
-    grid = _grids(results)["matmul"]
-    assert grid["rows"] == list(GRID_ROWS) and grid["sides"] == list(GRID_SIDES)
-    expected = [[pytest.approx(float(m * k)) for k in GRID_SIDES] for m in GRID_ROWS]
-    assert grid["rates"] == expected
+    # step = flops / (first key x second key) + the measured update: every grid entry
+    # is recognisable once the update is subtracted; the squares in between drop out
+    results = []
+    for c in cases(quick=False):
+        key = train_key(c.op_type, dict(c.attrs), c.shapes, (c.out_shape,), c.flops)
+        rate = key[1] * key[2] if key else 1e11
+        update = Sample(1e-5, 0.0, 3)
+        step = Sample(c.flops / rate + update.median, 0.0, 3)
+        results.append(KernelResult(c, Sample(c.flops / 1e15, 0.0, 3), 4, step, update))
+    grids = _train_grids(results)
+    matmul = grids["matmul"]["kernel_1"]
+    assert matmul["rows"] == list(GRID_ROWS) and matmul["sides"] == list(GRID_SIDES)
+    channels, sides, kernels = CONV_GRID
+    assert sorted(grids["conv"]) == [f"kernel_{k}" for k in kernels]
+    conv = grids["conv"]["kernel_3"]
+    assert conv["rows"] == list(channels)
+    assert conv["sides"] == [8 * s * s for s in sides]  # batch 8 x output side^2
+    for grid in (matmul, conv):
+        expected = [[pytest.approx(m * k) for k in grid["sides"]] for m in grid["rows"]]
+        assert grid["rates"] == expected
 
 
-def test_op_time_prefers_the_rate_grid():
-    grid = RateGrid((16.0, 256.0), (256.0, 1024.0), ((2e10, 1e10), (2e11, 2e11)))
+def _grid_profile(**grids):
     curve = OpCurve("flops", ((1e6, 1e10), (1e9, 2e11)))
-    profile = dataclasses.replace(_calibrated(matmul=curve), op_grids={"matmul": grid})
+    return dataclasses.replace(_calibrated(matmul=curve, conv=curve), op_train_grids=grids)
+
+
+def test_op_time_takes_matmul_time_from_the_training_grid():
+    grid = RateGrid((16.0, 256.0), (256.0, 1024.0), ((2e10, 1e10), (2e11, 2e11)))
+    profile = _grid_profile(matmul=((1, grid),))
     skinny, wide = [(16, 1024), (1024, 1024)], [(256, 1024), (1024, 1024)]
     flops = 2 * 16 * 1024 * 1024
     t_skinny = op_time("MatMul", {}, skinny, [(16, 1024)], 4, profile)
-    assert t_skinny == pytest.approx(3 * flops / 1e10)
+    assert t_skinny == pytest.approx(flops / 1e10)  # forward + backward, no ratio on top
     t_wide = op_time("MatMul", {}, wide, [(256, 1024)], 4, profile)
-    assert t_wide == pytest.approx(3 * 16 * flops / 2e11)
+    assert t_wide == pytest.approx(16 * flops / 2e11)
     # batch dimensions of A fold into the rows when B is a shared weight
     batched = [(4, 4, 1024), (1024, 1024)]
     assert op_time("MatMul", {}, batched, [(4, 4, 1024)], 4, profile) == pytest.approx(t_skinny)
+    gemm = op_time("Gemm", {"transA": 1}, [(1024, 16), (1024, 1024)], [(16, 1024)], 4, profile)
+    assert gemm == pytest.approx(t_skinny)
+
+
+def test_op_time_takes_conv_time_from_the_slice_of_its_kernel():
+    one = RateGrid((8.0, 64.0), (32.0, 2048.0), ((1e9, 2e9), (4e9, 8e9)))
+    three = RateGrid((8.0, 64.0), (32.0, 2048.0), ((3e9, 6e9), (12e9, 24e9)))
+    profile = _grid_profile(conv=((1, one), (3, three)))
+    for kernel, grid in ((1, one), (3, three), (7, three)):
+        pad = kernel // 2
+        attrs = {"kernel_shape": [kernel, kernel], "pads": [pad] * 4}
+        shapes = [(8, 64, 16, 16), (64, 64, kernel, kernel)]
+        out = [(8, 64, 16, 16)]
+        flops = forward_flops("Conv", attrs, shapes, out)
+        assert op_time("Conv", attrs, shapes, out, 4, profile) == pytest.approx(
+            flops / grid.rate(64, 8 * 16 * 16)
+        )
 
 
 @pytest.mark.parametrize(
     "grid, field",
     [
-        ({"rows": [16, 8], "sides": [64], "rates": [[1e9], [1e9]]}, r"matmul\.rows"),
+        ({"rows": [16, 8], "sides": [64], "rates": [[1e9], [1e9]]}, r"kernel_1\.rows"),
         ({"rows": [16], "sides": [64], "rates": [[-1.0]]}, r"rates\[0\]\[0\]"),
-        ({"rows": [16, 64], "sides": [64], "rates": [[1e9]]}, r"matmul\.rates"),
+        ({"rows": [16, 64], "sides": [64], "rates": [[1e9]]}, r"kernel_1\.rates"),
         ({"rows": [16], "sides": [64, 128], "rates": [[1e9]]}, r"rates\[0\]"),
-        ({"rows": [16], "sides": [64]}, r"op_grids\.matmul"),
+        ({"rows": [16], "sides": [64]}, r"op_train_grids\.matmul"),
     ],
 )
 def test_bad_rate_grids_name_the_field(grid, field):
     with pytest.raises(ClusterError, match=field):
-        from_json({"base": "h100", "op_grids": {"matmul": grid}}, "f.json")
+        from_json({"base": "h100", "op_train_grids": {"matmul": {"kernel_1": grid}}}, "f.json")
+
+
+def test_bad_grid_slice_names_the_key():
+    grid = {"rows": [16], "sides": [64], "rates": [[1e9]]}
+    with pytest.raises(ClusterError, match="matmul.any: expected a key kernel_K"):
+        from_json({"base": "h100", "op_train_grids": {"matmul": {"any": grid}}}, "f.json")
 
 
 def test_profiles_without_curves_keep_the_roofline():
