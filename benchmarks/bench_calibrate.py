@@ -1,0 +1,97 @@
+"""Is calibration deterministic enough? Two ``tensoropt calibrate`` runs in a row, compared.
+
+Issue 5's bound: on a quiet machine, the rates of two calibrations in a row are within
+20% of each other. Compared rate by rate: every op family's median throughput, every
+entry of the MatMul rate grid, every collective's alpha and bandwidth, and the joint
+link. The ratio is second / first - 1; the run passes when every |ratio| <= 20%.
+
+Usage: python benchmarks/bench_calibrate.py [--profiles A.json B.json] [--quick] [--write]
+(without --profiles it calibrates twice, ~80 s each on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+from results import write_section
+
+SECTION = "## Estimates against measurements"
+SUBSECTION = "### Calibration determinism (two calibrations in a row)"
+BOUND = 0.20
+
+
+def calibrate(path: Path, quick: bool) -> None:
+    from tensoropt.cli import main
+
+    argv = ["calibrate", "-o", str(path), *(["--quick"] if quick else [])]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(argv)
+    if code != 0:
+        raise SystemExit(f"calibrate failed ({code})")
+
+
+def rates(profile: dict) -> dict[str, float]:
+    """Every rate of a calibrated profile, by a readable name."""
+    out = {f"compute {fam}": rate for fam, rate in profile["op_throughput"].items()}
+    grid = profile.get("op_grids", {}).get("matmul")
+    if grid:
+        for m, row in zip(grid["rows"], grid["rates"], strict=True):
+            for side, rate in zip(grid["sides"], row, strict=True):
+                out[f"matmul grid {m} rows x side {side}"] = rate
+    for kind, fit in profile["collectives"]["per_kind"].items():
+        out[f"{kind} alpha"] = fit["alpha_s"]
+        out[f"{kind} bandwidth"] = fit["bandwidth"]
+    out["link alpha"] = profile["intra"]["alpha_s"]
+    out["link bandwidth"] = profile["intra"]["bandwidth"]
+    return out
+
+
+def compare(first: dict, second: dict) -> list[tuple[str, float, float, float]]:
+    a, b = rates(first), rates(second)
+    return [(name, a[name], b[name], b[name] / a[name] - 1) for name in a if name in b]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", nargs=2, metavar="FILE.json", help="compare these two")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-calibrate-") as tmp:
+        paths = [Path(p) for p in args.profiles] if args.profiles else []
+        if not paths:
+            paths = [Path(tmp) / "first.json", Path(tmp) / "second.json"]
+            for path in paths:
+                calibrate(path, args.quick)
+        first, second = (json.loads(p.read_text()) for p in paths)
+    rows = compare(first, second)
+    worst = max(rows, key=lambda r: abs(r[3]))
+    verdict = "meets" if abs(worst[3]) <= BOUND else "misses"
+    dates = " and ".join(p["calibration"]["date"] for p in (first, second))
+    head = (
+        f"`python benchmarks/bench_calibrate.py{' --quick' if args.quick else ''}` -- "
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} "
+        f"cores ({first['machine']['cpu']}), Python {platform.python_version()}, load average "
+        f"{load:.1f} at the start. Calibrations of {dates} "
+        f"({first['calibration'].get('launches', 1)} MPI launches each). "
+        f"**Worst difference {worst[3]:+.1%} ({worst[0]}): {verdict} the {BOUND:.0%} bound.**"
+    )
+    table = ["| rate | first | second | second / first - 1 |", "|---|---:|---:|---:|"]
+    table += [f"| {name} | {x:.4g} | {y:.4g} | {r:+.1%} |" for name, x, y, r in rows]
+    text = "\n".join([SUBSECTION, "", head, "", *table, ""])
+    print(text)
+    if args.write:
+        write_section(SECTION, text, SUBSECTION)
+
+
+if __name__ == "__main__":
+    main()
