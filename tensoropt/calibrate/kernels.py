@@ -64,6 +64,13 @@ class KernelCase:
         return float(_ITEMSIZE * elements)
 
     @property
+    def trained_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the parameters a training step of the case updates (BatchNorm's
+        running statistics are frozen by passes/trainable.py's policy)."""
+        params = self.shapes[1:]
+        return params[:2] if self.op_type == "BatchNormalization" else params
+
+    @property
     def work(self) -> float:
         """What the family's rate is per: FLOPs for contractions, bytes otherwise."""
         return self.flops if self.family in CONTRACTIONS else self.traffic
@@ -130,9 +137,13 @@ def cases(quick: bool) -> tuple[KernelCase, ...]:
             _same("LayerNormalization", (rows, cols), (cols,), (cols,), attrs=(("axis", -1),))
         )
         out.append(KernelCase("ReduceMean", ((rows, cols),), (rows, 1), chain=False))
-    bns = [(8, 16, 16)] if quick else [(8, 16, 32), (8, 64, 16), (8, 256, 4)]
-    for n, c, hw in bns:  # inference-form BatchNorm, as the zoo's CNNs use it
-        out.append(_same("BatchNormalization", (n, c, hw, hw), *[(c,)] * 4))
+    # inference-form BatchNorm, as the zoo's CNNs use it, on the conv grid's
+    # channels x positions (cost.cluster: op_train_grids["batchnorm"])
+    channels, sides, _ = QUICK_CONV_GRID if quick else CONV_GRID
+    for c in channels:
+        for hw in sides:
+            shape = (CONV_BATCH, c, hw, hw)
+            out.append(_same("BatchNormalization", shape, *[(c,)] * 4))
     pools = [(8, 16, 16)] if quick else [(8, 16, 32), (8, 64, 16), (16, 64, 32)]
     pool_attrs = (("kernel_shape", (3, 3)), ("pads", (1, 1, 1, 1)))
     out += [_same("MaxPool", (n, c, hw, hw), attrs=pool_attrs) for n, c, hw in pools]

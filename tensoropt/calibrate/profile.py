@@ -6,12 +6,13 @@ reads it) whose rates are medians of repeated measurements:
 * ``op_curves``: per op family, rate against size (FLOP/s against FLOPs for
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
-* ``op_train_grids``: MatMul and Conv, forward + backward FLOP/s measured inside a
-  training step on a grid of their shape (MatMul: output rows 16..1024 x operand side
-  sqrt(K N) 64..1024; Conv: channels 8..128 x output positions 8..8192, per kernel
-  side 1 and 3); the cost model takes these ops' time from it instead of forward
-  curve x backward ratio (a MatMul's rate follows its rows: 16 rows ran at a third of
-  the rate of 256 at equal K and N; convs of equal FLOPs differed 5x);
+* ``op_train_grids``: MatMul, Conv and BatchNormalization, forward + backward FLOP/s
+  measured inside a training step on a grid of their shape (MatMul: output rows
+  16..1024 x operand side sqrt(K N) 64..1024; Conv: channels 8..128 x output
+  positions 8..8192, per kernel side 1 and 3; BatchNorm: channels x positions); the
+  cost model takes these ops' time from it instead of forward curve x backward
+  ratio (a MatMul's rate follows its rows: 16 rows ran at a third of the rate of
+  256 at equal K and N; convs of equal FLOPs differed 5x with their channels);
 * ``op_backward``: per family, (training-step time - forward - modelled update) /
   forward against size (:mod:`tensoropt.calibrate.steps`): what the backward
   really costs, instead of the roofline's fixed 2x;
@@ -100,6 +101,7 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     import dataclasses
 
     from tensoropt.calibrate.steps import measure_step, measure_update
+    from tensoropt.cost.compute import TRAIN_FAMILIES
 
     kopts = _kernel_options(opts)
     results = []
@@ -109,8 +111,8 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
         result, overhead = kernels.measure_case(case, kopts)
         copies = min(result.copies, 8)
         step = measure_step(case, copies, kopts)
-        contraction = case.family in kernels.CONTRACTIONS
-        update = measure_update(case, copies, kopts) if contraction else None
+        gridded = case.op_type in TRAIN_FAMILIES
+        update = measure_update(case, copies, kopts) if gridded else None
         results.append(dataclasses.replace(result, step=step, update=update))
         overheads.append(overhead.median)
     tick("floor")
@@ -139,7 +141,7 @@ def _train_grids(results) -> dict:
     grids (``kernels.GRID_*``, ``kernels.CONV_GRID``), per kernel side: FLOPs / (step -
     measured update) (the cost model charges the update separately). One-off cases
     off the grid are left out."""
-    from tensoropt.cost.compute import train_key
+    from tensoropt.cost.compute import TRAIN_FAMILIES, train_key
 
     cells: dict[tuple[str, int], dict[tuple[float, float], float]] = {}
     for r in results:
@@ -150,9 +152,8 @@ def _train_grids(results) -> dict:
         update = r.update.median if r.update is not None else 0.0
         train = max(r.step.median - update, r.seconds.median)
         side, first, second = key
-        cells.setdefault((case.family, side), {})[round(first, 6), round(second, 6)] = (
-            case.flops / train
-        )
+        cell = cells.setdefault((TRAIN_FAMILIES[case.op_type], side), {})
+        cell[round(first, 6), round(second, 6)] = case.flops / train
     out: dict[str, dict] = {}
     for (fam, side), rate in sorted(cells.items()):
         # the grid: second keys measured at two or more first keys, then the first

@@ -102,7 +102,7 @@ def build_update_model(case: KernelCase, copies: int) -> onnx.ModelProto:
     factors of the parameter's rank."""
     nodes, inputs, outputs, inits = [], [], [], []
     for i in range(copies):
-        for j, shape in enumerate(case.shapes[1:]):
+        for j, shape in enumerate(case.trained_shapes):
             tag = f"{i}_{j}"
             ones = [1] * len(shape)
             for name, value in (("mu", 0.9), ("lr", 0.01)):
@@ -127,6 +127,6 @@ def measure_update(case: KernelCase, copies: int, opts: KernelOptions) -> Sample
     Subtracted from the step to leave forward + backward: measured, not modelled,
     because for small convolutions the update is most of the step and a modelled
     one that is off by a little leaves nothing (or less than nothing) behind."""
-    if len(case.shapes) < 2:
+    if not case.trained_shapes:
         return None
     return _slope((build_update_model(case, 1), build_update_model(case, copies)), copies, opts)

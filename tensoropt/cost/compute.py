@@ -8,13 +8,15 @@ the time the curve gives at the op's size, interpolated log-log between measured
 sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
 families (small kernels are slower per FLOP and per byte), and a measured
 backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below.
-A MatMul, Gemm or Conv with a measured training-step grid (``op_train_grids``:
+A MatMul, Gemm, Conv or BatchNormalization with a measured training-step grid (``op_train_grids``:
 forward + backward FLOP/s inside a training step against the op's shape, see
 :class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly. Neither a
 rate-against-FLOPs curve nor forward x backward ratio fits these: a MatMul's rate
 follows its rows, onnxruntime runs a Conv inside a training step in another layout
 than alone (a forward-only chain of Convs ran 2x faster), and the weight-gradient
-convolution's cost follows the channels.
+convolution's cost follows the channels; BatchNormalization's backward is a dozen
+element-wise ops broadcasting over channels that the norm curve (LayerNorm-like,
+by bytes) priced at a twentieth of what they took on small feature maps.
 The backward of a
 contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
 backward of other ops is taken as twice the forward traffic.
@@ -126,23 +128,37 @@ def conv_key(attrs, in_shapes, out_shapes) -> tuple[float, float, int]:
     return channels, positions, int(max(w[2:]))
 
 
+# Ops whose forward + backward time a calibrated profile measures inside a training
+# step against their shape (``op_train_grids``), by the grid's name.
+TRAIN_FAMILIES = {
+    "MatMul": "matmul",
+    "Gemm": "matmul",
+    "Conv": "conv",
+    "BatchNormalization": "batchnorm",
+}
+
+
 def train_key(op_type: str, attrs, in_shapes, out_shapes, flops: float):
     """(kernel side, first key, second key) of an op's training-step grid, or None.
 
-    MatMul and Gemm: (1, GEMM rows, sqrt(K * N)); Conv: :func:`conv_key`."""
+    MatMul and Gemm: (1, GEMM rows, sqrt(K * N)); Conv: :func:`conv_key`;
+    BatchNormalization: (1, channels, batch x spatial positions)."""
     if op_type == "Conv":
         channels, positions, kernel = conv_key(attrs, in_shapes, out_shapes)
         return kernel, channels, positions
     if op_type in ("MatMul", "Gemm"):
         rows = contraction_rows(op_type, attrs, in_shapes)
         return 1, rows, math.sqrt(flops / (2.0 * rows))
+    if op_type == "BatchNormalization" and in_shapes and len(in_shapes[0] or []) >= 2:
+        x = list(in_shapes[0])
+        return 1, float(x[1]), float(x[0]) * float(np.prod(x[2:], dtype=np.float64))
     return None
 
 
 def _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile) -> float | None:
-    """Forward + backward seconds from the profile's training-step grid of the op's
-    family, or None when it has none (then: forward curve x backward ratio)."""
-    slices = profile.op_train_grids.get(family(op_type))
+    """Forward + backward seconds from the profile's training-step grid of the op, or
+    None when it has none (then: forward curve x backward ratio)."""
+    slices = profile.op_train_grids.get(TRAIN_FAMILIES.get(op_type, ""))
     key = train_key(op_type, attrs, in_shapes, out_shapes, flops) if slices else None
     if key is None or flops <= 0:
         return None

@@ -40,7 +40,9 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert side == 1 and grid.rows == (16.0, 256.0) and grid.sides == (64.0, 512.0)
     ((side, conv),) = profile.op_train_grids["conv"]  # quick: 3x3, channels 8, 32
     assert side == 3 and conv.rows == (8.0, 32.0) and conv.sides == (32.0, 2048.0)
-    assert all(r > 0 for g in (grid, conv) for row in g.rates for r in row)
+    ((side, norm),) = profile.op_train_grids["batchnorm"]
+    assert side == 1 and norm.rows == conv.rows and norm.sides == conv.sides
+    assert all(r > 0 for g in (grid, conv, norm) for row in g.rates for r in row)
     cal = data["calibration"]
     assert cal["ranks"] == 2 and cal["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
     assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3

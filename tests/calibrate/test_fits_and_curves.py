@@ -259,7 +259,9 @@ def test_calibration_grids_take_the_grid_cases_only():
     conv = grids["conv"]["kernel_3"]
     assert conv["rows"] == list(channels)
     assert conv["sides"] == [8 * s * s for s in sides]  # batch 8 x output side^2
-    for grid in (matmul, conv):
+    norm = grids["batchnorm"]["kernel_1"]
+    assert norm["rows"] == list(channels) and norm["sides"] == conv["sides"]
+    for grid in (matmul, conv, norm):
         expected = [[pytest.approx(m * k) for k in grid["sides"]] for m in grid["rows"]]
         assert grid["rates"] == expected
 
