@@ -29,6 +29,9 @@ from tensoropt.cost.compute import family, forward_flops
 from tensoropt.runtime.program import SessionConfig
 
 CONTRACTIONS = ("matmul", "conv")
+# Element-wise ops whose backward differs most from an Add's: each gets its own forward
+# curve and backward ratio (the zoo's activations; Gelu's backward alone is ~10 ops).
+OWN_CURVE_OPS = ("Relu", "Mul", "Sigmoid", "Tanh", "Gelu")
 # Shape grids of the training-step rates (cost.cluster: op_train_grids)
 GRID_ROWS = (16, 64, 256, 1024)
 GRID_SIDES = (64, 256, 1024)
@@ -62,6 +65,11 @@ class KernelCase:
     def traffic(self) -> float:
         elements = sum(math.prod(s) for s in self.shapes) + math.prod(self.out_shape)
         return float(_ITEMSIZE * elements)
+
+    @property
+    def curve_key(self) -> str:
+        """The profile's curve this case measures: its op type's own, or its family's."""
+        return self.op_type if self.op_type in OWN_CURVE_OPS else self.family
 
     @property
     def trained_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -132,6 +140,9 @@ def cases(quick: bool) -> tuple[KernelCase, ...]:
     for n in elems:
         rows, cols = _rows(n)
         out.append(KernelCase("Add", ((n,), (n,)), (n,)))
+        if n in (1 << 12, 1 << 16, 1 << 20) or (quick and n == 1 << 16):
+            out += [_same(op, (rows, cols), *([(rows, cols)] if op == "Mul" else []))
+                    for op in OWN_CURVE_OPS]  # fmt: skip
         out.append(_same("Softmax", (rows, cols), attrs=(("axis", -1),)))
         out.append(
             _same("LayerNormalization", (rows, cols), (cols,), (cols,), attrs=(("axis", -1),))

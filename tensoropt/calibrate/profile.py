@@ -122,14 +122,14 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
 
 
 def _curves(results) -> dict:
-    by_family: dict[str, list] = {}
+    by_key: dict[str, list] = {}
     for r in results:
-        by_family.setdefault(r.case.family, []).append(r)
+        by_key.setdefault(r.case.curve_key, []).append(r)
     curves = {}
-    for fam, rows in sorted(by_family.items()):
+    for key, rows in sorted(by_key.items()):
         rows.sort(key=lambda r: r.case.work)
-        curves[fam] = {
-            "work": "flops" if fam in kernels.CONTRACTIONS else "bytes",
+        curves[key] = {
+            "work": "flops" if key in kernels.CONTRACTIONS else "bytes",
             "points": [[r.case.work, r.rate, round(r.seconds.spread, 4)] for r in rows],
             "cases": [r.case.label() for r in rows],
         }
@@ -182,7 +182,8 @@ def _probe(curves: dict):
 
 
 def _backward(results, curves: dict) -> dict:
-    """Per family: (step - forward - modelled update) / forward against size.
+    """Per family (or op type, ``KernelCase.curve_key``): (step - forward - modelled
+    update) / forward against size.
 
     With this ratio, ``op_time`` (forward x (1 + ratio)) plus the cost model's own
     ``update_time`` of the op's parameters equals the measured step slope at every
@@ -199,7 +200,7 @@ def _backward(results, curves: dict) -> dict:
         params = sum(math.prod(s) for s in r.case.shapes[1:])
         update = update_time(params, 1, 4, probe) if params else 0.0
         ratio = max((r.step.median - r.seconds.median - update) / r.seconds.median, 0.05)
-        by_family.setdefault(r.case.family, []).append(
+        by_family.setdefault(r.case.curve_key, []).append(
             [r.case.work, ratio, round(r.step.spread, 4)]
         )
     return {
@@ -213,7 +214,7 @@ def _throughput(results) -> tuple[dict[str, float], dict[str, float]]:
     rates: dict[str, list[float]] = {}
     spreads: dict[str, list[float]] = {}
     for r in results:
-        fam = r.case.family
+        fam = r.case.curve_key
         rates.setdefault(fam, []).append(r.case.flops / r.seconds.median)
         spreads.setdefault(fam, []).append(r.seconds.spread)
     med = {f: float(np.median(v)) for f, v in sorted(rates.items())}

@@ -7,7 +7,9 @@ with measured rate-vs-size curves (``op_curves``) replaces the family's term by
 the time the curve gives at the op's size, interpolated log-log between measured
 sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
 families (small kernels are slower per FLOP and per byte), and a measured
-backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below.
+backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below; an op
+type with curves of its own (calibrate measures the zoo's activations: an Add's
+backward is nearly free, a Gelu's is ~10 element-wise ops) uses those first.
 A MatMul, Gemm, Conv or BatchNormalization with a measured training-step grid (``op_train_grids``:
 forward + backward FLOP/s inside a training step against the op's shape, see
 :class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly. Neither a
@@ -167,9 +169,11 @@ def _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile) -> float 
     return flops / grid.rate(first, second)
 
 
-def _kernel_time(fam: str, flops: float, traffic: float, profile: ClusterProfile) -> float:
-    """Forward seconds of one kernel of family ``fam``."""
-    curve = profile.op_curves.get(fam)
+def _kernel_time(
+    fam: str, flops: float, traffic: float, profile: ClusterProfile, op_type: str = ""
+) -> float:
+    """Forward seconds of one kernel of family ``fam`` (the op type's own curve first)."""
+    curve = profile.op_curves.get(op_type) or profile.op_curves.get(fam)
     if curve is not None and curve.work == "flops":
         return max(flops / curve_rate(curve, flops), traffic / profile.memory_bandwidth)
     if curve is not None:
@@ -195,8 +199,8 @@ def op_time(
     trained = _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile)
     if trained is not None:
         return max(trained, profile.op_floor_s)
-    fwd = max(_kernel_time(fam, flops, traffic, profile), profile.op_floor_s)
-    backward = profile.op_backward.get(fam)
+    fwd = max(_kernel_time(fam, flops, traffic, profile, op_type), profile.op_floor_s)
+    backward = profile.op_backward.get(op_type) or profile.op_backward.get(fam)
     if backward is not None:  # measured backward-to-forward ratio at this size
         size = flops if backward.work == "flops" else traffic
         return fwd * (1.0 + curve_rate(backward, max(size, 1.0)))

@@ -323,6 +323,26 @@ def test_bad_grid_slice_names_the_key():
         from_json({"base": "h100", "op_train_grids": {"matmul": {"any": grid}}}, "f.json")
 
 
+def test_an_op_type_with_its_own_curves_uses_them():
+    family = OpCurve("bytes", ((1e3, 1e10), (1e8, 1e10)))
+    gelu = OpCurve("bytes", ((1e3, 2e9), (1e8, 2e9)))
+    profile = dataclasses.replace(
+        _calibrated(elementwise=family, Gelu=gelu),
+        op_backward={
+            "elementwise": OpCurve("bytes", ((1.0, 1.0),)),
+            "Gelu": OpCurve("bytes", ((1.0, 9.0),)),
+        },
+    )
+    shape = (256, 1024)
+    traffic = 4 * 2 * math.prod(shape)
+    assert op_time("Gelu", {}, [shape], [shape], 4, profile) == pytest.approx(
+        traffic / 2e9 * (1 + 9.0)
+    )
+    assert op_time("Tanh", {}, [shape], [shape], 4, profile) == pytest.approx(
+        traffic / 1e10 * (1 + 1.0)
+    )
+
+
 def test_profiles_without_curves_keep_the_roofline():
     profile = builtin("v100")
     shapes, out = [(256, 256), (256, 256)], [(256, 256)]
