@@ -8,20 +8,22 @@ the time the curve gives at the op's size, interpolated log-log between measured
 sizes: FLOPs / FLOP/s for matmul and conv, bytes / bytes/s for memory-bound
 families (small kernels are slower per FLOP and per byte), and a measured
 backward-to-forward ratio curve (``op_backward``) replaces the fixed 2x below; an op
-type with curves of its own (calibrate measures the zoo's activations: an Add's
-backward is nearly free, a Gelu's is ~10 element-wise ops) uses those first.
-A MatMul, Gemm, Conv or BatchNormalization with a measured training-step grid (``op_train_grids``:
-forward + backward FLOP/s inside a training step against the op's shape, see
-:class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly. Neither a
-rate-against-FLOPs curve nor forward x backward ratio fits these: a MatMul's rate
-follows its rows, onnxruntime runs a Conv inside a training step in another layout
-than alone (a forward-only chain of Convs ran 2x faster), and the weight-gradient
-convolution's cost follows the channels; BatchNormalization's backward is a dozen
-element-wise ops broadcasting over channels that the norm curve (LayerNorm-like,
-by bytes) priced at a twentieth of what they took on small feature maps.
-The backward of a
-contraction (MatMul, Gemm, Conv) is two contractions of the same size; the
-backward of other ops is taken as twice the forward traffic.
+type with curves of its own (calibrate measures the zoo's activations, whose backward
+ranges from nearly free to several element-wise ops) uses those first.
+
+A MatMul, Gemm, Conv or BatchNormalization with a measured training-step grid
+(``op_train_grids``: forward + backward FLOP/s inside a training step against the op's
+shape, see :class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly.
+Neither a rate-against-FLOPs curve nor forward x backward ratio fits these: a MatMul's
+rate follows its rows, onnxruntime runs a Conv inside a training step in another layout
+than alone (a forward-only chain of Convs ran 2x faster), the weight-gradient
+convolution's cost follows the channels, and BatchNormalization's backward is a dozen
+element-wise ops broadcasting over channels that the LayerNorm-like norm curve priced
+at a twentieth of what they took on small feature maps.
+
+Without measurements (the built-in profiles): the backward of a contraction (MatMul,
+Gemm, Conv) is two contractions of the same size; the backward of other ops is taken
+as twice the forward traffic.
 """
 
 from __future__ import annotations
