@@ -2,8 +2,9 @@
 
 Issue 5's bound: on a quiet machine, the rates of two calibrations in a row are within
 20% of each other. Compared rate by rate: every op family's median throughput, every
-entry of the MatMul rate grid, every collective's alpha and bandwidth, and the joint
-link. The ratio is second / first - 1; the run passes when every |ratio| <= 20%.
+entry of the training-step rate grids (MatMul, Conv, BatchNorm), every collective's
+alpha and bandwidth, and the joint link. The ratio is second / first - 1; the run
+passes when every |ratio| <= 20%.
 
 Usage: python benchmarks/bench_calibrate.py [--profiles A.json B.json] [--quick] [--write]
 (without --profiles it calibrates twice, ~80 s each on the 2-core machine).
@@ -41,11 +42,11 @@ def calibrate(path: Path, quick: bool) -> None:
 def rates(profile: dict) -> dict[str, float]:
     """Every rate of a calibrated profile, by a readable name."""
     out = {f"compute {fam}": rate for fam, rate in profile["op_throughput"].items()}
-    grid = profile.get("op_grids", {}).get("matmul")
-    if grid:
-        for m, row in zip(grid["rows"], grid["rates"], strict=True):
-            for side, rate in zip(grid["sides"], row, strict=True):
-                out[f"matmul grid {m} rows x side {side}"] = rate
+    for name, slices in profile.get("op_train_grids", {}).items():
+        for kernel, grid in slices.items():
+            for first, row in zip(grid["rows"], grid["rates"], strict=True):
+                for second, rate in zip(grid["sides"], row, strict=True):
+                    out[f"{name} {kernel} grid {first:g} x {second:g}"] = rate
     for kind, fit in profile["collectives"]["per_kind"].items():
         out[f"{kind} alpha"] = fit["alpha_s"]
         out[f"{kind} bandwidth"] = fit["bandwidth"]

@@ -72,13 +72,6 @@ class KernelCase:
         return self.op_type if self.op_type in OWN_CURVE_OPS else self.family
 
     @property
-    def trained_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Shapes of the parameters a training step of the case updates (BatchNorm's
-        running statistics are frozen by passes/trainable.py's policy)."""
-        params = self.shapes[1:]
-        return params[:2] if self.op_type == "BatchNormalization" else params
-
-    @property
     def work(self) -> float:
         """What the family's rate is per: FLOPs for contractions, bytes otherwise."""
         return self.flops if self.family in CONTRACTIONS else self.traffic
@@ -94,7 +87,6 @@ class KernelResult:
     seconds: Sample  # one kernel, inside a graph
     copies: int = 1  # R of the slope
     step: Sample | None = None  # one copy's forward + backward + update in a step graph
-    update: Sample | None = None  # one copy's optimizer update alone (SGD momentum)
 
     @property
     def rate(self) -> float:

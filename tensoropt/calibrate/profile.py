@@ -7,7 +7,8 @@ reads it) whose rates are medians of repeated measurements:
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
 * ``op_train_grids``: MatMul, Conv and BatchNormalization, forward + backward FLOP/s
-  measured inside a training step on a grid of their shape (MatMul: output rows
+  (and the SGD-momentum update of their weight) measured inside a training step on a
+  grid of their shape (MatMul: output rows
   16..1024 x operand side sqrt(K N) 64..1024; Conv: channels 8..128 x output
   positions 8..8192, per kernel side 1 and 3; BatchNorm: channels x positions); the
   cost model takes these ops' time from it instead of forward curve x backward
@@ -100,8 +101,7 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     """(results per case, floor result, session-run overhead sample)."""
     import dataclasses
 
-    from tensoropt.calibrate.steps import measure_step, measure_update
-    from tensoropt.cost.compute import TRAIN_FAMILIES
+    from tensoropt.calibrate.steps import measure_step
 
     kopts = _kernel_options(opts)
     results = []
@@ -109,11 +109,8 @@ def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     for case in kernels.cases(opts.quick):
         tick(case.label())
         result, overhead = kernels.measure_case(case, kopts)
-        copies = min(result.copies, 8)
-        step = measure_step(case, copies, kopts)
-        gridded = case.op_type in TRAIN_FAMILIES
-        update = measure_update(case, copies, kopts) if gridded else None
-        results.append(dataclasses.replace(result, step=step, update=update))
+        step = measure_step(case, min(result.copies, 8), kopts)
+        results.append(dataclasses.replace(result, step=step))
         overheads.append(overhead.median)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
@@ -137,10 +134,15 @@ def _curves(results) -> dict:
 
 
 def _train_grids(results) -> dict:
-    """MatMul and Conv: forward + backward FLOP/s inside a training step on their shape
-    grids (``kernels.GRID_*``, ``kernels.CONV_GRID``), per kernel side: FLOPs / (step -
-    measured update) (the cost model charges the update separately). One-off cases
-    off the grid are left out."""
+    """MatMul, Conv and BatchNorm: FLOPs / step slope on their shape grids
+    (``kernels.GRID_*``, ``kernels.CONV_GRID``), per kernel side. The slope is one
+    copy's forward + backward + SGD-momentum update of its own weight, and stays so:
+    the cost model charges those weights' update through the grid
+    (:func:`tensoropt.cost.compute.grid_update_slots`). Subtracting an update was
+    tried and dropped: for small ops the update is most of the step, and a measured
+    one (in a graph of updates alone, ~2.5x slower per op) or a modelled one left
+    noise or nothing (two calibrations disagreed by 76% on the smallest BatchNorm).
+    One-off cases off the grid are left out."""
     from tensoropt.cost.compute import TRAIN_FAMILIES, train_key
 
     cells: dict[tuple[str, int], dict[tuple[float, float], float]] = {}
@@ -149,8 +151,7 @@ def _train_grids(results) -> dict:
         key = train_key(case.op_type, dict(case.attrs), case.shapes, (case.out_shape,), case.flops)
         if key is None or r.step is None:
             continue
-        update = r.update.median if r.update is not None else 0.0
-        train = max(r.step.median - update, r.seconds.median)
+        train = r.step.median
         side, first, second = key
         cell = cells.setdefault((TRAIN_FAMILIES[case.op_type], side), {})
         cell[round(first, 6), round(second, 6)] = case.flops / train

@@ -94,39 +94,3 @@ def _slope(models: tuple[onnx.ModelProto, onnx.ModelProto], copies: int, opts) -
 def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
     """Seconds of one copy's forward + backward + update inside a training step."""
     return _slope((build_train_model(case, 1), build_train_model(case, copies)), copies, opts)
-
-
-def build_update_model(case: KernelCase, copies: int) -> onnx.ModelProto:
-    """The SGD-momentum update of ``copies`` copies of the case's parameters, as
-    passes/optimizer.py emits it: Mul(mu, m), Add(., g), Mul(lr, .), Sub(p, .), with
-    factors of the parameter's rank."""
-    nodes, inputs, outputs, inits = [], [], [], []
-    for i in range(copies):
-        for j, shape in enumerate(case.trained_shapes):
-            tag = f"{i}_{j}"
-            ones = [1] * len(shape)
-            for name, value in (("mu", 0.9), ("lr", 0.01)):
-                inits.append(numpy_helper.from_array(np.full(ones, value, np.float32), name + tag))
-            for name in ("p", "m", "g"):
-                inputs.append(helper.make_tensor_value_info(name + tag, 1, list(shape)))
-            nodes += [
-                helper.make_node("Mul", ["mu" + tag, "m" + tag], ["a" + tag]),
-                helper.make_node("Add", ["a" + tag, "g" + tag], ["nm" + tag]),
-                helper.make_node("Mul", ["lr" + tag, "nm" + tag], ["b" + tag]),
-                helper.make_node("Sub", ["p" + tag, "b" + tag], ["np" + tag]),
-            ]
-            for name in ("nm", "np"):
-                outputs.append(helper.make_tensor_value_info(name + tag, 1, list(shape)))
-    graph = helper.make_graph(nodes, "update", inputs, outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
-
-
-def measure_update(case: KernelCase, copies: int, opts: KernelOptions) -> Sample | None:
-    """Seconds of one copy's optimizer update (None: the case has no parameters).
-
-    Subtracted from the step to leave forward + backward: measured, not modelled,
-    because for small convolutions the update is most of the step and a modelled
-    one that is off by a little leaves nothing (or less than nothing) behind."""
-    if not case.trained_shapes:
-        return None
-    return _slope((build_update_model(case, 1), build_update_model(case, copies)), copies, opts)

@@ -12,8 +12,11 @@ type with curves of its own (calibrate measures the zoo's activations, whose bac
 ranges from nearly free to several element-wise ops) uses those first.
 
 A MatMul, Gemm, Conv or BatchNormalization with a measured training-step grid
-(``op_train_grids``: forward + backward FLOP/s inside a training step against the op's
-shape, see :class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly.
+(``op_train_grids``: FLOPs per second of forward + backward + the SGD-momentum update
+of the op's weight inside a training step, against the op's shape, see
+:class:`~tensoropt.cost.cluster.RateGrid`) takes its time from it directly, and the
+cost model then charges those weights' update only beyond momentum SGD's
+(``grid_update_slots``).
 Neither a rate-against-FLOPs curve nor forward x backward ratio fits these: a MatMul's
 rate follows its rows, onnxruntime runs a Conv inside a training step in another layout
 than alone (a forward-only chain of Convs ran 2x faster), the weight-gradient
@@ -140,6 +143,21 @@ TRAIN_FAMILIES = {
     "Conv": "conv",
     "BatchNormalization": "batchnorm",
 }
+
+
+# Inputs whose SGD-momentum update a training-step grid entry already holds: the
+# calibrated cases train exactly these (MatMul's B, Conv's W, BatchNorm's scale and
+# bias; Gemm's bias C and Conv's bias are not in the cases and are charged as usual).
+_GRID_PARAM_SLOTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "BatchNormalization": (1, 2)}
+GRID_UPDATE_STATES = 1  # the cases' optimizer: SGD with momentum (one state)
+
+
+def grid_update_slots(op_type: str, profile: ClusterProfile) -> tuple[int, ...]:
+    """Input slots of ``op_type`` whose optimizer update ``op_time`` already charges
+    (through the profile's training-step grid); () when it has none for the op."""
+    if not profile.op_train_grids.get(TRAIN_FAMILIES.get(op_type, "")):
+        return ()
+    return _GRID_PARAM_SLOTS.get(op_type, ())
 
 
 def train_key(op_type: str, attrs, in_shapes, out_shapes, flops: float):

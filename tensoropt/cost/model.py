@@ -29,7 +29,12 @@ import numpy as np
 import onnx_ir as ir
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.compute import op_time, update_time
+from tensoropt.cost.compute import (
+    GRID_UPDATE_STATES,
+    grid_update_slots,
+    op_time,
+    update_time,
+)
 from tensoropt.errors import ShardingError
 from tensoropt.ir.builder import static_shape
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
@@ -164,6 +169,7 @@ class _Costs:
                 continue  # freed during the forward: no backward node reads it
             memory += _numel(shape) * _itemsize(node.outputs[j])
         split_axes = _split_axes(strategy, self.mesh)
+        in_grid = grid_update_slots(node.op_type, self.profile)
         for i in owned:
             value = node.inputs[i]
             layout = strategy.inputs[i]
@@ -176,7 +182,11 @@ class _Costs:
             # and each optimizer state twice (in and out): the emitted graph has no
             # in-place update (measured: docs/design/measured.md).
             memory += elements * isz * (3 + 2 * self.sg.optimizer_states)
-            seconds += update_time(elements, self.sg.optimizer_states, isz, self.profile)
+            update = update_time(elements, self.sg.optimizer_states, isz, self.profile)
+            if i in in_grid:  # op_time's grid entry holds a momentum-SGD update of it
+                held = update_time(elements, GRID_UPDATE_STATES, isz, self.profile)
+                update = max(update - held, 0.0)
+            seconds += update
             sync = [a for a in split_axes if isinstance(layout.placements[a], Replicate)]
             if sync:
                 n = int(np.prod([self.mesh.shape[a] for a in sync]))

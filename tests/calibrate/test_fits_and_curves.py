@@ -242,15 +242,14 @@ def test_calibration_grids_take_the_grid_cases_only():
     from tensoropt.calibrate.profile import _train_grids
     from tensoropt.cost.compute import train_key
 
-    # step = flops / (first key x second key) + the measured update: every grid entry
-    # is recognisable once the update is subtracted; the squares in between drop out
+    # step slope = flops / (first key x second key): every grid entry is recognisable,
+    # and the squares in between drop out
     results = []
     for c in cases(quick=False):
         key = train_key(c.op_type, dict(c.attrs), c.shapes, (c.out_shape,), c.flops)
         rate = key[1] * key[2] if key else 1e11
-        update = Sample(1e-5, 0.0, 3)
-        step = Sample(c.flops / rate + update.median, 0.0, 3)
-        results.append(KernelResult(c, Sample(c.flops / 1e15, 0.0, 3), 4, step, update))
+        step = Sample(c.flops / rate, 0.0, 3)
+        results.append(KernelResult(c, Sample(c.flops / 1e15, 0.0, 3), 4, step))
     grids = _train_grids(results)
     matmul = grids["matmul"]["kernel_1"]
     assert matmul["rows"] == list(GRID_ROWS) and matmul["sides"] == list(GRID_SIDES)
@@ -264,6 +263,31 @@ def test_calibration_grids_take_the_grid_cases_only():
     for grid in (matmul, conv, norm):
         expected = [[pytest.approx(m * k) for k in grid["sides"]] for m in grid["rows"]]
         assert grid["rates"] == expected
+
+
+def test_grid_ops_weights_are_not_updated_twice(mlp_tiny_sg, monkeypatch):
+    """A grid entry holds the op's forward, backward and the momentum-SGD update of its
+    weight, so the cost model charges that weight's update only beyond it (here: 0)."""
+    import tensoropt.cost.model as model
+    from tensoropt.ir.mesh import Mesh
+
+    grid = RateGrid((1.0, 1e4), (1.0, 1e4), ((1e10, 1e10), (1e10, 1e10)))
+    profile = _grid_profile(matmul=((1, grid),))
+    sg, mesh = mlp_tiny_sg, Mesh((1,), ("x",))
+    choice = None
+    totals = []
+    for slots in (model.grid_update_slots, lambda op, prof: ()):
+        monkeypatch.setattr(model, "grid_update_slots", slots)
+        mp = model.build_problem(sg, mesh, profile)
+        choice = choice or [0] * len(mp.problem.units)
+        totals.append(mp.problem.evaluate(choice)[0])
+    weights = [
+        n.inputs[1] for n in sg.graph if n.op_type in ("MatMul", "Gemm")
+        and n.inputs[1] is not None and n.inputs[1].name in sg.params
+    ]  # fmt: skip
+    assert weights and sg.optimizer_states == 1
+    held = sum(update_time(math.prod(w.shape), 1, 4, profile) for w in weights)
+    assert totals[1] - totals[0] == pytest.approx(held, rel=1e-9)
 
 
 def _grid_profile(**grids):
