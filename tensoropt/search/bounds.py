@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensoropt.search.frontier import Table
+from tensoropt.search.frontier import Table, prune_groups
 
 INFLATE = 1e-9  # relative slack on incumbents (rounding of the DP's float sums)
 WEIGHTS = 17  # scalarisations tried for incumbents (time weight 0..1, both ends excluded)
@@ -227,52 +227,117 @@ def _outside(sched: Schedule, inside: dict[int, np.ndarray]) -> dict[tuple[int, 
     return per_product
 
 
-def _decode(sched: Schedule, inside: dict[int, np.ndarray], channel: int) -> dict[int, int]:
-    """An assignment of every variable minimising channel `channel` (top-down)."""
-    assign: dict[int, int] = {}
-    for st in reversed(sched.steps):
-        total = np.zeros(sched.dims[st.var])
-        for i in st.inputs:
-            idx = tuple(slice(None) if v == st.var else assign[v] for v in sched.scopes[i])
-            total = total + inside[i][channel][idx]
-        assign[st.var] = int(np.argmin(total))
-    return assign
+Plans = tuple[np.ndarray, np.ndarray, np.ndarray]  # (score, time, memory), channel first
+
+
+def _leaf_plans(sched: Schedule, fid: int, table: Table, weights: np.ndarray) -> Plans:
+    """Per weight and entry of a leaf: the score, time and memory of its least-score point
+    (+inf for empty entries)."""
+    shape = (len(weights), table.n_entries)
+    score, t, m = np.full(shape, np.inf), np.full(shape, np.inf), np.full(shape, np.inf)
+    for c, w in enumerate(weights):
+        idx = _entry_argmin(table, w[0] * table.t + w[1] * table.m)
+        ok = idx >= 0
+        t[c, ok], m[c, ok] = table.t[idx[ok]], table.m[idx[ok]]
+        score[c, ok] = w[0] * t[c, ok] + w[1] * m[c, ok]
+    full = (len(weights), *sched.shape(fid))
+    return score.reshape(full), t.reshape(full), m.reshape(full)
+
+
+def _add(a: Plans, b: Plans) -> Plans:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+def _expand_plans(p: Plans, scope: tuple[int, ...], joint: tuple[int, ...], dims) -> Plans:
+    return (
+        _expand(p[0], scope, joint, dims),
+        _expand(p[1], scope, joint, dims),
+        _expand(p[2], scope, joint, dims),
+    )
+
+
+def _argmin_to(p: Plans, joint: tuple[int, ...], scope: tuple[int, ...], dims) -> Plans:
+    """Per channel and entry of `scope`: the least-score plan over the other joint axes,
+    with its time and memory (the values of that very plan, not separate minima)."""
+    full = (p[0].shape[0], *(dims[v] for v in joint))
+    kept = [1 + i for i, v in enumerate(joint) if v in scope]
+    gone = [1 + i for i, v in enumerate(joint) if v not in scope]
+    if not gone:
+        return tuple(np.array(np.broadcast_to(x, full)) for x in p)  # type: ignore[return-value]
+    perm = [0, *kept, *gone]
+    shape = (full[0], *(full[a] for a in kept), -1)
+    flat = [np.broadcast_to(x, full).transpose(perm).reshape(shape) for x in p]
+    idx = np.argmin(flat[0], axis=-1)[..., None]
+    s, t, m = (np.take_along_axis(x, idx, -1)[..., 0] for x in flat)
+    return s, t, m
+
+
+def _plans_inside(sched: Schedule, leaves: dict[int, Table], weights: np.ndarray):
+    ins = {i: _leaf_plans(sched, i, tb, weights) for i, tb in leaves.items()}
+    for st in sched.steps:
+        joint = sched.joint(st)
+        parts = [_expand_plans(ins[i], sched.scopes[i], joint, sched.dims) for i in st.inputs]
+        total = parts[0]
+        for part in parts[1:]:
+            total = _add(total, part)
+        ins[st.out] = _argmin_to(total, joint, sched.scopes[st.out], sched.dims)
+    return ins
+
+
+def _merge_frontier(
+    front: tuple[np.ndarray, np.ndarray], p: Plans
+) -> tuple[np.ndarray, np.ndarray]:
+    """The non-dominated (time, memory) of `front` (a staircase) and the finite plans of
+    `p`. New points dominated by the staircase are dropped first with one binary search
+    (most are: many entries share the same best plans), so only a few get sorted."""
+    score, t, m = (x.ravel() for x in np.broadcast_arrays(*p))
+    ok = np.isfinite(score)
+    t, m = t[ok], m[ok]
+    ft, fm = front
+    if len(ft):
+        j = np.searchsorted(ft, t, side="right") - 1
+        new = (j < 0) | (fm[np.maximum(j, 0)] > m)
+        t, m = np.concatenate([ft, t[new]]), np.concatenate([fm, m[new]])
+    keep = prune_groups(np.zeros(len(t), dtype=np.int64), t, m)
+    return t[keep], m[keep]
 
 
 def _incumbents(
-    sched: Schedule,
-    inside: dict[int, np.ndarray],
-    leaves: dict[int, Table],
-    weights: np.ndarray,
-) -> tuple[list[float], list[float]]:
-    """Values of complete plans: one per weight (channel c of `inside` holds weight c's
-    inside table), each minimising w.(t, m); as two lists (no staircase yet)."""
-    ts, ms = [], []
-    for c, w in enumerate(weights):
-        assign = _decode(sched, inside, c)
-        t_tot, m_tot = 0.0, 0.0
-        for fid, table in leaves.items():
-            entry = (
-                int(
-                    np.ravel_multi_index(
-                        tuple(assign[v] for v in sched.scopes[fid]), sched.shape(fid)
-                    )
-                )
-                if sched.scopes[fid]
-                else 0
-            )
-            lo, hi = int(table.offsets[entry]), int(table.offsets[entry + 1])
-            if lo == hi:
-                t_tot = math.inf
-                break
-            score = w[0] * table.t[lo:hi] + w[1] * table.m[lo:hi]
-            k = lo + int(np.argmin(score))
-            t_tot += float(table.t[k])
-            m_tot += float(table.m[k])
-        if math.isfinite(t_tot) and math.isfinite(m_tot):
-            ts.append(t_tot)
-            ms.append(m_tot)
-    return ts, ms
+    sched: Schedule, leaves: dict[int, Table], weights: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Values of complete plans: for every output entry e of every step and every weight w,
+    the plan of least w.(t, m) among the plans through e (an inside and an outside
+    min-sum pass that carry the time and memory of the minimising plan, like max-marginals
+    in a junction tree). Forcing each entry gives many different plans near the frontier,
+    not only its supported points. Returned as a staircase (time ascending)."""
+    dims, scopes = sched.dims, sched.scopes
+    ins = _plans_inside(sched, leaves, weights)
+    roots = [tuple(x.reshape(x.shape[0]) for x in ins[r]) for r in sched.roots]
+    zero: Plans = tuple(np.zeros_like(x) for x in roots[0])  # type: ignore[assignment]
+    out: dict[int, Plans] = {}
+    for k, r in enumerate(sched.roots):
+        rest = zero
+        for j, v in enumerate(roots):
+            rest = _add(rest, v) if j != k else rest  # type: ignore[arg-type]
+        out[r] = rest
+    front = _merge_frontier((np.zeros(0), np.zeros(0)), _add(out[sched.roots[0]], roots[0]))
+    produced = {st.out for st in sched.steps}
+    for st in reversed(sched.steps):
+        joint = sched.joint(st)
+        rest = _expand_plans(out.pop(st.out), scopes[st.out], joint, dims)
+        del ins[st.out]
+        parts = [_expand_plans(ins[i], scopes[i], joint, dims) for i in st.inputs]
+        suffix = [rest] * (len(parts) + 1)
+        for i in range(len(parts) - 1, -1, -1):
+            suffix[i] = _add(suffix[i + 1], parts[i])
+        front = _merge_frontier(front, _argmin_to(suffix[0], joint, scopes[st.out], dims))
+        prefix = None
+        for i, fid in enumerate(st.inputs):
+            if fid in produced:
+                others = suffix[i + 1] if prefix is None else _add(prefix, suffix[i + 1])
+                out[fid] = _argmin_to(others, joint, scopes[fid], dims)
+            prefix = parts[i] if prefix is None else _add(prefix, parts[i])
+    return front
 
 
 def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -287,10 +352,8 @@ def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t[keep], m[keep]
 
 
-def _leaf_channels(
-    sched: Schedule, fid: int, table: Table, weights: np.ndarray, ideal: bool = True
-) -> np.ndarray:
-    chans = [_entry_min(table, table.t), _entry_min(table, table.m)] if ideal else []
+def _leaf_channels(sched: Schedule, fid: int, table: Table, weights: np.ndarray) -> np.ndarray:
+    chans = [_entry_min(table, table.t), _entry_min(table, table.m)]
     chans += [_entry_min(table, w[0] * table.t + w[1] * table.m) for w in weights]
     return np.stack(chans).reshape((len(chans), *sched.shape(fid)))
 
@@ -325,15 +388,13 @@ def compute_bounds(
         return None
     frac = np.linspace(0.0, 1.0, WEIGHTS + 2)[1:-1]
     weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
-    ts: list[float] = []
-    ms: list[float] = []
+    ts: list[np.ndarray] = []
+    ms: list[np.ndarray] = []
     for lo in range(0, WEIGHTS, BATCH):  # a few channels at a time: bounded memory
-        part = weights[lo : lo + BATCH]
-        leaf = {i: _leaf_channels(sched, i, tb, part, ideal=False) for i, tb in leaves.items()}
-        t_part, m_part = _incumbents(sched, _inside(sched, leaf), leaves, part)
-        ts += t_part
-        ms += m_part
-    inc_t, inc_m = _staircase(np.array(ts), np.array(ms))
+        t_part, m_part = _incumbents(sched, leaves, weights[lo : lo + BATCH])
+        ts.append(t_part)
+        ms.append(m_part)
+    inc_t, inc_m = _staircase(np.concatenate(ts), np.concatenate(ms))
     if not convex:
         prod = _outside(sched, {i: v[:2] for i, v in lows.items()})
         return BoundSet({key: Bound(v[0], v[1], inc_t, inc_m) for key, v in prod.items()})

@@ -230,10 +230,9 @@ def sum_entries(
         if flt.budget != math.inf:
             fits = m <= flt.budget
             pa, pb, t, m, g = pa[fits], pb[fits], t[fits], m[fits], g[fits]
-        if bound is not None:
-            live = bound.keep(g, t, m)
-            pa, pb, t, m, g = pa[live], pb[live], t[live], m[live], g[live]
         keep = prune_groups(g, t, m)
+        if bound is not None:  # after pruning: far fewer points to test (exact either way)
+            keep = keep[bound.keep(g[keep], t[keep], m[keep])]
         kept_a.append(pa[keep])
         kept_b.append(pb[keep])
         kept_g.append(g[keep])
