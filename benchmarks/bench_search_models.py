@@ -163,7 +163,13 @@ def highs(tmp: str) -> list[str]:
     return [*lines, ""]
 
 
-def quality(tmp: str, quick: bool, only_models: list[str] | None = None) -> list[str]:
+def quality(
+    tmp: str,
+    quick: bool,
+    only_models: list[str] | None = None,
+    only_profiles: list[str] | None = None,
+    only_devices: list[int] | None = None,
+) -> list[str]:
     lines = [
         "### Plan quality against data parallelism and Megatron (same cost model)",
         "",
@@ -173,11 +179,12 @@ def quality(tmp: str, quick: bool, only_models: list[str] | None = None) -> list
         "|---|---|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
     models = only_models or (["gpt", "mlp"] if quick else list(MODEL_NAMES))
-    profiles = ["h100"] if quick else list(BUILTIN_NAMES)
+    profiles = only_profiles or (["h100"] if quick else list(BUILTIN_NAMES))
+    device_counts = only_devices or ([8] if quick else [8, 16, 64])
     for name in models:
         sg = search_graph(_args(_model(tmp, name, "paper")))
         for profile in profiles:
-            for d in [8] if quick else [8, 16, 64]:
+            for d in device_counts:
                 t0 = time.perf_counter()
                 exp = explore(sg, [d], "auto", builtin(profile))
                 pts = [p for s in exp.searches for p in s.result.points]
@@ -217,14 +224,18 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     parser.add_argument("--only", choices=["target", "scaling", "highs", "quality"])
     parser.add_argument("--models", help="quality: these zoo models only (comma-separated)")
+    parser.add_argument("--profiles", help="quality: these built-in profiles only")
+    parser.add_argument("--devices", help="quality: these device counts only (e.g. 16,64)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     only = args.models.split(",") if args.models else None
+    profiles = args.profiles.split(",") if args.profiles else None
+    devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     parts = {
         "target": lambda: target(tmp),
         "scaling": lambda: scaling(tmp, args.quick),
         "highs": lambda: highs(tmp),
-        "quality": lambda: quality(tmp, args.quick, only),
+        "quality": lambda: quality(tmp, args.quick, only, profiles, devices),
     }
     lines = [
         SECTION,
