@@ -223,13 +223,17 @@ def _rate(value, where: str) -> float:
     return rate
 
 
-def _curves(table, where: str) -> dict[str, OpCurve]:
-    """``{family: {"work": "flops"|"bytes", "points": [[size, rate, (spread)], ...]}}``."""
+def _entries(table, where: str) -> list[tuple[str, object, str]]:
+    """(family, value, where-path) of an object keyed by op family (or op type)."""
     if not isinstance(table, dict):
         raise ClusterError(f"{where}: expected an object of op families")
+    return [(fam, value, f"{where}.{fam}") for fam, value in table.items()]
+
+
+def _curves(table, where: str) -> dict[str, OpCurve]:
+    """``{family: {"work": "flops"|"bytes", "points": [[size, rate, (spread)], ...]}}``."""
     out = {}
-    for fam, curve in table.items():
-        at = f"{where}.{fam}"
+    for fam, curve, at in _entries(table, where):
         if not isinstance(curve, dict) or curve.get("work") not in ("flops", "bytes"):
             raise ClusterError(f'{at}: expected {{"work": "flops"|"bytes", "points": [...]}}')
         points = curve.get("points")
@@ -248,11 +252,8 @@ def _curves(table, where: str) -> dict[str, OpCurve]:
 
 def _grids(table, where: str) -> dict[str, RateGrid]:
     """``{family: {"rows": [...], "sides": [...], "rates": [[FLOP/s per side] per row]}}``."""
-    if not isinstance(table, dict):
-        raise ClusterError(f"{where}: expected an object of op families")
     out = {}
-    for fam, grid in table.items():
-        at = f"{where}.{fam}"
+    for fam, grid, at in _entries(table, where):
         if not isinstance(grid, dict) or not all(k in grid for k in ("rows", "sides", "rates")):
             expected = '{"rows": [...], "sides": [...], "rates": [[...]]}'
             raise ClusterError(f"{at}: expected {expected}")
@@ -282,11 +283,8 @@ def _train_grids(table, where: str) -> dict[str, tuple[tuple[int, RateGrid], ...
 
     K is the kernel side of that slice (1 for MatMul). A grid's ``rates[i][j]`` is the
     FLOP/s at ``rows[i]`` and ``sides[j]`` (see :class:`RateGrid`)."""
-    if not isinstance(table, dict):
-        raise ClusterError(f"{where}: expected an object of op families")
     out = {}
-    for fam, slices in table.items():
-        at = f"{where}.{fam}"
+    for fam, slices, at in _entries(table, where):
         if not isinstance(slices, dict) or not slices:
             raise ClusterError(f'{at}: expected {{"kernel_1": {{...}}, "kernel_3": {{...}}}}')
         parsed = []
