@@ -3,12 +3,12 @@
 # devices. Run from the repository root with the venv active. Models whose exact search
 # took more than ~3 minutes on a shared 2-core machine use --epsilon 0.02 (listed below);
 # each report's header states the mode and the guarantee. rnnlm runs only with
-# INCLUDE_RNNLM=1: its search did not finish within 30 minutes per profile even with
-# --epsilon 0.02 on the shared machine (see README.md).
+# INCLUDE_RNNLM=1: its exact search finishes every mesh since session 8 but takes ~20
+# minutes of CPU per profile on 2 cores (see README.md).
 set -euo pipefail
 models_dir=$(mktemp -d)
 trap 'rm -rf "$models_dir"' EXIT
-EPSILON_MODELS=" inception_v3-h100 rnnlm-v100 rnnlm-h100 "
+EPSILON_MODELS=" inception_v3-h100 "
 models="mlp gpt bert vgg16 resnet50 inception_v3 wide_resnet"
 if [[ "${INCLUDE_RNNLM:-0}" == 1 ]]; then models="$models rnnlm"; fi
 for model in $models; do
