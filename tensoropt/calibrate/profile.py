@@ -6,14 +6,14 @@ reads it) whose rates are medians of repeated measurements:
 * ``op_curves``: per op family, rate against size (FLOP/s against FLOPs for
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
   spread of every point; :func:`tensoropt.cost.compute.op_time` interpolates them;
-* ``op_train_grids``: MatMul, Conv and BatchNormalization, forward + backward FLOP/s
-  (and the SGD-momentum update of their weight) measured inside a training step on a
-  grid of their shape (MatMul: output rows
-  16..1024 x operand side sqrt(K N) 64..1024; Conv: channels 8..128 x output
-  positions 8..8192, per kernel side 1 and 3; BatchNorm: channels x positions); the
-  cost model takes these ops' time from it instead of forward curve x backward
-  ratio (a MatMul's rate follows its rows: 16 rows ran at a third of the rate of
-  256 at equal K and N; convs of equal FLOPs differed 5x with their channels);
+* ``op_train_grids``: MatMul, Conv and BatchNormalization, forward + backward (and
+  the SGD-momentum update of their weight) FLOP/s measured inside a training step on
+  a grid of their shape (MatMul: output rows 16..1024 x operand side sqrt(K N)
+  64..1024; Conv: channels 8..128 x output positions 8..8192, per kernel side 1 and
+  3; BatchNorm: channels x positions); the cost model takes these ops' time from it
+  instead of forward curve x backward ratio (a MatMul's rate follows its rows: 16 rows
+  ran at a third of the rate of 256 at equal K and N; convs of equal FLOPs differed 5x
+  with their channels);
 * ``op_backward``: per family, (training-step time - forward - modelled update) /
   forward against size (:mod:`tensoropt.calibrate.steps`): what the backward
   really costs, instead of the roofline's fixed 2x;

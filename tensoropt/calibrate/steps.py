@@ -66,14 +66,15 @@ def _feeds(sess, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _slope(models: tuple[onnx.ModelProto, onnx.ModelProto], copies: int, opts) -> Sample:
-    """Seconds per copy: the slope between a 1-copy and a ``copies``-copy model."""
+def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
+    """Seconds of one copy's forward + backward + update inside a training step."""
     import onnxruntime as ort
 
     config = SessionConfig(intra_op_threads=opts.threads)
     rng = np.random.default_rng(2)
     runners = []
-    for model in models:
+    for count in (1, copies):
+        model = build_train_model(case, count)
         sess = ort.InferenceSession(
             model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
         )
@@ -89,8 +90,3 @@ def _slope(models: tuple[onnx.ModelProto, onnx.ModelProto], copies: int, opts) -
         tr = time_call(runners[1], min_seconds=opts.block_seconds, clock=opts.clock)
         slopes.append(max((tr - t1) / (copies - 1), 1e-9))
     return Sample.of(slopes)
-
-
-def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
-    """Seconds of one copy's forward + backward + update inside a training step."""
-    return _slope((build_train_model(case, 1), build_train_model(case, copies)), copies, opts)

@@ -8,7 +8,7 @@ fresh zero pages. Measured on this project's 2-core machine, 2 MPI ranks, 256 Ki
 buffer: AllReduce 404 us, ReduceScatter 277 us, AllGather 252 us with glibc's
 defaults; 50, 37 and 24 us with the heap serving them (``MALLOC_MMAP_THRESHOLD_`` =
 32 MiB). Freed memory then stays in the heap for the next step (``run --profile``
-still trims it before each step, see :mod:`tensoropt.runtime.profiling`).
+trims it once, when its step loop starts, see :mod:`tensoropt.runtime.profiling`).
 
 ``MALLOC_ENV`` goes into the environment of the MPI ranks (set before the
 interpreter starts, so every allocation sees it); :func:`tune_process` applies the
