@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--launches",
         type=int,
-        default=3,
+        default=3,  # calibrate.collectives.DEFAULT_LAUNCHES (not imported: --help stays fast)
         help="fresh MPI process sets the collectives are timed in; each point is the "
         "median over them (default 3; rates vary more between processes than within one)",
     )

@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads per rank")
     p.add_argument(
         "--arena",
-        choices=["shared", "shared-pow2", "per-session", "none"],
+        choices=["shared", "shared-pow2", "per-session", "none"],  # runtime.arena.ArenaMode
         default="shared",
         help="where a rank's tensors live: one pool per rank growing as requested (default, "
         "like a device), the same growing by doubling, one pool per graph segment "

@@ -153,6 +153,15 @@ def test_interrupted_calibration_leaves_no_file(tmp_path, sig):
     assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary
 
 
+def test_launches_default_is_the_benchmarks():
+    from tensoropt.calibrate.collectives import DEFAULT_LAUNCHES
+    from tensoropt.cli import build_parser
+
+    calibrate = build_parser()._subparsers._group_actions[0].choices["calibrate"]
+    (launches,) = [a for a in calibrate._actions if a.dest == "launches"]
+    assert launches.default == DEFAULT_LAUNCHES
+
+
 @pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"]])
 def test_bad_options_exit_2(tmp_path, capsys, flag):
     code = main(["calibrate", "-o", str(tmp_path / "x.json"), *flag])

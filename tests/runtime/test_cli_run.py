@@ -91,6 +91,17 @@ def test_arena_choice_keeps_the_numbers(outdirs, capsys, arena):
     assert json.loads(out)["losses"] == default
 
 
+def test_arena_choices_are_the_runtimes_modes():
+    """cmd_run lists the modes by hand (importing the runtime would slow --help)."""
+    from tensoropt.cli import build_parser
+    from tensoropt.runtime.arena import ArenaMode
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    (arena,) = [a for a in run._actions if a.dest == "arena"]
+    assert arena.choices == [m.value for m in ArenaMode]
+    assert arena.default == ArenaMode.SHARED.value
+
+
 def test_unknown_arena_exits_2(outdirs, capsys):
     with pytest.raises(SystemExit) as exc:
         _run(capsys, outdirs("dp2_tp2"), "--arena", "huge")
