@@ -341,15 +341,11 @@ def _incumbents(
 
 
 def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The non-dominated (time, memory) points, time ascending, inflated by INFLATE."""
     if not len(t):
         return np.zeros(0), np.zeros(0)
-    t = t * (1.0 + INFLATE)
-    m = m * (1.0 + INFLATE)
-    order = np.lexsort((m, t))
-    t, m = t[order], m[order]
-    keep = np.ones(len(t), dtype=bool)
-    keep[1:] = m[1:] < np.minimum.accumulate(m)[:-1]
-    return t[keep], m[keep]
+    keep = prune_groups(np.zeros(len(t), dtype=np.int64), t, m)  # sorted by time
+    return t[keep] * (1.0 + INFLATE), m[keep] * (1.0 + INFLATE)
 
 
 def _leaf_channels(sched: Schedule, fid: int, table: Table, weights: np.ndarray) -> np.ndarray:
