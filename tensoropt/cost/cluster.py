@@ -60,10 +60,10 @@ class RateGrid:
     def rate(self, rows: float, side: float) -> float:
         i, u = _grid_pos(self.rows, rows)
         j, v = _grid_pos(self.sides, side)
-        logs = [[math.log(r) for r in row] for row in self.rates]
         i1, j1 = min(i + 1, len(self.rows) - 1), min(j + 1, len(self.sides) - 1)
-        low = logs[i][j] * (1 - v) + logs[i][j1] * v
-        high = logs[i1][j] * (1 - v) + logs[i1][j1] * v
+        r = self.rates
+        low = math.log(r[i][j]) * (1 - v) + math.log(r[i][j1]) * v
+        high = math.log(r[i1][j]) * (1 - v) + math.log(r[i1][j1]) * v
         return math.exp(low * (1 - u) + high * u)
 
 

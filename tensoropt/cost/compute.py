@@ -152,12 +152,15 @@ _GRID_PARAM_SLOTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "BatchNormaliza
 GRID_UPDATE_STATES = 1  # the cases' optimizer: SGD with momentum (one state)
 
 
+def _grid_slices(op_type: str, profile: ClusterProfile):
+    """The profile's training-step grid slices for ``op_type`` (empty: none)."""
+    return profile.op_train_grids.get(TRAIN_FAMILIES.get(op_type, ""), ())
+
+
 def grid_update_slots(op_type: str, profile: ClusterProfile) -> tuple[int, ...]:
     """Input slots of ``op_type`` whose optimizer update ``op_time`` already charges
     (through the profile's training-step grid); () when it has none for the op."""
-    if not profile.op_train_grids.get(TRAIN_FAMILIES.get(op_type, "")):
-        return ()
-    return _GRID_PARAM_SLOTS.get(op_type, ())
+    return _GRID_PARAM_SLOTS.get(op_type, ()) if _grid_slices(op_type, profile) else ()
 
 
 def train_key(op_type: str, attrs, in_shapes, out_shapes, flops: float):
@@ -180,7 +183,7 @@ def train_key(op_type: str, attrs, in_shapes, out_shapes, flops: float):
 def _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile) -> float | None:
     """Forward + backward seconds from the profile's training-step grid of the op, or
     None when it has none (then: forward curve x backward ratio)."""
-    slices = profile.op_train_grids.get(TRAIN_FAMILIES.get(op_type, ""))
+    slices = _grid_slices(op_type, profile)
     key = train_key(op_type, attrs, in_shapes, out_shapes, flops) if slices else None
     if key is None or flops <= 0:
         return None
