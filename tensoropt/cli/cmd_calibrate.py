@@ -60,13 +60,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _interrupt_on_sigterm() -> None:
-    """SIGTERM behaves like Ctrl-C: cleanup runs, no file is written, one line, exit 130."""
+def _interrupt_on_sigterm():
+    """SIGTERM behaves like Ctrl-C: cleanup runs, no file is written, one line, exit 130.
+    Returns the previous handler: ``run`` puts it back, so a caller of ``main`` in its
+    own process (tests, a notebook) does not keep it. Kept, it was inherited by forked
+    search workers, whose pool is stopped with SIGTERM: a KeyboardInterrupt raised just
+    after a worker took the task queue's lock left the lock held and hung the pool."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _summary(profile: dict) -> str:
@@ -102,6 +106,14 @@ def _summary(profile: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    previous = _interrupt_on_sigterm()
+    try:
+        return _calibrate(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
     from tensoropt.calibrate.profile import (
         CalibrateOptions,
         CommBackend,
@@ -112,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.common import print_json, progress
     from tensoropt.cost.cluster import from_json
 
-    _interrupt_on_sigterm()
     opts = CalibrateOptions(
         backend=CommBackend(args.backend),
         ranks=args.ranks,

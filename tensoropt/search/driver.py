@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -231,7 +232,7 @@ def explore(
                     on_problem(job[0])
         else:
             ctx = multiprocessing.get_context("fork")
-            with ctx.Pool(workers) as pool:
+            with ctx.Pool(workers, initializer=_pool_worker_init) as pool:
                 for search in pool.imap(_solve_mesh, jobs):
                     searches.append(search)
                     if on_problem:
@@ -242,6 +243,14 @@ def explore(
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
     return Exploration(tuple(searches), merged, epsilon, memory_budget)
+
+
+def _pool_worker_init() -> None:
+    """A forked search worker dies on SIGTERM, whatever handler its parent installed:
+    the pool stops its workers with SIGTERM when it closes, and a handler that raises
+    (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
+    the pool's task-queue lock and hang the pool for good (seen in CI)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _infeasible_message(sg, searches, budget, profile) -> str:

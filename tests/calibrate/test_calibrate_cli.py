@@ -164,7 +164,10 @@ def test_launches_default_is_the_benchmarks():
 
 @pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"]])
 def test_bad_options_exit_2(tmp_path, capsys, flag):
+    before = signal.getsignal(signal.SIGTERM)
     code = main(["calibrate", "-o", str(tmp_path / "x.json"), *flag])
+    # the SIGTERM handler of a run is put back (forked search workers would inherit it)
+    assert signal.getsignal(signal.SIGTERM) is before
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and " ".join(flag) in err[0]
     assert not (tmp_path / "x.json").exists()
