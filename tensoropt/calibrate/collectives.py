@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tensoropt.calibrate.stats import AlphaBeta, Sample, fit_alpha_beta
+from tensoropt.calibrate.stats import AlphaBeta, Sample, evict_caches, fit_alpha_beta
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.collectives import CollectiveCall, CollectiveKind
 from tensoropt.runtime.comm import Communicator, LocalWorld
@@ -105,8 +105,8 @@ def _call_of(comm: Communicator, kind: CollectiveKind, group) -> Callable[[np.nd
 # project's 2-core machine (gpt-small, 2 ranks, a barrier before every collective):
 # 1.4-3.7x the back-to-back rate of the same calls on one hot buffer. So each sample
 # is one call on a fresh copy of the input after a 32 MiB sweep that evicts the
-# caches, started together (barrier), timed alone, slowest rank kept.
-EVICT_BYTES = 32 << 20
+# caches (stats.evict_caches, standing for the compute in between), started together
+# (barrier), timed alone, slowest rank kept.
 IN_STEP_SAMPLES = 15
 
 
@@ -122,7 +122,7 @@ def measure_comm(
 ) -> dict[str, list[list[float]]]:
     """Per collective: ``[buffer_bytes, median_seconds, spread]`` per size (every rank calls).
 
-    Each time is one call as a training step makes it (see ``EVICT_BYTES``); the median
+    Each time is one call as a training step makes it (see ``evict_caches``); the median
     of :func:`samples_per_point` samples. The samples are taken in rounds, each round
     one sample of every (collective, size) point, so that a slow phase of the processes
     (the first seconds after start measured 1.5-1.8x slower small AllReduces than the
@@ -132,7 +132,6 @@ def measure_comm(
     """
     n = comm.size
     group = tuple(range(n))
-    scratch = np.ones(EVICT_BYTES // 4, dtype=np.float32)
     points = [(kind, size) for kind in KINDS for size in spec.sizes]
     calls = {kind: _call_of(comm, kind, group) for kind in KINDS}
     inputs = {(kind, size): _local_input(kind, size, n) for kind, size in points}
@@ -142,7 +141,7 @@ def measure_comm(
     times: dict[tuple, list[float]] = {point: [] for point in points}
     for _ in range(samples_per_point(spec)):
         for kind, size in points:
-            np.add(scratch, 1.0, out=scratch)  # the compute between collectives
+            evict_caches()  # the compute between collectives
             fresh = inputs[kind, size].copy()  # written just before, as a segment's output is
             comm.barrier()
             t0 = time.perf_counter()

@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from tensoropt.calibrate.stats import Sample, time_call
+from tensoropt.calibrate.stats import Sample, evict_caches, time_call
 from tensoropt.cost.compute import family, forward_flops
 from tensoropt.runtime.program import SessionConfig
 
@@ -217,6 +217,23 @@ class KernelOptions:
     repeats: int = 5
     block_seconds: float = 0.04  # minimum length of one timed block of calls
     chain_target_s: float = 4e-3  # aim for R copies to take about this long
+    cold: bool = True  # evict the caches before every timed call (see time)
+    cold_calls: int = 12  # at most this many calls per timed block when cold
+
+    def time(self, fn: Callable[[], object], min_seconds: float) -> float:
+        """Seconds per call of ``fn`` (:func:`~tensoropt.calibrate.stats.time_call`).
+
+        Cold (the default), every call starts on evicted caches, as an op inside a
+        training step does whose model's working set exceeds the cache: measured
+        here, warm-cache rates under-estimated whole steps by 12-39% on one rank
+        (docs/design/measured.md, "Cold caches").
+        """
+        if not self.cold:
+            return time_call(fn, min_seconds=min_seconds, clock=self.clock)
+        return time_call(
+            fn, min_seconds=min_seconds, max_calls=self.cold_calls, clock=self.clock,
+            before=evict_caches,
+        )  # fmt: skip
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -237,15 +254,15 @@ def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, S
     one = _runner(_session(build_model(case, 1), config), x)
     for _ in range(3):
         one()  # warm-up: arena growth, first-run kernel selection
-    first = time_call(one, min_seconds=opts.block_seconds / 4, clock=opts.clock)
+    first = opts.time(one, opts.block_seconds / 4)
     copies = int(min(64, max(4, round(opts.chain_target_s / max(first, 1e-7)))))
     many = _runner(_session(build_model(case, copies), config), x)
     for _ in range(3):
         many()
     per_op, overhead = [], []
     for _ in range(opts.repeats):
-        t1 = time_call(one, min_seconds=opts.block_seconds, clock=opts.clock)
-        tr = time_call(many, min_seconds=opts.block_seconds, clock=opts.clock)
+        t1 = opts.time(one, opts.block_seconds)
+        tr = opts.time(many, opts.block_seconds)
         slope = max((tr - t1) / (copies - 1), 1e-9)
         per_op.append(slope)
         overhead.append(max(t1 - slope, 0.0))

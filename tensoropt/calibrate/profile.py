@@ -302,6 +302,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "ranks": opts.ranks,
             "threads_per_rank": opts.threads_per_rank,
             "compute_clock": _kernel_options(opts).clock_name,
+            "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
             "repeats": opts.repeats,
             "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,

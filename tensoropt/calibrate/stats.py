@@ -7,11 +7,33 @@ rate from a noisy one.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+# Larger than the last-level cache of this project's machines (32 MiB L3, FIELD-NOTES):
+# after writing this many bytes, nothing an earlier call touched is still cached.
+EVICT_BYTES = 32 << 20
+
+
+@functools.cache
+def _evict_buffer() -> np.ndarray:
+    return np.ones(EVICT_BYTES // 4, dtype=np.float32)
+
+
+def evict_caches() -> None:
+    """Write :data:`EVICT_BYTES` of scratch memory, evicting every cache level.
+
+    Inside a training step, an op's weights were last touched a whole step earlier and
+    the tensors the backward reads many ops earlier, with the rest of the model's
+    working set in between: they come from memory. Timings taken after this call see
+    the same.
+    """
+    buf = _evict_buffer()
+    np.add(buf, 1.0, out=buf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +61,7 @@ def time_call(
     min_seconds: float,
     max_calls: int = 10_000,
     clock: Callable[[], float] = time.perf_counter,
+    before: Callable[[], object] | None = None,
 ) -> float:
     """Seconds per call of ``fn``: calls in a loop until ``min_seconds`` have passed.
 
@@ -46,7 +69,19 @@ def time_call(
     Python's per-call jitter out of short kernels. ``clock`` is wall time by default;
     ``time.thread_time`` measures only this thread's CPU, which other processes on a
     busy machine cannot inflate (right for single-threaded kernels).
+
+    With ``before`` (e.g. :func:`evict_caches`), it runs untimed before every call and
+    each call is timed alone; ``min_seconds`` then counts the timed calls only.
     """
+    if before is not None:
+        calls, elapsed = 0, 0.0
+        while calls < max_calls and (elapsed < min_seconds or calls == 0):
+            before()
+            start = clock()
+            fn()
+            elapsed += clock() - start
+            calls += 1
+        return elapsed / calls
     calls = 0
     start = clock()
     elapsed = 0.0

@@ -19,7 +19,7 @@ import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from tensoropt.calibrate.kernels import KernelCase, KernelOptions, build_model
-from tensoropt.calibrate.stats import Sample, time_call
+from tensoropt.calibrate.stats import Sample
 from tensoropt.runtime.program import SessionConfig
 
 
@@ -86,7 +86,7 @@ def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
             run()
     slopes = []
     for _ in range(opts.repeats):
-        t1 = time_call(runners[0], min_seconds=opts.block_seconds, clock=opts.clock)
-        tr = time_call(runners[1], min_seconds=opts.block_seconds, clock=opts.clock)
+        t1 = opts.time(runners[0], opts.block_seconds)
+        tr = opts.time(runners[1], opts.block_seconds)
         slopes.append(max((tr - t1) / (copies - 1), 1e-9))
     return Sample.of(slopes)

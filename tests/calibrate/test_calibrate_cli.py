@@ -50,6 +50,7 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert cal["ranks"] == 2 and cal["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
     assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3
     assert cal["compute_clock"] == ("thread_cpu" if cal["threads_per_rank"] == 1 else "wall")
+    assert cal["compute_caches"] == "cold"
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
     assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tensoropt.calibrate import kernels
 from tensoropt.calibrate.collectives import KINDS, fit, latency_terms, merge_launches, volume
-from tensoropt.calibrate.kernels import build_model, cases
-from tensoropt.calibrate.stats import Sample, fit_alpha_beta
+from tensoropt.calibrate.kernels import KernelOptions, build_model, cases
+from tensoropt.calibrate.stats import Sample, fit_alpha_beta, time_call
 from tensoropt.cost.cluster import OpCurve, RateGrid, builtin, from_json
 from tensoropt.cost.compute import (
     contraction_rows,
@@ -153,6 +154,44 @@ def test_sample_median_and_spread():
     s = Sample.of([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s.median == 3.0 and s.repeats == 5
     assert s.spread == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+class _FakeClock:
+    """A clock that only the timed function and the eviction advance."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.evictions = 0
+
+    def __call__(self):
+        return self.now
+
+    def call(self):
+        self.now += 1.0
+
+    def evict(self):
+        self.evictions += 1
+        self.now += 100.0
+
+
+def test_cold_timing_evicts_before_every_call_and_times_the_calls_alone():
+    clock = _FakeClock()
+    per_call = time_call(clock.call, min_seconds=5.0, max_calls=8, clock=clock, before=clock.evict)
+    assert per_call == 1.0  # the eviction's 100 s per call are not counted
+    assert clock.evictions == 5  # min_seconds counts timed calls: 5 of them
+    clock = _FakeClock()
+    time_call(clock.call, min_seconds=50.0, max_calls=8, clock=clock, before=clock.evict)
+    assert clock.evictions == 8  # capped
+
+
+def test_kernel_calibration_times_cold_by_default(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(kernels, "evict_caches", clock.evict)
+    opts = KernelOptions(threads=1)
+    monkeypatch.setattr(KernelOptions, "clock", property(lambda self: clock))
+    assert opts.time(clock.call, 3.0) == 1.0 and clock.evictions == 3
+    warm = dataclasses.replace(opts, cold=False)
+    assert warm.time(clock.call, 3.0) == 1.0 and clock.evictions == 3
 
 
 def _calibrated(**curves):
