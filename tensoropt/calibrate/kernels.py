@@ -218,7 +218,7 @@ class KernelOptions:
     block_seconds: float = 0.04  # minimum length of one timed block of calls
     chain_target_s: float = 4e-3  # aim for R copies to take about this long
     cold: bool = True  # evict the caches before every timed call (see time)
-    cold_calls: int = 12  # at most this many calls per timed block when cold
+    cold_calls: int = 48  # at most this many calls per timed block when cold
 
     def time(self, fn: Callable[[], object], min_seconds: float) -> float:
         """Seconds per call of ``fn`` (:func:`~tensoropt.calibrate.stats.time_call`).

@@ -93,25 +93,32 @@ def work_items(opts: CalibrateOptions) -> int:
 
 
 def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
-    block = 0.01 if opts.quick else 0.04
-    return kernels.KernelOptions(opts.threads_per_rank, opts.repeats, block)
+    block, cold_calls = (0.01, 8) if opts.quick else (0.04, 48)
+    return kernels.KernelOptions(opts.threads_per_rank, opts.repeats, block, cold_calls=cold_calls)
+
+
+def neighbour_count(opts: CalibrateOptions) -> int:
+    """Processes that compute beside the measured one: the host's other MPI ranks
+    (:mod:`tensoropt.calibrate.neighbours`); none for the local backend, whose ranks
+    take turns in one process."""
+    return opts.ranks - 1 if opts.backend is CommBackend.MPI else 0
 
 
 def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
     """(results per case, floor result, session-run overhead sample)."""
-    import dataclasses
-
-    from tensoropt.calibrate.steps import measure_step
+    from tensoropt.calibrate.neighbours import busy_neighbours
+    from tensoropt.calibrate.steps import measure_training_case
 
     kopts = _kernel_options(opts)
     results = []
     overheads = []
-    for case in kernels.cases(opts.quick):
-        tick(case.label())
-        result, overhead = kernels.measure_case(case, kopts)
-        step = measure_step(case, min(result.copies, 8), kopts)
-        results.append(dataclasses.replace(result, step=step))
-        overheads.append(overhead.median)
+    with busy_neighbours(neighbour_count(opts), kopts, opts.quick) as sync:
+        for case in kernels.cases(opts.quick):
+            tick(case.label())
+            sync()
+            result, overhead = measure_training_case(case, kopts)
+            results.append(result)
+            overheads.append(overhead.median)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
     overheads.append(overhead.median)
@@ -303,6 +310,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "threads_per_rank": opts.threads_per_rank,
             "compute_clock": _kernel_options(opts).clock_name,
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
+            "compute_neighbours": neighbour_count(opts),
             "repeats": opts.repeats,
             "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,

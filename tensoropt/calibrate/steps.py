@@ -13,12 +13,20 @@ the backward-to-forward ratio curve that :func:`tensoropt.cost.compute.op_time` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from tensoropt.calibrate.kernels import KernelCase, KernelOptions, build_model
+from tensoropt.calibrate.kernels import (
+    KernelCase,
+    KernelOptions,
+    KernelResult,
+    build_model,
+    measure_case,
+)
 from tensoropt.calibrate.stats import Sample
 from tensoropt.runtime.program import SessionConfig
 
@@ -90,3 +98,13 @@ def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
         tr = opts.time(runners[1], opts.block_seconds)
         slopes.append(max((tr - t1) / (copies - 1), 1e-9))
     return Sample.of(slopes)
+
+
+def measure_training_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, Sample]:
+    """One calibration case: its kernel alone (slope over copies) and as a training step.
+
+    Also returns the per-``session.run`` overhead of the kernel measurement.
+    """
+    result, overhead = measure_case(case, opts)
+    step = measure_step(case, min(result.copies, 8), opts)
+    return dataclasses.replace(result, step=step), overhead

@@ -1,0 +1,61 @@
+"""The neighbour processes that keep the host's other cores busy during compute calibration."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from tensoropt.calibrate import neighbours
+from tensoropt.calibrate.kernels import KernelOptions
+from tensoropt.calibrate.profile import CalibrateOptions, CommBackend, neighbour_count
+from tensoropt.errors import TensorOptError
+
+OPTS = KernelOptions(threads=1, repeats=3, block_seconds=0.002, cold_calls=2)
+
+
+def _alive() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name == "neighbour"]
+
+
+def test_neighbours_compute_in_step_during_the_block_and_stop_after():
+    with neighbours.busy_neighbours(1, OPTS, quick=True) as sync:
+        procs = _alive()
+        assert len(procs) == 1
+        for _ in range(3):  # the neighbour meets us at every case
+            sync()
+            assert procs[0].is_alive()
+    assert not procs[0].is_alive() and _alive() == []
+
+
+def test_a_dead_neighbour_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(neighbours, "SYNC_TIMEOUT_S", 2.0)
+    with neighbours.busy_neighbours(1, OPTS, quick=True) as sync:
+        sync()
+        proc = _alive()[0]
+        proc.kill()
+        proc.join()
+        with pytest.raises(TensorOptError, match="neighbour process stopped"):
+            sync()
+    assert _alive() == []
+
+
+def test_neighbours_stop_when_the_block_raises():
+    with pytest.raises(KeyboardInterrupt), neighbours.busy_neighbours(1, OPTS, quick=True):
+        procs = _alive()
+        raise KeyboardInterrupt
+    assert procs and not procs[0].is_alive()
+
+
+def test_no_neighbours_is_no_process():
+    with neighbours.busy_neighbours(0, OPTS, quick=True) as sync:
+        sync()
+        assert _alive() == []
+
+
+@pytest.mark.parametrize(
+    ("backend", "ranks", "expected"),
+    [(CommBackend.MPI, 2, 1), (CommBackend.MPI, 4, 3), (CommBackend.LOCAL, 4, 0)],
+)
+def test_the_other_mpi_ranks_are_the_neighbours(backend, ranks, expected):
+    assert neighbour_count(CalibrateOptions(backend=backend, ranks=ranks)) == expected
