@@ -12,7 +12,12 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             32^3 to 1024^3, ResNet-like Convs, element-wise, reductions, Softmax,
             LayerNorm, MaxPool; each op's time inside a graph (the slope between a model
             holding it once and one holding it R times), so one session.run's fixed cost
-            is not charged to every op
+            is not charged to every op; MatMul, Conv and BatchNorm also as training
+            steps on a grid of shapes. Every timed call starts on evicted caches (a
+            step reads weights and saved tensors from memory), and with mpi the other
+            ranks-1 cores run the same measurement at the same moment (ranks share the
+            host's cache and memory bus): the rates are those of one rank of a full
+            host, so a plan that leaves cores idle runs faster than estimated
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
@@ -27,7 +32,7 @@ the machine, library versions and the date. Written atomically: an interrupted
 calibration leaves no file.
 
 examples:
-  tensoropt calibrate -o here.json
+  tensoropt calibrate -o here.json                         # ~3 minutes on 2 cores
   tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json
