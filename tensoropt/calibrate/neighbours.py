@@ -27,8 +27,6 @@ SYNC_TIMEOUT_S = 300.0  # longer than any one case takes
 
 def _loop(opts: kernels.KernelOptions, quick: bool, barrier) -> None:
     """Measure the calibration's cases in step with the parent, until it stops us."""
-    import threading
-
     from tensoropt.calibrate.steps import measure_training_case
     from tensoropt.runtime.malloc import tune_process
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Larger than the last-level cache of this project's machines (32 MiB L3, FIELD-NOTES):
+# The last-level cache of this project's machines (lscpu: 32 MiB L3, shared by the cores):
 # after writing this many bytes, nothing an earlier call touched is still cached.
 EVICT_BYTES = 32 << 20
 
