@@ -7,7 +7,7 @@ alpha and bandwidth, and the joint link. The ratio is second / first - 1; the ru
 passes when every |ratio| <= 20%.
 
 Usage: python benchmarks/bench_calibrate.py [--profiles A.json B.json] [--quick] [--write]
-(without --profiles it calibrates twice, ~80 s each on the 2-core machine).
+(without --profiles it calibrates twice, ~6 minutes each on the 2-core machine).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def main() -> None:
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} "
         f"cores ({first['machine']['cpu']}), Python {platform.python_version()}, load average "
         f"{load:.1f} at the start. Calibrations of {dates} "
-        f"({first['calibration'].get('launches', 1)} MPI launches each). "
+        f"({first['calibration'].get('launches', 1)} MPI launches and "
+        f"{first['calibration'].get('compute_passes', 1)} compute passes each). "
         f"**Worst difference {worst[3]:+.1%} ({worst[0]}): {verdict} the {BOUND:.0%} bound.**"
     )
     table = ["| rate | first | second | second / first - 1 |", "|---|---:|---:|---:|"]

@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from tensoropt.calibrate.stats import Sample, evict_caches, time_call
+from tensoropt.calibrate.stats import Sample, evict_caches, steady_sample, time_call
 from tensoropt.cost.compute import family, forward_flops
 from tensoropt.runtime.program import SessionConfig
 
@@ -222,6 +222,12 @@ class KernelOptions:
     chain_target_s: float = 4e-3  # aim for R copies to take about this long
     cold: bool = True  # evict the caches before every timed call (see time)
     cold_calls: int = 48  # at most this many calls per timed block when cold
+    extra_repeats: int = 2  # up to repeats x (1 + this) when a case's spread is high
+
+    @property
+    def max_repeats(self) -> int:
+        """Repeats of a disturbed case (:func:`~tensoropt.calibrate.stats.steady_sample`)."""
+        return self.repeats * (1 + self.extra_repeats)
 
     def time(self, fn: Callable[[], object], min_seconds: float) -> float:
         """Seconds per call of ``fn`` (:func:`~tensoropt.calibrate.stats.time_call`).
@@ -262,11 +268,14 @@ def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, S
     many = _runner(_session(build_model(case, copies), config), x)
     for _ in range(3):
         many()
-    per_op, overhead = [], []
-    for _ in range(opts.repeats):
+    overhead = []
+
+    def slope() -> float:
         t1 = opts.time(one, opts.block_seconds)
         tr = opts.time(many, opts.block_seconds)
-        slope = max((tr - t1) / (copies - 1), 1e-9)
-        per_op.append(slope)
-        overhead.append(max(t1 - slope, 0.0))
-    return KernelResult(case, Sample.of(per_op), copies), Sample.of(overhead)
+        per_op = max((tr - t1) / (copies - 1), 1e-9)
+        overhead.append(max(t1 - per_op, 0.0))
+        return per_op
+
+    per_op = steady_sample(slope, opts.repeats, opts.max_repeats)
+    return KernelResult(case, per_op, copies), Sample.of(overhead)

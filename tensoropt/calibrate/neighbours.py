@@ -6,10 +6,10 @@ bus, so a rank computes slower beside busy neighbours than alone. Measured on th
 project's 2-core machine, two 1-rank runs side by side against one alone: mlp-small
 +8..+19% step time, gpt-small +0..+9%, resnet50-tiny +5..+17%; and 2-rank plans were
 the ones whose compute the model under-estimated. So the compute calibration runs with
-N - 1 neighbour processes doing the same measurements (same cases, same thread
-count, same cache eviction) on the other cores, each case started by all at once, and
-its rates are those of a device whose neighbours are busy, as in a step of N ranks.
-Their own timings are discarded.
+N - 1 neighbour processes on the other cores (same thread count), each running the
+training step of the case being measured, without pause, for as long as it is
+measured; its rates are those of a device whose neighbours are busy, as in a step of
+N ranks.
 """
 
 from __future__ import annotations
@@ -17,66 +17,97 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 
 from tensoropt.calibrate import kernels
 from tensoropt.errors import TensorOptError
 
 SYNC_TIMEOUT_S = 300.0  # longer than any one case takes
+NEIGHBOUR_COPIES = 4  # copies of the case in the training step a neighbour runs
 
 
-def _loop(opts: kernels.KernelOptions, quick: bool, barrier) -> None:
-    """Measure the calibration's cases in step with the parent, until it stops us."""
-    from tensoropt.calibrate.steps import measure_training_case
+def _loop(opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase], barrier, done):
+    """Run each calibration case's training step without pause while the parent
+    measures that case (until ``done`` passes its index), then go on to the next."""
+    import numpy as np
+
+    from tensoropt.calibrate.steps import step_runner
     from tensoropt.runtime.malloc import tune_process
 
     tune_process()
-    while True:
-        for case in kernels.cases(quick):
-            try:
-                barrier.wait(SYNC_TIMEOUT_S)
-            except threading.BrokenBarrierError:  # the parent is gone or gave up
-                return
-            measure_training_case(case, opts)
+    rng = np.random.default_rng(3)
+    for index, case in enumerate(schedule):
+        run = step_runner(case, NEIGHBOUR_COPIES, opts.threads, rng)
+        try:
+            barrier.wait(SYNC_TIMEOUT_S)
+        except threading.BrokenBarrierError:  # the parent is gone or gave up
+            return
+        while done.value <= index:
+            run()
+        del run
+
+
+class Pacer:
+    """Keeps the neighbours on the case being measured (picklable: a spawned measuring
+    process gets it). Measure the schedule's cases in order, each inside ``with
+    pacer.busy():``."""
+
+    def __init__(self, barrier=None, done=None) -> None:
+        self._barrier, self._done = barrier, done
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        if self._barrier is None:  # no neighbours
+            yield
+            return
+        try:
+            self._barrier.wait(SYNC_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise TensorOptError(
+                "calibrate: a neighbour process stopped; rerun calibrate, "
+                "or use --backend local to measure without neighbours"
+            ) from None
+        try:
+            yield
+        finally:
+            with self._done.get_lock():
+                self._done.value += 1
 
 
 @contextlib.contextmanager
 def busy_neighbours(
-    count: int, opts: kernels.KernelOptions, quick: bool
-) -> Iterator[Callable[[], None]]:
+    count: int, opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase]
+) -> Iterator[Pacer]:
     """Run ``count`` neighbour processes for the duration of the block.
 
-    Yields ``sync``: the caller calls it before each case of ``kernels.cases(quick)``,
-    in order, and every neighbour then starts the same case at the same moment, as
-    the ranks of a step run the same op at once (unsynchronised neighbours made two
-    calibrations 30-50% apart on small BatchNorms). Processes are spawned (a fresh
+    Yields a :class:`Pacer`: the caller (or a process it hands the pacer to) measures
+    each case of ``schedule``, in order, inside ``with pacer.busy():``. Every
+    neighbour has that case's training step built when the block starts and runs it
+    back to back until the block ends, so each timed call of the measured process has
+    busy neighbours, as a rank's ops have in a step of N ranks. (Neighbours that
+    repeated the whole measurement, cache eviction included, in step only at each
+    case's start ran out of phase: either side finished a case first and waited, so a
+    varying share of a case's timed calls ran beside an idle core; two calibrations
+    were 25-50% apart on the small BatchNorms.) Processes are spawned (a fresh
     interpreter: no handlers or onnxruntime state of the caller) and stopped with
     SIGTERM when the block ends, however it ends.
     """
     if count <= 0:
-        yield lambda: None
+        yield Pacer()
         return
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(count + 1)
+    done = ctx.Value("q", 0)
     procs = [
-        ctx.Process(target=_loop, args=(opts, quick, barrier), daemon=True, name="neighbour")
+        ctx.Process(
+            target=_loop, args=(opts, tuple(schedule), barrier, done), daemon=True, name="neighbour"
+        )
         for _ in range(count)
     ]
-
-    def sync() -> None:
-        try:
-            barrier.wait(SYNC_TIMEOUT_S)
-        except threading.BrokenBarrierError:
-            dead = [p.exitcode for p in procs if not p.is_alive()]
-            raise TensorOptError(
-                f"calibrate: a neighbour process stopped (exit codes {dead}); "
-                "rerun calibrate, or use --backend local to measure without neighbours"
-            ) from None
-
     try:
         for proc in procs:
             proc.start()
-        yield sync
+        yield Pacer(barrier, done)
     finally:
         barrier.abort()
         for proc in procs:

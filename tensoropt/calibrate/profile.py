@@ -1,7 +1,9 @@
 """``calibrate``: measure this machine and turn the numbers into a cluster profile.
 
 The profile is a cluster JSON object (:func:`tensoropt.cost.cluster.from_json`
-reads it) whose rates are medians of repeated measurements:
+reads it) whose rates are medians of repeated measurements (compute: the fastest of
+``--passes`` passes' medians, each pass in a fresh process; collectives: the mean of
+the medians of launches spread over the calibration):
 
 * ``op_curves``: per op family, rate against size (FLOP/s against FLOPs for
   matmul and conv, bytes/s against bytes for the memory-bound families), with the
@@ -31,6 +33,7 @@ runtime gives each MPI rank ``cores // ranks`` threads, and so does calibration.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -51,6 +54,12 @@ from tensoropt.errors import TensorOptError
 log = logging.getLogger(__name__)
 
 SCHEMA = "tensoropt.cluster/1"
+# Every compute case is measured this many times, each pass over all cases in a fresh
+# process (minutes apart), and the fastest kept: on this project's VM, seconds-long
+# disturbances (another tenant, the kernel's background work, a process's first
+# seconds) and a process's own history slowed whole cases by 10-50%, and only ever
+# slowed them (docs/design/measured.md, "Calibration determinism (session 10)").
+DEFAULT_PASSES = 2
 
 
 class CommBackend(enum.Enum):
@@ -66,6 +75,11 @@ class CalibrateOptions:
     quick: bool = False
     threads: int | None = None  # intra-op threads per rank; None = cores // ranks
     launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
+    passes: int | None = None  # compute passes over every case; None: 1 quick, else 2
+
+    @property
+    def compute_passes(self) -> int:
+        return self.passes or (1 if self.quick else DEFAULT_PASSES)
 
     @property
     def threads_per_rank(self) -> int:
@@ -78,6 +92,8 @@ class CalibrateOptions:
             raise TensorOptError(f"--repeats {self.repeats}: give at least 3 (medians, IQR)")
         if self.launches < 1:
             raise TensorOptError(f"--launches {self.launches}: give at least 1")
+        if self.passes is not None and self.passes < 1:
+            raise TensorOptError(f"--passes {self.passes}: give at least 1")
         if self.threads is not None and self.threads < 1:
             raise TensorOptError(f"--threads {self.threads}: give at least 1")
 
@@ -89,12 +105,15 @@ def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
 def work_items(opts: CalibrateOptions) -> int:
     """Progress-bar length: kernel cases + the floor + collective points."""
     launches = opts.launches if opts.backend is CommBackend.MPI else 1
-    return len(kernels.cases(opts.quick)) + 1 + coll.total_points(_comm_spec(opts), launches)
+    cases = len(kernels.cases(opts.quick)) * opts.compute_passes
+    return cases + 1 + coll.total_points(_comm_spec(opts), launches)
 
 
 def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
-    block, cold_calls = (0.01, 8) if opts.quick else (0.04, 48)
-    return kernels.KernelOptions(opts.threads_per_rank, opts.repeats, block, cold_calls=cold_calls)
+    block, cold_calls, extra = (0.01, 8, 0) if opts.quick else (0.04, 48, 2)
+    return kernels.KernelOptions(
+        opts.threads_per_rank, opts.repeats, block, cold_calls=cold_calls, extra_repeats=extra
+    )
 
 
 def neighbour_count(opts: CalibrateOptions) -> int:
@@ -104,25 +123,64 @@ def neighbour_count(opts: CalibrateOptions) -> int:
     return opts.ranks - 1 if opts.backend is CommBackend.MPI else 0
 
 
-def measure_kernels(opts: CalibrateOptions, tick: Callable[[str], None]):
-    """(results per case, floor result, session-run overhead sample)."""
+def _fastest(values: list[Sample | None]) -> Sample | None:
+    present = [v for v in values if v is not None]
+    return min(present, key=lambda v: v.median) if present else None
+
+
+def fastest_pass(passes: list[kernels.KernelResult]) -> kernels.KernelResult:
+    """One case's result from its passes: the fastest kernel time and the fastest step
+    (disturbances only slow a measurement down; the fastest is the least disturbed)."""
+    kernel = min(passes, key=lambda r: r.seconds.median)
+    return dataclasses.replace(kernel, step=_fastest([r.step for r in passes]))
+
+
+def pass_difference(by_case: dict) -> dict:
+    """How far apart the passes of each case were (slowest / fastest - 1, of the step
+    time or, without a step, the kernel time): how steady the machine was."""
+    diffs = {}
+    for case, passes in by_case.items():
+        times = [(r.step or r.seconds).median for r in passes]
+        diffs[case.label()] = max(times) / min(times) - 1
+    if not diffs:
+        return {}
+    worst = max(diffs, key=diffs.__getitem__)
+    return {
+        "median": round(float(np.median(list(diffs.values()))), 4),
+        "max": round(diffs[worst], 4),
+        "max_case": worst,
+    }
+
+
+def measure_kernels(
+    opts: CalibrateOptions,
+    tick: Callable[[str], None],
+    before_pass: Callable[[int], None] = lambda _index: None,
+):
+    """(results per case, floor result, session-run overhead sample, pass difference).
+
+    Each pass over the cases runs in its own fresh process
+    (:mod:`tensoropt.calibrate.passes`) beside its own busy neighbours; ``before_pass(i)``
+    runs before pass ``i``, with no neighbour alive (the collectives' launches)."""
     from tensoropt.calibrate.neighbours import busy_neighbours
-    from tensoropt.calibrate.steps import measure_training_case
+    from tensoropt.calibrate.passes import measure_pass
 
     kopts = _kernel_options(opts)
-    results = []
+    cases = kernels.cases(opts.quick)
+    by_case: dict[kernels.KernelCase, list[kernels.KernelResult]] = {}
     overheads = []
-    with busy_neighbours(neighbour_count(opts), kopts, opts.quick) as sync:
-        for case in kernels.cases(opts.quick):
-            tick(case.label())
-            sync()
-            result, overhead = measure_training_case(case, kopts)
-            results.append(result)
-            overheads.append(overhead.median)
+    for index in range(opts.compute_passes):
+        before_pass(index)
+        with busy_neighbours(neighbour_count(opts), kopts, cases) as pacer:
+            for result, overhead in measure_pass(kopts, cases, pacer, tick):
+                by_case.setdefault(result.case, []).append(result)
+                overheads.append(overhead)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
     overheads.append(overhead.median)
-    return results, floor, Sample.of(overheads)
+    results = [fastest_pass(passes) for passes in by_case.values()]
+    spread = pass_difference(by_case) if opts.compute_passes > 1 else {}
+    return results, floor, Sample.of(overheads), spread
 
 
 def _curves(results) -> dict:
@@ -229,6 +287,15 @@ def _throughput(results) -> tuple[dict[str, float], dict[str, float]]:
     return med, {f: round(float(np.median(v)), 4) for f, v in sorted(spreads.items())}
 
 
+def _repeated_more(results, repeats: int) -> list[str]:
+    """Cases whose kernel or step timings were disturbed, so got more repeats."""
+    return [
+        r.case.label()
+        for r in results
+        if r.seconds.repeats > repeats or (r.step is not None and r.step.repeats > repeats)
+    ]
+
+
 def _collectives_json(fits: coll.CommFits) -> dict:
     return {
         "backend": fits.backend,
@@ -252,17 +319,25 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
     from tensoropt.runtime.malloc import tune_process
 
     opts.check()
-    tune_process()  # measure kernels with the malloc settings the runtime runs under
+    tune_process()  # the floor case below runs here, under the runtime's malloc settings
     tick = tick or (lambda _label: None)
     t0 = time.perf_counter()
-    results, floor, overhead = measure_kernels(opts, tick)
     spec = _comm_spec(opts)
 
     def on_point() -> None:
         tick("collectives")
 
+    runs = []  # the collectives' MPI launches, spread over the compute passes
+
+    def launch(index: int) -> None:
+        if opts.backend is CommBackend.MPI:
+            for _ in range(coll.launch_slots(opts.launches, opts.compute_passes).count(index)):
+                runs.append(coll.launch_mpi(opts.ranks, spec, opts.threads_per_rank, on_point))
+
+    results, floor, overhead, passes_apart = measure_kernels(opts, tick, launch)
+    launch(opts.compute_passes)
     if opts.backend is CommBackend.MPI:
-        fits = coll.run_mpi(opts.ranks, spec, opts.threads_per_rank, on_point, opts.launches)
+        fits = coll.fit(coll.merge_launches(runs), opts.ranks, "mpi")
     else:
         fits = coll.run_local(opts.ranks, spec, on_point)
     link = {"alpha_s": fits.joint.alpha_s, "bandwidth": fits.joint.bandwidth}
@@ -312,6 +387,10 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
             "compute_neighbours": neighbour_count(opts),
             "repeats": opts.repeats,
+            "max_repeats": _kernel_options(opts).max_repeats,
+            "compute_passes": opts.compute_passes,
+            "passes_apart": passes_apart,
+            "repeated_more": _repeated_more(results, opts.repeats),
             "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,
             "run_overhead_s": overhead.median,

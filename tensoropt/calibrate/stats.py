@@ -55,6 +55,23 @@ class Sample:
         return Sample(med, spread, int(arr.size))
 
 
+# A measurement whose repeats spread more than this (IQR / median) was disturbed
+# part-way (on this project's VM: bursts of a second or so, measured in session 10);
+# it gets more repeats, so the disturbed ones fall outside the median.
+STEADY_SPREAD = 0.05
+
+
+def steady_sample(
+    measure: Callable[[], float], repeats: int, max_repeats: int, *, spread=STEADY_SPREAD
+) -> Sample:
+    """The median of ``repeats`` calls of ``measure``, more (up to ``max_repeats``) while
+    their spread is above ``spread``."""
+    values = [measure() for _ in range(repeats)]
+    while len(values) < max_repeats and Sample.of(values).spread > spread:
+        values.append(measure())
+    return Sample.of(values)
+
+
 def time_call(
     fn: Callable[[], object],
     *,

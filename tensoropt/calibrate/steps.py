@@ -27,7 +27,7 @@ from tensoropt.calibrate.kernels import (
     build_model,
     measure_case,
 )
-from tensoropt.calibrate.stats import Sample
+from tensoropt.calibrate.stats import Sample, steady_sample
 from tensoropt.runtime.program import SessionConfig
 
 
@@ -74,30 +74,52 @@ def _feeds(sess, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return feeds
 
 
-def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
-    """Seconds of one copy's forward + backward + update inside a training step."""
+def step_runner(case: KernelCase, copies: int, threads: int, rng: np.random.Generator):
+    """A warmed-up call of the training step of ``copies`` copies of ``case``."""
     import onnxruntime as ort
 
-    config = SessionConfig(intra_op_threads=opts.threads)
+    config = SessionConfig(intra_op_threads=threads)
+    sess = ort.InferenceSession(
+        build_train_model(case, copies).SerializeToString(),
+        config.options(),
+        providers=["CPUExecutionProvider"],
+    )
+    names = [o.name for o in sess.get_outputs()]
+    feeds = _feeds(sess, rng)
+
+    def run() -> None:
+        sess.run(names, feeds)
+
+    for _ in range(2):
+        run()
+    return run
+
+
+def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
+    """Seconds of one copy's forward + backward + update inside a training step."""
     rng = np.random.default_rng(2)
-    runners = []
-    for count in (1, copies):
-        model = build_train_model(case, count)
-        sess = ort.InferenceSession(
-            model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
-        )
-        names = [o.name for o in sess.get_outputs()]
-        feeds = _feeds(sess, rng)
-        runners.append(lambda s=sess, n=names, f=feeds: s.run(n, f))
-    for run in runners:
-        for _ in range(2):
-            run()
-    slopes = []
-    for _ in range(opts.repeats):
-        t1 = opts.time(runners[0], opts.block_seconds)
-        tr = opts.time(runners[1], opts.block_seconds)
-        slopes.append(max((tr - t1) / (copies - 1), 1e-9))
-    return Sample.of(slopes)
+    one, many = (step_runner(case, count, opts.threads, rng) for count in (1, copies))
+
+    def slope() -> float:
+        t1 = opts.time(one, opts.block_seconds)
+        tr = opts.time(many, opts.block_seconds)
+        return max((tr - t1) / (copies - 1), 1e-9)
+
+    return steady_sample(slope, opts.repeats, opts.max_repeats)
+
+
+# Copies in the step measured against one copy: small cases (at most SMALL_CASE_BYTES of
+# operands and output) take up to 32 copies, larger ones up to 8 (the step's build and
+# its memory grow with the copies). A small step (~10-20 us) measured with 8 copies is a
+# 100 us difference between two ~50 us-dominated calls; with 32, three processes agreed
+# within 6-16% where 8 copies gave 11-27% (session 10).
+SMALL_CASE_BYTES = 1 << 20
+STEP_COPIES = (32, 8)
+
+
+def step_copies(case: KernelCase, kernel_copies: int) -> int:
+    """R of the step slope: the kernel measurement's R, capped by the case's size."""
+    return min(kernel_copies, STEP_COPIES[case.traffic > SMALL_CASE_BYTES])
 
 
 def measure_training_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, Sample]:
@@ -106,5 +128,5 @@ def measure_training_case(case: KernelCase, opts: KernelOptions) -> tuple[Kernel
     Also returns the per-``session.run`` overhead of the kernel measurement.
     """
     result, overhead = measure_case(case, opts)
-    step = measure_step(case, min(result.copies, 8), opts)
+    step = measure_step(case, step_copies(case, result.copies), opts)
     return dataclasses.replace(result, step=step), overhead

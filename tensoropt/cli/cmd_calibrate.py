@@ -15,9 +15,13 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             is not charged to every op; MatMul, Conv and BatchNorm also as training
             steps on a grid of shapes. Every timed call starts on evicted caches (a
             step reads weights and saved tensors from memory), and with mpi the other
-            ranks-1 cores run the same measurement at the same moment (ranks share the
-            host's cache and memory bus): the rates are those of one rank of a full
-            host, so a plan that leaves cores idle runs faster than estimated
+            ranks-1 cores run the case's training step without pause while it is timed
+            (ranks share the host's cache and memory bus): the rates are those of one
+            rank of a full host, so a plan that leaves cores idle runs faster than
+            estimated. Against disturbances by other work on the host: a case whose
+            repeats spread more than 5% gets up to 3x the repeats, and every case is
+            measured in --passes passes over all cases (minutes apart), keeping its
+            fastest; the file records how far apart the passes were
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
@@ -32,7 +36,7 @@ the machine, library versions and the date. Written atomically: an interrupted
 calibration leaves no file.
 
 examples:
-  tensoropt calibrate -o here.json                         # ~3 minutes on 2 cores
+  tensoropt calibrate -o here.json                         # ~6 minutes on 2 cores
   tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json
@@ -59,6 +63,12 @@ def add_parser(sub) -> None:
         default=3,  # calibrate.collectives.DEFAULT_LAUNCHES (not imported: --help stays fast)
         help="fresh MPI process sets the collectives are timed in; each point is the "
         "median over them (default 3; rates vary more between processes than within one)",
+    )
+    p.add_argument(
+        "--passes",
+        type=int,
+        help="passes over every compute case, minutes apart; each case keeps its fastest "
+        "pass, the least disturbed by other work on the host (default 2; --quick: 1)",
     )
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing blocks")
     p.add_argument("--json", action="store_true", help="print the profile on stdout too")
@@ -136,6 +146,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         quick=args.quick,
         threads=args.threads,
         launches=args.launches,
+        passes=args.passes,
     )
     opts.check()
     total = work_items(opts)

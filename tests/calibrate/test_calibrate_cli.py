@@ -51,6 +51,9 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3
     assert cal["compute_clock"] == ("thread_cpu" if cal["threads_per_rank"] == 1 else "wall")
     assert cal["compute_caches"] == "cold"
+    # quick: one compute pass, no extra repeats (a full calibration: 2 passes, up to 3x)
+    assert cal["compute_passes"] == 1 and cal["passes_apart"] == {}
+    assert cal["max_repeats"] == 3 and cal["repeated_more"] == []
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
     assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]
@@ -163,7 +166,7 @@ def test_launches_default_is_the_benchmarks():
     assert launches.default == DEFAULT_LAUNCHES
 
 
-@pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"]])
+@pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"], ["--passes", "0"]])
 def test_bad_options_exit_2(tmp_path, capsys, flag):
     before = signal.getsignal(signal.SIGTERM)
     code = main(["calibrate", "-o", str(tmp_path / "x.json"), *flag])

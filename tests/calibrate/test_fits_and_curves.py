@@ -12,9 +12,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensoropt.calibrate import kernels
-from tensoropt.calibrate.collectives import KINDS, fit, latency_terms, merge_launches, volume
-from tensoropt.calibrate.kernels import KernelOptions, build_model, cases
-from tensoropt.calibrate.stats import Sample, fit_alpha_beta, time_call
+from tensoropt.calibrate.collectives import (
+    KINDS,
+    fit,
+    latency_terms,
+    launch_slots,
+    merge_launches,
+    volume,
+)
+from tensoropt.calibrate.kernels import KernelOptions, KernelResult, build_model, cases
+from tensoropt.calibrate.stats import (
+    STEADY_SPREAD,
+    Sample,
+    fit_alpha_beta,
+    steady_sample,
+    time_call,
+)
 from tensoropt.cost.cluster import OpCurve, RateGrid, builtin, from_json
 from tensoropt.cost.compute import (
     contraction_rows,
@@ -137,23 +150,73 @@ def test_cost_model_charges_the_gradient_allreduce_at_its_measured_rate(mlp_tiny
     assert times[1] - times[0] == pytest.approx(alphas + betas, rel=1e-9)
 
 
-def test_launches_merge_to_the_median_with_the_wider_spread():
+def test_launches_merge_to_the_mean_of_their_medians_with_the_wider_spread():
     runs = [
         {"AllReduce": [[64.0, 1.0, 0.05], [1024.0, 2.0, 0.30]]},
-        {"AllReduce": [[64.0, 3.0, 0.01], [1024.0, 2.2, 0.20]]},
-        {"AllReduce": [[64.0, 2.0, 0.02], [1024.0, 2.1, 0.10]]},
+        {"AllReduce": [[64.0, 4.0, 0.01], [1024.0, 2.2, 0.20]]},
+        {"AllReduce": [[64.0, 1.0, 0.02], [1024.0, 2.1, 0.10]]},
     ]
     merged = merge_launches(runs)["AllReduce"]
-    # median over launches; spread = max(median own spread, (max - min) / median)
-    assert merged[0] == [64.0, 2.0, (3.0 - 1.0) / 2.0]
-    assert merged[1][:2] == [1024.0, 2.1] and merged[1][2] == 0.20
+    # mean over launches (the median would be 1.0); spread = max(median own, range / mean)
+    assert merged[0] == [64.0, 2.0, (4.0 - 1.0) / 2.0]
+    assert merged[1][:2] == [1024.0, pytest.approx(2.1)] and merged[1][2] == 0.20
     assert merge_launches(runs[:1]) is runs[0]
+
+
+def test_launches_are_spread_over_the_compute_passes():
+    assert launch_slots(3, 2) == [0, 1, 2]  # before, between and after the two passes
+    assert launch_slots(3, 1) == [0, 0, 1]
+    assert launch_slots(5, 2) == [0, 0, 1, 2, 2]
+    assert launch_slots(1, 2) == [2]  # one launch: after the compute
 
 
 def test_sample_median_and_spread():
     s = Sample.of([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s.median == 3.0 and s.repeats == 5
     assert s.spread == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+def test_a_disturbed_measurement_gets_more_repeats_and_its_burst_falls_outside_the_median():
+    burst = iter([1.0, 1.6, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    s = steady_sample(lambda: next(burst), 5, 15)
+    assert s.repeats == 9 and s.median == 1.0 and s.spread <= STEADY_SPREAD
+    steady = iter([1.0, 1.01, 0.99, 1.0, 1.02])
+    assert steady_sample(lambda: next(steady), 5, 15).repeats == 5  # no more than needed
+    noisy = iter([1.0, 2.0] * 10)
+    assert steady_sample(lambda: next(noisy), 5, 15).repeats == 15  # never past the cap
+    assert steady_sample(lambda: next(noisy), 3, 3).repeats == 3  # quick: none extra
+
+
+def test_full_calibration_repeats_disturbed_cases_and_quick_does_not():
+    from tensoropt.calibrate.profile import CalibrateOptions, _kernel_options
+
+    assert _kernel_options(CalibrateOptions(repeats=5)).max_repeats == 15
+    assert _kernel_options(CalibrateOptions(repeats=5, quick=True)).max_repeats == 5
+
+
+def test_each_case_keeps_its_fastest_pass_and_the_profile_says_how_far_apart_they_were():
+    from tensoropt.calibrate.profile import fastest_pass, pass_difference
+
+    case, other = cases(quick=True)[:2]
+    first = KernelResult(case, Sample(2e-6, 0.01, 5), 8, step=Sample(10e-6, 0.02, 5))
+    second = KernelResult(case, Sample(3e-6, 0.01, 5), 4, step=Sample(8e-6, 0.03, 15))
+    best = fastest_pass([first, second])
+    assert best.seconds == first.seconds and best.copies == 8  # the kernel's own fastest
+    assert best.step == second.step  # the step's own fastest
+    steady = KernelResult(other, Sample(1e-6, 0.01, 5), 4, step=Sample(5e-6, 0.01, 5))
+    apart = pass_difference({case: [first, second], other: [steady, steady]})
+    assert apart == {"median": 0.125, "max": 0.25, "max_case": case.label()}
+    assert pass_difference({}) == {}
+
+
+def test_small_steps_are_measured_over_more_copies():
+    from tensoropt.calibrate.steps import SMALL_CASE_BYTES, step_copies
+
+    small = kernels._matmul(16, 64)
+    big = kernels._matmul(1024, 1024)
+    assert small.traffic <= SMALL_CASE_BYTES < big.traffic
+    assert step_copies(small, 64) == 32 and step_copies(small, 12) == 12
+    assert step_copies(big, 64) == 8 and step_copies(big, 4) == 4
 
 
 class _FakeClock:

@@ -3,53 +3,64 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import time
+from pathlib import Path
 
 import pytest
 
 from tensoropt.calibrate import neighbours
-from tensoropt.calibrate.kernels import KernelOptions
+from tensoropt.calibrate.kernels import KernelOptions, cases
 from tensoropt.calibrate.profile import CalibrateOptions, CommBackend, neighbour_count
 from tensoropt.errors import TensorOptError
 
 OPTS = KernelOptions(threads=1, repeats=3, block_seconds=0.002, cold_calls=2)
+SCHEDULE = cases(quick=True)[:3] * 2
 
 
 def _alive() -> list[multiprocessing.Process]:
     return [p for p in multiprocessing.active_children() if p.name == "neighbour"]
 
 
-def test_neighbours_compute_in_step_during_the_block_and_stop_after():
-    with neighbours.busy_neighbours(1, OPTS, quick=True) as sync:
+def _cpu_seconds(proc: multiprocessing.Process) -> float:
+    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_neighbours_compute_while_each_case_is_measured_and_stop_after():
+    with neighbours.busy_neighbours(1, OPTS, SCHEDULE) as pacer:
         procs = _alive()
         assert len(procs) == 1
         for _ in range(3):  # the neighbour meets us at every case
-            sync()
+            with pacer.busy():
+                before = _cpu_seconds(procs[0])
+                time.sleep(0.6)
+                assert _cpu_seconds(procs[0]) - before > 0.3  # it runs the case's step
             assert procs[0].is_alive()
     assert not procs[0].is_alive() and _alive() == []
 
 
 def test_a_dead_neighbour_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(neighbours, "SYNC_TIMEOUT_S", 2.0)
-    with neighbours.busy_neighbours(1, OPTS, quick=True) as sync:
-        sync()
-        proc = _alive()[0]
+    with neighbours.busy_neighbours(1, OPTS, SCHEDULE) as pacer:
+        with pacer.busy():
+            proc = _alive()[0]
         proc.kill()
         proc.join()
-        with pytest.raises(TensorOptError, match="neighbour process stopped"):
-            sync()
+        with pytest.raises(TensorOptError, match="neighbour process stopped"), pacer.busy():
+            pass
     assert _alive() == []
 
 
 def test_neighbours_stop_when_the_block_raises():
-    with pytest.raises(KeyboardInterrupt), neighbours.busy_neighbours(1, OPTS, quick=True):
+    with pytest.raises(KeyboardInterrupt), neighbours.busy_neighbours(1, OPTS, SCHEDULE):
         procs = _alive()
         raise KeyboardInterrupt
     assert procs and not procs[0].is_alive()
 
 
 def test_no_neighbours_is_no_process():
-    with neighbours.busy_neighbours(0, OPTS, quick=True) as sync:
-        sync()
+    with neighbours.busy_neighbours(0, OPTS, SCHEDULE) as pacer, pacer.busy():
         assert _alive() == []
 
 

@@ -1,0 +1,91 @@
+"""One compute pass over the calibration's cases, measured in a fresh process.
+
+A process's history moves some of its rates: on this project's VM, the 1M-element
+Relu ran at 1.1e11 B/s in every fresh process (16 of 16) but at 0.73e11 in four of six
+full calibrations, after ninety other cases had run in the same process; two
+passes in one process agreed with each other and disagreed with the next
+calibration. So every pass runs in its own spawned process (a fresh interpreter, heap
+and onnxruntime), and :func:`tensoropt.calibrate.profile.fastest_pass` keeps each case's
+fastest pass. Results and progress come back over a pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Sequence
+
+from tensoropt.calibrate import kernels
+from tensoropt.calibrate.neighbours import Pacer
+from tensoropt.errors import TensorOptError
+
+POLL_S = 1.0  # how often the parent checks that the measuring process is alive
+
+
+def _worker(opts: kernels.KernelOptions, cases: Sequence[kernels.KernelCase], pacer, conn):
+    from tensoropt.calibrate.steps import measure_training_case
+    from tensoropt.runtime.malloc import tune_process
+
+    tune_process()  # measure kernels with the malloc settings the runtime runs under
+    try:
+        for case in cases:
+            conn.send(("tick", case.label()))
+            with pacer.busy():
+                result, overhead = measure_training_case(case, opts)
+            conn.send(("result", result, overhead.median))
+    except TensorOptError as exc:
+        conn.send(("error", str(exc)))
+    except Exception as exc:  # noqa: BLE001 -- one line to the parent, not a traceback
+        conn.send(("error", f"calibrate: measuring failed: {type(exc).__name__}: {exc}"))
+    conn.close()
+
+
+def measure_pass(
+    opts: kernels.KernelOptions,
+    cases: Sequence[kernels.KernelCase],
+    pacer: Pacer,
+    tick: Callable[[str], None],
+) -> list[tuple[kernels.KernelResult, float]]:
+    """(result, session-run overhead) of every case, measured in a fresh process.
+
+    The process is stopped however this returns (an interrupt included); one that
+    dies part-way is one clear error.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_worker, args=(opts, tuple(cases), pacer, theirs), daemon=True, name="measure"
+    )
+    out: list[tuple[kernels.KernelResult, float]] = []
+    try:
+        proc.start()
+        theirs.close()
+        while len(out) < len(cases):
+            if not mine.poll(POLL_S):
+                if not proc.is_alive():
+                    raise TensorOptError(
+                        f"calibrate: the measuring process stopped (exit code {proc.exitcode}) "
+                        f"after {len(out)} of {len(cases)} cases; rerun calibrate"
+                    )
+                continue
+            try:
+                msg = mine.recv()
+            except EOFError:
+                proc.join()
+                raise TensorOptError(
+                    f"calibrate: the measuring process stopped (exit code {proc.exitcode}) "
+                    f"after {len(out)} of {len(cases)} cases; rerun calibrate"
+                ) from None
+            if msg[0] == "tick":
+                tick(msg[1])
+            elif msg[0] == "result":
+                out.append((msg[1], msg[2]))
+            else:
+                raise TensorOptError(msg[1])
+        proc.join()
+        return out
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        if proc.pid is not None:
+            proc.join()
+        mine.close()
