@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import signal
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -45,6 +46,22 @@ def _loop(opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase], b
         while done.value <= index:
             run()
         del run
+
+
+def start_shielded(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start a spawned child with SIGINT ignored (a fresh Python keeps an ignored SIGINT).
+
+    A terminal's Ctrl-C reaches the whole process group: the parent alone turns it into
+    one line and stops its children (SIGTERM), where each child would otherwise print a
+    KeyboardInterrupt traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Pacer:
@@ -106,7 +123,7 @@ def busy_neighbours(
     ]
     try:
         for proc in procs:
-            proc.start()
+            start_shielded(proc)
         yield Pacer(barrier, done)
     finally:
         barrier.abort()

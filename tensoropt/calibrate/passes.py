@@ -1,10 +1,11 @@
 """One compute pass over the calibration's cases, measured in a fresh process.
 
 A process's history moves some of its rates: on this project's VM, the 1M-element
-Relu ran at 1.1e11 B/s in every fresh process (16 of 16) but at 0.73e11 in four of six
-full calibrations, after ninety other cases had run in the same process; two
+Relu ran at 1.0-1.2e11 B/s in every fresh process (20 tries) but at 0.73e11 in four of
+six full calibrations, after ninety other cases had run in the same process; two
 passes in one process agreed with each other and disagreed with the next
-calibration. So every pass runs in its own spawned process (a fresh interpreter, heap
+calibration (with fresh processes: 2 of the next 8, slow in both passes, a state of
+the host). So every pass runs in its own spawned process (a fresh interpreter, heap
 and onnxruntime), and :func:`tensoropt.calibrate.profile.fastest_pass` keeps each case's
 fastest pass. Results and progress come back over a pipe.
 """
@@ -15,7 +16,7 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 
 from tensoropt.calibrate import kernels
-from tensoropt.calibrate.neighbours import Pacer
+from tensoropt.calibrate.neighbours import Pacer, start_shielded
 from tensoropt.errors import TensorOptError
 
 POLL_S = 1.0  # how often the parent checks that the measuring process is alive
@@ -57,7 +58,7 @@ def measure_pass(
     )
     out: list[tuple[kernels.KernelResult, float]] = []
     try:
-        proc.start()
+        start_shielded(proc)
         theirs.close()
         while len(out) < len(cases):
             if not mine.poll(POLL_S):

@@ -20,15 +20,17 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             rank of a full host, so a plan that leaves cores idle runs faster than
             estimated. Against disturbances by other work on the host: a case whose
             repeats spread more than 5% gets up to 3x the repeats, and every case is
-            measured in --passes passes over all cases (minutes apart), keeping its
-            fastest; the file records how far apart the passes were
+            measured in --passes passes over all cases (minutes apart, each in a fresh
+            process), keeping its fastest; the file records how far apart they were
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
             DESIGN section 4 volume model, per collective and jointly (the profile's link);
-            with mpi, every point is the median over --launches fresh process sets
-            (one set's rates can sit 30-50% from another's), its spread the larger of
-            the in-launch IQR/median and the across-launch range/median
+            with mpi, every point is the mean of the medians of --launches fresh
+            process sets, run before, between and after the compute passes (one set's
+            rates can sit 30-50% from another's, and the host changed state over
+            minutes), its spread the larger of the in-launch IQR/median and the
+            across-launch range/mean
 
 output: a cluster JSON file for `tensoropt search --cluster FILE.json` (and compile,
 validate): rates, rate-vs-size curves per op family, every point with its spread,
@@ -61,8 +63,9 @@ def add_parser(sub) -> None:
         "--launches",
         type=int,
         default=3,  # calibrate.collectives.DEFAULT_LAUNCHES (not imported: --help stays fast)
-        help="fresh MPI process sets the collectives are timed in; each point is the "
-        "median over them (default 3; rates vary more between processes than within one)",
+        help="fresh MPI process sets the collectives are timed in, spread over the "
+        "calibration; each point is the mean of their medians (default 3; rates vary "
+        "more between processes and over minutes than within one set)",
     )
     p.add_argument(
         "--passes",

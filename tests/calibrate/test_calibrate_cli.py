@@ -138,8 +138,12 @@ def test_missing_or_negative_rates_exit_2(quick_profile, zoo_model, tmp_path, ca
     _bad(tmp_path, capsys, data, str(tmp_path / "bad.json"), *fragments, model=zoo_model("mlp"))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_calibration_leaves_no_file(tmp_path, sig):
+@pytest.mark.parametrize(
+    ("sig", "group"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["sigint", "sigterm", "ctrl-c-to-the-process-group"],
+)
+def test_interrupted_calibration_leaves_no_file(tmp_path, sig, group):
     out = tmp_path / "cluster.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensoropt", "calibrate", "-o", str(out), "--backend", "local"],
@@ -147,10 +151,14 @@ def test_interrupted_calibration_leaves_no_file(tmp_path, sig):
         # xdist workers may ignore SIGINT, and a child inherits an ignored signal (Python
         # then never raises KeyboardInterrupt): give the child the default disposition.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        start_new_session=True,  # its own process group, as a terminal's foreground job
     )  # fmt: skip
-    time.sleep(2.5)  # imports done, inside the measurements (a full run takes ~30 s)
+    time.sleep(4.0)  # imports done, inside the measuring process's cases (~30 s in all)
     assert proc.poll() is None, proc.communicate()
-    proc.send_signal(sig)
+    if group:  # a terminal's Ctrl-C: every process of the group, the measuring one too
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=180)  # generous: CI machines may be loaded
     assert proc.returncode == 130, (stdout, stderr)
     assert stderr.strip().splitlines() == ["tensoropt calibrate: interrupted"]
