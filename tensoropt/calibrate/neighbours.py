@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -36,6 +37,7 @@ def _loop(opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase], b
     from tensoropt.runtime.malloc import tune_process
 
     tune_process()
+    parent = os.getppid()
     rng = np.random.default_rng(3)
     for index, case in enumerate(schedule):
         run = step_runner(case, NEIGHBOUR_COPIES, opts.threads, rng)
@@ -44,6 +46,8 @@ def _loop(opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase], b
         except threading.BrokenBarrierError:  # the parent is gone or gave up
             return
         while done.value <= index:
+            if os.getppid() != parent:  # the parent was killed (no SIGTERM came)
+                return
             run()
         del run
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -70,3 +72,42 @@ def test_no_neighbours_is_no_process():
 )
 def test_the_other_mpi_ranks_are_the_neighbours(backend, ranks, expected):
     assert neighbour_count(CalibrateOptions(backend=backend, ranks=ranks)) == expected
+
+
+_PARENT = """
+import sys
+from tensoropt.calibrate import neighbours
+from tensoropt.calibrate.kernels import KernelOptions, cases
+import multiprocessing, time
+if __name__ == "__main__":
+    opts = KernelOptions(threads=1, repeats=3, block_seconds=0.002, cold_calls=2)
+    with neighbours.busy_neighbours(1, opts, cases(quick=True)[:2]) as pacer, pacer.busy():
+        (proc,) = multiprocessing.active_children()
+        print(proc.pid, flush=True)
+        time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # exited (a zombie that init has not reaped yet)
+
+
+def test_a_neighbour_stops_when_its_parent_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert not _gone(pid)
+        parent.kill()  # SIGKILL: no finally, no SIGTERM to the neighbour
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(pid)
+    finally:
+        parent.kill()
