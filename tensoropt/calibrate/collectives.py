@@ -231,8 +231,8 @@ class _BatchedComm:
 # Two calibrations in a row on a quiet 2-core machine differed by up to 2x at single
 # points (16 MiB AllToAll) while each run's own IQR was a few percent: the rate
 # depends on the processes (where MPI's shared memory and the heap landed) and on the
-# moment (:func:`launch_slots`), not only on the repeats. So each point is the median
-# over several fresh launches, spread over the calibration.
+# moment (:func:`launch_slots`), not only on the repeats. So each point comes from
+# several fresh launches spread over the calibration (:func:`merge_launches`).
 DEFAULT_LAUNCHES = 3
 
 

@@ -57,25 +57,26 @@ def measure_pass(
         target=_worker, args=(opts, tuple(cases), pacer, theirs), daemon=True, name="measure"
     )
     out: list[tuple[kernels.KernelResult, float]] = []
+
+    def stopped() -> TensorOptError:
+        proc.join(POLL_S)
+        return TensorOptError(
+            f"calibrate: the measuring process stopped (exit code {proc.exitcode}) "
+            f"after {len(out)} of {len(cases)} cases; rerun calibrate"
+        )
+
     try:
         start_shielded(proc)
         theirs.close()
         while len(out) < len(cases):
             if not mine.poll(POLL_S):
                 if not proc.is_alive():
-                    raise TensorOptError(
-                        f"calibrate: the measuring process stopped (exit code {proc.exitcode}) "
-                        f"after {len(out)} of {len(cases)} cases; rerun calibrate"
-                    )
+                    raise stopped()
                 continue
             try:
                 msg = mine.recv()
             except EOFError:
-                proc.join()
-                raise TensorOptError(
-                    f"calibrate: the measuring process stopped (exit code {proc.exitcode}) "
-                    f"after {len(out)} of {len(cases)} cases; rerun calibrate"
-                ) from None
+                raise stopped() from None
             if msg[0] == "tick":
                 tick(msg[1])
             elif msg[0] == "result":
