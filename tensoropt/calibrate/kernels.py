@@ -202,7 +202,8 @@ def build_model(case: KernelCase, copies: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
 
 
-def _session(model: onnx.ModelProto, config: SessionConfig) -> ort.InferenceSession:
+def session(model: onnx.ModelProto, config: SessionConfig) -> ort.InferenceSession:
+    """A CPU session of ``model`` with the runtime's options (``config``)."""
     return ort.InferenceSession(
         model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
     )
@@ -260,12 +261,12 @@ def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, S
     """(per-kernel time, per-``session.run`` overhead) of one case."""
     config = SessionConfig(intra_op_threads=opts.threads)
     x = np.random.default_rng(1).standard_normal(case.shapes[0]).astype(np.float32)
-    one = _runner(_session(build_model(case, 1), config), x)
+    one = _runner(session(build_model(case, 1), config), x)
     for _ in range(3):
         one()  # warm-up: arena growth, first-run kernel selection
     first = opts.time(one, opts.block_seconds / 4)
     copies = int(min(64, max(4, round(opts.chain_target_s / max(first, 1e-7)))))
-    many = _runner(_session(build_model(case, copies), config), x)
+    many = _runner(session(build_model(case, copies), config), x)
     for _ in range(3):
         many()
     overhead = []

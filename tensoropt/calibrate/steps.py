@@ -26,6 +26,7 @@ from tensoropt.calibrate.kernels import (
     KernelResult,
     build_model,
     measure_case,
+    session,
 )
 from tensoropt.calibrate.stats import Sample, steady_sample
 from tensoropt.runtime.program import SessionConfig
@@ -76,14 +77,7 @@ def _feeds(sess, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def step_runner(case: KernelCase, copies: int, threads: int, rng: np.random.Generator):
     """A warmed-up call of the training step of ``copies`` copies of ``case``."""
-    import onnxruntime as ort
-
-    config = SessionConfig(intra_op_threads=threads)
-    sess = ort.InferenceSession(
-        build_train_model(case, copies).SerializeToString(),
-        config.options(),
-        providers=["CPUExecutionProvider"],
-    )
+    sess = session(build_train_model(case, copies), SessionConfig(intra_op_threads=threads))
     names = [o.name for o in sess.get_outputs()]
     feeds = _feeds(sess, rng)
 
