@@ -174,6 +174,17 @@ def test_launches_default_is_the_benchmarks():
     assert launches.default == DEFAULT_LAUNCHES
 
 
+def test_passes_help_states_the_default_calibration_uses():
+    from tensoropt.calibrate.profile import DEFAULT_PASSES, CalibrateOptions
+    from tensoropt.cli import build_parser
+
+    calibrate = build_parser()._subparsers._group_actions[0].choices["calibrate"]
+    (passes,) = [a for a in calibrate._actions if a.dest == "passes"]
+    assert passes.default is None and f"default {DEFAULT_PASSES};" in passes.help
+    assert CalibrateOptions().compute_passes == DEFAULT_PASSES
+    assert CalibrateOptions(quick=True).compute_passes == 1 and "--quick: 1" in passes.help
+
+
 @pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"], ["--passes", "0"]])
 def test_bad_options_exit_2(tmp_path, capsys, flag):
     before = signal.getsignal(signal.SIGTERM)

@@ -36,8 +36,10 @@ def test_neighbours_compute_while_each_case_is_measured_and_stop_after():
         for _ in range(3):  # the neighbour meets us at every case
             with pacer.busy():
                 before = _cpu_seconds(procs[0])
-                time.sleep(0.6)
-                assert _cpu_seconds(procs[0]) - before > 0.3  # it runs the case's step
+                time.sleep(1.0)
+                # it runs the case's step (an idle neighbour adds ~0 s; the margin is for
+                # a loaded CI machine, where it shares 2 cores with the test workers)
+                assert _cpu_seconds(procs[0]) - before > 0.2
             assert procs[0].is_alive()
     assert not procs[0].is_alive() and _alive() == []
 
@@ -75,7 +77,6 @@ def test_the_other_mpi_ranks_are_the_neighbours(backend, ranks, expected):
 
 
 _PARENT = """
-import sys
 from tensoropt.calibrate import neighbours
 from tensoropt.calibrate.kernels import KernelOptions, cases
 import multiprocessing, time
