@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 from tensoropt.calibrate import kernels
 from tensoropt.errors import TensorOptError
+from tensoropt.runtime.malloc import spawn_environment
 
 SYNC_TIMEOUT_S = 300.0  # longer than any one case takes
 NEIGHBOUR_COPIES = 4  # copies of the case in the training step a neighbour runs
@@ -52,20 +53,26 @@ def _loop(opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase], b
         del run
 
 
-def start_shielded(proc: multiprocessing.process.BaseProcess) -> None:
-    """Start a spawned child with SIGINT ignored (a fresh Python keeps an ignored SIGINT).
+def start_child(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start a spawned child as the runtime starts its ranks, with SIGINT ignored.
 
-    A terminal's Ctrl-C reaches the whole process group: the parent alone turns it into
-    one line and stops its children (SIGTERM), where each child would otherwise print a
-    KeyboardInterrupt traceback of its own."""
-    if threading.current_thread() is not threading.main_thread():
-        proc.start()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc.start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    The child's environment has the runtime's malloc settings
+    (:func:`tensoropt.runtime.malloc.spawn_environment`: its huge-page tunable is read
+    only when a process starts), so kernels are measured on the memory a rank runs on.
+
+    SIGINT ignored (a fresh Python keeps an ignored SIGINT): a terminal's Ctrl-C reaches
+    the whole process group; the parent alone turns it into one line and stops its
+    children (SIGTERM), where each child would otherwise print a KeyboardInterrupt
+    traceback of its own."""
+    with spawn_environment():
+        if threading.current_thread() is not threading.main_thread():
+            proc.start()
+            return
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 class Pacer:
@@ -127,7 +134,7 @@ def busy_neighbours(
     ]
     try:
         for proc in procs:
-            start_shielded(proc)
+            start_child(proc)
         yield Pacer(barrier, done)
     finally:
         barrier.abort()

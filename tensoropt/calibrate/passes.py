@@ -16,7 +16,7 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 
 from tensoropt.calibrate import kernels
-from tensoropt.calibrate.neighbours import Pacer, start_shielded
+from tensoropt.calibrate.neighbours import Pacer, start_child
 from tensoropt.errors import TensorOptError
 
 POLL_S = 1.0  # how often the parent checks that the measuring process is alive
@@ -66,7 +66,7 @@ def measure_pass(
         )
 
     try:
-        start_shielded(proc)
+        start_child(proc)
         theirs.close()
         while len(out) < len(cases):
             if not mine.poll(POLL_S):

@@ -15,6 +15,7 @@ from tensoropt.calibrate import neighbours
 from tensoropt.calibrate.kernels import KernelOptions, cases
 from tensoropt.calibrate.profile import CalibrateOptions, CommBackend, neighbour_count
 from tensoropt.errors import TensorOptError
+from tensoropt.runtime.malloc import HUGETLB_TUNABLE, MALLOC_ENV, TUNABLES, child_env
 
 OPTS = KernelOptions(threads=1, repeats=3, block_seconds=0.002, cold_calls=2)
 SCHEDULE = cases(quick=True)[:3] * 2
@@ -112,3 +113,23 @@ def test_a_neighbour_stops_when_its_parent_is_killed(tmp_path):
         assert _gone(pid)
     finally:
         parent.kill()
+
+
+def _report_environment(queue) -> None:
+    queue.put((os.environ.get(TUNABLES), os.environ.get("MALLOC_MMAP_THRESHOLD_")))
+
+
+def test_spawned_children_start_with_the_runtimes_malloc_environment(monkeypatch):
+    # measuring processes and neighbours run on the memory the MPI ranks get
+    # (huge pages for malloc's memory: the tunable is read at process start only)
+    monkeypatch.delenv(TUNABLES, raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_report_environment, args=(queue,))
+    neighbours.start_child(proc)
+    tunables, threshold = queue.get(timeout=60)
+    proc.join()
+    assert tunables == child_env()[TUNABLES] and HUGETLB_TUNABLE in tunables
+    assert threshold == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+    assert TUNABLES not in os.environ  # the parent's own environment is unchanged
