@@ -29,8 +29,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+from results import RESULTS, write_section
+
 SECTION = "## Estimates against measurements"
+SUBSECTION = "### Latest validate run"
 MODELS = ("mlp:small", "gpt:small", "vgg16:tiny", "resnet50:tiny")
 
 
@@ -140,7 +142,9 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--write", action="store_true", help=f"append to {RESULTS.name}")
+    parser.add_argument(
+        "--write", action="store_true", help=f"replace the latest run in {RESULTS.name}"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-validate-") as tmp_name:
         tmp = Path(tmp_name)
@@ -170,10 +174,7 @@ def main() -> None:
     text = "\n".join([head, "", *summary, "", *rows, ""])
     print(text)
     if args.write:
-        existing = RESULTS.read_text()
-        prefix = "" if SECTION in existing else f"\n{SECTION}\n\n"
-        with RESULTS.open("a") as f:
-            f.write(prefix + text + "\n")
+        write_section(SECTION, f"{SUBSECTION}\n\n{text}", SUBSECTION)
 
 
 if __name__ == "__main__":

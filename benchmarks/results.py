@@ -40,5 +40,5 @@ def write_section(section: str, text: str, subsection: str | None = None) -> Non
             replaced = _replace(body, subsection, text, ("## ", "### "))
             if replaced is None:
                 replaced = body.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-            new = old[:start] + replaced + ("\n" + rest if rest else "")
+            new = old[:start] + replaced.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     RESULTS.write_text(new)
