@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,28 +60,6 @@ SCHEMA = "tensoropt.cluster/1"
 # seconds) and a process's own history slowed whole cases by 10-50%, and only ever
 # slowed them (docs/design/measured.md, "Calibration determinism (session 10)").
 DEFAULT_PASSES = 2
-# Cases that stream at least this many bytes of operands and output through memory
-# (the memory-bound families; MatMul and Conv are compute-bound) are measured twice per
-# pass: in order, and again at the pass's end, about a minute later; the fastest of
-# every visit is kept. The VM shares the host's memory bandwidth with something that
-# comes and goes: two processes streaming memory got half their bandwidth for seconds at
-# a time over minutes, and a calibration's large element-wise cases were 20-45% slow in
-# both passes of one calibration and not in the next (design.md decision 49).
-REVISIT_BYTES = 8 << 20
-
-
-def revisited(cases: Sequence[kernels.KernelCase]) -> tuple[kernels.KernelCase, ...]:
-    """The cases measured a second time at the end of each pass."""
-    return tuple(
-        c for c in cases if c.curve_key not in kernels.CONTRACTIONS and c.traffic >= REVISIT_BYTES
-    )
-
-
-def pass_schedule(opts: CalibrateOptions) -> tuple[kernels.KernelCase, ...]:
-    """The cases one pass measures, in order: every case, then the revisited ones
-    (none in quick mode)."""
-    cases = kernels.cases(opts.quick)
-    return cases if opts.quick else cases + revisited(cases)
 
 
 class CommBackend(enum.Enum):
@@ -127,7 +105,7 @@ def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
 def work_items(opts: CalibrateOptions) -> int:
     """Progress-bar length: kernel cases + the floor + collective points."""
     launches = opts.launches if opts.backend is CommBackend.MPI else 1
-    cases = len(pass_schedule(opts)) * opts.compute_passes
+    cases = len(kernels.cases(opts.quick)) * opts.compute_passes
     return cases + 1 + coll.total_points(_comm_spec(opts), launches)
 
 
@@ -151,21 +129,17 @@ def _fastest(values: list[Sample | None]) -> Sample | None:
 
 
 def fastest_pass(passes: list[kernels.KernelResult]) -> kernels.KernelResult:
-    """One case's result from its passes (and revisits): the fastest kernel time and the
-    fastest step (disturbances only slow a measurement down; the fastest is the least
-    disturbed)."""
+    """One case's result from its passes: the fastest kernel time and the fastest step
+    (disturbances only slow a measurement down; the fastest is the least disturbed)."""
     kernel = min(passes, key=lambda r: r.seconds.median)
     return dataclasses.replace(kernel, step=_fastest([r.step for r in passes]))
 
 
 def pass_difference(by_case: dict) -> dict:
-    """How far apart the measurements of each case were, over passes and revisits
-    (slowest / fastest - 1, of the step time or, without a step, the kernel time): how
-    steady the machine was."""
+    """How far apart the passes of each case were (slowest / fastest - 1, of the step
+    time or, without a step, the kernel time): how steady the machine was."""
     diffs = {}
     for case, passes in by_case.items():
-        if len(passes) < 2:
-            continue
         times = [(r.step or r.seconds).median for r in passes]
         diffs[case.label()] = max(times) / min(times) - 1
     if not diffs:
@@ -185,15 +159,14 @@ def measure_kernels(
 ):
     """(results per case, floor result, session-run overhead sample, pass difference).
 
-    Each pass over the cases (:func:`pass_schedule`: the large memory-bound ones twice)
-    runs in its own fresh process (:mod:`tensoropt.calibrate.passes`) beside its own busy
-    neighbours; ``before_pass(i)`` runs before pass ``i``, with no neighbour alive (the
-    collectives' launches)."""
+    Each pass over the cases runs in its own fresh process
+    (:mod:`tensoropt.calibrate.passes`) beside its own busy neighbours; ``before_pass(i)``
+    runs before pass ``i``, with no neighbour alive (the collectives' launches)."""
     from tensoropt.calibrate.neighbours import busy_neighbours
     from tensoropt.calibrate.passes import measure_pass
 
     kopts = _kernel_options(opts)
-    cases = pass_schedule(opts)
+    cases = kernels.cases(opts.quick)
     by_case: dict[kernels.KernelCase, list[kernels.KernelResult]] = {}
     overheads = []
     for index in range(opts.compute_passes):
@@ -206,7 +179,7 @@ def measure_kernels(
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
     overheads.append(overhead.median)
     results = [fastest_pass(passes) for passes in by_case.values()]
-    spread = pass_difference(by_case) if any(len(v) > 1 for v in by_case.values()) else {}
+    spread = pass_difference(by_case) if opts.compute_passes > 1 else {}
     return results, floor, Sample.of(overheads), spread
 
 
@@ -417,7 +390,6 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "max_repeats": _kernel_options(opts).max_repeats,
             "compute_passes": opts.compute_passes,
             "passes_apart": passes_apart,
-            "revisited": [] if opts.quick else [c.label() for c in revisited(kernels.cases(False))],
             "repeated_more": _repeated_more(results, opts.repeats),
             "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,

@@ -207,32 +207,6 @@ def test_each_case_keeps_its_fastest_pass_and_the_profile_says_how_far_apart_the
     apart = pass_difference({case: [first, second], other: [steady, steady]})
     assert apart == {"median": 0.125, "max": 0.25, "max_case": case.label()}
     assert pass_difference({}) == {}
-    # a case measured once (one pass, not revisited) says nothing about steadiness
-    assert pass_difference({case: [first, second], other: [steady]})["median"] == 0.25
-
-
-def test_large_memory_bound_cases_are_revisited_at_the_end_of_each_pass():
-    from tensoropt.calibrate.profile import (
-        REVISIT_BYTES,
-        CalibrateOptions,
-        pass_schedule,
-        revisited,
-        work_items,
-    )
-
-    full = cases(quick=False)
-    again = revisited(full)
-    assert again and set(again) < set(full)
-    for case in full:  # exactly the memory-bound families' cases of >= REVISIT_BYTES
-        big = case.curve_key not in kernels.CONTRACTIONS and case.traffic >= REVISIT_BYTES
-        assert (case in again) == big, case.label()
-    assert {c.curve_key for c in again} >= {"Relu", "elementwise", "softmax"}
-    opts = CalibrateOptions()
-    assert pass_schedule(opts) == full + again  # in order, then the revisits
-    quick = CalibrateOptions(quick=True)
-    assert pass_schedule(quick) == cases(quick=True)  # quick mode revisits nothing
-    # the progress bar counts every visit
-    assert work_items(opts) - work_items(CalibrateOptions(passes=1)) == len(full + again)
 
 
 def test_small_steps_are_measured_over_more_copies():
@@ -562,28 +536,3 @@ def test_column_parallel_consumer_pays_the_backward_allreduce(mlp_tiny_sg):
     value = mp.units[dst].node.inputs[0]
     nbytes = 4 * math.prod(value.shape)
     assert edge.time_s[rep][col] == pytest.approx(2 * 1e-5 + nbytes / 1e9, rel=1e-12)
-
-
-def test_a_revisit_that_ran_faster_is_the_one_kept(monkeypatch):
-    from tensoropt.calibrate import passes
-    from tensoropt.calibrate.profile import CalibrateOptions, CommBackend, measure_kernels
-
-    seen: dict = {}
-
-    def fake_pass(opts, schedule, pacer, tick):
-        out = []
-        for case in schedule:
-            visit = seen[case] = seen.get(case, 0) + 1
-            seconds = 2e-6 if visit == 1 else 1e-6  # the revisit ran faster
-            out.append((KernelResult(case, Sample(seconds, 0.01, 5), 4), 3e-5))
-        return out
-
-    monkeypatch.setattr(passes, "measure_pass", fake_pass)
-    opts = CalibrateOptions(backend=CommBackend.LOCAL, passes=1)
-    results, _floor, _overhead, apart = measure_kernels(opts, lambda _label: None)
-    assert len(results) == len(cases(quick=False))  # one result per case
-    twice = {case for case, count in seen.items() if count == 2}
-    assert twice and all(count in (1, 2) for count in seen.values())
-    for r in results:
-        assert r.seconds.median == (1e-6 if r.case in twice else 2e-6), r.case.label()
-    assert apart["max"] == 1.0  # the visits of a revisited case were 2x apart
