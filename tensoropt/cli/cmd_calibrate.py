@@ -21,7 +21,9 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             estimated. Against disturbances by other work on the host: a case whose
             repeats spread more than 5% gets up to 3x the repeats, and every case is
             measured in --passes passes over all cases (minutes apart, each in a fresh
-            process), keeping its fastest; the file records how far apart they were
+            process), keeping its fastest; the file records how far apart they were.
+            Measuring processes start with the MPI ranks' malloc settings (see `run
+            --help`: heap thresholds, transparent huge pages)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the

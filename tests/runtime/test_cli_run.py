@@ -102,6 +102,16 @@ def test_arena_choices_are_the_runtimes_modes():
     assert arena.default == ArenaMode.SHARED.value
 
 
+def test_run_help_names_the_ranks_malloc_settings():
+    """cmd_run writes them by hand (importing the runtime would slow --help)."""
+    from tensoropt.cli.cmd_run import EPILOG
+    from tensoropt.runtime.malloc import HUGETLB, HUGETLB_TUNABLE, MALLOC_ENV, TUNABLES
+
+    text = " ".join(EPILOG.split())
+    assert f"{TUNABLES}={HUGETLB_TUNABLE}" in text and f"{TUNABLES}={HUGETLB}=0" in text
+    assert all(name in text for name in MALLOC_ENV)
+
+
 def test_unknown_arena_exits_2(outdirs, capsys):
     with pytest.raises(SystemExit) as exc:
         _run(capsys, outdirs("dp2_tp2"), "--arena", "huge")
