@@ -24,9 +24,11 @@ from pathlib import Path
 
 from results import write_section
 
+from tensoropt.calibrate.compare import MOVED as BOUND
+from tensoropt.calibrate.compare import compare
+
 SECTION = "## Estimates against measurements"
 SUBSECTION = "### Calibration determinism (two calibrations in a row)"
-BOUND = 0.20
 
 
 def calibrate(path: Path, quick: bool) -> None:
@@ -37,27 +39,6 @@ def calibrate(path: Path, quick: bool) -> None:
         code = main(argv)
     if code != 0:
         raise SystemExit(f"calibrate failed ({code})")
-
-
-def rates(profile: dict) -> dict[str, float]:
-    """Every rate of a calibrated profile, by a readable name."""
-    out = {f"compute {fam}": rate for fam, rate in profile["op_throughput"].items()}
-    for name, slices in profile.get("op_train_grids", {}).items():
-        for kernel, grid in slices.items():
-            for first, row in zip(grid["rows"], grid["rates"], strict=True):
-                for second, rate in zip(grid["sides"], row, strict=True):
-                    out[f"{name} {kernel} grid {first:g} x {second:g}"] = rate
-    for kind, fit in profile["collectives"]["per_kind"].items():
-        out[f"{kind} alpha"] = fit["alpha_s"]
-        out[f"{kind} bandwidth"] = fit["bandwidth"]
-    out["link alpha"] = profile["intra"]["alpha_s"]
-    out["link bandwidth"] = profile["intra"]["bandwidth"]
-    return out
-
-
-def compare(first: dict, second: dict) -> list[tuple[str, float, float, float]]:
-    a, b = rates(first), rates(second)
-    return [(name, a[name], b[name], b[name] / a[name] - 1) for name in a if name in b]
 
 
 def main() -> None:
@@ -75,8 +56,8 @@ def main() -> None:
                 calibrate(path, args.quick)
         first, second = (json.loads(p.read_text()) for p in paths)
     rows = compare(first, second)
-    worst = max(rows, key=lambda r: abs(r[3]))
-    verdict = "meets" if abs(worst[3]) <= BOUND else "misses"
+    worst = max(rows, key=lambda r: abs(r.change))
+    verdict = "meets" if abs(worst.change) <= BOUND else "misses"
     dates = " and ".join(p["calibration"]["date"] for p in (first, second))
     head = (
         f"`python benchmarks/bench_calibrate.py{' --quick' if args.quick else ''}` -- "
@@ -85,10 +66,10 @@ def main() -> None:
         f"{load:.1f} at the start. Calibrations of {dates} "
         f"({first['calibration'].get('launches', 1)} MPI launches and "
         f"{first['calibration'].get('compute_passes', 1)} compute passes each). "
-        f"**Worst difference {worst[3]:+.1%} ({worst[0]}): {verdict} the {BOUND:.0%} bound.**"
+        f"**Worst difference {worst.change:+.1%} ({worst.name}): {verdict} the {BOUND:.0%} bound.**"
     )
     table = ["| rate | first | second | second / first - 1 |", "|---|---:|---:|---:|"]
-    table += [f"| {name} | {x:.4g} | {y:.4g} | {r:+.1%} |" for name, x, y, r in rows]
+    table += [f"| {r.name} | {r.first:.4g} | {r.second:.4g} | {r.change:+.1%} |" for r in rows]
     text = "\n".join([SUBSECTION, "", head, "", *table, ""])
     print(text)
     if args.write:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 
 EPILOG = """\
 what it measures (medians of --repeats runs, with the spread IQR/median of each):
@@ -42,6 +43,7 @@ calibration leaves no file.
 examples:
   tensoropt calibrate -o here.json                         # ~6 minutes on 2 cores
   tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
+  tensoropt calibrate -o today.json --against here.json    # what moved since then
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json
 """
@@ -76,6 +78,12 @@ def add_parser(sub) -> None:
         "pass, the least disturbed by other work on the host (default 2; --quick: 1)",
     )
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing blocks")
+    p.add_argument(
+        "--against",
+        metavar="OLD.json",
+        help="a previous profile of this machine: after measuring, list the rates that "
+        "moved more than 20%% since it (the host changed under you, or a library did)",
+    )
     p.add_argument("--json", action="store_true", help="print the profile on stdout too")
     p.set_defaults(func=run)
 
@@ -134,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from tensoropt.calibrate.compare import load_baseline, moved_report
     from tensoropt.calibrate.profile import (
         CalibrateOptions,
         CommBackend,
@@ -154,6 +163,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         passes=args.passes,
     )
     opts.check()
+    baseline = load_baseline(args.against) if args.against else None
     total = work_items(opts)
     bar = progress(range(total), total=total, desc="calibrate")
 
@@ -172,4 +182,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         print(_summary(profile))
         print(f"wrote {args.output}")
+    if baseline is not None:  # with --json, stdout is the profile alone
+        report = moved_report(baseline, profile, args.against)
+        print(report, file=sys.stderr if args.json else sys.stdout)
     return 0
