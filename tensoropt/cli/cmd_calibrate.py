@@ -41,7 +41,7 @@ the machine, library versions and the date. Written atomically: an interrupted
 calibration leaves no file.
 
 examples:
-  tensoropt calibrate -o here.json                         # ~6 minutes on 2 cores
+  tensoropt calibrate -o here.json                         # 6-7 minutes on 2 cores
   tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
   tensoropt calibrate -o today.json --against here.json    # what moved since then
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
