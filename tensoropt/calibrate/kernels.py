@@ -245,6 +245,14 @@ class KernelOptions:
             before=evict_caches,
         )  # fmt: skip
 
+    def slope(self, one: Callable[[], object], many: Callable[[], object], copies: int):
+        """(seconds per extra copy, seconds of ``one``): a timed block of ``one`` (a
+        graph holding the op once) and of ``many`` (``copies`` times); the difference
+        leaves the op's own time, without ``session.run``'s fixed cost."""
+        t1 = self.time(one, self.block_seconds)
+        tr = self.time(many, self.block_seconds)
+        return max((tr - t1) / (copies - 1), 1e-9), t1
+
     @property
     def clock(self) -> Callable[[], float]:
         """This thread's CPU time when onnxruntime runs on the calling thread alone
@@ -272,9 +280,7 @@ def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, S
     overhead = []
 
     def slope() -> float:
-        t1 = opts.time(one, opts.block_seconds)
-        tr = opts.time(many, opts.block_seconds)
-        per_op = max((tr - t1) / (copies - 1), 1e-9)
+        per_op, t1 = opts.slope(one, many, copies)
         overhead.append(max(t1 - per_op, 0.0))
         return per_op
 

@@ -93,13 +93,7 @@ def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
     """Seconds of one copy's forward + backward + update inside a training step."""
     rng = np.random.default_rng(2)
     one, many = (step_runner(case, count, opts.threads, rng) for count in (1, copies))
-
-    def slope() -> float:
-        t1 = opts.time(one, opts.block_seconds)
-        tr = opts.time(many, opts.block_seconds)
-        return max((tr - t1) / (copies - 1), 1e-9)
-
-    return steady_sample(slope, opts.repeats, opts.max_repeats)
+    return steady_sample(lambda: opts.slope(one, many, copies)[0], opts.repeats, opts.max_repeats)
 
 
 # Copies in the step measured against one copy: small cases (at most SMALL_CASE_BYTES of
