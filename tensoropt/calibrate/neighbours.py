@@ -35,9 +35,7 @@ def _loop(opts: kernels.KernelOptions, schedule: Sequence[kernels.KernelCase], b
     import numpy as np
 
     from tensoropt.calibrate.steps import step_runner
-    from tensoropt.runtime.malloc import tune_process
 
-    tune_process()
     parent = os.getppid()
     rng = np.random.default_rng(3)
     for index, case in enumerate(schedule):

@@ -23,10 +23,10 @@ POLL_S = 1.0  # how often the parent checks that the measuring process is alive
 
 
 def _worker(opts: kernels.KernelOptions, cases: Sequence[kernels.KernelCase], pacer, conn):
+    # started by neighbours.start_child: the runtime's malloc settings are in its
+    # environment already (glibc reads them at start)
     from tensoropt.calibrate.steps import measure_training_case
-    from tensoropt.runtime.malloc import tune_process
 
-    tune_process()  # measure kernels with the malloc settings the runtime runs under
     try:
         for case in cases:
             conn.send(("tick", case.label()))
