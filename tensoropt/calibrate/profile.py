@@ -328,10 +328,11 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
         tick("collectives")
 
     runs = []  # the collectives' MPI launches, spread over the compute passes
+    slots = coll.launch_slots(opts.launches, opts.compute_passes)
 
     def launch(index: int) -> None:
         if opts.backend is CommBackend.MPI:
-            for _ in range(coll.launch_slots(opts.launches, opts.compute_passes).count(index)):
+            for _ in range(slots.count(index)):
                 runs.append(coll.launch_mpi(opts.ranks, spec, opts.threads_per_rank, on_point))
 
     results, floor, overhead, passes_apart = measure_kernels(opts, tick, launch)
