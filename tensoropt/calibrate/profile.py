@@ -76,6 +76,7 @@ class CalibrateOptions:
     threads: int | None = None  # intra-op threads per rank; None = cores // ranks
     launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
     passes: int | None = None  # compute passes over every case; None: 1 quick, else 2
+    neighbours: int = 0  # busy processes beside the measured one (neighbours.py)
 
     @property
     def compute_passes(self) -> int:
@@ -96,6 +97,12 @@ class CalibrateOptions:
             raise TensorOptError(f"--passes {self.passes}: give at least 1")
         if self.threads is not None and self.threads < 1:
             raise TensorOptError(f"--threads {self.threads}: give at least 1")
+        cores = os.cpu_count() or 1
+        if not 0 <= self.neighbours < cores:
+            raise TensorOptError(
+                f"--neighbours {self.neighbours}: give 0 to {cores - 1} (this machine has "
+                f"{cores} cores, one of them for the measured process)"
+            )
 
 
 def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
@@ -117,10 +124,9 @@ def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
 
 
 def neighbour_count(opts: CalibrateOptions) -> int:
-    """Processes that compute beside the measured one: the host's other MPI ranks
-    (:mod:`tensoropt.calibrate.neighbours`); none for the local backend, whose ranks
-    take turns in one process."""
-    return opts.ranks - 1 if opts.backend is CommBackend.MPI else 0
+    """Processes that compute beside the measured one (``--neighbours``,
+    :mod:`tensoropt.calibrate.neighbours`); none by default (design.md decision 50)."""
+    return opts.neighbours
 
 
 def _fastest(values: list[Sample | None]) -> Sample | None:

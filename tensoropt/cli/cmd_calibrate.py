@@ -15,11 +15,13 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             holding it once and one holding it R times), so one session.run's fixed cost
             is not charged to every op; MatMul, Conv and BatchNorm also as training
             steps on a grid of shapes. Every timed call starts on evicted caches (a
-            step reads weights and saved tensors from memory), and with mpi the other
-            ranks-1 cores run the case's training step without pause while it is timed
-            (ranks share the host's cache and memory bus): the rates are those of one
-            rank of a full host, so a plan that leaves cores idle runs faster than
-            estimated. Against disturbances by other work on the host: a case whose
+            step reads weights and saved tensors from memory). Each case is timed
+            alone: the rates are a rank's on a memory link of its own, as each
+            accelerator has its own memory. On a VM whose host sometimes puts two
+            vCPUs on one memory link, ranks streaming memory at once then run
+            memory-bound ops up to 2x slower than that, and a calibration beside busy
+            processes (--neighbours) gets whichever the host gave it that minute.
+            Against disturbances by other work on the host: a case whose
             repeats spread more than 5% gets up to 3x the repeats, and every case is
             measured in --passes passes over all cases (minutes apart, each in a fresh
             process), keeping its fastest; the file records how far apart they were.
@@ -76,6 +78,16 @@ def add_parser(sub) -> None:
         type=int,
         help="passes over every compute case, minutes apart; each case keeps its fastest "
         "pass, the least disturbed by other work on the host (default 2; --quick: 1)",
+    )
+    p.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="processes that run the measured case's training step on other cores while "
+        "it is timed (default 0: each case is timed alone). With N > 0 the memory-bound "
+        "rates depend on whether the host puts the processes on cores that share a "
+        "memory link, which can change from one minute to the next",
     )
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing blocks")
     p.add_argument(
@@ -161,6 +173,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         threads=args.threads,
         launches=args.launches,
         passes=args.passes,
+        neighbours=args.neighbours,
     )
     opts.check()
     baseline = load_baseline(args.against) if args.against else None

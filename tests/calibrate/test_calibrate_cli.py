@@ -185,7 +185,16 @@ def test_passes_help_states_the_default_calibration_uses():
     assert CalibrateOptions(quick=True).compute_passes == 1 and "--quick: 1" in passes.help
 
 
-@pytest.mark.parametrize("flag", [["--ranks", "1"], ["--launches", "0"], ["--passes", "0"]])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--ranks", "1"],
+        ["--launches", "0"],
+        ["--passes", "0"],
+        ["--neighbours", "-1"],
+        ["--neighbours", str(os.cpu_count() or 1)],  # no core left for the measured process
+    ],
+)
 def test_bad_options_exit_2(tmp_path, capsys, flag):
     before = signal.getsignal(signal.SIGTERM)
     code = main(["calibrate", "-o", str(tmp_path / "x.json"), *flag])

@@ -69,12 +69,12 @@ def test_no_neighbours_is_no_process():
         assert _alive() == []
 
 
-@pytest.mark.parametrize(
-    ("backend", "ranks", "expected"),
-    [(CommBackend.MPI, 2, 1), (CommBackend.MPI, 4, 3), (CommBackend.LOCAL, 4, 0)],
-)
-def test_the_other_mpi_ranks_are_the_neighbours(backend, ranks, expected):
-    assert neighbour_count(CalibrateOptions(backend=backend, ranks=ranks)) == expected
+@pytest.mark.parametrize("backend", list(CommBackend))
+def test_compute_is_timed_alone_unless_neighbours_are_asked_for(backend):
+    # beside a busy neighbour, memory-bound rates follow the host's placement of the
+    # vCPUs (docs/design/measured.md, "Calibration determinism (session 12)")
+    assert neighbour_count(CalibrateOptions(backend=backend, ranks=4)) == 0
+    assert neighbour_count(CalibrateOptions(backend=backend, neighbours=1)) == 1
 
 
 _PARENT = """
