@@ -79,13 +79,24 @@ def _med(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _link(probe: dict | None) -> str:
+    """The memory-link probe taken before a multi-device plan ran (tensoropt.calibrate.memlink)."""
+    if not probe:
+        return "-"
+    return f"{'shared' if probe['shared'] else 'own'} {probe['ratio']:.2f}"
+
+
+def _on_link(plans: list[dict], shared: bool) -> list[dict]:
+    return [p for p in plans if (p["measured"].get("memory_link") or {}).get("shared") is shared]
+
+
 def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
     rows = [
         "| model | dev | mesh | pt | est ms | meas ms | time err | est comp ms | meas comp"
-        " ms (cpu) | comp err | model comm ms | graph comm ms (coll.) | meas comm ms | est MiB"
-        " | +state MiB | liveness MiB | meas MiB | mem err | +state err |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
-        "|---:|---:|",
+        " ms (cpu) | comp err | link | model comm ms | graph comm ms (coll.) | meas comm ms"
+        " | est MiB | +state MiB | liveness MiB | meas MiB | mem err | +state err |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:"
+        "|---:|---:|---:|",
     ]
     for p in plans:
         e, m = p["estimate"], p["measured"]
@@ -95,6 +106,7 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
             f"| {e['time_s'] * 1e3:.2f} | {m['time_s'] * 1e3:.2f} | {p['time_rel_error']:+.0%} "
             f"| {e['compute_s'] * 1e3:.2f} | {m['compute_s'] * 1e3:.2f} "
             f"({m['compute_cpu_s'] * 1e3:.2f}) | {p['compute_rel_error']:+.0%} "
+            f"| {_link(m.get('memory_link'))} "
             f"| {e['comm_s'] * 1e3:.2f} | {e['graph_comm_s'] * 1e3:.2f} ({e['graph_collectives']})"
             f" | {m['comm_s'] * 1e3:.2f} | {e['memory_bytes'] / 2**20:.2f} "
             f"| {plus / 2**20:.2f} | {e['liveness_peak_bytes'] / 2**20:.2f} "
@@ -105,7 +117,7 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
     two = [p for p in plans if p["devices"] == 2]
 
     def line(label, sel, fn):
-        return f"| {label} | {_med([fn(p) for p in sel]):.1%} |"
+        return f"| {label} | {_med([fn(p) for p in sel]):.1%} |" if sel else f"| {label} | - |"
 
     comp_cpu = lambda p: _err(p["estimate"]["compute_s"], p["measured"]["compute_cpu_s"])  # noqa: E731
     plus = lambda p: _err(  # noqa: E731
@@ -120,6 +132,10 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
         line("compute term (vs segment time), all", plans, lambda p: p["compute_rel_error"]),
         line("compute term, 1 device", one, lambda p: p["compute_rel_error"]),
         line("compute term, 2 devices", two, lambda p: p["compute_rel_error"]),
+        line(f"compute term, 2 devices, {len(_on_link(two, False))} plans on their own"
+             " memory links", _on_link(two, False), lambda p: p["compute_rel_error"]),
+        line(f"compute term, 2 devices, {len(_on_link(two, True))} plans on a shared"
+             " memory link", _on_link(two, True), lambda p: p["compute_rel_error"]),
         line("compute term vs segment CPU time, 1 device", one, comp_cpu),
         line("compute term vs segment CPU time, 2 devices", two, comp_cpu),
         line("comm: model vs measured, 2 devices", two,

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensoropt.calibrate import collectives as coll
-from tensoropt.calibrate import kernels
+from tensoropt.calibrate import kernels, memlink
 from tensoropt.calibrate.machine import machine_info, memory_bytes, now, versions
 from tensoropt.calibrate.stats import Sample
 from tensoropt.errors import TensorOptError
@@ -335,14 +335,18 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
 
     runs = []  # the collectives' MPI launches, spread over the compute passes
     slots = coll.launch_slots(opts.launches, opts.compute_passes)
+    link_probes: list[memlink.LinkProbe] = []  # the host's state before each pass and after
 
     def launch(index: int) -> None:
+        if prober is not None:
+            link_probes.append(prober.probe())
         if opts.backend is CommBackend.MPI:
             for _ in range(slots.count(index)):
                 runs.append(coll.launch_mpi(opts.ranks, spec, opts.threads_per_rank, on_point))
 
-    results, floor, overhead, passes_apart = measure_kernels(opts, tick, launch)
-    launch(opts.compute_passes)
+    with memlink.prober(opts.ranks) as prober:
+        results, floor, overhead, passes_apart = measure_kernels(opts, tick, launch)
+        launch(opts.compute_passes)
     if opts.backend is CommBackend.MPI:
         fits = coll.fit(coll.merge_launches(runs), opts.ranks, "mpi")
     else:
@@ -393,6 +397,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "compute_clock": _kernel_options(opts).clock_name,
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
             "compute_neighbours": neighbour_count(opts),
+            "memory_link": [p.to_json() for p in link_probes],
             "repeats": opts.repeats,
             "max_repeats": _kernel_options(opts).max_repeats,
             "compute_passes": opts.compute_passes,

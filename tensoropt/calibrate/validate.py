@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from tensoropt.calibrate.memlink import LinkProbe
 from tensoropt.runtime.profiling import ProfileReport
 
 SCHEMA = "tensoropt.validate/1"
@@ -56,6 +57,7 @@ class PlanCheck:
     state_bytes: int = 0  # largest rank's parameter + optimizer-state shards
     graph_comm_s: float = 0.0  # the emitted graph's collectives at the profile's link rates
     collectives: int = 0  # collectives per step in the emitted graph (largest rank)
+    link: LinkProbe | None = None  # the host's memory link just before the run (memlink)
 
     @property
     def measured_time_s(self) -> float:
@@ -115,6 +117,7 @@ class PlanCheck:
                 "comm_s": self.measured_comm_s,
                 "step_spread": max(r.step_spread for r in ranks),
                 "ranks": [r.to_json() for r in ranks],
+                "memory_link": self.link.to_json() if self.link else None,
             },
             "time_rel_error": self.time_error,
             "compute_rel_error": self.compute_error,
@@ -177,6 +180,7 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
         "median_graph_comm_rel_error": _median_abs(
             [rel_error(c.graph_comm_s, c.measured_comm_s) for c in checks if c.devices > 1]
         ),
+        "plans_on_shared_memory_link": sum(1 for c in checks if c.link and c.link.shared),
         "error_definition": "|estimate - measured| / measured (medians); signed per plan",
         "results": [c.to_json() for c in checks],
     }
@@ -185,7 +189,7 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
 def table(checks: Sequence[PlanCheck]) -> str:
     head = (
         f"{'dev':>3} {'mesh':>5} {'pt':>3}  {'est ms':>8} {'meas ms':>8} {'err':>6} "
-        f"{'comp err':>8}  "
+        f"{'comp err':>8} {'link':>11}  "
         f"{'est MiB':>8} {'live MiB':>8} {'meas MiB':>8} {'err':>6}  plan"
     )
     lines = [head]
@@ -193,7 +197,7 @@ def table(checks: Sequence[PlanCheck]) -> str:
         lines.append(
             f"{c.devices:>3} {'x'.join(map(str, c.mesh)):>5} {c.index:>3}  "
             f"{c.est_time_s * 1e3:>8.3f} {c.measured_time_s * 1e3:>8.3f} {c.time_error:>+6.0%} "
-            f"{c.compute_error:>+8.0%}  "
+            f"{c.compute_error:>+8.0%} {link_label(c.link):>11}  "
             f"{c.est_memory_bytes / 2**20:>8.2f} {c.liveness_peak_bytes / 2**20:>8.2f} "
             f"{c.measured_memory_bytes / 2**20:>8.2f} {c.memory_error:>+6.0%}  {c.summary}"
         )
@@ -204,7 +208,22 @@ def table(checks: Sequence[PlanCheck]) -> str:
         f"median |relative error| over {len(checks)} plans: step time {t:.1%}, "
         f"memory (search estimate) {m:.1%}, memory (static liveness) {live:.1%}"
     )
+    probed = [c for c in checks if c.link is not None]
+    shared = sum(1 for c in probed if c.link.shared)
+    if shared:
+        lines.append(
+            f"{shared} of {len(probed)} multi-device plans ran while the ranks shared a "
+            "memory link (link: processes streaming at once got under 75% of one alone's "
+            "bandwidth each); their memory-bound ops ran slower than calibrated"
+        )
     return "\n".join(lines)
+
+
+def link_label(link: LinkProbe | None) -> str:
+    """The table's link column: own or shared, with the probe's ratio; '-' unprobed."""
+    if link is None:
+        return "-"
+    return f"{'shared' if link.shared else 'own'} {link.ratio:.2f}"
 
 
 def plot(checks: Sequence[PlanCheck], path: str) -> None:

@@ -137,6 +137,17 @@ def _summary(profile: dict) -> str:
             f"  {kind:<14} {fit['alpha_s'] * 1e6:>9.2f} {fit['bandwidth'] / 1e9:>8.3f} "
             f"{fit['rel_residual']:>8.2f} {profile['spread']['collectives'][kind]:>7.2f}"
         )
+    probes = cal.get("memory_link") or []
+    if probes:
+        ratios = ", ".join(f"{p['ratio']:.2f}" for p in probes)
+        shared = sum(p["shared"] for p in probes)
+        busy = cal.get("compute_neighbours", 0)
+        timed = f"beside {busy} busy process(es)" if busy else "alone"
+        lines.append(
+            f"  memory link: {probes[0]['processes']} processes streaming at once got "
+            f"{ratios} of one alone's bandwidth each (shared in {shared} of {len(probes)} "
+            f"probes; compute was timed {timed})"
+        )
     link = profile["intra"]
     lines.append(
         f"  link (joint fit): alpha {link['alpha_s'] * 1e6:.2f} us, "

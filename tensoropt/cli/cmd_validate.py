@@ -23,6 +23,12 @@ as `compile --pick` does, runs it with `run --profile` (--steps steps, medians a
           of anonymous resident memory over the step loop's start); the static-
           liveness peak of the emitted device graph is shown beside it
 
+  link    with mpi, before each multi-device plan runs: is each rank on a memory link
+          of its own? (the per-process bandwidth of processes streaming memory at
+          once, against one alone; "shared" under 0.75). Some VM hosts put two vCPUs
+          on one link at times, and then memory-bound ops run up to 2x slower than
+          the calibration (timed alone) says
+
 relative error = (estimate - measured) / measured; the summary is the median of
 |error| over all plans. Plans that do not fit the profile's memory_bytes are not
 searched; a model that fits at no requested device count exits 2.
@@ -123,6 +129,7 @@ def _check_args(args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensoropt.calibrate import memlink
     from tensoropt.calibrate.validate import (
         PlanCheck,
         graph_facts,
@@ -148,11 +155,16 @@ def run(args: argparse.Namespace) -> int:
             picks.append((d, k, len(rows), *rows[k]))
     checks = []
     bar = progress(picks, total=len(picks), desc="validate")
-    with tempfile.TemporaryDirectory(prefix="tensoropt-validate-") as tmp:
+    ranks = max(devices) if args.backend == "mpi" else 1  # local: the ranks take turns
+    with (
+        tempfile.TemporaryDirectory(prefix="tensoropt-validate-") as tmp,
+        memlink.prober(ranks) as prober,
+    ):
         for n, (d, k, size, search, point) in enumerate(bar):
             plan = plan_from_choice(search, point.choice, f"validate point {k} at {d} devices")
             outdir = os.path.join(tmp, f"plan_{n}")
             compile_step(build_step(args), plan, None, outdir)
+            link = prober.probe() if prober is not None and d > 1 else None
             result = run_steps(
                 outdir,
                 args.steps,
@@ -169,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                     d, tuple(search.mesh.shape), k, size, summary, point.time_s,
                     point.memory_bytes, facts.liveness_peak, result.profile,
                     compute_only(search.mesh, point.choice), facts.state_bytes,
-                    facts.comm_s, facts.collectives,
+                    facts.comm_s, facts.collectives, link,
                 )
             )  # fmt: skip
     print(table(checks))

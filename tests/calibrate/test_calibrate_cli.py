@@ -54,6 +54,11 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     # quick: one compute pass, no extra repeats (a full calibration: 2 passes, up to 3x)
     assert cal["compute_passes"] == 1 and cal["passes_apart"] == {}
     assert cal["max_repeats"] == 3 and cal["repeated_more"] == []
+    # compute timed alone; the host's memory link probed before the pass and after it
+    assert cal["compute_neighbours"] == 0
+    if (os.cpu_count() or 1) >= 2:
+        assert [p["processes"] for p in cal["memory_link"]] == [2, 2]
+        assert all(p["alone_Bps"] > 0 and p["together_Bps"] > 0 for p in cal["memory_link"])
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
     assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]

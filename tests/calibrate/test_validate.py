@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -50,6 +51,14 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
             (est["time_s"] - meas["time_s"]) / meas["time_s"]
         )
         assert 0 <= est["compute_s"] <= est["time_s"]
+        # the host's memory link, probed before each multi-device plan ran (mpi)
+        link = meas["memory_link"]
+        if r["devices"] == 1 or (os.cpu_count() or 1) < 2:
+            assert link is None
+        else:
+            assert link["processes"] == 2 and link["alone_Bps"] > 0 and link["ratio"] > 0
+    shared = [r for r in results if (r["measured"]["memory_link"] or {}).get("shared")]
+    assert data["plans_on_shared_memory_link"] == len(shared)
     errors = sorted(abs(r["time_rel_error"]) for r in results)
     median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
     assert data["median_time_rel_error"] == pytest.approx(median)
@@ -57,7 +66,12 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = captured.out.splitlines()
     assert table[0].split()[:3] == ["dev", "mesh", "pt"]
-    assert table[-1].startswith(f"median |relative error| over {len(results)} plans")
+    summary = [i for i, line in enumerate(table) if line.startswith("median |relative error|")]
+    assert summary == [len(results) + 1]  # after the header and one line per plan
+    assert table[summary[0]].startswith(f"median |relative error| over {len(results)} plans")
+    assert "link" in table[0].split()
+    if shared:  # the plans that ran on a shared link are counted under the median
+        assert table[-1].startswith(f"{len(shared)} of ")
 
 
 def test_model_that_fits_nowhere_exits_2(quick_profile, zoo_model, tmp_path, capsys):
