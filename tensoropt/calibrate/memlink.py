@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -73,7 +72,7 @@ def _stream(src, dst, seconds: float) -> float:
             return calls * 2 * src.nbytes / elapsed
 
 
-def _worker(barrier, conn) -> None:
+def _worker(conn) -> None:
     import numpy as np
 
     src = np.ones(STREAM_BYTES // 8, dtype=np.float32)  # two buffers: STREAM_BYTES in all
@@ -87,11 +86,6 @@ def _worker(barrier, conn) -> None:
             return
         if what == "stop":
             return
-        if what == "together":
-            try:
-                barrier.wait(REPLY_TIMEOUT_S)
-            except threading.BrokenBarrierError:
-                return
         conn.send(_stream(src, dst, seconds))
 
 
@@ -107,11 +101,10 @@ class Prober:
         from tensoropt.calibrate.neighbours import start_child
 
         ctx = multiprocessing.get_context("spawn")
-        barrier = ctx.Barrier(self.processes)
         try:
             for _ in range(self.processes):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_worker, args=(barrier, theirs), daemon=True)
+                proc = ctx.Process(target=_worker, args=(theirs,), daemon=True)
                 start_child(proc)
                 theirs.close()
                 self._procs.append(proc)
@@ -145,6 +138,9 @@ class Prober:
         first = self._conns[0]
         self._send(first, "alone", seconds)
         alone = float(self._reply(first))
+        # no barrier: the messages leave microseconds apart, the streams last 0.25 s
+        # (a multiprocessing.Barrier kept across other process sets was found broken
+        # after a busy_neighbours block had ended)
         for conn in self._conns:
             self._send(conn, "together", seconds)
         together = [float(self._reply(conn)) for conn in self._conns]

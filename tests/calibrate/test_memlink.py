@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from tensoropt.calibrate import memlink
+from tensoropt.calibrate import memlink, neighbours
+from tensoropt.calibrate.kernels import KernelOptions, cases
 from tensoropt.errors import TensorOptError
 
 two_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
@@ -54,3 +55,15 @@ def test_a_streaming_process_that_dies_is_one_clear_error(monkeypatch):
         prober._procs[1].join()
         with pytest.raises(TensorOptError, match="memory-link probe: a streaming process"):
             prober.probe(0.05)
+
+
+@two_cores
+def test_a_prober_outlives_other_process_sets():
+    # calibrate probes before each pass, and each pass starts and stops its own
+    # processes (a neighbour's barrier included); the probe kept working across them
+    opts = KernelOptions(threads=1, repeats=3, block_seconds=0.002, cold_calls=2)
+    with memlink.Prober(2) as prober:
+        prober.probe(0.05)
+        with neighbours.busy_neighbours(1, opts, cases(quick=True)[:1]) as pacer, pacer.busy():
+            pass
+        assert prober.probe(0.05).together > 1e8
