@@ -6,8 +6,8 @@ six full calibrations, after ninety other cases had run in the same process; two
 passes in one process agreed with each other and disagreed with the next
 calibration (with fresh processes: 2 of the next 8, slow in both passes, a state of
 the host). So every pass runs in its own spawned process (a fresh interpreter, heap
-and onnxruntime), and :func:`tensoropt.calibrate.profile.fastest_pass` keeps each case's
-fastest pass. Results and progress come back over a pipe.
+and onnxruntime), and :func:`tensoropt.calibrate.profile.middle_pass` keeps each case's
+median pass. Results and progress come back over a pipe.
 """
 
 from __future__ import annotations

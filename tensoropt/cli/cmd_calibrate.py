@@ -24,7 +24,7 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             Against disturbances by other work on the host: a case whose
             repeats spread more than 5% gets up to 3x the repeats, and every case is
             measured in --passes passes over all cases (minutes apart, each in a fresh
-            process), keeping its fastest; the file records how far apart they were.
+            process), keeping its median; the file records how far apart they were.
             Measuring processes start with the MPI ranks' malloc settings (see `run
             --help`: heap thresholds, transparent huge pages)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
@@ -43,7 +43,7 @@ the machine, library versions and the date. Written atomically: an interrupted
 calibration leaves no file.
 
 examples:
-  tensoropt calibrate -o here.json                         # 6-7 minutes on 2 cores
+  tensoropt calibrate -o here.json                         # 9-10 minutes on 2 cores
   tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
   tensoropt calibrate -o today.json --against here.json    # what moved since then
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
@@ -76,8 +76,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--passes",
         type=int,
-        help="passes over every compute case, minutes apart; each case keeps its fastest "
-        "pass, the least disturbed by other work on the host (default 2; --quick: 1)",
+        help="passes over every compute case, minutes apart, each in a fresh process; each "
+        "case keeps its median pass, so one pass disturbed by other work on the host (or "
+        "an odd process) does not decide the rate (default 3; --quick: 1)",
     )
     p.add_argument(
         "--neighbours",

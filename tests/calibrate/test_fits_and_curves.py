@@ -194,15 +194,23 @@ def test_full_calibration_repeats_disturbed_cases_and_quick_does_not():
     assert _kernel_options(CalibrateOptions(repeats=5, quick=True)).max_repeats == 5
 
 
-def test_each_case_keeps_its_fastest_pass_and_the_profile_says_how_far_apart_they_were():
-    from tensoropt.calibrate.profile import fastest_pass, pass_difference
+def test_each_case_keeps_its_median_pass_and_the_profile_says_how_far_apart_they_were():
+    from tensoropt.calibrate.profile import middle_pass, pass_difference
 
     case, other = cases(quick=True)[:2]
     first = KernelResult(case, Sample(2e-6, 0.01, 5), 8, step=Sample(10e-6, 0.02, 5))
     second = KernelResult(case, Sample(3e-6, 0.01, 5), 4, step=Sample(8e-6, 0.03, 15))
-    best = fastest_pass([first, second])
-    assert best.seconds == first.seconds and best.copies == 8  # the kernel's own fastest
-    assert best.step == second.step  # the step's own fastest
+    odd = KernelResult(case, Sample(9e-6, 0.01, 5), 6, step=Sample(4e-6, 0.03, 5))
+    # three passes: the median kernel and, on its own, the median step; an odd pass is
+    # dropped whether it is slow (the kernel 9 us) or fast (the step 4 us)
+    mid = middle_pass([first, odd, second])
+    assert mid.seconds == second.seconds and mid.copies == 4
+    assert mid.step == second.step
+    # two passes: the faster of the two
+    best = middle_pass([first, second])
+    assert best.seconds == first.seconds and best.copies == 8 and best.step == second.step
+    no_step = dataclasses.replace(first, step=None)
+    assert middle_pass([no_step]).step is None
     steady = KernelResult(other, Sample(1e-6, 0.01, 5), 4, step=Sample(5e-6, 0.01, 5))
     apart = pass_difference({case: [first, second], other: [steady, steady]})
     assert apart == {"median": 0.125, "max": 0.25, "max_case": case.label()}
