@@ -9,7 +9,7 @@ times compute alone (design.md decision 50) and records probes of this state;
 ``validate`` probes it before every plan it runs, so a measurement taken while the
 ranks shared a link is marked as such.
 
-:func:`probe` streams a buffer twice the size of the last-level cache in one process
+:meth:`Prober.probe` streams a buffer twice the size of the last-level cache in one process
 alone, then in ``processes`` processes at once, and returns the per-process bandwidth
 both ways. Their ratio is ~1 when each process has its own link and ~1/processes when
 they share one.
@@ -176,9 +176,3 @@ def prober(ranks: int) -> Iterator[Prober | None]:
         return
     with Prober(count) as p:
         yield p
-
-
-def probe(processes: int = 2, seconds: float = PROBE_SECONDS) -> LinkProbe:
-    """One probe with freshly started processes."""
-    with Prober(processes) as p:
-        return p.probe(seconds)

@@ -76,7 +76,9 @@ class CalibrateOptions:
     threads: int | None = None  # intra-op threads per rank; None = cores // ranks
     launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
     passes: int | None = None  # compute passes over every case; None: 1 quick, else 3
-    neighbours: int = 0  # busy processes beside the measured one (neighbours.py)
+    # processes computing beside the measured one (neighbours.py); none by default:
+    # design.md decision 50
+    neighbours: int = 0
 
     @property
     def compute_passes(self) -> int:
@@ -121,12 +123,6 @@ def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
     return kernels.KernelOptions(
         opts.threads_per_rank, opts.repeats, block, cold_calls=cold_calls, extra_repeats=extra
     )
-
-
-def neighbour_count(opts: CalibrateOptions) -> int:
-    """Processes that compute beside the measured one (``--neighbours``,
-    :mod:`tensoropt.calibrate.neighbours`); none by default (design.md decision 50)."""
-    return opts.neighbours
 
 
 def _middle(values: list, key) -> object:
@@ -189,7 +185,7 @@ def measure_kernels(
     overheads = []
     for index in range(opts.compute_passes):
         before_pass(index)
-        with busy_neighbours(neighbour_count(opts), kopts, cases) as pacer:
+        with busy_neighbours(opts.neighbours, kopts, cases) as pacer:
             for result, overhead in measure_pass(kopts, cases, pacer, tick):
                 by_case.setdefault(result.case, []).append(result)
                 overheads.append(overhead)
@@ -408,7 +404,7 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "threads_per_rank": opts.threads_per_rank,
             "compute_clock": _kernel_options(opts).clock_name,
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
-            "compute_neighbours": neighbour_count(opts),
+            "compute_neighbours": opts.neighbours,
             "memory_link": [p.to_json() for p in link_probes],
             "repeats": opts.repeats,
             "max_repeats": _kernel_options(opts).max_repeats,
