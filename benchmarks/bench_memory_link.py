@@ -1,6 +1,6 @@
 """Memory-bound rates timed alone and beside a busy neighbour, against the host's memory link.
 
-The evidence behind design.md decision 50 (compute is timed alone). Rounds alternate,
+The evidence behind docs/design.md, "Compute is timed alone". Rounds alternate,
 within one run: a probe of the memory link (``tensoropt.calibrate.memlink``: per-process
 bandwidth of two processes streaming at once against one alone), then a few calibration
 cases measured alone in a fresh process (as ``calibrate`` does), then the same beside

@@ -126,8 +126,8 @@ def measure_comm(
     of :func:`samples_per_point` samples. The samples are taken in rounds, each round
     one sample of every (collective, size) point, so that a slow phase of the processes
     (the first seconds after start measured 1.5-1.8x slower small AllReduces than the
-    rest, and AllReduce used to be measured first) spreads over every point instead
-    of shifting one collective's latency. ``slowest(t)`` returns the max of ``t`` over
+    rest) spreads over every point instead of shifting the latency of whichever
+    collective would be measured first. ``slowest(t)`` returns the max of ``t`` over
     ranks; ``on_round`` is called after each round.
     """
     n = comm.size
@@ -263,7 +263,7 @@ def merge_launches(runs: Sequence[dict[str, list[list[float]]]]) -> dict[str, li
 def launch_slots(launches: int, passes: int) -> list[int]:
     """When each MPI launch runs: before compute pass ``i`` (``i == passes``: after the
     last), spread evenly over the calibration. The host moved between two states minutes
-    apart (64 B AllGather 62 or 79 us, 32 MiB 8.0 or 5.9 ms; session 10): launches
+    apart (64 B AllGather 62 or 79 us, 32 MiB 8.0 or 5.9 ms): launches
     spread over the calibration's minutes sample both, where back-to-back ones saw one."""
     if launches <= 1:
         return [passes] * launches

@@ -236,7 +236,7 @@ class KernelOptions:
         Cold (the default), every call starts on evicted caches, as an op inside a
         training step does whose model's working set exceeds the cache: measured
         here, warm-cache rates under-estimated whole steps by 12-39% on one rank
-        (docs/design/measured.md, "Cold caches and busy neighbours").
+        (docs/design/measured.md, "Cold caches").
         """
         if not self.cold:
             return time_call(fn, min_seconds=min_seconds, clock=self.clock)

@@ -1,11 +1,11 @@
 """Does each rank have a memory link of its own right now? A probe of the host.
 
 On this project's VM the host sometimes runs the two vCPUs on cores that share one
-memory link (measured in session 12, docs/design/measured.md, "Calibration determinism
-(session 12)"): two processes streaming memory at once then get half the bandwidth
-each, at other times each gets what one alone gets, and the host switches between the
-two every few seconds to minutes. A rank's memory-bound ops follow it. Calibration
-times compute alone (design.md decision 50) and records probes of this state;
+memory link (docs/design/measured.md, "Calibration determinism"): two processes
+streaming memory at once then get half the bandwidth each, at other times each gets
+what one alone gets, and the host switches between the two every few seconds to
+minutes. A rank's memory-bound ops follow it. Calibration times compute alone
+(docs/design.md, "Compute is timed alone") and records probes of this state;
 ``validate`` probes it before every plan it runs, so a measurement taken while the
 ranks shared a link is marked as such.
 

@@ -2,17 +2,16 @@
 (``calibrate --neighbours N``; none by default).
 
 "A device" is one rank (``calibrate --ranks N`` gives each ``cores // N`` threads), and a
-run puts N ranks on the host at once. Session 9 measured two 1-rank runs side by side
-5-19% slower than one alone and calibrated beside N - 1 busy neighbours by default.
-Session 12 found where that comes from on this project's VM (docs/design/measured.md,
-"Calibration determinism (session 12)"): the host sometimes runs the two vCPUs on
-cores that share one memory link, and then two processes streaming memory get half
-the bandwidth each; at other times each gets the full rate, as one process alone
-always does. Beside a neighbour, a memory-bound case's rate therefore depends on the
-host's placement that minute (the 1M Relu 0.67-1.1e11 B/s, alone 1.04-1.18e11), and
-two calibrations disagreed by 25-45%. So compute is timed alone by default (design.md
-decision 50), and ``--neighbours`` keeps the old measurement for a user who wants the
-rates of a loaded host.
+run puts N ranks on the host at once. Two 1-rank runs side by side ran 5-19% slower
+than one alone. On this project's VM that comes from the host (docs/design/measured.md,
+"Calibration determinism"): it sometimes runs the two vCPUs on cores that share one
+memory link, and then two processes streaming memory get half the bandwidth each; at
+other times each gets the full rate, as one process alone always does. Beside a
+neighbour, a memory-bound case's rate therefore depends on the host's placement that
+minute (the 1M Relu 0.67-1.1e11 B/s, alone 1.04-1.18e11), and two calibrations
+disagreed by 25-45%. So compute is timed alone by default (docs/design.md, "Compute is
+timed alone"), and ``--neighbours`` measures beside busy processes for a user who wants
+the rates of a loaded host.
 
 Each neighbour runs the training step of the case being measured, without pause, for
 as long as it is measured.

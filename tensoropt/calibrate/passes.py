@@ -52,9 +52,9 @@ def measure_pass(
     dies part-way is one clear error.
     """
     ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe(duplex=False)
+    reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_worker, args=(opts, tuple(cases), pacer, theirs), daemon=True, name="measure"
+        target=_worker, args=(opts, tuple(cases), pacer, writer), daemon=True, name="measure"
     )
     out: list[tuple[kernels.KernelResult, float]] = []
 
@@ -67,14 +67,14 @@ def measure_pass(
 
     try:
         start_child(proc)
-        theirs.close()
+        writer.close()
         while len(out) < len(cases):
-            if not mine.poll(POLL_S):
+            if not reader.poll(POLL_S):
                 if not proc.is_alive():
                     raise stopped()
                 continue
             try:
-                msg = mine.recv()
+                msg = reader.recv()
             except EOFError:
                 raise stopped() from None
             if msg[0] == "tick":
@@ -90,4 +90,4 @@ def measure_pass(
             proc.terminate()
         if proc.pid is not None:
             proc.join()
-        mine.close()
+        reader.close()

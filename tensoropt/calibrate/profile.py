@@ -58,7 +58,7 @@ SCHEMA = "tensoropt.cluster/1"
 # process (minutes apart), and the median kept (middle_pass): on this project's VM,
 # seconds-long disturbances (another tenant, the kernel's background work, a process's
 # first seconds) and a process's own history moved whole cases by 10-50%
-# (docs/design/measured.md, "Calibration determinism", sessions 10 and 12).
+# (docs/design/measured.md, "Calibration determinism").
 DEFAULT_PASSES = 3
 
 
@@ -77,7 +77,7 @@ class CalibrateOptions:
     launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
     passes: int | None = None  # compute passes over every case; None: 1 quick, else 3
     # processes computing beside the measured one (neighbours.py); none by default:
-    # design.md decision 50
+    # docs/design.md, "Compute is timed alone"
     neighbours: int = 0
 
     @property
@@ -135,14 +135,13 @@ def middle_pass(passes: list[kernels.KernelResult]) -> kernels.KernelResult:
     """One case's result from its passes: the median kernel time and, on its own, the
     median step (of two passes, the faster).
 
-    Why the median, not the fastest (sessions 10-11 kept the fastest of two): a step is
-    a slope between two timed blocks (``KernelOptions.slope``), so a disturbance can
-    make it look faster as well as slower, and one process can simply run a case fast.
-    In session 12's third pair, the two passes of one calibration measured the BatchNorm
-    8 x 128 step 40% apart, the faster at 33% above what five other calibrations
-    measured, and the fastest pass kept it
-    (`docs/design/measured.md`, "Calibration determinism (session 12)"). The median of
-    three passes drops one odd pass in either direction."""
+    Why the median, not the fastest: a step is a slope between two timed blocks
+    (``KernelOptions.slope``), so a disturbance can make it look faster as well as
+    slower, and one process can simply run a case fast. Measured: the two passes of one
+    calibration put the BatchNorm 8 x 128 step 40% apart, the faster at 33% above what
+    five other calibrations measured, and keeping the fastest pass kept it
+    (`docs/design/measured.md`, "Calibration determinism"). The median of three passes
+    drops one odd pass in either direction."""
     kernel = _middle(passes, key=lambda r: r.seconds.median)
     steps = [r.step for r in passes if r.step is not None]
     step = _middle(steps, key=lambda v: v.median) if steps else None

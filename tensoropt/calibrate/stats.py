@@ -56,7 +56,7 @@ class Sample:
 
 
 # A measurement whose repeats spread more than this (IQR / median) was disturbed
-# part-way (on this project's VM: bursts of a second or so, measured in session 10);
+# part-way (on this project's VM: bursts of a second or so, measured);
 # it gets more repeats, so the disturbed ones fall outside the median.
 STEADY_SPREAD = 0.05
 

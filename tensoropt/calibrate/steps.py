@@ -100,7 +100,7 @@ def measure_step(case: KernelCase, copies: int, opts: KernelOptions) -> Sample:
 # operands and output) take up to 32 copies, larger ones up to 8 (the step's build and
 # its memory grow with the copies). A small step (~10-20 us) measured with 8 copies is a
 # 100 us difference between two ~50 us-dominated calls; with 32, three processes agreed
-# within 6-16% where 8 copies gave 7-27% (session 10).
+# within 6-16% where 8 copies gave 7-27%.
 SMALL_CASE_BYTES = 1 << 20
 STEP_COPIES = (32, 8)
 

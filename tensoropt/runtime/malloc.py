@@ -15,9 +15,9 @@ Child processes also get transparent huge pages for malloc's memory (the glibc t
 whose THP mode is ``madvise`` backs them with 2 MiB pages). onnxruntime's buffers come
 from malloc; with 4 KiB pages, an op that streams more than the TLB's reach (8 MiB on
 this project's EPYC) misses the TLB on every page, and inside a VM each miss is a
-nested page walk. Measured on this project's 2-core VM, fresh processes taking turns
-(session 11): the 4M-element Add kernel 2.9-4.3e10 B/s with 4 KiB pages, 4.1-4.6e10
-with the tunable; the 1M-element Mul 4.3-5.3e10 and 5.1-5.8e10.
+nested page walk. Measured on this project's 2-core VM, fresh processes taking turns:
+the 4M-element Add kernel 2.9-4.3e10 B/s with 4 KiB pages, 4.1-4.6e10 with the
+tunable; the 1M-element Mul 4.3-5.3e10 and 5.1-5.8e10.
 
 ``MALLOC_ENV`` goes into the environment of the MPI ranks (set before the
 interpreter starts, so every allocation sees it), and :func:`spawn_environment` into

@@ -72,8 +72,7 @@ def test_no_neighbours_is_no_process():
 @pytest.mark.parametrize("backend", list(CommBackend))
 def test_compute_is_timed_alone_unless_neighbours_are_asked_for(backend):
     # beside a busy neighbour, memory-bound rates follow the host's placement of the
-    # vCPUs (docs/design/measured.md, "Calibration determinism (session 12)")
-    # (sessions 9-11 ran ranks - 1 neighbours with mpi)
+    # vCPUs (docs/design/measured.md, "Calibration determinism")
     assert CalibrateOptions(backend=backend, ranks=4).neighbours == 0
 
 

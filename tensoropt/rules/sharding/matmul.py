@@ -24,7 +24,7 @@ SUM = {"k": Reduction.SUM}
 
 
 def _batch_labels(shape: tuple[int, ...], out_batch: tuple[int, ...]) -> Labels:
-    """Right-aligned broadcast labels ``b0..`` for the leading (batch) dims of an operand."""
+    """Right-aligned broadcast labels ``b0..`` for an operand's leading (batch) dims."""
     offset = len(out_batch) - len(shape)
     return tuple(
         f"b{j + offset}" if size == out_batch[j + offset] and size != 1 else None

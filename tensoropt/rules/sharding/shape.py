@@ -3,7 +3,7 @@ Split, Slice, Tile, Pad. All are linear, so all offer Partial-in -> Partial-out.
 
 Reshape-like ops (Reshape, Flatten, Squeeze, Unsqueeze) split input and output dims into
 groups with equal element counts (``[B, S, H] -> [B, S, nh, hd]``: ``{B}->{B}``,
-``{S}->{S}``, ``{H}->{nh, hd}``). Only the leading dim of a group may be sharded, and only
+``{S}->{S}``, ``{H}->{nh, hd}``). Only a group's leading dim may be sharded, and only
 when both its input and its output leading dims divide: then both sides hold the same
 contiguous block of the group. So ``H`` is sharded via ``nh`` only. Reshape's local target
 shape is rewritten (``-1`` stays ``-1``; a ``0`` stays ``0`` when it still copies the right
