@@ -3,8 +3,8 @@
 # devices. Run from the repository root with the venv active. Models whose exact search
 # took more than ~3 minutes on a shared 2-core machine use --epsilon 0.02 (listed below);
 # each report's header states the mode and the guarantee. rnnlm runs only with
-# INCLUDE_RNNLM=1: its exact search finishes every mesh since session 8 but took 18 (h100)
-# and 35 (v100) minutes per profile on 2 cores (see README.md).
+# INCLUDE_RNNLM=1: its exact search finishes every mesh but takes 18 (h100) and 35 (v100)
+# minutes per profile on 2 cores (see README.md).
 set -euo pipefail
 models_dir=$(mktemp -d)
 trap 'rm -rf "$models_dir"' EXIT
