@@ -87,8 +87,8 @@ def target(tmp: str, repeats: int = 3) -> list[str]:
         "search, merge), zoo `gpt --preset paper --layers 24 --hidden 1024 --heads 16` "
         f"(seq 1024), profile h100: {len(exp.searches)} (devices, mesh) problems after "
         "skipping 2-D meshes whose data axis cannot split the batch, "
-        f"{len(exp.merged)} points on the merged frontier; {os.cpu_count()} cores, jobs = "
-        f"{os.environ.get('TENSOROPT_JOBS', 'all cores')}, load average {load:.1f} at the start.",
+        f"{len(exp.merged)} points on the merged frontier; {os.cpu_count()} cores, one search "
+        f"process per core, load average {load:.1f} at the start.",
         "",
         "| runs | median wall | runs' walls | median CPU (all processes) | peak RSS | target |",
         "|---:|---:|---|---:|---:|---|",

@@ -7,6 +7,9 @@ and run with ``--run-slow``, which the README's test command and .ci/run pass.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -33,3 +36,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory) -> Callable[[str], Path]:
+    """``exported(name)``: the path of ``name``'s dynamo export (exported on first use)."""
+    from tests.exports.models import CASES, export
+
+    folder = tmp_path_factory.mktemp("exports")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            path = folder / f"{name}.onnx"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                export(CASES[name], str(path))
+            made[name] = path
+        return made[name]
+
+    return get

@@ -55,7 +55,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
     add_training_options(p)
-    p.add_argument("--cluster", default="h100", help="cluster profile for --pick")
+    p.add_argument(
+        "--cluster",
+        default="h100",
+        help="cluster profile that prices the plan (and --pick's search); default h100",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
 
@@ -117,19 +121,31 @@ def _compile_picked(args: argparse.Namespace) -> int:
     source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
     plan = plan_from_choice(search, point.choice, source)
     picked = (
-        f"picked {args.pick}: mesh {search.mesh}, estimated step "
-        f"{point.time_s * 1e3:.3f} ms, {point.memory_bytes / 2**20:.1f} MiB per device; "
-        f"{search.summaries[search.result.points.index(point)]}"
+        f"picked {args.pick}: point {chosen.index} at {search.mesh.size} devices, mesh "
+        f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
     )
     step = build_step(args)
-    result = compile_step(step, plan, None, args.output)
+    estimate = estimate_of(step, plan, None, args.cluster)
+    result = compile_step(step, plan, None, args.output, estimate.to_json())
     print(picked, file=sys.stderr)
     print(step.selection.summary(step.model.graph), file=sys.stderr)
-    _report(args, result, search.mesh, (source,))
+    _report(args, result, search.mesh, (source,), estimate)
     return 0
 
 
-def _report(args, result, mesh, notes) -> None:
+def estimate_of(step, plan, data_axes, cluster: str):
+    """The cost model's estimate of ``plan`` on ``step`` (before compile mutates it): the
+    same pricing as the search's, so a picked point's figures come back unchanged."""
+    from tensoropt.cost.cluster import load_cluster
+    from tensoropt.cost.model import estimate_plan, search_graph_of
+    from tensoropt.passes.annotate import complete_plan
+
+    sg = search_graph_of(step)
+    roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
+    return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster))
+
+
+def _report(args, result, mesh, notes, estimate) -> None:
     if args.json:
         json.dump(
             {
@@ -139,6 +155,7 @@ def _report(args, result, mesh, notes) -> None:
                 "mesh": list(mesh.shape),
                 "files": list(result.files),
                 "collectives": result.collectives,
+                "estimate": estimate.to_json(),
                 "notes": list(notes),
             },
             sys.stdout,
@@ -148,7 +165,9 @@ def _report(args, result, mesh, notes) -> None:
     else:
         print(
             f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
-            f"{result.collectives} collectives per device; run it with "
+            f"{result.collectives} collectives per device; estimated step "
+            f"{estimate.time_s * 1e3:.3f} ms, {estimate.memory_bytes / 2**20:.1f} MiB per "
+            f"device ({estimate.profile}); run it with "
             f"`tensoropt run {args.output} --steps 3 --verify`"
         )
 
@@ -174,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)
         plan, data_axes, notes = built.plan, built.data_axes, built.notes
     # Everything that can fail runs before anything is printed: an error stays one line.
-    result = compile_step(step, plan, data_axes, args.output)
+    estimate = estimate_of(step, plan, data_axes, args.cluster)
+    result = compile_step(step, plan, data_axes, args.output, estimate.to_json())
     for line in (summary, *notes):
         print(line, file=sys.stderr)
-    _report(args, result, mesh, notes)
+    _report(args, result, mesh, notes, estimate)
     return 0

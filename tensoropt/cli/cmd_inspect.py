@@ -10,10 +10,15 @@ import sys
 from tensoropt.errors import ModelLoadError, OutputDirError, TensorOptError
 
 EPILOG = """\
-shows per device: op count, collectives by kind and group, bytes sent per step
-(ring algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B),
-parameter shard shapes, and memory (parameters + optimizer state, and the static
-liveness peak of the whole step).
+shows the plan's estimate (the cost model's step time, memory per device and
+collectives per device: the same figures search, compile and validate report), then
+per device: op count, collectives by kind and group, bytes sent per step (ring
+algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B), parameter shard
+shapes, and memory: parameters + optimizer state, and the *liveness peak*, a second
+figure: every tensor alive at once when the graph runs node by node in file order. The
+estimate counts what a step holds (parameters, gradients, optimizer state, activations
+saved for the backward, converted buffers); the liveness peak is what one sequential
+schedule holds, without the runtime's allocator or segment boundaries.
 
 examples:
   tensoropt inspect out/
@@ -42,7 +47,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _targets(target: str) -> tuple[list[str], list[str], list[str]]:
+def _targets(target: str) -> tuple[list[str], list[str], list[str], dict]:
 
     from tensoropt.passes.training_step import read_signature
 
@@ -59,7 +64,10 @@ def _targets(target: str) -> tuple[list[str], list[str], list[str]]:
                 ) from None
         files = [os.path.join(target, r["file"]) for r in manifest["ranks"]]
         step = manifest["step"]
-        return files, step["params"], step["states"]
+        plan = _plan_source(target)
+        about = {"mesh": manifest.get("mesh"), "plan_source": plan, "estimate": None}
+        about["estimate"] = manifest.get("estimate")
+        return files, step["params"], step["states"], about
     if not os.path.isfile(target):
         raise TensorOptError(f"{target}: no such file or directory")
     model = _load(target)
@@ -67,7 +75,16 @@ def _targets(target: str) -> tuple[list[str], list[str], list[str]]:
         sig = read_signature(model)
     except TensorOptError as exc:
         raise TensorOptError(f"{target}: {exc}") from None
-    return [target], list(sig.params), list(sig.states)
+    return [target], list(sig.params), list(sig.states), {}
+
+
+def _plan_source(outdir: str) -> str | None:
+    path = os.path.join(outdir, "plan.json")
+    try:
+        with open(path) as f:
+            return str(json.load(f).get("source", ""))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _load(path: str):
@@ -84,10 +101,15 @@ def _load(path: str):
         ) from None
 
 
+def _relation(peak: float, estimate: dict) -> str:
+    memory = estimate["memory_bytes"]
+    return f" ({peak / memory:.2f}x the estimate)" if memory else ""
+
+
 def run(args: argparse.Namespace) -> int:
     from tensoropt.passes.device_stats import device_stats
 
-    files, params, states = _targets(args.target)
+    files, params, states, about = _targets(args.target)
     report = []
     for path in files:
         if not os.path.isfile(path):
@@ -98,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(
             {
                 "schema": "tensoropt.inspect/1",
+                **about,
                 "devices": [
                     {
                         "file": name,
@@ -115,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                         "bytes_sent_per_step": s.bytes_sent,
                         "param_shapes": {k: list(v) for k, v in s.param_shapes.items()},
                         "param_and_state_bytes": s.state_bytes,
-                        "peak_bytes": s.peak_bytes,
+                        "liveness_peak_bytes": s.peak_bytes,
                     }
                     for name, s in report
                 ],
@@ -125,10 +148,19 @@ def run(args: argparse.Namespace) -> int:
         )
         print()
         return 0
+    estimate = about.get("estimate")
+    if estimate:
+        print(
+            f"estimate ({estimate['cluster']}): step {estimate['time_s'] * 1e3:.3f} ms, "
+            f"{_fmt_bytes(estimate['memory_bytes'])} per device, "
+            f"{estimate['collectives_per_device']} collectives per device"
+        )
     for name, s in report:
         print(
             f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
-            f"params+state {_fmt_bytes(s.state_bytes)}, peak memory {_fmt_bytes(s.peak_bytes)}"
+            f"params+state {_fmt_bytes(s.state_bytes)}, "
+            f"liveness peak {_fmt_bytes(s.peak_bytes)}"
+            + (_relation(s.peak_bytes, estimate) if estimate else "")
         )
         if s.collectives:
             print(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")

@@ -44,6 +44,12 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, help="approximate within (1+E) in step time")
     p.add_argument("--trainable", metavar="REGEX")
     p.add_argument("--freeze", metavar="REGEX")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="solve the mesh problems in N processes (default: one per core; 1: in this one)",
+    )
     add_model_input_options(p)
 
 
@@ -72,6 +78,9 @@ def explore_from_args(args, devices):
     from tensoropt.errors import TensorOptError
     from tensoropt.search.driver import explore, search_meshes
 
+    jobs = getattr(args, "jobs", None)
+    if jobs is not None and jobs < 1:
+        raise TensorOptError(f"--jobs {jobs}: give a positive number of processes")
     if args.epsilon is not None and not 0 < args.epsilon < 1:
         raise TensorOptError(f"--epsilon {args.epsilon}: give a value in (0, 1), e.g. 0.05")
     profile = load_cluster(args.cluster)
@@ -93,6 +102,7 @@ def explore_from_args(args, devices):
         profile,
         memory_budget=budget,
         epsilon=args.epsilon,
+        jobs=getattr(args, "jobs", None),
         on_problem=tick,
     )
     bar.close()

@@ -46,21 +46,25 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
 
 
 def training_options(args: argparse.Namespace):
+    """The training-step options of ``args`` (commands that only search may lack the
+    learning rate: it changes no layout and no cost)."""
     from tensoropt.passes.loss import LossKind
     from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
     from tensoropt.passes.training_step import TrainingOptions
 
-    if args.lr <= 0:
-        raise TensorOptError(f"--lr must be positive, got {args.lr}")
-    if not 0 <= args.momentum < 1:
-        raise TensorOptError(f"--momentum must be in [0, 1), got {args.momentum}")
+    lr = getattr(args, "lr", 0.01)
+    momentum = getattr(args, "momentum", 0.9)
+    if lr <= 0:
+        raise TensorOptError(f"--lr must be positive, got {lr}")
+    if not 0 <= momentum < 1:
+        raise TensorOptError(f"--momentum must be in [0, 1), got {momentum}")
     return TrainingOptions(
-        loss=LossKind(args.loss),
+        loss=LossKind(getattr(args, "loss", "auto")),
         optimizer=OptimizerOptions(
-            kind=OptimizerKind(args.optimizer), lr=args.lr, momentum=args.momentum
+            kind=OptimizerKind(getattr(args, "optimizer", "sgd")), lr=lr, momentum=momentum
         ),
-        trainable=args.trainable,
-        freeze=args.freeze,
+        trainable=getattr(args, "trainable", None),
+        freeze=getattr(args, "freeze", None),
     )
 
 
@@ -122,75 +126,13 @@ def progress(iterable, *, total: int, desc: str):
 
 
 def search_graph(args: argparse.Namespace):
-    """Import ``args.model`` without its weights and describe it for the cost model."""
-    import onnx_ir as ir
+    """The search graph of ``args.model``: its real training step, imported without weights.
 
-    from tensoropt.cost.model import SearchGraph
-    from tensoropt.ir.builder import Builder
-    from tensoropt.ir.importer import ImportOptions, import_model, parse_input_shapes
-    from tensoropt.passes.loss import LossKind, build_loss
-    from tensoropt.passes.trainable import select_trainable
-    from tensoropt.rules.grad import GRAD_RULES
-    from tensoropt.search.driver import graph_batch
+    It is the same step `compile` partitions (same passes, same options), so what the
+    search prices is what compile emits."""
+    from tensoropt.cost.model import search_graph_of
 
-    options = ImportOptions(
-        load_weights=False,
-        input_shapes=parse_input_shapes(args.input_shape),
-        supported_ops=supported_ops(GRAD_RULES),
-    )
-    model = import_model(args.model, options)
-    pristine = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # for the step
-    graph = model.graph
-    # The loss is part of the step: its layout decisions (e.g. a vocab-sharded LM head
-    # feeding the softmax) cost communication, so it is part of the search graph.
-    loss = LossKind(getattr(args, "loss", "auto"))
-    spec = build_loss(graph, loss, Builder(graph, prefix="t_"))
-    selection = select_trainable(
-        graph,
-        [spec.source],
-        GRAD_RULES.is_non_differentiable,
-        trainable=args.trainable,
-        freeze=args.freeze,
-    )
-    data = tuple(v.name for v in graph.inputs if v.name not in graph.initializers)
-    states = 2 if args.optimizer == "adam" else (1 if args.momentum else 0)
-    saved = saved_for_backward(pristine, loss, args.trainable, args.freeze)
-    batch = graph_batch(graph, data)
-    return SearchGraph(graph, frozenset(selection.trained), data, states, batch, saved)
-
-
-def saved_for_backward(model, loss, trainable, freeze) -> frozenset[str]:
-    """Names of the forward values that the backward of ``model``'s step reads.
-
-    These stay alive from the forward to the backward; every other forward value is
-    freed once its forward consumers ran. The cost model counts only these as
-    activation memory (measured: counting every op output over-estimated gpt-small's
-    per-device memory by 50-70%). ``model`` (a weightless import) is mutated: loss and
-    gradients are appended; the optimizer, which reads only parameters and gradients,
-    and shape inference are skipped."""
-    from tensoropt.ir.builder import ROLE_KEY, Builder
-    from tensoropt.passes.autodiff import build_gradients
-    from tensoropt.passes.loss import build_loss
-    from tensoropt.passes.trainable import select_trainable
-    from tensoropt.rules.grad import GRAD_RULES
-
-    graph = model.graph
-    builder = Builder(graph, prefix="t_")
-    spec = build_loss(graph, loss, builder)
-    selection = select_trainable(
-        graph, [spec.source], GRAD_RULES.is_non_differentiable, trainable=trainable, freeze=freeze
-    )
-    params = [graph.initializers[n] for n in selection.trained]
-    build_gradients(graph, spec.loss, params, GRAD_RULES, builder)
-    forward: set[str] = set()
-    read: set[str] = set()
-    for node in graph:
-        role = node.metadata_props.get(ROLE_KEY)
-        if role in ("forward", "loss"):
-            forward.update(v.name for v in node.outputs if v is not None)
-        elif role == "backward":
-            read.update(v.name for v in node.inputs if v is not None)
-    return frozenset(forward & read)
+    return search_graph_of(build_step(args, load_weights=False))
 
 
 def parse_bytes(text: str, flag: str) -> float:

@@ -1,20 +1,20 @@
-"""Build the Frontier Tracking problem of a model on one mesh (DESIGN §4).
+"""Build the Frontier Tracking problem of a training step on one mesh (DESIGN §4).
 
-Units are the forward nodes (Constant nodes excluded): a unit's strategy is the
-node's mesh strategy; its backward and its parameter update follow it (the
-partitioner mirrors the forward layouts into the backward).
+Units and their programs come from :mod:`tensoropt.passes.units`: a unit is a forward (or
+loss) node with its followers, backward nodes and parameter updates, and a unit strategy
+fixes the layout of every one of them. The problem prices exactly what the partitioner
+emits for those programs:
 
-- Unit cost of strategy s: compute of the local shard, forward + backward
-  (``cost.compute``); for each parameter the unit owns (it is the parameter's
-  first consumer): the gradient all-reduce over the mesh axes where the parameter
-  is replicated but the op's work is split, and the optimizer update. Memory:
-  owned parameter shards x (parameter + gradient + optimizer states) plus the
-  local outputs saved for backward.
-- Edge cost of (s_u, s_w) for a value made by unit u and read by unit w: the
-  redistribution from u's output layout to w's input layout, forward, plus the
-  redistribution of the gradient back (w's gradient layout to the layout u's
-  backward needs); memory: the converted buffer. A parameter or data input read
-  by several units is placed by its first reader; the others get an edge from it.
+- Unit cost of strategy s: compute of the local shards of the root and its followers,
+  forward + backward (``cost.compute``), the optimizer update of the parameters the unit
+  places (it is their first reader), and every conversion inside the unit (gradient
+  all-reduces of replicated parameters among them). Memory: placed parameter shards x
+  (parameter + gradient + optimizer states, as the step holds them) plus the local
+  outputs of its forward nodes that the backward reads.
+- Edge cost of (s_u, s_w): for every value one of the two units holds and the other
+  reads (forward activations, parameters and data inputs read by a second unit,
+  gradients flowing back), the conversion from the holder's layout to the reader's entry
+  layout. Memory: the converted buffer of forward values.
 
 Every total is a plain sum of unit and edge entries, as the frontier DP needs.
 """
@@ -22,7 +22,7 @@ Every total is a plain sum of unit and edge entries, as the frontier DP needs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,35 +36,41 @@ from tensoropt.cost.compute import (
     update_time,
 )
 from tensoropt.errors import ShardingError
-from tensoropt.ir.builder import static_shape
+from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.redistribute import (
-    CollectiveKind,
-    comm_bytes,
-    latency_terms,
-    plan_redistribution,
-    step_output_shape,
-)
+from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.units import (
+    Crossing,
+    Entry,
+    Program,
+    ProgramCache,
+    StepUnits,
+    conversion_steps,
+    crossings,
+    itemsize,
+)
 from tensoropt.rules.sharding import MeshSharding
 
 log = logging.getLogger(__name__)
 
+_VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+
 
 @dataclass(frozen=True, slots=True)
 class SearchGraph:
-    """What the cost model reads of a model: the forward graph and its parameters."""
+    """What the cost model reads of a model: its training step, grouped into units."""
 
-    graph: ir.Graph
+    graph: ir.Graph  # the training step (forward, loss, backward, optimizer)
     params: frozenset[str]
-    data_inputs: tuple[str, ...]
+    data_inputs: tuple[str, ...]  # data inputs and labels
     optimizer_states: int  # state tensors per parameter (SGD momentum 1, Adam 2)
     batch: int  # global samples per step (dim 0 of the first data input)
-    # forward values the training step's backward reads (saved for backward); None =
-    # unknown, every op output counts as saved
-    saved: frozenset[str] | None = None
+    saved: frozenset[str]  # forward values the backward reads (held from forward to backward)
+    units: StepUnits
+    signature: object  # the step's StepSignature
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +84,18 @@ class UnitInfo:
 
 @dataclass(frozen=True, slots=True)
 class MeshProblem:
-    """A cost problem with the nodes and strategies behind its indices."""
+    """A cost problem with the nodes, strategies and programs behind its indices."""
 
     problem: CostProblem
     mesh: Mesh
     units: tuple[UnitInfo, ...]
+    programs: tuple[tuple[Program, ...], ...]  # per unit, per strategy
+    crossings: tuple[Crossing, ...]
+    sg: SearchGraph
 
 
 # the runtime op type of each communicating redistribution step (profile.link_for keys)
-_OP_TYPE = {
+OP_TYPE = {
     CollectiveKind.ALL_REDUCE: "AllReduce",
     CollectiveKind.ALL_GATHER: "AllGather",
     CollectiveKind.REDUCE_SCATTER: "ReduceScatter",
@@ -103,133 +112,79 @@ def axis_link(mesh: Mesh, axes: Sequence[int], profile: ClusterProfile):
     return profile.intra if span <= profile.devices_per_node else profile.inter
 
 
-class _Costs:
+@dataclass(frozen=True, slots=True)
+class PricedCollective:
+    """One collective a plan emits on every rank: kind, mesh axes, local input bytes."""
+
+    kind: str  # the runtime op type (AllReduce, AllGather, ReduceScatter, AllToAll)
+    axes: tuple[int, ...]
+    in_bytes: int
+
+
+class _Pricer:
+    """Prices conversions and unit computations (memoised per distinct input)."""
+
     def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile):
         self.sg = sg
         self.mesh = mesh
         self.profile = profile
         self.conv_cache: dict = {}
-        self.unit_cache: dict = {}
-        self.edge_cache: dict = {}
+        self.node_cache: dict = {}
 
-    # -- redistribution ---------------------------------------------------------------
-    def convert(self, have: Layout, need: Layout, shape, itemsize: int) -> tuple[float, float]:
+    def convert(self, have: Layout, need: Layout, shape, isz: int) -> tuple[float, float]:
         """(seconds, buffer bytes) to turn ``have`` into ``need`` for a value of ``shape``."""
         if have == need:
             return 0.0, 0.0
-        key = (have, need, tuple(shape), itemsize)
-        cached = self.conv_cache.get(key)
-        if cached is not None:
-            return cached
+        key = (have, need, tuple(shape), isz)
+        found = self.conv_cache.get(key)
+        if found is None:
+            found = self.conv_cache[key] = self._convert(have, need, shape, isz)
+        return found
+
+    def _convert(self, have, need, shape, isz) -> tuple[float, float]:
         try:
-            steps = plan_redistribution(have, need, shape, self.mesh)
+            steps = conversion_steps(have, need, shape, self.mesh)
         except ShardingError:
-            steps = ()
+            return 0.0, 0.0
+        dtype = np.dtype(f"V{isz}")
         seconds = 0.0
-        current = local_shape(shape, have, self.mesh)
-        dtype = np.dtype(f"V{itemsize}")
-        for step in steps:
-            n = self.mesh.shape[step.mesh_axis]
+        for cs in steps:
+            if not cs.communicates:
+                continue
+            n = int(np.prod([self.mesh.shape[a] for a in cs.axes]))
             link = self.profile.link_for(
-                _OP_TYPE.get(step.kind, ""), axis_link(self.mesh, [step.mesh_axis], self.profile)
+                OP_TYPE[cs.step.kind], axis_link(self.mesh, cs.axes, self.profile)
             )
-            volume = comm_bytes(step, current, dtype, n)
-            seconds += latency_terms(step.kind) * link.alpha_s + volume / link.bandwidth
-            current = step_output_shape(step, current, n)
-        buffer = float(np.prod(current, dtype=np.float64)) * itemsize if steps else 0.0
-        self.conv_cache[key] = (seconds, buffer)
+            volume = comm_bytes(cs.step, cs.in_shape, dtype, n)
+            seconds += latency_terms(cs.step.kind) * link.alpha_s + volume / link.bandwidth
+        buffer = float(np.prod(steps[-1].out_shape, dtype=np.float64)) * isz if steps else 0.0
         return seconds, buffer
 
-    # -- units ------------------------------------------------------------------------
-    def unit_cost(self, node: ir.Node, strategy: MeshSharding, owned: Sequence[int]):
-        owned_params = tuple(i for i in owned if node.inputs[i].name in self.sg.params)
-        key = (sa.view_key(node), strategy, owned_params)
-        cached = self.unit_cache.get(key)
-        if cached is None:
-            cached = self.unit_cache[key] = self._unit_cost(node, strategy, owned_params)
-        return cached
-
-    def _unit_cost(self, node: ir.Node, strategy: MeshSharding, owned: Sequence[int]):
-        local = sa.localize(node, strategy, self.mesh)
-        itemsize = _itemsize(node.outputs[0])
-        seconds = op_time(
-            node.op_type,
-            sa.op_view(node).attributes,
-            local.input_shapes,
-            local.output_shapes,
-            itemsize,
-            self.profile,
-        )
-        memory = 0.0
-        saved = self.sg.saved
-        for j, shape in enumerate(local.output_shapes):
-            if node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
-                continue  # a view of its input
-            if saved is not None and node.outputs[j].name not in saved:
-                continue  # freed during the forward: no backward node reads it
-            memory += _numel(shape) * _itemsize(node.outputs[j])
-        split_axes = _split_axes(strategy, self.mesh)
-        in_grid = grid_update_slots(node.op_type, self.profile)
-        for i in owned:
-            value = node.inputs[i]
-            layout = strategy.inputs[i]
-            if value.name not in self.sg.params or layout is None:
-                continue
-            shard = local.input_shapes[i]
-            elements = _numel(shard)
-            isz = _itemsize(value)
-            # The step holds the parameter and its gradient, the new parameter it returns,
-            # and each optimizer state twice (in and out): the emitted graph has no
-            # in-place update (measured: docs/design/measured.md).
-            memory += elements * isz * (3 + 2 * self.sg.optimizer_states)
-            update = update_time(elements, self.sg.optimizer_states, isz, self.profile)
-            if i in in_grid:  # op_time's grid entry holds a momentum-SGD update of it
-                held = update_time(elements, GRID_UPDATE_STATES, isz, self.profile)
-                update = max(update - held, 0.0)
-            seconds += update
-            sync = [a for a in split_axes if isinstance(layout.placements[a], Replicate)]
-            if sync:
-                n = int(np.prod([self.mesh.shape[a] for a in sync]))
-                link = self.profile.link_for("AllReduce", axis_link(self.mesh, sync, self.profile))
-                seconds += 2 * link.alpha_s + 2 * (n - 1) / n * elements * isz / link.bandwidth
-        return seconds, memory
-
-    def edge_tables(self, haves: Sequence[Layout], w: UnitInfo, i: int, value: ir.Value):
-        """Tables over (strategy of the producing unit, strategy of the consumer)."""
-        shape = static_shape(value)
-        isz = _itemsize(value)
-        key = (tuple(haves), sa.view_key(w.node), i, shape, isz)
-        cached = self.edge_cache.get(key)
-        if cached is None:
-            cached = self.edge_cache[key] = self._edge_tables(haves, w, i, shape, isz)
-        return cached
-
-    def _edge_tables(self, haves, w: UnitInfo, i: int, shape, isz: int):
-        times = np.zeros((len(haves), len(w.strategies)))
-        mems = np.zeros_like(times)
-        for a, have in enumerate(haves):
-            for b, sw in enumerate(w.strategies):
-                need = sw.inputs[i]
-                if need is None:
-                    continue
-                fwd_t, buf = self.convert(have, need, shape, isz)
-                # The backward runs even when the forward needs no conversion: a consumer
-                # that splits an axis on which it reads the value replicated (a
-                # column-parallel MatMul) returns a partial gradient, which must be
-                # summed (Megatron's backward AllReduce).
-                grad_have = _grad_at_consumer(need, sw, self.mesh)
-                bwd_t, _ = self.convert(grad_have, _grad_needed(have), shape, isz)
-                times[a, b] = fwd_t + bwd_t
-                mems[a, b] = buf
-        return times, mems
+    def node(self, node: ir.Node, strategy: MeshSharding) -> tuple[float, float]:
+        """(compute seconds, saved-output bytes) of a forward node under ``strategy``."""
+        key = (sa.view_key(node), strategy, tuple(v.name in self.sg.saved for v in node.outputs))
+        found = self.node_cache.get(key)
+        if found is None:
+            local = sa.localize(node, strategy, self.mesh)
+            seconds = op_time(
+                node.op_type,
+                sa.op_view(node).attributes,
+                local.input_shapes,
+                local.output_shapes,
+                itemsize(node.outputs[0]),
+                self.profile,
+            )
+            memory = 0.0
+            if node.op_type not in _VIEWS:  # a view of its input holds nothing new
+                for j, shape in enumerate(local.output_shapes):
+                    if node.outputs[j].name in self.sg.saved:
+                        memory += _numel(shape) * itemsize(node.outputs[j])
+            found = self.node_cache[key] = (seconds, memory)
+        return found
 
 
 def _numel(shape) -> float:
     return float(np.prod(shape, dtype=np.float64)) if shape is not None else 0.0
-
-
-def _itemsize(value: ir.Value) -> int:
-    return max(1, int(np.ceil(value.dtype.itemsize))) if value.dtype is not None else 4
 
 
 def _split_axes(strategy: MeshSharding, mesh: Mesh) -> list[int]:
@@ -242,26 +197,7 @@ def _split_axes(strategy: MeshSharding, mesh: Mesh) -> list[int]:
     ]
 
 
-def _grad_at_consumer(need: Layout, strategy: MeshSharding, mesh: Mesh) -> Layout:
-    """Layout of the gradient a consumer produces for an input it read as ``need``."""
-    split = set(_split_axes(strategy, mesh))
-    out = []
-    for a, p in enumerate(need.placements):
-        if isinstance(p, Replicate):
-            out.append(Partial() if a in split else Replicate())
-        elif isinstance(p, Partial):
-            out.append(Replicate())
-        else:
-            out.append(p)
-    return Layout(tuple(out))
-
-
-def _grad_needed(have: Layout) -> Layout:
-    """Layout the producer's backward needs for the gradient of its output."""
-    return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in have.placements))
-
-
-def _allowed(node: ir.Node, s: MeshSharding, fixed_inputs: set[str], params) -> bool:
+def _allowed(node: ir.Node, s: MeshSharding, fixed_inputs, params) -> bool:
     """Strategies the search considers.
 
     No Partial on parameters or data inputs (they are stored, not summed). On a 2-D
@@ -290,164 +226,262 @@ _R = Replicate()
 _S0 = Shard(0)
 
 
-def _activation_inputs(node: ir.Node, produced: dict) -> list[int]:
-    return [i for i, v in enumerate(node.inputs) if v is not None and v in produced]
-
-
-def _is_follower(node: ir.Node, produced: dict, fixed: set[str]) -> bool:
-    """One activation input, everything else constant: its layout follows its producer."""
-    if node.op_type == "Constant":
-        return False
-    acts = _activation_inputs(node, produced)
-    if len(acts) != 1:
-        return False
-    others = [v for i, v in enumerate(node.inputs) if v is not None and i != acts[0]]
-    return all(v.name not in fixed and v.producer() is None or _constant(v) for v in others)
-
-
-def _constant(value: ir.Value) -> bool:
-    producer = value.producer()
-    return producer is not None and producer.op_type == "Constant"
+def unit_strategies(sg: SearchGraph, mesh: Mesh, k: int) -> tuple[MeshSharding, ...]:
+    """The strategies the search considers for unit ``k`` (see :func:`_allowed`)."""
+    root = sg.units.units[k].root
+    fixed = set(sg.params) | set(sg.data_inputs)
+    found = tuple(s for s in sa.candidates(root, mesh) if _allowed(root, s, fixed, sg.params))
+    if not found:
+        raise ShardingError(f"node {root.name!r} ({root.op_type}) has no legal strategy")
+    return found
 
 
 class _Builder:
-    """Units (root nodes) with their followers folded in, then edges between units."""
-
-    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile):
+    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile, only):
         self.sg = sg
+        self.su = sg.units
         self.mesh = mesh
-        self.costs = _Costs(sg, mesh, profile)
-        self.fixed = set(sg.params) | set(sg.data_inputs)
-        self.infos: list[UnitInfo] = []
-        self.index: dict[ir.Node, int] = {}
-        # value -> (unit, layout of the value under each of the unit's strategies)
-        self.produced: dict[ir.Value, tuple[int, list[Layout]]] = {}
-        self.extra_t: dict[int, np.ndarray] = {}
-        self.extra_m: dict[int, np.ndarray] = {}
-        self.follow_cache: dict = {}
+        self.pricer = _Pricer(sg, mesh, profile)
+        self.programs = ProgramCache(self.su, mesh)
+        self.only = only
+        self.update_cache: dict = {}
 
-    def add_nodes(self) -> None:
-        for node in self.sg.graph:
-            if node.op_type == "Constant":
-                continue
-            if _is_follower(node, self.produced, self.fixed):
-                self._fold(node)
-                continue
-            strategies = tuple(
-                s
-                for s in sa.candidates(node, self.mesh)
-                if _allowed(node, s, self.fixed, self.sg.params)
+    def infos(self) -> list[UnitInfo]:
+        infos = []
+        for k, unit in enumerate(self.su.units):
+            if self.only is not None:
+                strategies: tuple[MeshSharding, ...] = (self.only[unit.root.name],)
+            else:
+                strategies = unit_strategies(self.sg, self.mesh, k)
+            followers = tuple(
+                n for n in unit.nodes[1:] if n.metadata_props.get(ROLE_KEY) in ("forward", "loss")
             )
-            if not strategies:
-                raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
-            k = len(self.infos)
-            self.index[node] = k
-            self.infos.append(UnitInfo(node, strategies, ()))
-            for j, value in enumerate(node.outputs):
-                self.produced[value] = (k, [s.outputs[j] for s in strategies])
+            infos.append(UnitInfo(unit.root, strategies, followers))
+        return infos
 
-    def _fold(self, node: ir.Node) -> None:
-        (i,) = _activation_inputs(node, self.produced)
-        u, haves = self.produced[node.inputs[i]]
-        n = len(haves)
-        times = self.extra_t.setdefault(u, np.zeros(n))
-        mems = self.extra_m.setdefault(u, np.zeros(n))
-        outs: list[list[Layout]] = [[] for _ in node.outputs]
-        for a, have in enumerate(haves):
-            chosen, t, m = self._follow(node, i, have)
-            times[a] += t
-            mems[a] += m
-            for j in range(len(node.outputs)):
-                outs[j].append(chosen.outputs[j])
-        info = self.infos[u]
-        self.infos[u] = UnitInfo(info.node, info.strategies, (*info.followers, node))
-        for j, value in enumerate(node.outputs):
-            self.produced[value] = (u, outs[j])
+    def unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
+        unit = self.su.units[k]
+        seconds = 0.0
+        memory = 0.0
+        for i, node in enumerate(unit.nodes):
+            if node.metadata_props.get(ROLE_KEY) not in ("forward", "loss"):
+                continue
+            t, m = self.pricer.node(node, program.strategies[i])
+            seconds += t
+            memory += m
+        t, m = self._params(k, strategy, program)
+        seconds += t
+        memory += m
+        for conv in program.conversions:
+            value = _value_at(unit, conv.ref)
+            t, _ = self.pricer.convert(conv.have, conv.need, static_shape(value), itemsize(value))
+            seconds += t
+        return seconds, memory
 
-    def _follow(self, node: ir.Node, i: int, have: Layout):
-        """The follower's strategy for an input layout: the propagation's choice."""
-        key = (sa.view_key(node), i, have)
-        cached = self.follow_cache.get(key)
-        if cached is not None:
-            return cached
-        value = node.inputs[i]
-        best = None
-        for cand in sa.candidates(node, self.mesh):
-            need = cand.inputs[i]
-            nbytes = sa.conversion_bytes(have, need, value, self.mesh) if need != have else 0.0
-            partial = sum(isinstance(p, Partial) for lay in cand.outputs for p in lay.placements)
-            score = (nbytes, partial, int(need != have), _spread(cand, self.mesh))
-            if best is None or score < best[0]:
-                best = (score, cand)
-        cand = best[1]
-        conv_t, buf = self.costs.convert(
-            have, cand.inputs[i], static_shape(value), _itemsize(value)
-        )
-        compute_t, mem = self.costs.unit_cost(node, cand, ())
-        result = (cand, conv_t + compute_t, mem + buf)
-        self.follow_cache[key] = result
-        return result
+    def _params(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
+        """Update time and resident bytes of the parameters unit ``k`` places."""
+        unit = self.su.units[k]
+        seconds = 0.0
+        memory = 0.0
+        in_grid = grid_update_slots(unit.root.op_type, self.pricer.profile)
+        grid_slots = {unit.root.inputs[i] for i in in_grid if i < len(unit.root.inputs)} - {None}
+        states = self.sg.optimizer_states
+        for x, value in enumerate(unit.externals):
+            if unit.kinds[x] is not Entry.PARAM or self.su.owner.get(value.name) != k:
+                continue
+            shard = local_shape(static_shape(value), program.entries[x], self.mesh, value.name)
+            elements = _numel(shard)
+            isz = itemsize(value)
+            # The step holds the parameter and its gradient, the new parameter it returns,
+            # and each optimizer state twice (in and out): the emitted graph has no
+            # in-place update (measured: docs/design/measured.md).
+            memory += elements * isz * (3 + 2 * states)
+            update = update_time(elements, states, isz, self.pricer.profile)
+            if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
+                held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
+                update = max(update - held, 0.0)
+            seconds += update
+        return seconds, memory
 
-    def edges(self) -> tuple[list[Edge], dict[int, list[int]]]:
-        owner: dict[str, tuple[int, int]] = {}
-        owned: dict[int, list[int]] = {}
-        edges: list[Edge] = []
-        for k, info in enumerate(self.infos):
-            node = info.node
-            for i, value in enumerate(node.inputs):
-                if value is None:
-                    continue
-                if value in self.produced:
-                    u, haves = self.produced[value]
-                    if u != k:
-                        t, m = self.costs.edge_tables(haves, info, i, value)
-                        edges.append(Edge(u, k, _table(t), _table(m)))
-                elif value.name in self.fixed:
-                    if value.name not in owner:
-                        owner[value.name] = (k, i)
-                        owned.setdefault(k, []).append(i)
-                        continue
-                    u, slot = owner[value.name]
-                    if u != k:
-                        haves = [s.inputs[slot] for s in self.infos[u].strategies]
-                        t, m = self.costs.edge_tables(haves, info, i, value)
-                        edges.append(Edge(u, k, _table(t), _table(m)))
-        return edges, owned
+    def _crossing(self, c: Crossing, programs) -> tuple[np.ndarray, np.ndarray]:
+        """(time, memory) tables [source strategy][target strategy] of one crossing.
 
-    def units(self, owned: dict[int, list[int]]) -> list[Unit]:
-        units = []
-        for k, info in enumerate(self.infos):
-            extra_t = self.extra_t.get(k)
-            extra_m = self.extra_m.get(k)
-            strategies = []
-            for a, s in enumerate(info.strategies):
-                t, m = self.costs.unit_cost(info.node, s, owned.get(k, []))
-                if extra_t is not None:
-                    t += float(extra_t[a])
-                    m += float(extra_m[a])
-                strategies.append(Strategy(str(s), t, m))
-            units.append(Unit(info.node.name, tuple(strategies)))
-        return units
+        Each distinct (holder layout, entry layout) pair is priced once."""
+        shape = static_shape(c.value)
+        isz = itemsize(c.value)
+        haves, rows = _distinct([p.layout(c.source_ref) for p in programs[c.source]])
+        needs, cols = _distinct([p.entries[c.index] for p in programs[c.target]])
+        times = np.zeros((len(haves), len(needs)))
+        mems = np.zeros_like(times)
+        for h, have in enumerate(haves):
+            for n, need in enumerate(needs):
+                t, buf = self.pricer.convert(have, need, shape, isz)
+                times[h, n] = t
+                if c.forward:
+                    mems[h, n] = buf
+        return times[rows][:, cols], mems[rows][:, cols]
+
+    def edges(self, infos, programs) -> tuple[list[Edge], list[Crossing]]:
+        found = crossings(self.su)
+        pairs: dict[tuple[int, int], list[Crossing]] = {}
+        for c in found:
+            if c.source == c.target:
+                continue
+            pairs.setdefault((min(c.source, c.target), max(c.source, c.target)), []).append(c)
+        edges = []
+        for (a, b), cs in sorted(pairs.items()):
+            times = np.zeros((len(infos[a].strategies), len(infos[b].strategies)))
+            mems = np.zeros_like(times)
+            for c in cs:
+                t, m = self._crossing(c, programs)
+                if c.source != a:  # tables are indexed [strategy of a][strategy of b]
+                    t, m = t.T, m.T
+                times += t
+                mems += m
+            edges.append(Edge(a, b, _table(times), _table(mems)))
+        return edges, found
 
 
-def _spread(cand: MeshSharding, mesh: Mesh) -> float:
-    total = 0.0
-    for lay in cand.outputs:
-        total += float(
-            np.prod([mesh.shape[a] for a, p in enumerate(lay.placements) if isinstance(p, Shard)])
-        )
-    return total
+def _distinct(layouts: Sequence[Layout]) -> tuple[list[Layout], np.ndarray]:
+    """The distinct layouts, and for each strategy the index of its layout among them."""
+    index: dict[Layout, int] = {}
+    where = np.array([index.setdefault(lay, len(index)) for lay in layouts], dtype=np.intp)
+    return list(index), where
 
 
-def build_problem(sg: SearchGraph, mesh: Mesh, profile: ClusterProfile) -> MeshProblem:
-    """The cost problem of ``sg`` on ``mesh`` (see the module doc)."""
-    builder = _Builder(sg, mesh, profile)
-    builder.add_nodes()
-    edges, owned = builder.edges()
-    units = builder.units(owned)
+def _value_at(unit, ref) -> ir.Value:
+    if ref[0] == "x":
+        return unit.externals[ref[1]]
+    return unit.nodes[ref[1]].outputs[ref[2]]
+
+
+def build_problem(
+    sg: SearchGraph,
+    mesh: Mesh,
+    profile: ClusterProfile,
+    only: Mapping[str, MeshSharding] | None = None,
+) -> MeshProblem:
+    """The cost problem of ``sg`` on ``mesh`` (see the module doc).
+
+    ``only``: price just these root strategies (unit name -> strategy), one per unit: the
+    problem of one plan, whose single choice is all zeros.
+    """
+    builder = _Builder(sg, mesh, profile, only)
+    infos = builder.infos()
+    programs = [
+        tuple(builder.programs.program(k, s) for s in info.strategies)
+        for k, info in enumerate(infos)
+    ]
+    units = []
+    for k, info in enumerate(infos):
+        strategies = []
+        for s, program in zip(info.strategies, programs[k], strict=True):
+            t, m = builder.unit(k, s, program)
+            strategies.append(Strategy(str(s), t, m))
+        units.append(Unit(info.node.name, tuple(strategies)))
+    edges, found = builder.edges(infos, programs)
     problem = CostProblem(tuple(units), tuple(edges), mesh.size, tuple(mesh.shape))
-    return MeshProblem(problem, mesh, tuple(builder.infos))
+    return MeshProblem(problem, mesh, tuple(infos), tuple(programs), tuple(found), sg)
+
+
+def priced_collectives(mp: MeshProblem, choice: Sequence[int]) -> list[PricedCollective]:
+    """The collectives a choice's programs emit on each rank, as the cost model priced them."""
+    su = mp.sg.units
+    out: list[PricedCollective] = []
+
+    def add(value: ir.Value, have: Layout, need: Layout) -> None:
+        isz = itemsize(value)
+        for cs in conversion_steps(have, need, static_shape(value), mp.mesh):
+            if cs.communicates:
+                nbytes = int(_numel(cs.in_shape)) * isz
+                out.append(PricedCollective(OP_TYPE[cs.step.kind], cs.axes, nbytes))
+
+    for k, unit in enumerate(su.units):
+        program = mp.programs[k][choice[k]]
+        for conv in program.conversions:
+            add(_value_at(unit, conv.ref), conv.have, conv.need)
+    for c in mp.crossings:
+        if c.source == c.target:
+            continue
+        have = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
+        need = mp.programs[c.target][choice[c.target]].entries[c.index]
+        add(c.value, have, need)
+    return out
 
 
 def _table(array: np.ndarray) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(x) for x in row) for row in array)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The cost model's estimate of one plan, as every command reports it."""
+
+    time_s: float
+    memory_bytes: float
+    collectives: int  # per device and step
+    profile: str
+
+    def to_json(self) -> dict:
+        return {
+            "time_s": self.time_s,
+            "memory_bytes": int(round(self.memory_bytes)),
+            "collectives_per_device": self.collectives,
+            "cluster": self.profile,
+        }
+
+
+def estimate_plan(
+    sg: SearchGraph, roots: Mapping[str, MeshSharding], mesh: Mesh, profile: ClusterProfile
+) -> Estimate:
+    """Price one plan (a root strategy per unit) exactly as the search prices its points."""
+    mp = build_problem(sg, mesh, profile, only=roots)
+    choice = (0,) * len(mp.units)
+    time_s, memory = mp.problem.evaluate(choice)
+    count = len(priced_collectives(mp, choice))
+    return Estimate(time_s, memory, count, profile.name)
+
+
+def search_graph_of(step) -> SearchGraph:
+    """The search graph of a training step (``passes.training_step.TrainingStep``).
+
+    The step is the one `compile` partitions, so the search prices the program that
+    compile emits; weights are not needed (import without them)."""
+    from tensoropt.passes.units import group_units, state_params
+
+    graph = step.model.graph
+    sig = step.signature
+    data = tuple(sig.data_inputs) + ((sig.labels,) if sig.labels else ())
+    states = state_params(sig)
+    units = group_units(graph, sig.params, data, states, dict(sig.carry))
+    forward: set[str] = set()
+    read: set[str] = set()
+    for node in graph:
+        role = node.metadata_props.get(ROLE_KEY)
+        if role in ("forward", "loss"):
+            forward.update(v.name for v in node.outputs if v is not None)
+        elif role == "backward":
+            read.update(v.name for v in node.inputs if v is not None)
+    per_param = max((len(v) for v in _states_by_param(states).values()), default=0)
+    batch = 1
+    for value in graph.inputs:
+        if value.name in sig.data_inputs and value.shape is not None and len(value.shape):
+            batch = int(value.shape[0])
+            break
+    return SearchGraph(
+        graph,
+        frozenset(sig.params),
+        data,
+        per_param,
+        batch,
+        frozenset(forward & read),
+        units,
+        sig,
+    )
+
+
+def _states_by_param(states: Mapping[str, str]) -> dict[str, list[str]]:
+    by: dict[str, list[str]] = {}
+    for state, param in states.items():
+        by.setdefault(param, []).append(state)
+    return by

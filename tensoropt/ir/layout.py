@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
@@ -93,6 +93,8 @@ class Layout:
     """One placement per mesh axis. Printed and parsed in the short form ``S(0)R``."""
 
     placements: tuple[Placement, ...]
+    # Layouts key the search's memos millions of times: the hash is computed once.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.placements:
@@ -100,6 +102,10 @@ class Layout:
         for p in self.placements:
             if not isinstance(p, (Shard, Replicate, Partial)):
                 raise ShardingError(f"Layout: {p!r} is not a Shard, Replicate or Partial")
+        object.__setattr__(self, "_hash", hash(self.placements))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def parse(cls, text: str, where: str = "layout") -> Layout:

@@ -1,22 +1,21 @@
-"""Annotate every value of a training-step graph with a layout, from a plan.
+"""Annotate every node and value of a training step with a layout, from a plan.
 
 Pre: a training-step model (static shapes, role/unit metadata), a :class:`Plan`.
-Post: an :class:`Annotation`: one per-axis strategy for every node and one layout
-for every value, such that each node's strategy is legal for its op.
+Post: an :class:`Annotation`: the strategy of every node of every decision unit, the
+layout of every value as the unit that holds it holds it, and the layout in which each
+unit reads each value it does not make (its entry layouts), such that every node's
+strategy is legal for its op.
 
-How layouts are chosen (DESIGN §2 "annotate"; the mechanism shared by manual and
-searched plans):
+Two steps:
 
-- Data inputs and labels: dim 0 sharded on the plan's data axis when it divides,
-  else replicated. Parameters: the layout the plan gives their first consumer's
-  input slot, else replicated. Optimizer state: its parameter's layout.
-- Nodes listed in the plan get the listed strategy (explicit layouts or index).
-- Every other node (unlisted forward nodes, loss, backward) takes the legal
-  strategy with the cheapest conversion of its inputs: (bytes communicated,
-  Partial outputs, conversions, less sharded outputs) in that order.
-- Optimizer nodes never take or make Partial values, and keep the parameter's
-  layout, so a gradient is synchronised once, where the update needs it.
-- Graph outputs: ``loss`` replicated, new parameters/state in their old layout.
+1. *Completion* (policy): every decision unit's root gets a strategy. Units the plan
+   lists take the listed strategy; the others take the legal strategy with the cheapest
+   conversion of their inputs, scored (bytes sent, partial outputs, conversions, spread
+   of outputs), in graph order over the forward and the loss. Built-in plans seed the
+   data inputs (dim 0 sharded over the plan's data axes); searched plans list every unit.
+2. *Programs* (mechanism, ``passes.units``): each root strategy decides every other
+   layout of its unit. This is the same function the cost model prices, so what the
+   search prices is what the partitioner emits.
 """
 
 from __future__ import annotations
@@ -30,36 +29,41 @@ import onnx_ir as ir
 
 from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, static_shape
-from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
+from tensoropt.ir.layout import Layout, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
 from tensoropt.passes import sharding_adapter as sa
-from tensoropt.passes.autodiff import GRAD_OF_KEY
 from tensoropt.passes.training_step import StepSignature
+from tensoropt.passes.units import (
+    ProgramCache,
+    StepUnits,
+    group_units,
+    output_terms,
+    replicated,
+    state_params,
+)
+from tensoropt.rules.sharding import MeshSharding
 
 log = logging.getLogger(__name__)
-
-NodeStrategy = tuple  # tuple[OpSharding, ...], one per mesh axis
 
 
 @dataclass(frozen=True, slots=True)
 class Annotation:
-    """Layouts of every value and strategies of every node, on one mesh."""
+    """Strategies of every unit node and layouts of every value, on one mesh."""
 
     mesh: Mesh
-    strategies: Mapping[ir.Node, NodeStrategy]
-    layouts: Mapping[ir.Value, Layout]
+    strategies: Mapping[ir.Node, MeshSharding]  # nodes of units (fixed nodes absent)
+    layouts: Mapping[ir.Value, Layout]  # as the holder holds it
     required_outputs: Mapping[ir.Value, Layout]
+    units: StepUnits
+    roots: Mapping[str, MeshSharding]  # unit name -> root strategy
+    entries: Mapping[tuple[ir.Value, int], Layout]  # (value, unit) -> entry layout
 
     def input_layout(self, node: ir.Node, i: int) -> Layout | None:
         return sa.input_layout(self.strategies[node], i)
 
     def output_layout(self, node: ir.Node, j: int) -> Layout:
         return sa.output_layout(self.strategies[node], j)
-
-
-def replicated(mesh: Mesh) -> Layout:
-    return Layout((Replicate(),) * mesh.ndim)
 
 
 def data_layout(shape: Sequence[int], mesh: Mesh, axes: Sequence[int]) -> Layout:
@@ -73,224 +77,162 @@ def data_layout(shape: Sequence[int], mesh: Mesh, axes: Sequence[int]) -> Layout
     return Layout(tuple(placements))
 
 
-class _Annotator:
-    def __init__(self, graph: ir.Graph, sig: StepSignature, plan: Plan, data_axes, lazy_data: bool):
+def step_units(graph: ir.Graph, sig: StepSignature) -> StepUnits:
+    """The decision units of a training step (see ``passes.units``)."""
+    data = tuple(sig.data_inputs) + ((sig.labels,) if sig.labels else ())
+    return group_units(graph, sig.params, data, state_params(sig), dict(sig.carry))
+
+
+class _Completion:
+    """Root strategies for the units a plan does not list (greedy, in graph order)."""
+
+    def __init__(self, graph: ir.Graph, sig: StepSignature, plan: Plan, su: StepUnits, axes):
         self.graph = graph
-        self.sig = sig
         self.plan = plan
         self.mesh = plan.mesh
-        self.data_axes = tuple(data_axes)
-        self.lazy_data = lazy_data
+        self.su = su
         self.layouts: dict[ir.Value, Layout] = {}
-        self.strategies: dict[ir.Node, NodeStrategy] = {}
         self.out_terms: dict = {}
-
-    # -- seeds ---------------------------------------------------------------------
-    def seed_inputs(self) -> None:
-        data = set(self.sig.data_inputs) | ({self.sig.labels} if self.sig.labels else set())
-        default_dp = self.plan.default is DefaultStrategy.DATA_PARALLEL
-        for value in self.graph.inputs:
-            if value.name in data and not self.lazy_data:
-                axes = self.data_axes if default_dp else ()
-                self.layouts[value] = data_layout(static_shape(value), self.mesh, axes)
-        self.lazy = {self.graph.initializers[n] for n in (*self.sig.params, *self.sig.states)}
-        self.owner = _state_owner(self.sig)
-        self.states_of: dict[str, list[str]] = {}
-        for state, param in self.owner.items():
-            self.states_of.setdefault(param, []).append(state)
-        self.by_name = {v.name: v for v in _all_values(self.graph)}
-        for value in self.graph.initializers.values():
-            if value not in self.lazy:
+        data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
+        if axes is not None:
+            default_dp = plan.default is DefaultStrategy.DATA_PARALLEL
+            for value in graph.inputs:
+                if value.name in data:
+                    dims = axes if default_dp else ()
+                    self.layouts[value] = data_layout(static_shape(value), self.mesh, dims)
+        self.lazy = set(su.params) | set(su.data) - {v.name for v in self.layouts}
+        for value in graph.initializers.values():
+            if value.name not in self.lazy:
                 self.layouts.setdefault(value, replicated(self.mesh))
 
-    # -- strategies ----------------------------------------------------------------
-    def _listed(self, node: ir.Node, unit: UnitStrategy) -> NodeStrategy:
-        cands = sa.candidates(node, self.mesh)
-        if unit.index is not None:
-            if unit.index >= len(cands):
-                raise PlanError(
-                    f"plan unit {node.name!r}: index {unit.index} out of range; node "
-                    f"{node.op_type} has {len(cands)} strategies on mesh {self.mesh}"
-                )
-            return cands[unit.index]
-        for cand in cands:
-            if sa.matches(cand, unit.inputs, unit.outputs):
-                return cand
-        shapes = [list(static_shape(v)) if v is not None else None for v in node.inputs]
-        raise ShardingError(
-            f"plan unit {node.name!r} ({node.op_type}, input shapes {shapes}): layouts "
-            f"inputs={[str(x) for x in unit.inputs]} outputs={[str(x) for x in unit.outputs]} "
-            f"are not a legal strategy on mesh {self.mesh} (a split must divide the "
-            "dimension); fix the plan file"
-        )
+    def run(self) -> dict[str, MeshSharding]:
+        roots: dict[str, MeshSharding] = {}
+        for node in self.graph:
+            if node.metadata_props.get(ROLE_KEY, "forward") not in ("forward", "loss"):
+                continue
+            strategy = self._choose(node)
+            if node in self.su.unit_of and self.su.units[self.su.unit_of[node]].root is node:
+                roots[node.name] = strategy
+            for i, value in enumerate(node.inputs):
+                need = sa.input_layout(strategy, i)
+                if value is not None and need is not None and value not in self.layouts:
+                    self.layouts[value] = need
+            for j, value in enumerate(node.outputs):
+                self.layouts[value] = sa.output_layout(strategy, j)
+        return roots
 
-    def choose(self, node: ir.Node) -> NodeStrategy:
+    def _choose(self, node: ir.Node) -> MeshSharding:
         unit = self.plan.unit(node.name)
-        if unit is not None and node.metadata_props.get(ROLE_KEY) == "forward":
-            return self._listed(node, unit)
+        if unit is not None:
+            return listed_strategy(node, unit, self.mesh)
         cands = sa.candidates(node, self.mesh)
         if not cands:
             raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
-        role = node.metadata_props.get(ROLE_KEY)
-        if role == "optimizer":
-            cands = self._optimizer_candidates(node, cands)
-        elif role == "backward":
-            cands = self._mirror_candidates(node, cands)
+        haves = [None if v is None else self.layouts.get(v) for v in node.inputs]
         memo: dict = {}
-        return min(cands, key=lambda c: self._score(node, c, memo))
+        return min(cands, key=lambda c: self._score(node, c, haves, memo))
 
-    def _optimizer_candidates(self, node: ir.Node, cands):
-        no_partial = [c for c in cands if not sa.has_partial(c)]
-        param_name = node.metadata_props.get("tensoropt.param")
-        if param_name is None or param_name not in self.graph.initializers:
-            return no_partial or cands
-        param = self.graph.initializers[param_name]
-        want = self.layouts.get(param)
-        if want is None:
-            return no_partial or cands
-        pshape = static_shape(param)
-        keep = [
-            c
-            for c in no_partial
-            if all(
-                static_shape(v) != pshape or sa.output_layout(c, j) == want
-                for j, v in enumerate(node.outputs)
-            )
-        ]
-        return keep or no_partial or cands
-
-    def _score(self, node: ir.Node, cand: NodeStrategy, memo: dict | None = None):
-        """(bytes converted, partial outputs, conversions, spread of outputs): lower wins."""
-        memo = {} if memo is None else memo
+    def _score(self, node: ir.Node, cand: MeshSharding, haves, memo: dict) -> tuple:
         cost = 0.0
         conversions = 0
         for i, value in enumerate(node.inputs):
             need = cand.inputs[i] if i < len(cand.inputs) else None
             if value is None or need is None:
                 continue
-            have = self.layouts.get(value)
-            if have is None:  # a parameter placed by its first consumer
+            have = haves[i]
+            if have is None:  # a parameter or data input placed by its first reader
                 if need.has_partial:
-                    return (float("inf"),)
+                    return (math.inf,)
                 continue
             if have != need:
                 conversions += 1
                 key = (i, need)
-                if key not in memo:
-                    memo[key] = sa.conversion_bytes(have, need, value, self.mesh)
-                cost += memo[key]
-        partial, spread = self._output_terms(cand)
-        return (cost, partial, conversions, spread)
+                found = memo.get(key)
+                if found is None:
+                    found = memo[key] = sa.conversion_bytes(have, need, value, self.mesh)
+                cost += found
+        return (cost, *output_terms(cand, self.mesh, self.out_terms))
 
-    def _output_terms(self, cand: NodeStrategy) -> tuple[int, float]:
-        cached = self.out_terms.get(cand)
-        if cached is None:
-            partial = 0
-            spread = 0.0
-            for layout in cand.outputs:
-                partial += sum(isinstance(p, Partial) for p in layout.placements)
-                spread += float(
-                    math.prod(
-                        self.mesh.shape[a]
-                        for a, p in enumerate(layout.placements)
-                        if isinstance(p, Shard)
-                    )
-                )
-            cached = self.out_terms[cand] = (partial, spread)
-        return cached
 
-    def run(self) -> Annotation:
-        self.seed_inputs()
-        for node in self.graph:
-            strategy = self.choose(node)
-            self.strategies[node] = strategy
-            self._place_lazy_inputs(node, strategy)
+def listed_strategy(node: ir.Node, unit: UnitStrategy, mesh: Mesh) -> MeshSharding:
+    """The candidate strategy of ``node`` that a plan's unit entry names."""
+    cands = sa.candidates(node, mesh)
+    if unit.index is not None:
+        if unit.index >= len(cands):
+            raise PlanError(
+                f"plan unit {node.name!r}: index {unit.index} out of range; node "
+                f"{node.op_type} has {len(cands)} strategies on mesh {mesh}"
+            )
+        return cands[unit.index]
+    for cand in cands:
+        if sa.matches(cand, unit.inputs, unit.outputs):
+            return cand
+    shapes = [list(static_shape(v)) if v is not None else None for v in node.inputs]
+    raise ShardingError(
+        f"plan unit {node.name!r} ({node.op_type}, input shapes {shapes}): layouts "
+        f"inputs={[str(x) for x in unit.inputs]} outputs={[str(x) for x in unit.outputs]} "
+        f"are not a legal strategy on mesh {mesh} (a split must divide the dimension); "
+        "fix the plan file"
+    )
+
+
+def complete_plan(
+    graph: ir.Graph,
+    sig: StepSignature,
+    plan: Plan,
+    data_axes: Sequence[int] | None,
+    su: StepUnits | None = None,
+) -> dict[str, MeshSharding]:
+    """A root strategy for every decision unit (step 1 of the module doc)."""
+    su = su or step_units(graph, sig)
+    return _Completion(graph, sig, plan, su, data_axes).run()
+
+
+def annotate_roots(
+    graph: ir.Graph,
+    su: StepUnits,
+    roots: Mapping[str, MeshSharding],
+    mesh: Mesh,
+    cache: ProgramCache | None = None,
+) -> Annotation:
+    """Every layout of the step from one root strategy per unit (step 2). ``cache``: the
+    programs already computed for these units on this mesh (e.g. by the cost model)."""
+    cache = cache or ProgramCache(su, mesh)
+    strategies: dict[ir.Node, MeshSharding] = {}
+    layouts: dict[ir.Value, Layout] = {}
+    entries: dict[tuple[ir.Value, int], Layout] = {}
+    rep = replicated(mesh)
+    programs = []
+    for k, unit in enumerate(su.units):
+        program = cache.program(k, roots[unit.root.name])
+        programs.append(program)
+        for node, strategy in zip(unit.nodes, program.strategies, strict=True):
+            strategies[node] = strategy
             for j, value in enumerate(node.outputs):
-                self.layouts[value] = sa.output_layout(strategy, j)
-        required = self._required_outputs()
-        return Annotation(self.mesh, dict(self.strategies), dict(self.layouts), required)
-
-    def _mirror_candidates(self, node: ir.Node, cands):
-        """Backward nodes mirror the forward: a gradient takes its primal's layout.
-
-        Per mesh axis, the gradient of a value placed ``S(d)`` is ``S(d)``, of a
-        replicated value ``R`` or a partial sum ``P``, of a partial value ``R``.
-        """
-        primals = [self._primal_layout(v) for v in node.outputs]
-        if all(p is None for p in primals):
-            return cands
-        keep = [
-            c
-            for c in cands
-            if all(p is None or _mirrors(sa.output_layout(c, j), p) for j, p in enumerate(primals))
-        ]
-        return keep or cands
-
-    def _primal_layout(self, value: ir.Value) -> Layout | None:
-        """For a gradient value: the layout of the value it is the gradient of."""
-        name = value.metadata_props.get(GRAD_OF_KEY)
-        if not name:
-            return None
-        primal = self.by_name.get(name)
-        return None if primal is None else self.layouts.get(primal)
-
-    def _place_lazy_inputs(self, node: ir.Node, strategy: NodeStrategy) -> None:
-        """Parameters (and their optimizer state) take their first consumer's layout."""
-        for i, value in enumerate(node.inputs):
-            if value is None or value in self.layouts:
-                continue
-            need = sa.input_layout(strategy, i)
-            if need is None or any(isinstance(p, Partial) for p in need.placements):
-                raise ShardingError(
-                    f"node {node.name!r} ({node.op_type}) would need parameter "
-                    f"{value.name!r} as a partial sum; no legal strategy"
-                )
-            self.layouts[value] = need
-            for state in self.states_of.get(value.name, ()):
-                if state in self.graph.initializers:
-                    self.layouts[self.graph.initializers[state]] = need
-
-    def _required_outputs(self) -> dict[ir.Value, Layout]:
-        required = {}
-        carry = dict(self.sig.carry)
-        for value in self.graph.outputs:
-            if value.name in carry:
-                required[value] = self.layouts[self.graph.initializers[carry[value.name]]]
-            else:
-                required[value] = replicated(self.mesh)
-        return required
-
-
-def _no_partial(layout: Layout, mesh: Mesh) -> Layout:
-    return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
-
-
-def _mirrors(grad: Layout, primal: Layout) -> bool:
-    for g, p in zip(grad.placements, primal.placements, strict=True):
-        if isinstance(p, Shard):
-            if g != p:
-                return False
-        elif isinstance(p, Partial):
-            if not isinstance(g, Replicate):
-                return False
-        elif isinstance(g, Shard):
-            return False
-    return True
-
-
-def _all_values(graph: ir.Graph):
-    yield from graph.inputs
-    yield from graph.initializers.values()
-    for node in graph:
-        yield from node.outputs
-
-
-def _state_owner(sig: StepSignature) -> dict[str, str]:
-    owners = {}
-    for p in sig.params:
-        for suffix in ("__m", "__v", "__mom"):
-            owners[p + suffix] = p
-    return owners
+                layouts[value] = strategy.outputs[j]
+        for x, value in enumerate(unit.externals):
+            entries[(value, k)] = program.entries[x]
+    for node in su.fixed:
+        for value in node.outputs:
+            layouts[value] = rep
+    placed = dict(su.owner)
+    for state, param in su.state_param.items():
+        if param in su.owner:
+            placed[state] = su.owner[param]
+    stored = [*graph.inputs, *graph.initializers.values()]
+    for value in stored:
+        k = placed.get(value.name)
+        if k is not None and (value, k) in entries:
+            layouts[value] = entries[(value, k)]
+        else:
+            layouts.setdefault(value, rep)
+    required = {}
+    for value, carried in su.required.items():
+        if carried is None:
+            required[value] = rep
+        else:
+            required[value] = layouts[graph.initializers[carried]]
+    return Annotation(mesh, strategies, layouts, required, su, dict(roots), entries)
 
 
 def annotate(
@@ -299,10 +241,19 @@ def annotate(
     plan: Plan,
     data_axes: Sequence[int] | None = (0,),
 ) -> Annotation:
-    """Choose a strategy for every node and a layout for every value (see module doc).
+    """Complete ``plan`` and lay out the whole step (see the module doc).
 
-    ``data_axes=None`` places data inputs like parameters: by their first consumer
+    ``data_axes=None`` places data inputs like parameters: by their first reader
     (searched plans decide the data layout through their first units).
     """
-    lazy = data_axes is None
-    return _Annotator(graph, sig, plan, data_axes or (), lazy).run()
+    su = step_units(graph, sig)
+    for name in plan.units:
+        node = next((n for n in su.unit_of if n.name == name), None)
+        if node is not None and su.units[su.unit_of[node]].root is not node:
+            root = su.units[su.unit_of[node]].root.name
+            raise PlanError(
+                f"plan unit {name!r}: {node.op_type} node {name!r} is not a decision unit: "
+                f"its layout follows unit {root!r}; list {root!r} instead"
+            )
+    roots = complete_plan(graph, sig, plan, data_axes, su)
+    return annotate_roots(graph, su, roots, plan.mesh)

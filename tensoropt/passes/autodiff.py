@@ -32,6 +32,24 @@ _FLOAT_TYPES = {
 GRAD_OF_KEY = "tensoropt.grad_of"
 
 
+def mark_grad_of(grad: ir.Value, primal: ir.Value) -> None:
+    """Record that ``grad`` is the gradient of ``primal``. A rule that passes a gradient
+    through (Add, Sub, Identity) makes one value the gradient of several primals: all are
+    kept, comma-separated."""
+    name = primal.name or ""
+    names = grad.metadata_props.get(GRAD_OF_KEY)
+    if names is None:
+        grad.metadata_props[GRAD_OF_KEY] = name
+    elif name not in names.split(","):
+        grad.metadata_props[GRAD_OF_KEY] = f"{names},{name}"
+
+
+def grad_of(value: ir.Value) -> list[str]:
+    """The primals ``value`` is the gradient of (empty: not a gradient)."""
+    names = value.metadata_props.get(GRAD_OF_KEY)
+    return names.split(",") if names else []
+
+
 def is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in _FLOAT_TYPES
 
@@ -121,7 +139,7 @@ def build_gradients(
             )
         for value, grad, need in zip(node.inputs, results, needs, strict=True):
             if need and grad is not None:
-                grad.metadata_props.setdefault(GRAD_OF_KEY, value.name or "")
+                mark_grad_of(grad, value)
                 grads.setdefault(value, []).append(grad)
     out = []
     for w in wrt:
@@ -143,6 +161,6 @@ def _total(b: Builder, parts: list[ir.Value] | None, primal: ir.Value) -> ir.Val
     total = parts[0]
     for part in parts[1:]:
         total = b.op("Add", [total, part])
-        total.metadata_props[GRAD_OF_KEY] = primal.name or ""
+        mark_grad_of(total, primal)
     parts[:] = [total]
     return total

@@ -26,7 +26,7 @@ from tensoropt.errors import OutputDirError, PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.plan import Plan
+from tensoropt.ir.plan import Plan, UnitStrategy
 from tensoropt.passes.annotate import Annotation, annotate
 from tensoropt.passes.insert_redistribution import insert_redistribution
 from tensoropt.passes.partition import localize, lower_for_rank
@@ -210,18 +210,26 @@ def check_plan(graph: ir.Graph, plan: Plan) -> None:
 
 
 def compile_step(
-    step: TrainingStep, plan: Plan, data_axes: Sequence[int] | None, outdir: str
+    step: TrainingStep,
+    plan: Plan,
+    data_axes: Sequence[int] | None,
+    outdir: str,
+    estimate: Mapping | None = None,
 ) -> CompileResult:
     """Partition ``step`` (mutated) by ``plan`` and write ``outdir`` atomically.
 
     ``data_axes``: mesh axes that shard the batch of data inputs, or None to place data
-    inputs by their first consumer's strategy (searched plans).
+    inputs by their first consumer's strategy (searched plans). ``estimate``: the cost
+    model's estimate of the plan (``cost.model.Estimate.to_json``), kept in the manifest
+    so that every command reports the same figures. plan.json records the completed plan:
+    every decision unit's strategy, explicit.
     """
     model = step.model
     graph = model.graph
     mesh = plan.mesh
     check_plan(graph, plan)
     ann = annotate(graph, step.signature, plan, data_axes)
+    completed = completed_plan(plan, ann)
     annotated = ir.serde.serialize_model(model)
     _sharding_annotations(annotated, ann, {})
     layouts = insert_redistribution(graph, ann)
@@ -241,11 +249,12 @@ def compile_step(
             files[f"device_{rank}.onnx"] = _sha256(path)
         plan_path = os.path.join(tmp, "plan.json")
         with open(plan_path, "w") as f:
-            axes = None if data_axes is None else tuple(data_axes)
-            json.dump(dataclasses.replace(plan, data_axes=axes).to_json(), f, indent=2)
+            json.dump(completed.to_json(), f, indent=2)
         files["annotated.onnx"] = _sha256(os.path.join(tmp, "annotated.onnx"))
         files["plan.json"] = _sha256(plan_path)
         manifest["files"] = files
+        if estimate is not None:
+            manifest["estimate"] = dict(estimate)
         for entry in manifest["ranks"]:
             entry["sha256"] = files[entry["file"]]
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
@@ -255,6 +264,15 @@ def compile_step(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return CompileResult(os.path.abspath(outdir), mesh.size, tuple(sorted(files)), collectives)
+
+
+def completed_plan(plan: Plan, ann: Annotation) -> Plan:
+    """``plan`` with every decision unit listed explicitly, as annotate completed it."""
+    units = {
+        name: UnitStrategy(inputs=tuple(s.inputs), outputs=tuple(s.outputs))
+        for name, s in ann.roots.items()
+    }
+    return dataclasses.replace(plan, units=units, data_axes=None)
 
 
 def _needs(layout: Layout) -> bool:

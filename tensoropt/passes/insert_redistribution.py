@@ -4,23 +4,28 @@ Pre: an :class:`Annotation` of the graph. Post: every node input and graph outpu
 has exactly the layout its consumer needs; the conversions are nodes in the
 ``ai.tensoropt`` domain (template form: collectives carry ``mesh_axis``, local
 conversions are ``ShardSlice`` and ``ZeroUnlessFirst``); the partition pass
-lowers them per rank. A conversion of one value to one layout is made once and
-shared by all consumers that need it. Returns the layouts of every value,
-including the new ones.
+lowers them per rank. Returns the layouts of every value, including the new ones.
+
+Conversions follow the decision units (``passes.units``): a value a unit does not make
+is converted once to the unit's entry layout (an edge of the cost problem), and a value
+the unit holds is converted once per layout its nodes need (the unit's own cost). The
+steps are ``units.conversion_steps``, the same the cost model prices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import onnx_ir as ir
 
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.redistribute import plan_redistribution
+from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation
+from tensoropt.passes.units import conversion_steps
 
 DOMAIN = "ai.tensoropt"
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
@@ -72,56 +77,61 @@ def _step_node(step, value: ir.Value, tags: Mapping[str, str], name: str) -> ir.
     )
 
 
-def _merge_all_reduces(steps):
-    """Consecutive all-reduces on different mesh axes become one over all of them."""
-    merged: list[tuple[object, tuple[int, ...]]] = []
-    for step in steps:
-        if merged and step.kind.name == "ALL_REDUCE" and merged[-1][0].kind.name == "ALL_REDUCE":
-            first, axes = merged[-1]
-            merged[-1] = (first, (*axes, step.mesh_axis))
-        else:
-            merged.append((step, (step.mesh_axis,)))
-    return merged
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A conversion the inserter makes: ``value`` (a graph value) from ``have`` to ``need``,
+    for the unit named ``unit``."""
+
+    value: ir.Value
+    have: Layout
+    need: Layout
+    unit: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Token:
+    """Stands for a converted value when conversions are only planned."""
+
+    source: ir.Value
 
 
 class _Inserter:
-    def __init__(self, graph: ir.Graph, ann: Annotation):
+    def __init__(self, graph: ir.Graph, ann: Annotation, dry: bool = False):
         self.graph = graph
         self.mesh: Mesh = ann.mesh
         self.ann = ann
-        self.layouts: dict[ir.Value, Layout] = dict(ann.layouts)
-        self.cache: dict[tuple[ir.Value, Layout], ir.Value] = {}
+        self.su = ann.units
+        self.dry = dry
+        self.planned: list[Planned] = []
+        self.layouts: dict = dict(ann.layouts)
+        self.views: dict = {}
+        self.cache: dict = {}
         self.count = 0
 
-    def convert(self, value: ir.Value, need: Layout, anchor: ir.Node | None, unit: str):
-        """``value`` in layout ``need``; new nodes go before ``anchor`` (None: at the end)."""
-        key = (value, need)
-        if key in self.cache:
-            return self.cache[key]
-        have = self.layouts[value]
-        shape = static_shape(value)
+    def convert(self, src, need: Layout, anchor: ir.Node | None, unit: str):
+        """``src`` in layout ``need``; new nodes go before ``anchor`` (None: at the end)."""
+        value = src.source if isinstance(src, _Token) else src
+        have = self.layouts[src]
+        self.planned.append(Planned(value, have, need, unit))
+        if self.dry:
+            token = _Token(value)
+            self.layouts[token] = need
+            return token
         current = value
         tags = {ROLE_KEY: "redistribution", UNIT_KEY: unit}
-        for step, axes in _merge_all_reduces(plan_redistribution(have, need, shape, self.mesh)):
-            for axis in axes:
-                have = _apply(have, dataclasses.replace(step, mesh_axis=axis))
-            if all(self.mesh.shape[a] == 1 for a in axes):
-                # a mesh axis of size 1: its only member holds the whole value, so the step
-                # is the identity; emitting it would split the device graph at a no-op
-                continue
+        for cs in conversion_steps(have, need, static_shape(value), self.mesh, value.name):
+            for axis in cs.axes:
+                have = _apply(have, dataclasses.replace(cs.step, mesh_axis=axis))
             self.count += 1
-            node = _step_node(step, current, tags, f"redist_{self.count}")
-            if len(axes) > 1:
-                node.attributes["mesh_axis"] = ir.AttrInt64s("mesh_axis", list(axes))
+            node = _step_node(cs.step, current, tags, f"redist_{self.count}")
+            if len(cs.axes) > 1:
+                node.attributes["mesh_axis"] = ir.AttrInt64s("mesh_axis", list(cs.axes))
             current = self._emit(node, value, anchor, have)
-        if have != need:
-            raise AssertionError(f"redistribution of {value.name} ended at {have}, not {need}")
         if self.layouts[current] != need:  # only size-1 axes differ: relabel, move nothing
             self.count += 1
             node = ir.Node("", "Identity", [current], name=f"redist_{self.count}",
                            metadata_props=dict(tags), num_outputs=1)  # fmt: skip
             current = self._emit(node, value, anchor, need)
-        self.cache[key] = current
         return current
 
     def _emit(self, node: ir.Node, source: ir.Value, anchor, layout: Layout) -> ir.Value:
@@ -137,32 +147,68 @@ class _Inserter:
         self.layouts[out] = layout
         return out
 
+    def view(self, value: ir.Value, k: int, anchor: ir.Node) -> ir.Value:
+        """``value`` as unit ``k`` reads it: converted once to the unit's entry layout."""
+        key = (value, k)
+        found = self.views.get(key)
+        if found is None:
+            need = self.ann.entries.get(key, self.layouts[value])
+            unit = self.su.units[k].root.name
+            found = self.views[key] = (
+                value if self.layouts[value] == need else self.convert(value, need, anchor, unit)
+            )
+        return found
+
     def run(self) -> dict[ir.Value, Layout]:
         for node in list(self.graph):
             strategy = self.ann.strategies.get(node)
-            if strategy is None:
+            k = self.su.unit_of.get(node)
+            if strategy is None or k is None:
                 continue
-            unit = node.metadata_props.get(UNIT_KEY, node.name or "")
+            unit = self.su.units[k].root.name
             for i, value in enumerate(node.inputs):
-                need = self.ann.input_layout(node, i)
-                if value is None or need is None or self.layouts[value] == need:
+                need = sa.input_layout(strategy, i)
+                if value is None or need is None:
                     continue
-                node.replace_input_with(i, self.convert(value, need, node, unit))
+                made = value.producer() is not None and self.su.unit_of.get(value.producer()) == k
+                src = value if made else self.view(value, k, node)
+                if self.layouts[src] != need:
+                    key = (value, k, need)
+                    if key not in self.cache:
+                        self.cache[key] = self.convert(src, need, node, unit)
+                    src = self.cache[key]
+                if src is not value and not self.dry:
+                    node.replace_input_with(i, src)
         self._fix_outputs()
         return self.layouts
 
     def _fix_outputs(self) -> None:
-        for k, value in enumerate(list(self.graph.outputs)):
+        for index, value in enumerate(list(self.graph.outputs)):
             need = self.ann.required_outputs[value]
             if self.layouts[value] == need:
                 continue
+            producer = value.producer()
+            k = self.su.unit_of.get(producer) if producer is not None else None
+            key = (value, k, need)
+            converted = self.cache.get(key)
+            if converted is None:
+                unit = self.su.units[k].root.name if k is not None else "outputs"
+                converted = self.convert(value, need, None, unit)
+            if self.dry:
+                continue
             name = value.name
             value.name = f"{name}__pre"
-            converted = self.convert(value, need, None, "outputs")
             converted.name = name
-            self.graph.outputs[k] = converted
+            self.graph.outputs[index] = converted
 
 
 def insert_redistribution(graph: ir.Graph, ann: Annotation) -> dict[ir.Value, Layout]:
     """Insert conversions (see module doc); return the layout of every value."""
     return _Inserter(graph, ann).run()
+
+
+def planned_conversions(graph: ir.Graph, ann: Annotation) -> list[Planned]:
+    """The conversions :func:`insert_redistribution` would insert, graph left unchanged."""
+    inserter = _Inserter(graph, ann, dry=True)
+    inserter.run()
+    return inserter.planned

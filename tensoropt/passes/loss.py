@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from tensoropt.errors import TensorOptError
-from tensoropt.ir.builder import Builder, static_shape
+from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, Builder, static_shape
 from tensoropt.passes.autodiff import is_float
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,11 @@ def build_loss(graph: ir.Graph, kind: LossKind, builder: Builder) -> LossSpec:
     loss.shape = ir.Shape([])
     if labels is not None:
         graph.inputs.append(labels)
+    # Each loss node is a decision unit of its own, like a forward node: its backward
+    # nodes carry its name as their unit.
+    for node in graph:
+        if node.metadata_props.get(ROLE_KEY) == "loss":
+            node.metadata_props[UNIT_KEY] = node.name
     graph.outputs.clear()
     graph.outputs.append(loss)
     return LossSpec(loss, labels, output)

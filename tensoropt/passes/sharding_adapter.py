@@ -7,6 +7,7 @@ here, so the conversion node -> :class:`OpView` lives in one place.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from tensoropt.rules.sharding import strategies_nd as _strategies_nd
 
 def _attr_value(attr: ir.Attr):
     value = attr.value
-    if isinstance(value, ir.TensorProtocol):
+    if attr.type == ir.AttributeType.TENSOR:  # (a Protocol isinstance check is slow)
         return value.numpy()
     if isinstance(value, Sequence) and not isinstance(value, str):
         return list(value)
@@ -81,37 +82,59 @@ def candidates(node: ir.Node, mesh: Mesh) -> list[MeshSharding]:
         )
     view = op_view(node)
     key = (view_key(node), mesh.shape)
-    cached = _STRATEGY_CACHE.get(key)
+    cached = _STRATEGIES.get(key)
     if cached is None:
-        cached = _STRATEGY_CACHE[key] = tuple(_strategies_nd(view, mesh.shape))
-        if len(_STRATEGY_CACHE) > 20000:
-            _STRATEGY_CACHE.clear()
+        cached = _STRATEGIES.put(key, tuple(_strategies_nd(view, mesh.shape)))
     return list(cached)
 
 
 def localize(node: ir.Node, strategy: MeshSharding, mesh: Mesh) -> LocalOp:
     """The node's local form under ``strategy`` (memoised per distinct op view)."""
     key = (view_key(node), strategy, mesh.shape)
-    local = _LOCAL_CACHE.get(key)
+    local = _LOCALS.get(key)
     if local is None:
-        local = _LOCAL_CACHE[key] = _localize_nd(op_view(node), strategy, mesh.shape)
-        if len(_LOCAL_CACHE) > 50000:
-            _LOCAL_CACHE.clear()
+        local = _LOCALS.put(key, _localize_nd(op_view(node), strategy, mesh.shape))
     return local
 
 
-_LOCAL_CACHE: dict[tuple, LocalOp] = {}
+class Memo:
+    """A bounded memo of a pure function's results, least recently used out first.
+
+    The sharding rules are pure functions of an op's plain-data view (and a strategy and
+    mesh shape); deep models repeat the same views in every layer, so their strategies,
+    local forms and conversion volumes are computed once per distinct key. The bound
+    keeps a long-lived process (a test run, a notebook) from growing without limit.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        found = self._items.get(key)
+        if found is not None:
+            self._items.move_to_end(key)
+        return found
+
+    def put(self, key, value):
+        self._items[key] = value
+        if len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_STRATEGIES = Memo(50_000)  # (view key, mesh shape) -> strategies
+_LOCALS = Memo(200_000)  # (view key, strategy, mesh shape) -> local form
+_BYTES = Memo(200_000)  # (layouts, shape, dtype, mesh shape) -> conversion bytes
 
 
 def view_key(node: ir.Node) -> tuple:
     """A hashable key of the node's plain-data view: equal for identical ops."""
     op_view(node)
     return node.meta[_VIEW_META][2]
-
-
-# Strategy lists depend only on the op's plain-data view: deep models repeat the same
-# views many times (every layer), so they are computed once per distinct view.
-_STRATEGY_CACHE: dict[tuple, tuple[MeshSharding, ...]] = {}
 
 
 def _hashable(value):
@@ -159,14 +182,11 @@ def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) ->
     S->S (n-1)/n B, R->S nothing; R->P is charged like P->R (see below).
     """
     key = (have, need, static_shape(value), value.dtype, mesh.shape)
-    cached = _BYTES_CACHE.get(key)
+    cached = _BYTES.get(key)
     if cached is None:
         itemsize = max(1, int(np.ceil(value.dtype.itemsize)))
-        cached = _BYTES_CACHE[key] = _conversion_bytes(have, need, key[2], itemsize, mesh)
+        cached = _BYTES.put(key, _conversion_bytes(have, need, key[2], itemsize, mesh))
     return cached
-
-
-_BYTES_CACHE: dict[tuple, float] = {}
 
 
 def _conversion_bytes(have: Layout, need: Layout, shape, itemsize: int, mesh: Mesh) -> float:

@@ -119,35 +119,24 @@ def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> 
 
 def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, ...]]:
     """The data-parallel and Megatron plans as choices of this problem (when expressible)."""
-    from tensoropt.passes.annotate import annotate
+    from tensoropt.passes.annotate import complete_plan
     from tensoropt.passes.plans import builtin_plan
-    from tensoropt.passes.training_step import StepSignature
 
-    sig = StepSignature(
-        loss="",
-        data_inputs=sg.data_inputs,
-        labels=None,
-        labels_high=None,
-        params=tuple(sorted(sg.params)),
-        states=(),
-        carry=(),
-        optimizer={},
-    )
     out = {}
     for name in ("data-parallel", "megatron"):
         if name == "data-parallel" and mp.mesh.ndim > 1:
             continue  # the same plan as on the 1-D mesh of this device count
         try:
-            built = builtin_plan(name, sg.graph, sig, mp.mesh)
+            built = builtin_plan(name, sg.graph, sg.signature, mp.mesh)
             if name == "megatron" and not built.plan.units:
                 continue
-            ann = annotate(sg.graph, sig, built.plan, built.data_axes)
+            roots = complete_plan(sg.graph, sg.signature, built.plan, built.data_axes, sg.units)
         except TensorOptError as exc:
             log.info("reference %s not expressible on %s: %s", name, mp.mesh, exc)
             continue
         choice = []
         for info in mp.units:
-            chosen = ann.strategies[info.node]
+            chosen = roots[info.node.name]
             if chosen not in info.strategies:
                 break
             choice.append(info.strategies.index(chosen))
@@ -156,15 +145,12 @@ def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, 
     return out
 
 
-_SG: SearchGraph | None = None  # the graph a forked worker reads (set before forking)
-
-
-def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) -> MeshSearch:
+def _solve_mesh(
+    sg: SearchGraph, job: tuple[Mesh, ClusterProfile, float | None, float | None]
+) -> MeshSearch:
     from tensoropt.cost.summary import Summarizer, unit_kind
 
     mesh, profile, budget, epsilon = job
-    sg = _SG
-    assert sg is not None
     mp = build_problem(sg, mesh, profile)
     result = solve(mp.problem, memory_budget=budget, epsilon=epsilon)
     summarize = Summarizer(mp, sg)
@@ -195,13 +181,6 @@ def _solve_mesh(job: tuple[Mesh, ClusterProfile, float | None, float | None]) ->
     )
 
 
-def _jobs_wanted(problems: int) -> int:
-    env = os.environ.get("TENSOROPT_JOBS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(problems, os.cpu_count() or 1))
-
-
 def explore(
     sg: SearchGraph,
     devices: Sequence[int],
@@ -210,47 +189,52 @@ def explore(
     *,
     memory_budget: float | None = None,
     epsilon: float | None = None,
+    jobs: int | None = None,
     on_problem: Callable[[Mesh], None] | None = None,
 ) -> Exploration:
     """Solve every (devices, mesh) problem (in parallel processes) and merge the frontiers.
 
-
-    Problems are independent, so they are spread over the machine's cores (fork;
-    ``TENSOROPT_JOBS`` overrides the count, 1 = in this process).
+    Problems are independent, so they are spread over ``jobs`` worker processes (fork;
+    default: one per core, at most one per problem; 1 = in this process).
     """
-    global _SG
     meshes = search_meshes(sg, devices, mesh_spec)
-    jobs = [(m, profile, memory_budget, epsilon) for m in meshes]
-    _SG = sg
-    try:
-        workers = _jobs_wanted(len(jobs))
-        searches: list[MeshSearch] = []
-        if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
-            for job in jobs:
-                searches.append(_solve_mesh(job))
+    work = [(m, profile, memory_budget, epsilon) for m in meshes]
+    workers = max(1, min(len(work), jobs or os.cpu_count() or 1))
+    searches: list[MeshSearch] = []
+    if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
+        for job in work:
+            searches.append(_solve_mesh(sg, job))
+            if on_problem:
+                on_problem(job[0])
+    else:
+        # A forked worker inherits the search graph from this process (initargs are not
+        # pickled under fork); only the plain-data results come back.
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=(sg,)) as pool:
+            for search in pool.imap(_solve_in_worker, work):
+                searches.append(search)
                 if on_problem:
-                    on_problem(job[0])
-        else:
-            ctx = multiprocessing.get_context("fork")
-            with ctx.Pool(workers, initializer=_pool_worker_init) as pool:
-                for search in pool.imap(_solve_mesh, jobs):
-                    searches.append(search)
-                    if on_problem:
-                        on_problem(search.mesh)
-    finally:
-        _SG = None
+                    on_problem(search.mesh)
     merged = merge_frontiers({(s.mesh.size, tuple(s.mesh.shape)): s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
     return Exploration(tuple(searches), merged, epsilon, memory_budget)
 
 
-def _pool_worker_init() -> None:
-    """A forked search worker dies on SIGTERM, whatever handler its parent installed:
+_WORKER_GRAPH: list[SearchGraph] = []  # the search graph of a pool worker process
+
+
+def _solve_in_worker(job) -> MeshSearch:
+    return _solve_mesh(_WORKER_GRAPH[0], job)
+
+
+def _pool_worker_init(sg: SearchGraph) -> None:
+    """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
     (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
     the pool's task-queue lock and hang the pool for good (seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _WORKER_GRAPH[:] = [sg]
 
 
 def _infeasible_message(sg, searches, budget, profile) -> str:

@@ -35,9 +35,10 @@ def _hand(tp: int) -> dict:
     """What the canonical Megatron block must show on each rank of a tp mesh."""
     shards = {"W0": [D, D], "W1": [D, H // tp], "b1": [H // tp], "W2": [H // tp, D], "b2": [D]}
     elements = sum(int(np.prod(s)) for s in shards.values())
-    # two AllReduces of a [B, D] / [D, D] float32 tensor (the block output and dW0)
+    # two AllReduces of a [B, D] float32 tensor: the block output, and the gradient of
+    # the block input where it enters W0's unit (as Megatron-LM reduces it)
     ring = 2 * (tp - 1) / tp
-    sent = ring * B * D * F32 + ring * D * D * F32
+    sent = 2 * ring * B * D * F32
     return {
         "shards": shards,
         "state_bytes": 2 * elements * F32,  # parameter + SGD momentum
@@ -66,7 +67,28 @@ def test_inspect_json_matches_hand_computation(tmp_path, capsys, tp):
         assert entry["param_shapes"] == want["shards"]
         assert entry["param_and_state_bytes"] == want["state_bytes"]
         resident = want["state_bytes"] + 2 * B * D * F32  # + x and the MSE labels
-        assert resident <= entry["peak_bytes"] <= resident + 64 * B * H * F32
+        assert resident <= entry["liveness_peak_bytes"] <= resident + 64 * B * H * F32
+
+
+def test_inspect_reports_the_estimate_compile_reported(tmp_path, capsys):
+    model = tmp_path / "block.onnx"
+    onnx.save(models.mlp_block(), str(model))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(models.megatron_block_plan(2)))
+    out = tmp_path / "out"
+    compiled = cli(
+        capsys, "compile", model, "--devices", 2, "--plan", plan, "--loss", "mse", "-o", out,
+        "--json",
+    )  # fmt: skip
+    assert compiled.code == 0, compiled.err
+    estimate = json.loads(compiled.out)["estimate"]
+    assert estimate["collectives_per_device"] == 2 and estimate["memory_bytes"] > 0
+    inspected = json.loads(cli(capsys, "inspect", out, "--json").out)
+    assert inspected["estimate"] == estimate
+    assert inspected["mesh"]["shape"] == [2]
+    assert inspected["plan_source"] is not None
+    text = cli(capsys, "inspect", out).out
+    assert f"{estimate['time_s'] * 1e3:.3f} ms" in text and "liveness peak" in text
 
 
 def test_inspect_text_shows_the_same_numbers(tmp_path, capsys):

@@ -89,6 +89,7 @@ class MeshSharding:
     axes: tuple[OpSharding, ...]
     inputs: tuple[Layout | None, ...] = field(init=False, compare=False, repr=False)
     outputs: tuple[Layout, ...] = field(init=False, compare=False, repr=False)
+    _hash: int = field(init=False, compare=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
         first = self.axes[0].inputs
@@ -101,6 +102,10 @@ class MeshSharding:
         )
         object.__setattr__(self, "inputs", inputs)
         object.__setattr__(self, "outputs", outputs)
+        object.__setattr__(self, "_hash", hash(self.axes))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         ins = ", ".join("-" if lay is None else str(lay) for lay in self.inputs)

@@ -1,0 +1,652 @@
+"""Decision units of a training step and their programs: one decision procedure.
+
+A *decision unit* is a forward (or loss) node, its *root*, with the nodes that belong to
+it: its *followers* (forward nodes with one activation input, made by the unit, and
+otherwise constants), and every backward and optimizer node that autodiff and the
+optimizer tagged with the unit (``tensoropt.unit``). Nodes of no unit (forward
+``Constant`` nodes, Adam's shared step counter) are *fixed*: everything they make is
+replicated.
+
+A :class:`Program` is what the root's strategy decides: the strategy of every node of
+the unit, the layout in which the unit reads each value it does not make (its *entry*
+layouts), and the conversions between its own nodes. It depends on the root's strategy
+and nothing else, so a training step decomposes exactly into
+
+- unit terms: the unit's compute and its internal conversions (a function of its own
+  strategy), and
+- edge terms: for each value that unit P makes (or owns: a parameter or data input it
+  reads first) and unit U reads, one conversion from P's layout of it to U's entry layout
+  (a function of both strategies).
+
+The cost model prices these conversions (``cost.model``) and the partitioner emits them
+(``passes.insert_redistribution``), from the same :class:`Program` objects: the plan is
+the program. Gradients are converted where they enter the unit that needs them, before
+they are summed, so the sum never depends on another unit's strategy.
+
+How a program chooses (the propagation, run once per unit and strategy): the root takes
+the strategy; every other node takes its legal strategy with the cheapest conversion of
+its inputs, scored (bytes sent, partial outputs, conversions, spread of outputs). A
+follower's constants and fixed values are replicated. Backward nodes mirror the forward:
+a gradient takes, per mesh axis, ``S(d)`` for a primal ``S(d)``, ``R`` or ``P`` for a
+primal ``R``, ``R`` for a primal ``P``. Optimizer nodes neither take nor make partial
+values and keep their parameter's layout. A gradient made by another unit enters as its
+primal's layout with partial axes replicated. A value the root does not read enters in
+the layout its first reader in the unit needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import onnx_ir as ir
+
+from tensoropt.errors import ShardingError
+from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
+from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.redistribute import CollectiveKind, Step, plan_redistribution
+from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.autodiff import GRAD_OF_KEY, grad_of
+from tensoropt.rules.sharding import MeshSharding
+
+PARAM_KEY = "tensoropt.param"
+_VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+
+
+class Entry(Enum):
+    """How a unit comes by a value it does not make."""
+
+    FIXED = "fixed"  # a constant, frozen initializer or fixed node's output: replicated
+    PARAM = "param"  # a trained parameter
+    STATE = "state"  # an optimizer state (takes its parameter's layout)
+    DATA = "data"  # a data input or labels
+    GRAD = "grad"  # a gradient made by another unit
+    VALUE = "value"  # a forward value made by another unit
+
+
+# -- conversions ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConversionStep:
+    """One emitted redistribution step: all-reduces over several axes are one step."""
+
+    step: Step
+    axes: tuple[int, ...]
+    in_shape: tuple[int, ...]  # local shape before the step
+    out_shape: tuple[int, ...]  # local shape after it
+
+    @property
+    def communicates(self) -> bool:
+        return self.step.kind.communicates
+
+
+def conversion_steps(
+    have: Layout, need: Layout, shape: Sequence[int], mesh: Mesh, tensor: str = "tensor"
+) -> tuple[ConversionStep, ...]:
+    """The steps that turn ``have`` into ``need``, as the partitioner emits them.
+
+    Consecutive all-reduces on different mesh axes become one over all of them; steps on
+    mesh axes of size 1 are the identity and are not emitted.
+    """
+    if have == need:
+        return ()
+    steps = plan_redistribution(have, need, shape, mesh, tensor)
+    merged: list[tuple[Step, tuple[int, ...]]] = []
+    for step in steps:
+        if merged and step.kind is CollectiveKind.ALL_REDUCE:
+            last, axes = merged[-1]
+            if last.kind is CollectiveKind.ALL_REDUCE:
+                merged[-1] = (last, (*axes, step.mesh_axis))
+                continue
+        merged.append((step, (step.mesh_axis,)))
+    out = []
+    current = tuple(local_shape(shape, have, mesh, tensor))
+    for step, axes in merged:
+        after = current
+        for axis in axes:
+            after = _after(step, axis, after, mesh.shape[axis])
+        if any(mesh.shape[a] > 1 for a in axes):
+            out.append(ConversionStep(step, axes, current, after))
+        current = after
+    return tuple(out)
+
+
+def _after(step: Step, axis: int, shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    from tensoropt.ir.redistribute import step_output_shape
+
+    del axis
+    return tuple(step_output_shape(step, shape, n))
+
+
+# -- grouping ------------------------------------------------------------------------
+
+Ref = tuple  # ("n", node index, output index) or ("x", external index)
+
+
+@dataclass(eq=False, slots=True)
+class UnitNodes:
+    """The nodes of one decision unit (root first, graph order) and what it reads."""
+
+    root: ir.Node
+    nodes: list[ir.Node]
+    externals: list[ir.Value] = field(default_factory=list)
+    kinds: list[Entry] = field(default_factory=list)
+    outputs: list[tuple[Ref, str | None]] = field(default_factory=list)  # graph outputs made
+    key: tuple = ()
+
+
+@dataclass(eq=False, slots=True)
+class StepUnits:
+    """A training step grouped into decision units."""
+
+    graph: ir.Graph
+    units: list[UnitNodes]
+    unit_of: dict[ir.Node, int]  # node -> unit index (absent: fixed)
+    fixed: list[ir.Node]
+    params: frozenset[str]
+    data: frozenset[str]
+    state_param: dict[str, str]  # optimizer state -> its parameter
+    owner: dict[str, int]  # parameter / data input -> unit that places it
+    required: dict[ir.Value, str | None]  # graph output -> carried input (None: replicated)
+
+    def index(self, name: str) -> int:
+        for k, u in enumerate(self.units):
+            if u.root.name == name:
+                return k
+        raise KeyError(name)
+
+
+def state_params(sig) -> dict[str, str]:
+    """Optimizer state -> its parameter, from a step signature (Adam's shared step
+    counter belongs to no parameter)."""
+    from tensoropt.passes.optimizer import OptimizerKind, state_names
+
+    kind = OptimizerKind(sig.optimizer.get("kind", "sgd"))
+    momentum = sig.optimizer.get("momentum", 0.0)
+    states = set(sig.states)
+    return {
+        name: p for p in sig.params for name in state_names(p, kind, momentum) if name in states
+    }
+
+
+def _role(node: ir.Node) -> str:
+    return node.metadata_props.get(ROLE_KEY, "forward")
+
+
+def group_units(
+    graph: ir.Graph,
+    params: Iterable[str],
+    data: Iterable[str],
+    states: Mapping[str, str],
+    carry: Mapping[str, str],
+) -> StepUnits:
+    """Group the nodes of a training step (or of a forward graph with its loss).
+
+    ``params``: trained parameters; ``data``: data inputs and labels; ``states``: optimizer
+    state -> parameter; ``carry``: graph output -> the input it replaces next step.
+    """
+    params = frozenset(params)
+    data = frozenset(data)
+    fixed_inputs = params | data
+    units: list[UnitNodes] = []
+    unit_of: dict[ir.Node, int] = {}
+    fixed: list[ir.Node] = []
+    made: dict[ir.Value, int] = {}  # forward value -> unit that makes it
+    by_name: dict[str, int] = {}
+    for node in graph:
+        role = _role(node)
+        if role in ("forward", "loss"):
+            if node.op_type == "Constant":
+                fixed.append(node)
+                continue
+            k = _follows(node, made, fixed_inputs)
+            if k is None:
+                k = len(units)
+                units.append(UnitNodes(node, [node]))
+            else:
+                units[k].nodes.append(node)
+            unit_of[node] = k
+            by_name[node.name] = k
+            for v in node.outputs:
+                made[v] = k
+            continue
+        k = by_name.get(node.metadata_props.get(UNIT_KEY, ""))
+        if k is None:
+            fixed.append(node)
+            continue
+        units[k].nodes.append(node)
+        unit_of[node] = k
+    # A parameter is placed by the unit that updates it (the optimizer tags its update
+    # with its first reader's unit); a data input by its first reader.
+    owner: dict[str, int] = {}
+    for node, k in unit_of.items():
+        param = node.metadata_props.get(PARAM_KEY)
+        if param and _role(node) == "optimizer" and _reads_at_root(units[k], param):
+            owner.setdefault(param, k)
+    for k, unit in enumerate(units):
+        for v in unit.root.inputs:
+            if v is not None and v.name in fixed_inputs:
+                owner.setdefault(v.name, k)
+    required = {v: carry.get(v.name) for v in graph.outputs}
+    su = StepUnits(graph, units, unit_of, fixed, params, data, dict(states), owner, required)
+    for unit in units:
+        _describe(su, unit)
+    return su
+
+
+def _reads_at_root(unit: UnitNodes, name: str) -> bool:
+    return any(v is not None and v.name == name for v in unit.root.inputs)
+
+
+def _follows(node: ir.Node, made: Mapping[ir.Value, int], fixed_inputs) -> int | None:
+    """The unit whose single activation input ``node`` follows, or None (a root)."""
+    acts = [v for v in node.inputs if v is not None and v in made]
+    if len({id(v) for v in acts}) != 1 or sum(v is acts[0] for v in node.inputs) != 1:
+        return None
+    for v in node.inputs:
+        if v is None or v is acts[0]:
+            continue
+        producer = v.producer()
+        if producer is None and v.name not in fixed_inputs:
+            continue  # an initializer constant
+        if producer is not None and producer.op_type == "Constant":
+            continue
+        return None
+    return made[acts[0]]
+
+
+def _entry_kind(su: StepUnits, value: ir.Value) -> Entry:
+    producer = value.producer()
+    if producer is None:
+        if value.name in su.params:
+            return Entry.PARAM
+        if value.name in su.state_param:
+            return Entry.STATE
+        if value.name in su.data:
+            return Entry.DATA
+        return Entry.FIXED
+    if producer not in su.unit_of:
+        return Entry.FIXED
+    if value.metadata_props.get(GRAD_OF_KEY) and _role(producer) == "backward":
+        return Entry.GRAD
+    return Entry.VALUE
+
+
+def _describe(su: StepUnits, unit: UnitNodes) -> None:
+    """Externals of the unit and its structural key (equal keys: equal programs)."""
+    local: dict[ir.Value, tuple] = {}
+    ext: dict[ir.Value, int] = {}
+    parts: list[tuple] = []
+    names = {}
+    for i, node in enumerate(unit.nodes):
+        for j, v in enumerate(node.outputs):
+            local[v] = ("n", i, j)
+            if v.name:
+                names[v.name] = ("n", i, j)
+    for node in unit.nodes:
+        refs = []
+        for v in node.inputs:
+            if v is None:
+                refs.append(None)
+            elif v in local:
+                refs.append(local[v])
+            else:
+                if v not in ext:
+                    ext[v] = len(unit.externals)
+                    unit.externals.append(v)
+                    unit.kinds.append(_entry_kind(su, v))
+                refs.append(("x", ext[v]))
+        for v in node.inputs:
+            if v is not None and v.name:
+                names.setdefault(v.name, local.get(v) or ("x", ext[v]))
+        parts.append((sa.view_key(node), _role(node), tuple(refs)))
+    # what the unit's choices depend on besides its ops: primal refs, parameters, outputs
+    primal = []
+    for i, node in enumerate(unit.nodes):
+        for j, v in enumerate(node.outputs):
+            for name in grad_of(v):
+                primal.append(((i, j), names.get(name)))
+            if v in su.required:
+                carried = su.required[v]
+                unit.outputs.append((("n", i, j), carried))
+                primal.append(((i, j), "out", names.get(carried) if carried else None))
+        param = node.metadata_props.get(PARAM_KEY)
+        if param:
+            primal.append((i, "param", names.get(param)))
+    kinds = []
+    for k, v in enumerate(unit.externals):
+        kind = unit.kinds[k]
+        extra = None
+        if kind is Entry.STATE:
+            extra = names.get(su.state_param[v.name])
+        elif kind is Entry.GRAD:
+            extra = tuple(names.get(n) for n in grad_of(v))
+        kinds.append((kind, extra))
+    unit.key = (tuple(parts), tuple(primal), tuple(kinds))
+
+
+# -- programs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """A conversion inside a unit: the value at ``ref`` from ``have`` to ``need``."""
+
+    ref: Ref
+    have: Layout
+    need: Layout
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What a unit strategy decides, by position in the unit (see the module doc)."""
+
+    strategies: tuple[MeshSharding, ...]  # per node of the unit
+    entries: tuple[Layout, ...]  # per external
+    conversions: tuple[Conversion, ...]  # inside the unit, in emission order
+
+    def layout(self, ref: Ref) -> Layout:
+        if ref[0] == "x":
+            return self.entries[ref[1]]
+        return self.strategies[ref[1]].outputs[ref[2]]
+
+
+class ProgramCache:
+    """Programs per (unit structure, root strategy), shared by repeated layers."""
+
+    def __init__(self, su: StepUnits, mesh: Mesh) -> None:
+        self.su = su
+        self.mesh = mesh
+        self._cache: dict[tuple, Program] = {}
+
+    def program(self, k: int, strategy: MeshSharding) -> Program:
+        unit = self.su.units[k]
+        key = (unit.key, strategy)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = _Chooser(self.su, unit, self.mesh).run(strategy)
+        return found
+
+
+def replicated(mesh: Mesh) -> Layout:
+    return Layout((Replicate(),) * mesh.ndim)
+
+
+class _Chooser:
+    """Runs the propagation over one unit for one root strategy."""
+
+    def __init__(self, su: StepUnits, unit: UnitNodes, mesh: Mesh) -> None:
+        self.su = su
+        self.unit = unit
+        self.mesh = mesh
+        self.refs: dict[ir.Value, Ref] = {}
+        self.by_name: dict[str, Ref] = {}
+        for i, node in enumerate(unit.nodes):
+            for j, v in enumerate(node.outputs):
+                self.refs[v] = ("n", i, j)
+        for k, v in enumerate(unit.externals):
+            self.refs[v] = ("x", k)
+        for v, ref in self.refs.items():
+            if v.name:
+                self.by_name.setdefault(v.name, ref)
+        self.layouts: dict[Ref, Layout] = {}
+        self.conversions: dict[tuple[Ref, Layout], Conversion] = {}
+        self.out_terms: dict = {}
+
+    def run(self, root: MeshSharding) -> Program:
+        strategies = []
+        for i, node in enumerate(self.unit.nodes):
+            strategy = root if i == 0 else self._choose(node)
+            self._apply(node, strategy)
+            strategies.append(strategy)
+        self._graph_outputs(strategies)
+        entries = []
+        for k in range(len(self.unit.kinds)):
+            layout = self.layouts.get(("x", k))
+            if layout is None:  # read only by nodes that take any layout
+                layout = replicated(self.mesh)
+            entries.append(layout)
+        return Program(tuple(strategies), tuple(entries), tuple(self.conversions.values()))
+
+    # -- entries -------------------------------------------------------------------
+    def _have(self, value: ir.Value) -> Layout | None:
+        """The layout the unit holds ``value`` in; None for an entry not yet placed."""
+        ref = self.refs[value]
+        found = self.layouts.get(ref)
+        if found is not None or ref[0] == "n":
+            return found
+        k = ref[1]
+        kind = self.unit.kinds[k]
+        layout = None
+        if kind is Entry.FIXED:
+            layout = replicated(self.mesh)
+        elif kind is Entry.STATE:
+            layout = self._layout_of_name(self.su.state_param[value.name])
+        elif kind is Entry.GRAD:
+            primal = self._primal_layout(value)
+            if primal is not None:
+                layout = _no_partial(primal)
+        if layout is not None:
+            self.layouts[ref] = layout
+        return layout
+
+    def _primal_layout(self, grad: ir.Value) -> Layout | None:
+        """The layout of the first primal of ``grad`` that this unit holds or reads."""
+        for name in grad_of(grad):
+            found = self._layout_of_name(name)
+            if found is not None:
+                return found
+        return None
+
+    def _layout_of_name(self, name: str) -> Layout | None:
+        ref = self.by_name.get(name)
+        if ref is None:
+            return None
+        if ref[0] == "x":
+            return self._have(self.unit.externals[ref[1]])
+        return self.layouts.get(ref)
+
+    # -- choice --------------------------------------------------------------------
+    def _choose(self, node: ir.Node) -> MeshSharding:
+        cands = sa.candidates(node, self.mesh)
+        if not cands:
+            raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
+        role = _role(node)
+        if role == "optimizer":
+            cands = self._optimizer_candidates(node, cands)
+        elif role == "backward":
+            cands = self._mirror_candidates(node, cands)
+        haves = [None if v is None else self._have(v) for v in node.inputs]
+        memo: dict = {}
+        return min(cands, key=lambda c: self._score(node, c, haves, memo))
+
+    def _score(self, node: ir.Node, cand: MeshSharding, haves, memo: dict) -> tuple:
+        cost = 0.0
+        conversions = 0
+        for i, value in enumerate(node.inputs):
+            need = cand.inputs[i] if i < len(cand.inputs) else None
+            if value is None or need is None:
+                continue
+            have = haves[i]
+            if have is None:  # an entry placed by this reader
+                if need.has_partial and self._stored(value):
+                    return (math.inf,)
+                continue
+            if have != need:
+                conversions += 1
+                key = (i, need)
+                found = memo.get(key)
+                if found is None:
+                    found = memo[key] = sa.conversion_bytes(have, need, value, self.mesh)
+                cost += found
+        partial, spread = output_terms(cand, self.mesh, self.out_terms)
+        return (cost, partial, conversions, spread)
+
+    def _optimizer_candidates(self, node: ir.Node, cands):
+        no_partial = [c for c in cands if not sa.has_partial(c)]
+        param = node.metadata_props.get(PARAM_KEY)
+        want = self._layout_of_name(param) if param else None
+        if want is None:
+            return no_partial or cands
+        pshape = tuple(static_shape(self.unit.externals[self.by_name[param][1]]))
+        keep = [
+            c
+            for c in no_partial
+            if all(
+                tuple(static_shape(v)) != pshape or c.outputs[j] == want
+                for j, v in enumerate(node.outputs)
+            )
+        ]
+        return keep or no_partial or cands
+
+    def _mirror_candidates(self, node: ir.Node, cands):
+        primals = [self._primal_layout(v) for v in node.outputs]
+        if all(p is None for p in primals):
+            return cands
+        keep = [
+            c
+            for c in cands
+            if all(p is None or _mirrors(c.outputs[j], p) for j, p in enumerate(primals))
+        ]
+        return keep or cands
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def _apply(self, node: ir.Node, strategy: MeshSharding) -> None:
+        for i, value in enumerate(node.inputs):
+            need = strategy.inputs[i] if i < len(strategy.inputs) else None
+            if value is None or need is None:
+                continue
+            ref = self.refs[value]
+            have = self._have(value)
+            if have is None:
+                if need.has_partial and self._stored(value):
+                    raise ShardingError(
+                        f"node {node.name!r} ({node.op_type}) would read {value.name!r} as a "
+                        "partial sum; no legal strategy"
+                    )
+                self.layouts[ref] = need
+                continue
+            if have != need:
+                self.conversions.setdefault((ref, need), Conversion(ref, have, need))
+        for j in range(len(node.outputs)):
+            self.layouts[("n", self._index(node), j)] = strategy.outputs[j]
+
+    def _stored(self, value: ir.Value) -> bool:
+        """Parameters, states and data inputs are stored whole, never as partial sums."""
+        ref = self.refs[value]
+        return ref[0] == "x" and self.unit.kinds[ref[1]] in (Entry.PARAM, Entry.STATE, Entry.DATA)
+
+    def _index(self, node: ir.Node) -> int:
+        return self.refs[node.outputs[0]][1]
+
+    def _graph_outputs(self, strategies) -> None:
+        for ref, carried in self.unit.outputs:
+            have = self.layouts[ref]
+            need = replicated(self.mesh)
+            if carried is not None:
+                found = self._layout_of_name(carried)
+                if found is not None:
+                    need = found
+            if have != need:
+                self.conversions.setdefault((ref, need), Conversion(ref, have, need))
+
+
+def output_terms(cand: MeshSharding, mesh: Mesh, memo: dict) -> tuple[int, float]:
+    """(partial outputs, spread of outputs) of a candidate: the scoring's tie-breakers."""
+    found = memo.get(cand)
+    if found is None:
+        partial = 0
+        spread = 0.0
+        for layout in cand.outputs:
+            partial += sum(isinstance(p, Partial) for p in layout.placements)
+            spread += float(
+                math.prod(
+                    mesh.shape[a] for a, p in enumerate(layout.placements) if isinstance(p, Shard)
+                )
+            )
+        found = memo[cand] = (partial, spread)
+    return found
+
+
+def _no_partial(layout: Layout) -> Layout:
+    return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
+
+
+def _mirrors(grad: Layout, primal: Layout) -> bool:
+    for g, p in zip(grad.placements, primal.placements, strict=True):
+        if isinstance(p, Shard):
+            if g != p:
+                return False
+        elif isinstance(p, Partial):
+            if not isinstance(g, Replicate):
+                return False
+        elif isinstance(g, Shard):
+            return False
+    return True
+
+
+# -- crossings -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """Value ``value`` held by unit ``source`` (its ``ref`` there) read by unit ``target``
+    (its external ``index`` there). ``forward``: a forward value, parameter or data input
+    (its converted buffer is held); else a gradient."""
+
+    value: ir.Value
+    source: int
+    source_ref: Ref
+    target: int
+    index: int
+    forward: bool
+
+
+def crossings(su: StepUnits) -> list[Crossing]:
+    """Every value that one unit holds and another reads, in a deterministic order."""
+    out = []
+    refs: dict[ir.Value, tuple[int, Ref]] = {}
+    for k, unit in enumerate(su.units):
+        for i, node in enumerate(unit.nodes):
+            for j, v in enumerate(node.outputs):
+                refs[v] = (k, ("n", i, j))
+    for k, unit in enumerate(su.units):
+        for x, v in enumerate(unit.externals):
+            kind = unit.kinds[x]
+            if kind is Entry.FIXED:
+                continue
+            if kind in (Entry.PARAM, Entry.DATA, Entry.STATE):
+                name = su.state_param[v.name] if kind is Entry.STATE else v.name
+                source = su.owner.get(name)
+                if source is None or source == k:
+                    continue
+                src_ref = ("x", su.units[source].externals.index(_value(su, source, name)))
+                if kind is Entry.STATE:
+                    src_ref = ("x", su.units[source].externals.index(v))
+                out.append(Crossing(v, source, src_ref, k, x, kind is not Entry.STATE))
+                continue
+            source, src_ref = refs[v]
+            out.append(Crossing(v, source, src_ref, k, x, kind is Entry.VALUE))
+    return out
+
+
+def _value(su: StepUnits, k: int, name: str) -> ir.Value:
+    for v in su.units[k].externals:
+        if v.name == name:
+            return v
+    raise KeyError(name)
+
+
+def fixed_layouts(su: StepUnits, mesh: Mesh) -> dict[ir.Value, Layout]:
+    """Layouts of the values fixed nodes make (replicated)."""
+    rep = replicated(mesh)
+    return {v: rep for node in su.fixed for v in node.outputs}
+
+
+def itemsize(value: ir.Value) -> int:
+    return max(1, int(np.ceil(value.dtype.itemsize))) if value.dtype is not None else 4

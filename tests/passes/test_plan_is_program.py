@@ -1,0 +1,151 @@
+"""The plan is the program: what the cost model priced is what compile emits.
+
+For every frontier point of four models (zoo gpt, bert and resnet50 tiny, and a real
+torch.onnx export of GPT-2) on meshes 2, 4 and 2x2:
+
+- the conversions the partitioner inserts for the point's plan
+  (``insert_redistribution.planned_conversions``, the inserter's own decisions) give, as a
+  multiset of (kind, mesh axes, local input bytes), exactly the collectives the cost model
+  priced (``cost.model.priced_collectives``);
+- for the fastest, a middle and the least-memory point, the plan is compiled for real
+  and the collectives found in the device files of the first and the last rank
+  (kind, group of ranks, input bytes) equal the priced ones for that rank;
+- the estimate that ``tensoropt compile --pick`` reports equals the search point's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from tensoropt.cli.common import build_step
+from tensoropt.cost.cluster import builtin
+from tensoropt.cost.model import build_problem, priced_collectives
+from tensoropt.ir.builder import static_shape
+from tensoropt.models import build_model
+from tensoropt.models.io import save_model
+from tensoropt.passes.annotate import annotate_roots
+from tensoropt.passes.compile import compile_step
+from tensoropt.passes.insert_redistribution import planned_conversions
+from tensoropt.passes.units import ProgramCache, conversion_steps, itemsize
+from tensoropt.search.driver import mesh_shapes, plan_from_choice
+from tensoropt.search.solver import solve
+from tests.cli.cli_run import cli
+from tests.helpers.program import emitted, graph_of, priced, search_args
+
+MESHES = ("2", "4", "2x2")
+OP = {"ALL_REDUCE": "AllReduce", "ALL_GATHER": "AllGather", "REDUCE_SCATTER": "ReduceScatter",
+      "ALL_TO_ALL": "AllToAll"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, exported):
+    folder = tmp_path_factory.mktemp("program")
+    paths = {}
+    for name in ("gpt", "bert", "resnet50"):
+        path = folder / f"{name}.onnx"
+        save_model(build_model(name, "tiny"), str(path))
+        paths[name] = path
+    paths["gpt2-export"] = exported("gpt2")
+    return paths
+
+
+def _mesh(spec: str):
+    devices = int(np.prod([int(x) for x in spec.split("x")]))
+    (mesh,) = [m for m in mesh_shapes(devices, "auto") if "x".join(map(str, m.shape)) == spec]
+    return mesh
+
+
+def _problem(path, spec):
+    sg = graph_of(path)
+    mp = build_problem(sg, _mesh(spec), builtin("h100"))
+    return sg, mp, solve(mp.problem).points
+
+
+def _inserted(sg, mp, choice, cache) -> Counter:
+    roots = {info.node.name: info.strategies[k] for info, k in zip(mp.units, choice, strict=True)}
+    ann = annotate_roots(sg.graph, sg.units, roots, mp.mesh, cache)
+    found = Counter()
+    for p in planned_conversions(sg.graph, ann):
+        isz = itemsize(p.value)
+        for cs in conversion_steps(p.have, p.need, static_shape(p.value), mp.mesh):
+            if cs.communicates:
+                nbytes = int(np.prod(cs.in_shape, dtype=np.int64)) * isz
+                found[(OP[cs.step.kind.name], cs.axes, nbytes)] += 1
+    return found
+
+
+def _priced_axes(mp, choice) -> Counter:
+    return Counter((c.kind, c.axes, c.in_bytes) for c in priced_collectives(mp, choice))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("name", ["gpt", "bert", "resnet50", "gpt2-export"])
+def test_every_frontier_point_emits_what_was_priced(models, name, spec):
+    sg, mp, points = _problem(models[name], spec)
+    assert len(points) > 1
+    collectives = 0
+    cache = ProgramCache(sg.units, mp.mesh)
+    for point in points:
+        inserted = _inserted(sg, mp, point.choice, cache)
+        assert inserted == _priced_axes(mp, point.choice), (name, spec, point)
+        collectives += sum(inserted.values())
+    assert collectives > 0  # the frontier holds plans that communicate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("name", ["gpt", "bert", "resnet50", "gpt2-export"])
+def test_compiled_device_graphs_hold_the_priced_collectives(models, name, spec, tmp_path):
+    sg, mp, points = _problem(models[name], spec)
+    last = mp.mesh.size - 1
+    for k in sorted({0, len(points) // 2, len(points) - 1}):
+        search = _search_of(mp)
+        plan = plan_from_choice(search, points[k].choice, "test")
+        out = tmp_path / f"p{k}"
+        compile_step(build_step(search_args(models[name])), plan, None, str(out))
+        for rank in (0, last):
+            device = onnx.load(str(out / f"device_{rank}.onnx"))
+            assert emitted(device) == priced(mp, points[k].choice, rank), (name, spec, k, rank)
+
+
+def _search_of(mp):
+    """Just enough of a MeshSearch for plan_from_choice."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        mesh=mp.mesh,
+        unit_names=tuple(u.node.name for u in mp.units),
+        unit_layouts=tuple(
+            tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
+        ),
+    )
+
+
+@pytest.mark.parametrize("spec", ["2", "2x2"])
+def test_compile_reports_the_estimate_of_the_picked_point(models, spec, tmp_path, capsys):
+    path = models["gpt"]
+    sg, mp, points = _problem(path, spec)
+    devices = mp.mesh.size
+    rows = sorted(points, key=lambda p: (p.time_s, p.memory_bytes))
+    for index in sorted({0, len(rows) // 2, len(rows) - 1}):
+        out = tmp_path / f"o{index}"
+        result = cli(
+            capsys, "compile", path, "--devices", devices, "--mesh", spec,
+            "--pick", index, "--json", "-o", out,
+        )  # fmt: skip
+        assert result.code == 0, result.err
+        estimate = json.loads(result.out)["estimate"]
+        point = rows[index]
+        assert estimate["time_s"] == pytest.approx(point.time_s, rel=1e-12)
+        assert estimate["memory_bytes"] == round(point.memory_bytes)
+        assert estimate["collectives_per_device"] == len(priced_collectives(mp, point.choice))
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["estimate"] == estimate
+        assert os.path.exists(out / "plan.json")
