@@ -23,10 +23,11 @@ import onnx
 import onnx_ir as ir
 
 from tensoropt.errors import OutputDirError, PlanError, ShardingError
-from tensoropt.ir.builder import ROLE_KEY, static_shape
+from tensoropt.ir.builder import static_shape
 from tensoropt.ir.layout import Layout, Partial, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN, Role, role_of
 from tensoropt.passes.annotate import Annotation, annotate
 from tensoropt.passes.insert_redistribution import insert_redistribution
 from tensoropt.passes.partition import localize, lower_for_rank
@@ -190,7 +191,7 @@ def check_plan(graph: ir.Graph, plan: Plan) -> None:
                 f"plan unit {name!r}: the model has no node of that name; the plan was made "
                 "for another model (units are named by forward ONNX node names)"
             )
-        if not unit.explicit or node.metadata_props.get(ROLE_KEY) != "forward":
+        if not unit.explicit or role_of(node) is not Role.FORWARD:
             continue
         # a layout count that does not match the node is annotate's error to report
         ins = zip(node.inputs, unit.inputs, strict=False)
@@ -229,7 +230,7 @@ def compile_step(
     global_values = _global_values(graph, sliced)
     manifest = _manifest(step, ann, graph, layouts, {})  # global shapes: before localize
     template = localize(model, ann, layouts)
-    collectives = sum(1 for n in template.proto.graph.node if n.domain == "ai.tensoropt")
+    collectives = sum(1 for n in template.proto.graph.node if n.domain == COLLECTIVE_DOMAIN)
     tmp = prepare_outdir(outdir)
     try:
         files = {}

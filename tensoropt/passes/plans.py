@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from tensoropt.errors import PlanError
-from tensoropt.ir.builder import ROLE_KEY, static_shape
+from tensoropt.ir.builder import static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.ir.vocab import MegatronSplit, Role, role_of
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.training_step import StepSignature
 
@@ -104,7 +105,7 @@ def data_parallel(mesh: Mesh) -> BuiltPlan:
 
 
 def _forward(node: ir.Node) -> bool:
-    return node.metadata_props.get(ROLE_KEY) == "forward"
+    return role_of(node) is Role.FORWARD
 
 
 def _weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
@@ -212,7 +213,7 @@ def _attention_sources(
     return sources if saw_softmax and sources else None
 
 
-def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: str):
+def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: MegatronSplit):
     """(x, W, out) layouts of a column- or row-parallel MatMul."""
     x = [Replicate()] * mesh.ndim
     w = [Replicate()] * mesh.ndim
@@ -221,7 +222,7 @@ def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: st
         if batch_ok:
             x[a] = Shard(0)
             out[a] = Shard(0)
-    if kind == "column":
+    if kind is MegatronSplit.COLUMN:
         w[tp] = Shard(1)
         out[tp] = Shard(x_rank - 1)
     else:
@@ -238,7 +239,7 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     params = set(sig.params)
     weights = _weight_matmuls(graph, params)
     weight_set = set(weights)
-    roles: dict[ir.Node, str] = {}
+    roles: dict[ir.Node, MegatronSplit] = {}
     for a in weights:
         found = _mlp_partner(a, weight_set, params)
         if found is None:
@@ -246,8 +247,8 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
         b, siblings = found
         if not any(n in roles for n in (a, b, *siblings)):
             for n in (a, *siblings):
-                roles[n] = "column"
-            roles[b] = "row"
+                roles[n] = MegatronSplit.COLUMN
+            roles[b] = MegatronSplit.ROW
     attention = 0
     fused: list[str] = []
     dependent = _param_dependent(graph, params)
@@ -263,10 +264,10 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
             fused.append(f"{sources[0].name} -> {o.name}")
             continue
         for s in sources:
-            roles[s] = "column"
-        roles[o] = "row"
+            roles[s] = MegatronSplit.COLUMN
+        roles[o] = MegatronSplit.ROW
         attention += 1
-    mlps = sum(1 for r in roles.values() if r == "row") - attention
+    mlps = sum(1 for r in roles.values() if r is MegatronSplit.ROW) - attention
     units: dict[str, UnitStrategy] = {}
     skipped = []
     for node, kind in roles.items():
@@ -275,7 +276,7 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
             skipped.append(node.name)
             continue
         units[node.name] = unit
-        if kind == "row":
+        if kind is MegatronSplit.ROW:
             units.update(_reduce_before_bias(node, mesh, tp, dp_axes, params))
     notes = [f"megatron: {mlps} MLP and {attention} attention blocks on mesh axis {tp} (tp)"]
     if fused:
@@ -302,7 +303,7 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     return BuiltPlan(plan, dp_axes, tuple(notes))
 
 
-def _unit(node: ir.Node, kind: str, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
+def _unit(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
     x = node.inputs[0]
     xshape = static_shape(x)
     batch_ok = all(xshape[0] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from tensoropt.errors import TensorOptError
-from tensoropt.runtime.collectives import DOMAIN, CollectiveKind
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN as DOMAIN
+from tensoropt.ir.vocab import CollectiveKind
 from tensoropt.runtime.engine import LocalEngine
 from tensoropt.runtime.handbuilt import a2a_case, mlp_case
 from tensoropt.runtime.program import check_collective_order
