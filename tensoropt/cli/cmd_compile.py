@@ -57,7 +57,23 @@ def add_parser(sub) -> None:
     add_training_options(p)
     p.add_argument("--cluster", default="h100", help="cluster profile for --pick")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument(
+        "--verify-passes",
+        action="store_true",
+        help="check the graph between compile passes (order, shapes, layouts, strategies, "
+        "collective groups); slower, for debugging the compiler",
+    )
     p.set_defaults(func=run)
+
+
+def _pipeline_options(args: argparse.Namespace):
+    """--verify-passes: verification on, device graphs checked by the runtime's pre-check."""
+    from tensoropt.passes.pipeline import PipelineOptions
+    from tensoropt.runtime.device_check import check_device_graphs
+
+    if not args.verify_passes:
+        return None  # compile_step's default options
+    return PipelineOptions(verify=True, device_check=check_device_graphs)
 
 
 def parse_mesh(devices: int, text: str | None, plan: str):
@@ -122,7 +138,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
         f"{search.summaries[search.result.points.index(point)]}"
     )
     step = build_step(args)
-    result = compile_step(step, plan, None, args.output)
+    result = compile_step(step, plan, None, args.output, _pipeline_options(args))
     print(picked, file=sys.stderr)
     print(step.selection.summary(step.model.graph), file=sys.stderr)
     _report(args, result, search.mesh, (source,))
@@ -174,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)
         plan, data_axes, notes = built.plan, built.data_axes, built.notes
     # Everything that can fail runs before anything is printed: an error stays one line.
-    result = compile_step(step, plan, data_axes, args.output)
+    result = compile_step(step, plan, data_axes, args.output, _pipeline_options(args))
     for line in (summary, *notes):
         print(line, file=sys.stderr)
     _report(args, result, mesh, notes)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from tensoropt.errors import PlanError
+from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import static_shape
-from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
 from tensoropt.ir.vocab import MegatronSplit, Role, role_of
@@ -348,3 +348,36 @@ def builtin_plan(name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> 
     if name == "megatron":
         return megatron(graph, sig, mesh)
     raise PlanError(f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json")
+
+
+def check_plan(graph: ir.Graph, plan: Plan) -> None:
+    """Refuse a plan that names no node of the graph or whose explicit split does not divide.
+
+    Runs before annotate so the message names the plan unit, the tensor, the
+    dimension and the sizes (annotate only knows that no legal strategy matched).
+    """
+    nodes = {node.name: node for node in graph}
+    for name, unit in plan.units.items():
+        node = nodes.get(name)
+        if node is None:
+            raise PlanError(
+                f"plan unit {name!r}: the model has no node of that name; the plan was made "
+                "for another model (units are named by forward ONNX node names)"
+            )
+        if not unit.explicit or role_of(node) is not Role.FORWARD:
+            continue
+        # a layout count that does not match the node is annotate's error to report
+        ins = zip(node.inputs, unit.inputs, strict=False)
+        outs = zip(node.outputs, unit.outputs, strict=False)
+        slots = [
+            *(("input", i, v, lay) for i, (v, lay) in enumerate(ins)),
+            *(("output", j, v, lay) for j, (v, lay) in enumerate(outs)),
+        ]
+        for kind, index, value, layout in slots:
+            if value is None or layout is None:
+                continue
+            where = f"plan unit {name!r} ({node.op_type}) {kind} {index}, tensor {value.name!r}"
+            try:
+                local_shape(static_shape(value), layout, plan.mesh, where)
+            except ShardingError as exc:
+                raise ShardingError(f"{exc}; fix the plan file") from None
