@@ -19,6 +19,7 @@ and the plan notes say so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -304,6 +305,7 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
 
 
 def _unit(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
+    _check_weight_split(node, kind, mesh, tp)
     x = node.inputs[0]
     xshape = static_shape(x)
     batch_ok = all(xshape[0] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False
@@ -342,12 +344,62 @@ def _reduce_before_bias(node: ir.Node, mesh: Mesh, tp: int, dp_axes, params) -> 
     return {}
 
 
+def _check_weight_split(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int) -> None:
+    """Refuse a block whose weight the tp axis cannot split as Megatron promises.
+
+    Column-parallel splits the weight's output dim (1), row-parallel its input dim (0).
+    """
+    weight = node.inputs[1]
+    assert weight is not None  # a weight MatMul (see _weight_matmuls)
+    dim = 1 if kind is MegatronSplit.COLUMN else 0
+    size, n = static_shape(weight)[dim], mesh.shape[tp]
+    if size % n:
+        raise ShardingError(
+            f"megatron over {n} devices on mesh axis {tp} ({mesh.axis_names[tp]}): weight "
+            f"{weight.name!r} of MatMul {node.name!r} ({kind.value}-parallel) dim {dim} has "
+            f"size {size}, which {n} does not divide; use a tp size that divides {size}"
+        )
+
+
+def _check_batch(graph: ir.Graph, sig: StepSignature, mesh: Mesh, axes, plan: str) -> None:
+    """Refuse data parallelism over ``axes`` that cannot split every data input's batch.
+
+    Without this, annotate keeps an undividable batch replicated: every rank computes
+    the whole step, which is correct but no faster than one device.
+    """
+    count = math.prod(mesh.shape[a] for a in axes)
+    if count == 1:
+        return
+    names = (*sig.data_inputs, *((sig.labels,) if sig.labels else ()))
+    by_name = {v.name: v for v in graph.inputs}
+    for name in names:
+        value = by_name.get(name)
+        shape = static_shape(value) if value is not None else ()
+        if shape and shape[0] % count:
+            over = f"{count} devices" if len(axes) == mesh.ndim else _axes_text(mesh, axes)
+            raise ShardingError(
+                f"{plan} over {over}: input {name!r} dim 0 has size {shape[0]}, which "
+                f"{count} does not divide; use a device count that divides {shape[0]}"
+            )
+
+
+def _axes_text(mesh: Mesh, axes) -> str:
+    names = ", ".join(f"{mesh.axis_names[a]}={mesh.shape[a]}" for a in axes)
+    return f"mesh axes {names} ({math.prod(mesh.shape[a] for a in axes)} devices)"
+
+
 def builtin_plan(name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
+    """A built-in plan by name; refuses a mesh on which it cannot split what it promises."""
     if name == "data-parallel":
-        return data_parallel(mesh)
-    if name == "megatron":
-        return megatron(graph, sig, mesh)
-    raise PlanError(f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json")
+        built = data_parallel(mesh)
+    elif name == "megatron":
+        built = megatron(graph, sig, mesh)
+    else:
+        raise PlanError(
+            f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json"
+        )
+    _check_batch(graph, sig, mesh, built.data_axes, name)
+    return built
 
 
 def check_plan(graph: ir.Graph, plan: Plan) -> None:
