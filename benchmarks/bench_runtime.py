@@ -15,6 +15,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +25,12 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from tensoropt.runtime.data import make_batch, specs_from_manifest
-from tensoropt.runtime.handbuilt import mlp_case, write_outdir
 from tensoropt.runtime.manifest import load_outdir
 from tensoropt.runtime.run import run_steps
+
+# the hand-built cases are test helpers: the repository root makes ``tests`` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers.handbuilt import mlp_case, write_outdir  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 

@@ -2,6 +2,7 @@
 
 Slow tests (``@pytest.mark.slow``) are skipped in the quick loop (``pytest -x -q``)
 and run with ``--run-slow``, which the README's test command and .ci/run pass.
+Every test compiles with pass verification on (the autouse fixture below).
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ settings.register_profile(
 settings.load_profile("tensoropt")
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _verify_passes(monkeypatch):
+    """Every compile in a test verifies well-formedness between passes (as
+    ``tensoropt compile --verify-passes`` does), device graphs included."""
+    from tensoropt.passes import pipeline
+    from tensoropt.runtime.device_check import check_device_graphs
+
+    options = pipeline.PipelineOptions(verify=True, device_check=check_device_graphs)
+    monkeypatch.setattr(pipeline, "DEFAULT_OPTIONS", options)
 
 
 def pytest_addoption(parser):

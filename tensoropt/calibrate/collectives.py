@@ -33,11 +33,12 @@ import numpy as np
 
 from tensoropt.calibrate.stats import AlphaBeta, Sample, evict_caches, fit_alpha_beta
 from tensoropt.errors import TensorOptError
-from tensoropt.runtime.collectives import CollectiveCall, CollectiveKind
+from tensoropt.ir.vocab import COMMUNICATING_KINDS, CollectiveKind
+from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import Communicator, LocalWorld
 from tensoropt.runtime.malloc import child_env
 
-KINDS = tuple(CollectiveKind)
+KINDS = COMMUNICATING_KINDS
 # Collectives in the joint fit that becomes the profile's link. Every kind's volume is
 # the one ``comm_bytes`` charges (AllToAll: (n-1)/n of the rank's buffer, what the
 # runtime sends), so all four share the convention; each also keeps its own fit

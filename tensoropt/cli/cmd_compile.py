@@ -61,7 +61,23 @@ def add_parser(sub) -> None:
         help="cluster profile that prices the plan (and --pick's search); default h100",
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument(
+        "--verify-passes",
+        action="store_true",
+        help="check the graph between compile passes (order, shapes, layouts, strategies, "
+        "collective groups); slower, for debugging the compiler",
+    )
     p.set_defaults(func=run)
+
+
+def _pipeline_options(args: argparse.Namespace):
+    """--verify-passes: verification on, device graphs checked by the runtime's pre-check."""
+    from tensoropt.passes.pipeline import PipelineOptions
+    from tensoropt.runtime.device_check import check_device_graphs
+
+    if not args.verify_passes:
+        return None  # compile_step's default options
+    return PipelineOptions(verify=True, device_check=check_device_graphs)
 
 
 def parse_mesh(devices: int, text: str | None, plan: str):
@@ -126,7 +142,9 @@ def _compile_picked(args: argparse.Namespace) -> int:
     )
     step = build_step(args)
     estimate = estimate_of(step, plan, None, args.cluster)
-    result = compile_step(step, plan, None, args.output, estimate.to_json())
+    result = compile_step(
+        step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
+    )
     print(picked, file=sys.stderr)
     print(step.selection.summary(step.model.graph), file=sys.stderr)
     _report(args, result, search.mesh, (source,), estimate)
@@ -194,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
         plan, data_axes, notes = built.plan, built.data_axes, built.notes
     # Everything that can fail runs before anything is printed: an error stays one line.
     estimate = estimate_of(step, plan, data_axes, args.cluster)
-    result = compile_step(step, plan, data_axes, args.output, estimate.to_json())
+    result = compile_step(
+        step, plan, data_axes, args.output, estimate.to_json(), _pipeline_options(args)
+    )
     for line in (summary, *notes):
         print(line, file=sys.stderr)
     _report(args, result, mesh, notes, estimate)

@@ -29,7 +29,13 @@ def unit_kind(mp: MeshProblem, sg: SearchGraph, k: int, s: int) -> str:
             parts.append(f"tp={n}")
         elif work_split:
             parts.append(f"dp={n}")
-    return " x ".join(parts) if parts else "replicated"
+    return " x ".join(parts) if parts else REPLICATED
+
+
+REPLICATED = "replicated"
+# A plan that splits no unit on a mesh of several devices: every rank computes the whole
+# step, so more devices only add synchronisation. Said plainly, not as "replicated on X".
+ALL_REPLICATED = "replicated (no faster than 1 device)"
 
 
 class Summarizer:
@@ -53,7 +59,20 @@ class Summarizer:
             if kind is None:
                 kind = self.kinds[(k, s)] = unit_kind(self.mp, self.sg, k, s)
             by_op[self.mp.units[k].node.op_type][kind] += 1
+        if self.mp.mesh.size > 1 and self._all_replicated(choice, by_op):
+            return ALL_REPLICATED
         return _render(by_op)
+
+    def _all_replicated(self, choice: Sequence[int], by_op: dict[str, Counter]) -> bool:
+        """No unit (weight layers first, then every other one) splits anything."""
+        if any(kind != REPLICATED for kinds in by_op.values() for kind in kinds):
+            return False
+        weighted = set(self.weighted)
+        return all(
+            unit_kind(self.mp, self.sg, k, choice[k]) == REPLICATED
+            for k in range(len(self.mp.units))
+            if k not in weighted
+        )
 
 
 def summarize(mp: MeshProblem, sg: SearchGraph, choice: Sequence[int]) -> str:
@@ -70,4 +89,4 @@ def _render(by_op: dict[str, Counter]) -> str:
         else:
             inner = ", ".join(f"{kind} ({n})" for kind, n in kinds.most_common())
             parts.append(f"{op}: {inner}")
-    return "; ".join(parts) if parts else "replicated"
+    return "; ".join(parts) if parts else REPLICATED

@@ -11,6 +11,7 @@ training-step pass runs ONNX shape inference once at the end.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,8 +19,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-ROLE_KEY = "tensoropt.role"
-UNIT_KEY = "tensoropt.unit"
+from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY
+
+__all__ = ["ROLE_KEY", "UNIT_KEY", "Builder", "static_shape"]
 
 
 def static_shape(value: ir.Value) -> tuple[int, ...]:
@@ -49,9 +51,12 @@ class Builder:
         self.prefix = prefix
         self._counter = counter if counter is not None else itertools.count()
 
-    def tagged(self, **tags: str) -> Builder:
-        """A builder on the same graph and name counter with updated tags."""
-        merged = {**self.tags, **{f"tensoropt.{k}": v for k, v in tags.items()}}
+    def tagged(self, **tags: str | enum.Enum) -> Builder:
+        """A builder on the same graph and name counter with updated tags.
+
+        An Enum tag (e.g. a :class:`~tensoropt.ir.vocab.Role`) is stored as its value."""
+        plain = {k: v.value if isinstance(v, enum.Enum) else v for k, v in tags.items()}
+        merged = {**self.tags, **{f"tensoropt.{k}": v for k, v in plain.items()}}
         return Builder(self.graph, tags=merged, prefix=self.prefix, counter=self._counter)
 
     def fresh_name(self, stem: str) -> str:

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from tensoropt.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
-from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY
+from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY, Role
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def _name_and_tag(graph: ir.Graph) -> None:
                 name += "_"
             node.name = name
         seen.add(name)
-        node.metadata_props.setdefault(ROLE_KEY, "forward")
+        node.metadata_props.setdefault(ROLE_KEY, Role.FORWARD.value)
         node.metadata_props.setdefault(UNIT_KEY, name)
 
 

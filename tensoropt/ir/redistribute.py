@@ -30,28 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
 from tensoropt.errors import ShardingError
 from tensoropt.ir.layout import Layout, Partial, Placement, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
-
-
-class CollectiveKind(Enum):
-    """What one redistribution step does along one mesh axis."""
-
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    ALL_TO_ALL = "all_to_all"
-    LOCAL_SLICE = "local_slice"
-    LOCAL_ZERO = "local_zero"
-
-    @property
-    def communicates(self) -> bool:
-        return self not in (CollectiveKind.LOCAL_SLICE, CollectiveKind.LOCAL_ZERO)
+from tensoropt.ir.vocab import CollectiveKind
 
 
 @dataclass(frozen=True, slots=True)

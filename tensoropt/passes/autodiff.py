@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from tensoropt.errors import UnsupportedOpError
 from tensoropt.ir.builder import Builder, static_shape
+from tensoropt.ir.vocab import UNIT_KEY, Role
 from tensoropt.rules.grad.api import GradContext, GradRegistry
 
 _FLOAT_TYPES = {
@@ -85,7 +86,7 @@ def _contributing(graph: ir.Graph, loss: ir.Value) -> set[ir.Node]:
 
 
 def unit_of(node: ir.Node) -> str:
-    return node.metadata_props.get("tensoropt.unit", node.name or "")
+    return node.metadata_props.get(UNIT_KEY, node.name or "")
 
 
 def build_gradients(
@@ -114,7 +115,7 @@ def build_gradients(
             "them (--freeze REGEX) or file an issue for the op"
         )
     grads: dict[ir.Value, list[ir.Value]] = {}
-    seed_b = builder.tagged(role="backward", unit=unit_of(loss.producer()))
+    seed_b = builder.tagged(role=Role.BACKWARD, unit=unit_of(loss.producer()))
     seed_dtype = loss.dtype.numpy() if loss.dtype is not None else np.float32
     grads[loss] = [seed_b.const(np.ones(static_shape(loss), dtype=seed_dtype))]
     for node in reversed(order):
@@ -123,7 +124,7 @@ def build_gradients(
         needs = tuple(v in live and _may_be_float(v) for v in node.inputs)
         if not any(needs):
             continue
-        b = builder.tagged(role="backward", unit=unit_of(node))
+        b = builder.tagged(role=Role.BACKWARD, unit=unit_of(node))
         grad_outputs = tuple(_total(b, grads.get(v), v) for v in node.outputs)
         if all(g is None for g in grad_outputs):
             continue
@@ -145,7 +146,7 @@ def build_gradients(
     for w in wrt:
         consumers = [u.node for u in w.uses()]
         unit = unit_of(consumers[0]) if consumers else w.name or ""
-        b = builder.tagged(role="backward", unit=unit)
+        b = builder.tagged(role=Role.BACKWARD, unit=unit)
         total = _total(b, grads.get(w), w)
         if total is None:
             dtype = w.dtype.numpy() if w.dtype is not None else np.float32

@@ -22,14 +22,16 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from tensoropt.errors import OutputDirError, PlanError, ShardingError
-from tensoropt.ir.builder import ROLE_KEY, static_shape
-from tensoropt.ir.layout import Layout, Partial, Shard, local_shape
+from tensoropt.errors import OutputDirError
+from tensoropt.ir.builder import static_shape
+from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan, UnitStrategy
-from tensoropt.passes.annotate import Annotation, annotate
-from tensoropt.passes.insert_redistribution import insert_redistribution
-from tensoropt.passes.partition import localize, lower_for_rank
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
+from tensoropt.passes import pipeline
+from tensoropt.passes.annotate import Annotation
+from tensoropt.passes.infra import CompileState
+from tensoropt.passes.partition import lower_for_rank
 from tensoropt.passes.training_step import TrainingStep
 
 log = logging.getLogger(__name__)
@@ -176,45 +178,13 @@ def commit_outdir(tmp: str, outdir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def check_plan(graph: ir.Graph, plan: Plan) -> None:
-    """Refuse a plan that names no node of the graph or whose explicit split does not divide.
-
-    Runs before annotate so the message names the plan unit, the tensor, the
-    dimension and the sizes (annotate only knows that no legal strategy matched).
-    """
-    nodes = {node.name: node for node in graph}
-    for name, unit in plan.units.items():
-        node = nodes.get(name)
-        if node is None:
-            raise PlanError(
-                f"plan unit {name!r}: the model has no node of that name; the plan was made "
-                "for another model (units are named by forward ONNX node names)"
-            )
-        if not unit.explicit or node.metadata_props.get(ROLE_KEY) != "forward":
-            continue
-        # a layout count that does not match the node is annotate's error to report
-        ins = zip(node.inputs, unit.inputs, strict=False)
-        outs = zip(node.outputs, unit.outputs, strict=False)
-        slots = [
-            *(("input", i, v, lay) for i, (v, lay) in enumerate(ins)),
-            *(("output", j, v, lay) for j, (v, lay) in enumerate(outs)),
-        ]
-        for kind, index, value, layout in slots:
-            if value is None or layout is None:
-                continue
-            where = f"plan unit {name!r} ({node.op_type}) {kind} {index}, tensor {value.name!r}"
-            try:
-                local_shape(static_shape(value), layout, plan.mesh, where)
-            except ShardingError as exc:
-                raise ShardingError(f"{exc}; fix the plan file") from None
-
-
 def compile_step(
     step: TrainingStep,
     plan: Plan,
     data_axes: Sequence[int] | None,
     outdir: str,
     estimate: Mapping | None = None,
+    options: pipeline.PipelineOptions | None = None,
 ) -> CompileResult:
     """Partition ``step`` (mutated) by ``plan`` and write ``outdir`` atomically.
 
@@ -222,22 +192,23 @@ def compile_step(
     inputs by their first consumer's strategy (searched plans). ``estimate``: the cost
     model's estimate of the plan (``cost.model.Estimate.to_json``), kept in the manifest
     so that every command reports the same figures. plan.json records the completed plan:
-    every decision unit's strategy, explicit.
+    every decision unit's strategy, explicit. ``options``: how the passes run
+    (verification); None uses ``pipeline.DEFAULT_OPTIONS``.
     """
     model = step.model
     graph = model.graph
     mesh = plan.mesh
-    check_plan(graph, plan)
-    ann = annotate(graph, step.signature, plan, data_axes)
+    passes = pipeline.front_half(options or pipeline.DEFAULT_OPTIONS)
+    to_layouts, to_template = passes.split_after(pipeline.InsertRedistribution.name)
+    state = to_layouts(CompileState.of_step(step, plan, data_axes)).state
+    ann, annotated, layouts = state.annotation, state.annotated, state.layouts
     completed = completed_plan(plan, ann)
-    annotated = ir.serde.serialize_model(model)
     _sharding_annotations(annotated, ann, {})
-    layouts = insert_redistribution(graph, ann)
     sliced = [n for n, v in graph.initializers.items() if _needs(layouts[v])]
     global_values = _global_values(graph, sliced)
     manifest = _manifest(step, ann, graph, layouts, {})  # global shapes: before localize
-    template = localize(model, ann, layouts)
-    collectives = sum(1 for n in template.proto.graph.node if n.domain == "ai.tensoropt")
+    template = to_template(state).state.template
+    collectives = sum(1 for n in template.proto.graph.node if n.domain == COLLECTIVE_DOMAIN)
     tmp = prepare_outdir(outdir)
     try:
         files = {}

@@ -14,7 +14,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from tensoropt.passes.insert_redistribution import COLLECTIVES, DOMAIN
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN, COMMUNICATING_KINDS
+
+_COLLECTIVE_OPS = frozenset(k.value for k in COMMUNICATING_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,7 @@ def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -
     groups: Counter = Counter()
     traffic: dict[tuple[str, tuple[int, ...]], float] = {}
     for node in graph.node:
-        if node.domain != DOMAIN or node.op_type not in COLLECTIVES:
+        if node.domain != COLLECTIVE_DOMAIN or node.op_type not in _COLLECTIVE_OPS:
             continue
         group = tuple(_attr(node, "group", []))
         key = (node.op_type, group)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from tensoropt.errors import TensorOptError
-from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, Builder, static_shape
+from tensoropt.ir.builder import Builder, static_shape
+from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY, Role
 from tensoropt.passes.autodiff import is_float
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def build_loss(graph: ir.Graph, kind: LossKind, builder: Builder) -> LossSpec:
     """Append loss nodes (role=loss); the scalar result is named ``loss``."""
     output = _pick_output(graph)
     concrete = resolve_kind(kind, output)
-    b = builder.tagged(role="loss", unit="loss")
+    b = builder.tagged(role=Role.LOSS, unit="loss")
     labels = None
     if concrete is None:
         loss = b.op("Identity", [output], dtype=output.dtype, shape=static_shape(output))

@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tensoropt.ir.builder import Builder, static_shape
+from tensoropt.ir.vocab import OptimizerState
 
 STEP_NAME = "__step"
 
@@ -52,10 +53,16 @@ class Update:
     outputs: tuple[ir.Value, ...]
 
 
-def state_names(param: str, kind: OptimizerKind, momentum: float) -> tuple[str, ...]:
+def state_kinds(kind: OptimizerKind, momentum: float) -> tuple[OptimizerState, ...]:
+    """The state tensors an optimizer keeps per parameter, in update order."""
     if kind is OptimizerKind.ADAM:
-        return (f"{param}__m", f"{param}__v")
-    return (f"{param}__mom",) if momentum else ()
+        return (OptimizerState.ADAM_M, OptimizerState.ADAM_V)
+    return (OptimizerState.MOMENTUM,) if momentum else ()
+
+
+def state_names(param: str, kind: OptimizerKind, momentum: float) -> tuple[str, ...]:
+    """The names of ``param``'s optimizer-state tensors (the one source of these names)."""
+    return tuple(state.of(param) for state in state_kinds(kind, momentum))
 
 
 def _state_value(graph: ir.Graph, name: str, like: ir.Value) -> ir.Value:

@@ -19,15 +19,17 @@ and the plan notes say so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from tensoropt.errors import PlanError
-from tensoropt.ir.builder import ROLE_KEY, static_shape
-from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
+from tensoropt.errors import PlanError, ShardingError
+from tensoropt.ir.builder import static_shape
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.ir.vocab import MegatronSplit, Role, role_of
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.training_step import StepSignature
 
@@ -104,7 +106,7 @@ def data_parallel(mesh: Mesh) -> BuiltPlan:
 
 
 def _forward(node: ir.Node) -> bool:
-    return node.metadata_props.get(ROLE_KEY) == "forward"
+    return role_of(node) is Role.FORWARD
 
 
 def _weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
@@ -212,7 +214,7 @@ def _attention_sources(
     return sources if saw_softmax and sources else None
 
 
-def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: str):
+def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: MegatronSplit):
     """(x, W, out) layouts of a column- or row-parallel MatMul."""
     x = [Replicate()] * mesh.ndim
     w = [Replicate()] * mesh.ndim
@@ -221,7 +223,7 @@ def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: st
         if batch_ok:
             x[a] = Shard(0)
             out[a] = Shard(0)
-    if kind == "column":
+    if kind is MegatronSplit.COLUMN:
         w[tp] = Shard(1)
         out[tp] = Shard(x_rank - 1)
     else:
@@ -238,7 +240,7 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     params = set(sig.params)
     weights = _weight_matmuls(graph, params)
     weight_set = set(weights)
-    roles: dict[ir.Node, str] = {}
+    roles: dict[ir.Node, MegatronSplit] = {}
     for a in weights:
         found = _mlp_partner(a, weight_set, params)
         if found is None:
@@ -246,8 +248,8 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
         b, siblings = found
         if not any(n in roles for n in (a, b, *siblings)):
             for n in (a, *siblings):
-                roles[n] = "column"
-            roles[b] = "row"
+                roles[n] = MegatronSplit.COLUMN
+            roles[b] = MegatronSplit.ROW
     attention = 0
     fused: list[str] = []
     dependent = _param_dependent(graph, params)
@@ -263,10 +265,10 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
             fused.append(f"{sources[0].name} -> {o.name}")
             continue
         for s in sources:
-            roles[s] = "column"
-        roles[o] = "row"
+            roles[s] = MegatronSplit.COLUMN
+        roles[o] = MegatronSplit.ROW
         attention += 1
-    mlps = sum(1 for r in roles.values() if r == "row") - attention
+    mlps = sum(1 for r in roles.values() if r is MegatronSplit.ROW) - attention
     units: dict[str, UnitStrategy] = {}
     skipped = []
     for node, kind in roles.items():
@@ -275,7 +277,7 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
             skipped.append(node.name)
             continue
         units[node.name] = unit
-        if kind == "row":
+        if kind is MegatronSplit.ROW:
             units.update(_reduce_before_bias(node, mesh, tp, dp_axes, params))
     notes = [f"megatron: {mlps} MLP and {attention} attention blocks on mesh axis {tp} (tp)"]
     if fused:
@@ -302,7 +304,8 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     return BuiltPlan(plan, dp_axes, tuple(notes))
 
 
-def _unit(node: ir.Node, kind: str, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
+def _unit(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
+    _check_weight_split(node, kind, mesh, tp)
     x = node.inputs[0]
     xshape = static_shape(x)
     batch_ok = all(xshape[0] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False
@@ -341,9 +344,92 @@ def _reduce_before_bias(node: ir.Node, mesh: Mesh, tp: int, dp_axes, params) -> 
     return {}
 
 
+def _check_weight_split(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int) -> None:
+    """Refuse a block whose weight the tp axis cannot split as Megatron promises.
+
+    Column-parallel splits the weight's output dim (1), row-parallel its input dim (0).
+    """
+    weight = node.inputs[1]
+    assert weight is not None  # a weight MatMul (see _weight_matmuls)
+    dim = 1 if kind is MegatronSplit.COLUMN else 0
+    size, n = static_shape(weight)[dim], mesh.shape[tp]
+    if size % n:
+        raise ShardingError(
+            f"megatron over {n} devices on mesh axis {tp} ({mesh.axis_names[tp]}): weight "
+            f"{weight.name!r} of MatMul {node.name!r} ({kind.value}-parallel) dim {dim} has "
+            f"size {size}, which {n} does not divide; use a tp size that divides {size}"
+        )
+
+
+def _check_batch(graph: ir.Graph, sig: StepSignature, mesh: Mesh, axes, plan: str) -> None:
+    """Refuse data parallelism over ``axes`` that cannot split every data input's batch.
+
+    Without this, annotate keeps an undividable batch replicated: every rank computes
+    the whole step, which is correct but no faster than one device.
+    """
+    count = math.prod(mesh.shape[a] for a in axes)
+    if count == 1:
+        return
+    names = (*sig.data_inputs, *((sig.labels,) if sig.labels else ()))
+    by_name = {v.name: v for v in graph.inputs}
+    for name in names:
+        value = by_name.get(name)
+        shape = static_shape(value) if value is not None else ()
+        if shape and shape[0] % count:
+            over = f"{count} devices" if len(axes) == mesh.ndim else _axes_text(mesh, axes)
+            raise ShardingError(
+                f"{plan} over {over}: input {name!r} dim 0 has size {shape[0]}, which "
+                f"{count} does not divide; use a device count that divides {shape[0]}"
+            )
+
+
+def _axes_text(mesh: Mesh, axes) -> str:
+    names = ", ".join(f"{mesh.axis_names[a]}={mesh.shape[a]}" for a in axes)
+    return f"mesh axes {names} ({math.prod(mesh.shape[a] for a in axes)} devices)"
+
+
 def builtin_plan(name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
+    """A built-in plan by name; refuses a mesh on which it cannot split what it promises."""
     if name == "data-parallel":
-        return data_parallel(mesh)
-    if name == "megatron":
-        return megatron(graph, sig, mesh)
-    raise PlanError(f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json")
+        built = data_parallel(mesh)
+    elif name == "megatron":
+        built = megatron(graph, sig, mesh)
+    else:
+        raise PlanError(
+            f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json"
+        )
+    _check_batch(graph, sig, mesh, built.data_axes, name)
+    return built
+
+
+def check_plan(graph: ir.Graph, plan: Plan) -> None:
+    """Refuse a plan that names no node of the graph or whose explicit split does not divide.
+
+    Runs before annotate so the message names the plan unit, the tensor, the
+    dimension and the sizes (annotate only knows that no legal strategy matched).
+    """
+    nodes = {node.name: node for node in graph}
+    for name, unit in plan.units.items():
+        node = nodes.get(name)
+        if node is None:
+            raise PlanError(
+                f"plan unit {name!r}: the model has no node of that name; the plan was made "
+                "for another model (units are named by forward ONNX node names)"
+            )
+        if not unit.explicit or role_of(node) is not Role.FORWARD:
+            continue
+        # a layout count that does not match the node is annotate's error to report
+        ins = zip(node.inputs, unit.inputs, strict=False)
+        outs = zip(node.outputs, unit.outputs, strict=False)
+        slots = [
+            *(("input", i, v, lay) for i, (v, lay) in enumerate(ins)),
+            *(("output", j, v, lay) for j, (v, lay) in enumerate(outs)),
+        ]
+        for kind, index, value, layout in slots:
+            if value is None or layout is None:
+                continue
+            where = f"plan unit {name!r} ({node.op_type}) {kind} {index}, tensor {value.name!r}"
+            try:
+                local_shape(static_shape(value), layout, plan.mesh, where)
+            except ShardingError as exc:
+                raise ShardingError(f"{exc}; fix the plan file") from None

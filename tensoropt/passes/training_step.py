@@ -19,6 +19,7 @@ import onnx_ir as ir
 from tensoropt.errors import TensorOptError
 from tensoropt.ir.builder import Builder, static_shape
 from tensoropt.ir.importer import SHAPE_ONLY_BYTES
+from tensoropt.ir.vocab import Role
 from tensoropt.passes.autodiff import build_gradients, unit_of
 from tensoropt.passes.loss import LossKind, build_loss, labels_high
 from tensoropt.passes.optimizer import (
@@ -154,14 +155,14 @@ def build_training_step(model: ir.Model, options: TrainingOptions) -> TrainingSt
     new_params: list[ir.Value] = []
     if opts.kind is OptimizerKind.ADAM:
         step = step_counter(graph)
-        sb = builder.tagged(role="optimizer", unit="optimizer")
+        sb = builder.tagged(role=Role.OPTIMIZER, unit="optimizer")
         new_step = sb.op("Add", [step, sb.scalar_like(1.0, step)])
         states.append(step)
         new_states.append(new_step)
     for p, g in zip(params, grads, strict=True):
         uses = p.uses()
         unit = unit_of(uses[0].node) if uses else p.name
-        b = builder.tagged(role="optimizer", unit=unit, param=p.name)
+        b = builder.tagged(role=Role.OPTIMIZER, unit=unit, param=p.name)
         update = build_update(b, graph, p, g, opts, new_step)
         new_params.append(update.outputs[0])
         states.extend(update.states)

@@ -11,7 +11,6 @@ to run, across backends, and on every rank of the group.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,20 +18,11 @@ import numpy as np
 from onnx import NodeProto, helper
 
 from tensoropt.errors import TensorOptError
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN as DOMAIN
+from tensoropt.ir.vocab import COMMUNICATING_KINDS, CollectiveKind
 
-DOMAIN = "ai.tensoropt"
-
-
-class CollectiveKind(enum.Enum):
-    """The four collectives of the ``ai.tensoropt`` domain (value = ONNX op type)."""
-
-    ALL_REDUCE = "AllReduce"
-    ALL_GATHER = "AllGather"
-    REDUCE_SCATTER = "ReduceScatter"
-    ALL_TO_ALL = "AllToAll"
-
-
-_KINDS = {k.value: k for k in CollectiveKind}
+# Device graphs hold only the communicating kinds: the local ones are lowered per rank.
+_KINDS = {k.value: k for k in COMMUNICATING_KINDS}
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from tensoropt.ir.vocab import CollectiveKind
 from tensoropt.runtime import collectives as C
-from tensoropt.runtime.collectives import CollectiveCall, CollectiveKind
+from tensoropt.runtime.collectives import CollectiveCall
 
 Group = tuple[int, ...]
 

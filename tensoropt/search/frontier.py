@@ -22,16 +22,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from tensoropt.search.provenance import Provenance
 
-if TYPE_CHECKING:
-    from tensoropt.search.bounds import Bound
-
 CHUNK = 1 << 21
+
+
+class PointFilter(Protocol):
+    """Drops candidate points that cannot reach the final frontier (e.g. a
+    :class:`tensoropt.search.bounds.Bound`). The frontier algebra only calls ``keep``,
+    so it does not depend on how the bounds are computed."""
+
+    def keep(self, g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Mask of the points (output entry g, time t, memory m) to keep."""
+        ...
 
 
 @dataclass(slots=True)
@@ -199,7 +206,7 @@ def sum_entries(
     n_groups: int,
     prov: Provenance,
     flt: Filter,
-    bound: Bound | None = None,
+    bound: PointFilter | None = None,
 ) -> Table:
     """Output entry g = prune( ∪_{k: group[k]=g} A[ia[k]] ⊕ B[ib[k]] ), B=None means A alone.
 

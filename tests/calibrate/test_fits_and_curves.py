@@ -76,11 +76,10 @@ def test_each_collective_keeps_its_own_fit():
 
 def test_alltoall_volume_is_what_comm_bytes_charges():
     from tensoropt.ir.layout import Shard
-    from tensoropt.ir.redistribute import CollectiveKind as Kind
     from tensoropt.ir.redistribute import Step, comm_bytes
-    from tensoropt.runtime.collectives import CollectiveKind
+    from tensoropt.ir.vocab import CollectiveKind
 
-    step = Step(Kind.ALL_TO_ALL, 0, Shard(0), Shard(1))
+    step = Step(CollectiveKind.ALL_TO_ALL, 0, Shard(0), Shard(1))
     for n in (2, 4):
         local = (8, 16)  # the rank's buffer: 512 bytes of float32
         assert volume(CollectiveKind.ALL_TO_ALL, 512.0, n) == comm_bytes(step, local, np.float32, n)

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tensoropt.cli import main
-from tensoropt.runtime.handbuilt import mlp_case, write_outdir
 from tensoropt.runtime.profiling import StepRecord, summarize
 from tensoropt.runtime.run import run_steps
+from tests.helpers.handbuilt import mlp_case, write_outdir
 
 
 @pytest.fixture(scope="module")

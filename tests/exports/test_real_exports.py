@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 
 from tensoropt.cli import main  # noqa: E402
+from tensoropt.errors import ShardingError  # noqa: E402
 from tensoropt.passes.loss import LossKind  # noqa: E402
 from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: E402
 from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
@@ -132,10 +133,21 @@ def test_cli_train_runs_three_finite_steps(name, exported, capsys):
     assert f"{frozen} initializers frozen" in captured.err, (captured.err, retied)
 
 
-def _plan_cases():
+def _batch_splits(name: str, plan: str, mesh: str) -> bool:
+    """Whether the plan's data axes divide the exports' batch of 2: data parallelism
+    shards it over every axis, Megatron over all but the tp axis, and over every axis
+    when it finds no block (resnet)."""
+    dims = [int(x) for x in mesh.split("x")]
+    dp = dims if plan == "data-parallel" or name == "resnet" else dims[:-1]
+    return 2 % int(np.prod(dp)) == 0
+
+
+def _plan_cases(splits: bool = True):
     for name in CASES:
         for plan in ("data-parallel", "megatron"):
             for mesh in ("2", "2x2"):
+                if _batch_splits(name, plan, mesh) != splits:
+                    continue
                 quick = name == QUICK and (plan, mesh) in {
                     ("megatron", "2x2"),
                     ("data-parallel", "2"),
@@ -156,6 +168,14 @@ def test_compiled_plan_verifies(name, plan, mesh, exported, tmp_path):
     assert report is not None and len(report.per_step) == 3
     assert report.max_rel_error_loss <= 1e-4, report.to_json()
     assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+@pytest.mark.parametrize(("name", "plan", "mesh"), list(_plan_cases(splits=False)))
+def test_plan_that_cannot_split_the_batch_is_refused(name, plan, mesh, exported, tmp_path):
+    """Batch 2 over 4 data-parallel devices: refused, not compiled as replicas."""
+    with pytest.raises(ShardingError, match="dim 0 has size 2, which 4 does not divide"):
+        compile_model(onnx.load(str(exported(name))), plan, mesh, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

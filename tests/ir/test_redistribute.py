@@ -11,7 +11,6 @@ from tensoropt.errors import ShardingError
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, assemble, local_shape, slice_for
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.redistribute import (
-    CollectiveKind,
     Step,
     comm_bytes,
     latency_terms,
@@ -19,6 +18,7 @@ from tensoropt.ir.redistribute import (
     simulate,
     step_output_shape,
 )
+from tensoropt.ir.vocab import CollectiveKind
 
 K = CollectiveKind
 PLACEMENTS = (Replicate(), Partial(), Shard(0), Shard(1))

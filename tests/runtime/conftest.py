@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from tensoropt.runtime.handbuilt import Case, a2a_case, mlp_case, write_outdir
+from tests.helpers.handbuilt import Case, a2a_case, mlp_case, write_outdir
 
 CASES: dict[str, Callable[[], Case]] = {
     "megatron_tp2": lambda: mlp_case(dp=1, tp=2),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tensoropt.cli import main
-from tensoropt.runtime.handbuilt import mlp_case, write_outdir
+from tests.helpers.handbuilt import mlp_case, write_outdir
 
 
 def _run(capsys, *args):

@@ -7,7 +7,7 @@ import pytest
 
 from tensoropt.errors import DataError
 from tensoropt.runtime.data import InputSpec, load_npz, make_batch, specs_from_model
-from tensoropt.runtime.handbuilt import mlp_case
+from tests.helpers.handbuilt import mlp_case
 
 SPECS = [
     InputSpec("ids", (4, 5), "int64", high=7),

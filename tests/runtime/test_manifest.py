@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensoropt.errors import OutputDirError
-from tensoropt.runtime.handbuilt import mlp_case, write_outdir
 from tensoropt.runtime.manifest import InputInfo, InputKind, Manifest, assemble, load_outdir, shard
+from tests.helpers.handbuilt import mlp_case, write_outdir
 
 
 @pytest.fixture

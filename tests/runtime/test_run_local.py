@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from tensoropt.runtime.data import make_batch, specs_from_manifest
-from tensoropt.runtime.handbuilt import mlp_case, write_outdir
 from tensoropt.runtime.manifest import load_outdir
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.verify import rel_error
+from tests.helpers.handbuilt import mlp_case, write_outdir
 from tests.runtime.conftest import reference_run
 
 CASES = ["megatron_tp2", "dp2", "dp4", "dp2_tp2", "a2a2", "a2a4", "single"]

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from tensoropt.errors import TensorOptError
-from tensoropt.runtime.collectives import DOMAIN, CollectiveKind
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN as DOMAIN
+from tensoropt.ir.vocab import CollectiveKind
 from tensoropt.runtime.engine import LocalEngine
-from tensoropt.runtime.handbuilt import a2a_case, mlp_case
 from tensoropt.runtime.program import check_collective_order
 from tensoropt.runtime.split import collective_order, split_graph
+from tests.helpers.handbuilt import a2a_case, mlp_case
 
 
 def _plans(case):

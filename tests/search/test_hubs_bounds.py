@@ -11,9 +11,9 @@ from search_strategies import assert_choices_exact, hub_problems, problems, valu
 from tensoropt.ir.costs import CostProblem
 from tensoropt.search import BlockMode, Pruning, solve
 from tensoropt.search.bounds import Bound
-from tensoropt.search.exhaustive import exhaustive_frontier
 from tensoropt.search.hubs import find_splits
 from tensoropt.search.prepared import prepare
+from tests.helpers.exhaustive import exhaustive_frontier
 
 
 @settings(max_examples=40, deadline=None)

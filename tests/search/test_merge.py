@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.search import merge_frontiers
-from tensoropt.search.exhaustive import pareto
+from tests.helpers.exhaustive import pareto
 
 VAL = st.integers(0, 12).map(lambda k: k / 2)
 

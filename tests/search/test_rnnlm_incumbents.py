@@ -13,12 +13,12 @@ from search_strategies import hub_problems, problems
 from tensoropt.ir.costs import CostProblem
 from tensoropt.search.bounds import Schedule, _incumbents
 from tensoropt.search.elimination import _plan, elimination_order
-from tensoropt.search.exhaustive import all_plans, pareto
 from tensoropt.search.factor import Context
 from tensoropt.search.frontier import Filter
 from tensoropt.search.hubs import find_splits, split_factors
 from tensoropt.search.prepared import prepare
 from tensoropt.search.provenance import Provenance
+from tests.helpers.exhaustive import all_plans, pareto
 
 
 def _schedule(problem: CostProblem):

@@ -10,7 +10,7 @@ from search_strategies import assert_choices_exact, block_chains, problems, valu
 
 from tensoropt.ir.costs import BlockHint, CostProblem
 from tensoropt.search import BlockMode, solve
-from tensoropt.search.exhaustive import all_plans, exhaustive_frontier, pareto
+from tests.helpers.exhaustive import all_plans, exhaustive_frontier, pareto
 
 
 @settings(max_examples=200, deadline=None)

@@ -21,8 +21,8 @@ from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import build_problem
 from tensoropt.models import build_model, save_model
 from tensoropt.search.driver import mesh_shapes, reference_choices
-from tensoropt.search.exhaustive import exhaustive_frontier
 from tensoropt.search.solver import solve
+from tests.helpers.exhaustive import exhaustive_frontier
 
 pytest.importorskip("highspy")
 from tensoropt.search.ilp import ilp_min_time  # noqa: E402

@@ -1,4 +1,4 @@
-"""TEST-ONLY: the frontier by enumerating every plan. Exponential; never used by `solve`.
+"""The frontier by enumerating every plan. Exponential; never used by `solve`.
 
 It is the reference the property tests compare the search against, so it is written to be
 obviously right rather than fast: every choice vector, evaluated with

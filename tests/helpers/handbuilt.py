@@ -26,10 +26,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tensoropt.runtime.collectives import DOMAIN
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN as DOMAIN
+from tensoropt.ir.vocab import OptimizerState
 from tensoropt.runtime.manifest import MANIFEST_SCHEMA, block_of, sha256_file
 
 OPSET = 20
+MOMENTUM = OptimizerState.MOMENTUM
+PARAMS = ("W0", "W1", "b1", "W2")  # the MLP case's parameters, in update order
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +190,9 @@ def mlp_case(
         ValueSpec("W2", "param", (h, d), ("R", "S(0)"), norm(h, d)),
     ]
     states = [
-        ValueSpec(f"{p.name}__mom", "state", p.shape, p.placements, np.zeros(p.shape, np.float32))
+        ValueSpec(
+            MOMENTUM.of(p.name), "state", p.shape, p.placements, np.zeros(p.shape, np.float32)
+        )
         for p in params
     ]
     values = (
@@ -229,12 +234,12 @@ def _mlp_device(
     coords = _coords_of(rank, mesh)
     outputs = {"loss": []}
     news = {}
-    for name in ("W0", "W1", "b1", "W2"):
+    for name in PARAMS:
         grad = g.collective("AllReduce", grads[name], dpg)
-        news[name], news[f"{name}__mom"] = _sgd(g, name, grad, f"{name}__mom", lr_c, mu_c)
+        news[name], news[MOMENTUM.of(name)] = _sgd(g, name, grad, MOMENTUM.of(name), lr_c, mu_c)
     g.rename(loss, "loss")
     specs = {v.name: v for v in values}
-    for name in ("W0", "W1", "b1", "W2", "W0__mom", "W1__mom", "b1__mom", "W2__mom"):
+    for name in (*PARAMS, *(MOMENTUM.of(p) for p in PARAMS)):
         g.rename(news[name], f"{name}__new")
         outputs[f"{name}__new"] = _local_shape(specs[name], mesh, coords)
     return _finish(g, values, outputs, mesh, coords, step)
