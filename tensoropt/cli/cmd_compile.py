@@ -157,7 +157,9 @@ def estimate_of(step, plan, data_axes, cluster: str):
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.cost.model import estimate_plan, search_graph_of
     from tensoropt.passes.annotate import complete_plan
+    from tensoropt.passes.plans import check_plan
 
+    check_plan(step.model.graph, plan)  # names the unit, tensor, dim and sizes
     sg = search_graph_of(step)
     roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
     return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster))

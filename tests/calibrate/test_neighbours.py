@@ -46,10 +46,10 @@ def test_neighbours_compute_while_each_case_is_measured_and_stop_after():
 
 
 def test_a_dead_neighbour_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(neighbours, "SYNC_TIMEOUT_S", 2.0)
     with neighbours.busy_neighbours(1, OPTS, SCHEDULE) as pacer:
-        with pacer.busy():
+        with pacer.busy():  # the default timeout: a spawned neighbour starts slowly when loaded
             proc = _alive()[0]
+        monkeypatch.setattr(neighbours, "SYNC_TIMEOUT_S", 2.0)  # the dead one is waited for
         proc.kill()
         proc.join()
         with pytest.raises(TensorOptError, match="neighbour process stopped"), pacer.busy():
