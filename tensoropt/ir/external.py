@@ -301,6 +301,35 @@ def _is_hole(path: str, start: int, stop: int) -> bool:
 # ------------------------------------------------------------------ writing
 
 
+def source_key(source: TensorSource) -> tuple:
+    """Equal for two sources whose bytes are the same object (file range or tensor)."""
+    if isinstance(source, FileSource):
+        return ("file", source.path, source.offset, source.dtype.str, source.shape)
+    return ("array", id(source.tensor))
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """A finished data file: what was appended, and the sha256 state after each append."""
+
+    recipe: tuple[tuple, ...]
+    states: tuple[object, ...]
+
+
+class DigestCache:
+    """The data files of one output directory, so that identical bytes are hashed once.
+
+    A data file's bytes follow from its recipe, the (source, block, zeros) of each
+    append in order (offsets follow from the sizes). Replicated weights make many
+    ranks' files identical, or identical up to some tensor; a writer whose recipe
+    so far is a prefix of an earlier file's recipe takes that file's saved hash
+    state instead of hashing the same bytes again.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[_Written] = []
+
+
 class DataFileWriter:
     """One external data file, written front to back; sha256 computed while writing.
 
@@ -309,17 +338,24 @@ class DataFileWriter:
     external tensors has none.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, cache: DigestCache | None = None) -> None:
         self.path = path
         self.location = os.path.basename(path)
         self._fd: int | None = None
         self._end = 0
-        self._hash = hashlib.sha256()
+        self._cache = cache
+        self._recipe: list[tuple] = []
+        self._states: list[object] = []
+        # Earlier files whose recipe starts like this one's; while any is left the
+        # bytes so far equal theirs and hashing is deferred to their saved states.
+        self._same: list[_Written] = list(cache.files) if cache is not None else []
+        self._hash: hashlib._Hash | None = None if self._same else hashlib.sha256()
 
     def append(self, source: TensorSource, block: Block, zeros: bool) -> tuple[int, int]:
         """Write ``source[block]`` (or zeros of its shape); returns (offset, length)."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._follow((source_key(source), block, zeros))
         offset = align(self._end)
         self._hash_zeros(offset - self._end)
         position = offset
@@ -334,19 +370,36 @@ class DataFileWriter:
                 data = memoryview(read(index, rows, rest).reshape(-1).view(np.uint8))
                 if any_nonzero(data):
                     _pwrite_all(self._fd, data, position)
-                    self._hash.update(data)
+                    if self._hash is not None:
+                        self._hash.update(data)
                 else:
                     self._hash_zeros(len(data))
                 position += len(data)
         if position != offset + length:
             raise AssertionError(f"{self.path}: wrote {position - offset} of {length} bytes")
         self._end = position
+        step = len(self._recipe) - 1
+        self._states.append(self._same[0].states[step] if self._hash is None else self._hash.copy())
         return offset, length
 
+    def _follow(self, key: tuple) -> None:
+        """Add ``key`` to the recipe; start hashing where it leaves every earlier file's."""
+        step = len(self._recipe)
+        self._recipe.append(key)
+        if self._hash is not None:
+            return
+        same = [f for f in self._same if len(f.recipe) > step and f.recipe[step] == key]
+        if not same:
+            self._hash = self._states[-1].copy() if self._states else hashlib.sha256()
+        self._same = same
+
     def _hash_zeros(self, n: int) -> None:
+        if self._hash is None:
+            return
+        zeros = memoryview(_ZEROS)
         while n > 0:
-            k = min(n, len(_ZEROS))
-            self._hash.update(_ZEROS[:k])
+            k = min(n, len(zeros))
+            self._hash.update(zeros[:k])
             n -= k
 
     def close(self) -> str | None:
@@ -358,7 +411,10 @@ class DataFileWriter:
         finally:
             os.close(self._fd)
             self._fd = None
-        return self._hash.hexdigest()
+        if self._cache is not None:
+            self._cache.files.append(_Written(tuple(self._recipe), tuple(self._states)))
+        final = self._states[-1]
+        return final.hexdigest()  # type: ignore[attr-defined]
 
     def abort(self) -> None:
         if self._fd is not None:

@@ -30,6 +30,7 @@ from tensoropt.ir.external import (
     INLINE_MAX_BYTES,
     Block,
     DataFileWriter,
+    DigestCache,
     TensorSource,
     block_nbytes,
     read_block,
@@ -251,9 +252,12 @@ def compile_step(
     collectives = sum(1 for n in template.proto.graph.node if n.domain == "ai.tensoropt")
     tmp = prepare_outdir(outdir)
     try:
-        files = _write_model(annotated, tmp, "annotated", sources, _full_blocks)
+        digests = DigestCache()
+        files = _write_model(annotated, tmp, "annotated", sources, _full_blocks, digests)
         for rank, entry in enumerate(manifest["ranks"]):
-            written = _write_model(template, tmp, f"device_{rank}", sources, _lowered(rank))
+            written = _write_model(
+                template, tmp, f"device_{rank}", sources, _lowered(rank), digests
+            )
             files.update(written)
             data = f"device_{rank}.data"
             entry["data"] = data if data in written else None
@@ -341,13 +345,13 @@ def _full_blocks(proto: onnx.ModelProto, weights: _StreamedWeights) -> onnx.Mode
 
 
 def _write_model(
-    model, tmp: str, stem: str, sources: Mapping[str, TensorSource], fill
+    model, tmp: str, stem: str, sources: Mapping[str, TensorSource], fill, digests: DigestCache
 ) -> dict[str, str]:
     """Write ``<stem>.onnx`` and its data file ``<stem>.data``; their sha256 by file name.
 
     ``fill(model, weights)`` returns the ModelProto to write, its stand-ins placed.
     """
-    writer = DataFileWriter(os.path.join(tmp, f"{stem}.data"))
+    writer = DataFileWriter(os.path.join(tmp, f"{stem}.data"), digests)
     try:
         proto = fill(model, _StreamedWeights(sources, writer))
         data_digest = writer.close()

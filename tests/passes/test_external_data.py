@@ -25,6 +25,7 @@ from tensoropt.ir.external import (
     INLINE_MAX_BYTES,
     ArraySource,
     DataFileWriter,
+    DigestCache,
     FileSource,
     chunks,
     read_block,
@@ -103,6 +104,28 @@ def test_writer_aligns_skips_zero_blocks_and_hashes_the_file(tmp_path):
         assert data[offset : offset + length] == want.tobytes()
     assert digest == hashlib.sha256(data).hexdigest()
     assert os.stat(path).st_blocks * 512 < len(data) // 2  # the zero block is a hole
+
+
+def test_digests_of_files_that_share_a_prefix_equal_their_bytes(tmp_path):
+    """Later files reuse hash states of earlier ones while their recipes agree."""
+    rng = np.random.default_rng(1)
+    a, b, c = (_tensor(rng.standard_normal(n).astype(np.float32)) for n in (500, 700, 900))
+    full = lambda t: (slice(0, t.shape[0]),)  # noqa: E731
+    recipes = {
+        "first": [(a, full(a)), (b, full(b)), (c, full(c))],
+        "same": [(a, full(a)), (b, full(b)), (c, full(c))],
+        "diverges": [(a, full(a)), (c, full(c)), (b, full(b))],
+        "prefix": [(a, full(a)), (b, full(b))],
+        "half": [(a, full(a)), (b, (slice(0, 350),))],
+        "longer": [(a, full(a)), (b, full(b)), (c, full(c)), (a, full(a))],
+    }
+    cache = DigestCache()
+    for name, recipe in recipes.items():
+        writer = DataFileWriter(str(tmp_path / name), cache)
+        for tensor, block in recipe:
+            writer.append(ArraySource(tensor), block, False)
+        digest = writer.close()
+        assert digest == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(), name
 
 
 def test_writer_without_tensors_makes_no_file(tmp_path):
@@ -202,7 +225,7 @@ def test_annotated_holds_no_params_or_states_and_its_other_weights_external(tmp_
 
 def test_manifest_hashes_every_file_and_the_reader_checks_them(tmp_path):
     path, _ = _external_model(tmp_path)
-    _compile_file(path, "megatron", "2", tmp_path / "out")
+    _compile_file(path, "megatron", "2x2", tmp_path / "out")  # ranks 0 and 2 alike
     out = tmp_path / "out"
     manifest = json.loads((out / "manifest.json").read_text())
     listed = set(manifest["files"])
@@ -210,7 +233,9 @@ def test_manifest_hashes_every_file_and_the_reader_checks_them(tmp_path):
     for name, digest in manifest["files"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
     loaded = load_outdir(out)
-    assert [r.data for r in loaded.ranks] == ["device_0.data", "device_1.data"]
+    assert [r.data for r in loaded.ranks] == [f"device_{r}.data" for r in range(4)]
+    assert manifest["files"]["device_0.data"] == manifest["files"]["device_2.data"]
+    assert manifest["files"]["device_0.data"] != manifest["files"]["device_1.data"]
     assert {i.name for i in loaded.inputs.values() if i.init is not None} == set(
         manifest["step"]["states"]
     )
