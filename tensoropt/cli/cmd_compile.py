@@ -22,9 +22,12 @@ plans:
 
 output (written completely or not at all):
   OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
+  OUTDIR/device_<k>.data  its weights above 1 KiB (ONNX external data; optimizer
+                          states are not stored: they start as zeros)
   OUTDIR/plan.json        the plan, reusable with --plan
   OUTDIR/manifest.json    how to slice data and parameters per rank, what carries over
   OUTDIR/annotated.onnx   the unpartitioned step with ONNX IRv11 sharding annotations
+                          (+ annotated.data; parameters and states are its inputs)
 
 examples:
   tensoropt compile gpt.onnx --devices 4 --plan data-parallel -o out/
