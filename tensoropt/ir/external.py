@@ -38,10 +38,14 @@ INLINE_MAX_BYTES = 1024
 CHUNK_BYTES = 32 << 20
 """Largest source byte span read (mapped) at once while copying a shard."""
 
-_ZEROS = bytes(1 << 20)
+HOLE_BYTES = 1 << 20
+"""Granularity of zero detection: an all-zero run of this many bytes is not written."""
+
+_ZEROS = bytes(HOLE_BYTES)
 
 Block = tuple[slice, ...]
-Reader = Callable[[tuple[int, ...], slice, Block], np.ndarray]
+Reader = Callable[[tuple[int, ...], slice, Block], np.ndarray | None]
+"""Reads one piece (see :func:`chunks`) of a source; None for a piece of zero bytes."""
 
 
 def align(n: int) -> int:
@@ -161,14 +165,16 @@ class FileSource:
     dtype: np.dtype
     shape: tuple[int, ...]
 
-    def piece(self, index: tuple[int, ...], rows: slice, rest: Block) -> np.ndarray:
-        """A copy of ``tensor[index + (rows,) + rest]`` read through a mapping of its span."""
+    def piece(self, index: tuple[int, ...], rows: slice, rest: Block) -> np.ndarray | None:
+        """``tensor[index + (rows,) + rest]`` read through a mapping of its span only.
+
+        None when the span is a hole of a sparse file (all zeros, nothing read)."""
         d = len(index)
         row = self.dtype.itemsize * math.prod(self.shape[d + 1 :])
         start = self.offset + _flat(index, self.shape) * self.dtype.itemsize + rows.start * row
         count = rows.stop - rows.start
         if _is_hole(self.path, start, start + count * row):
-            return np.zeros(_block_shape(rest, count), self.dtype)
+            return None
         # A mapping of this piece's span only; it is unmapped (its pages leave the
         # resident set) as soon as the caller drops the returned array.
         mapped = np.memmap(
@@ -246,10 +252,6 @@ def _flat(index: tuple[int, ...], shape: Sequence[int]) -> int:
     for i, k in enumerate(index):
         flat = flat * shape[i] + k
     return flat * math.prod(shape[len(index) :])
-
-
-def _block_shape(rest: Block, rows: int) -> tuple[int, ...]:
-    return (rows, *(s.stop - s.start for s in rest))
 
 
 def block_nbytes(block: Block, dtype: np.dtype) -> int:
@@ -367,14 +369,22 @@ class DataFileWriter:
         else:
             read = source.reader()
             for index, rows, rest in chunks(source.shape, block, dtype.itemsize):
-                data = memoryview(read(index, rows, rest).reshape(-1).view(np.uint8))
-                if any_nonzero(data):
-                    _pwrite_all(self._fd, data, position)
-                    if self._hash is not None:
-                        self._hash.update(data)
-                else:
-                    self._hash_zeros(len(data))
-                position += len(data)
+                piece = read(index, rows, rest)
+                if piece is None:  # a hole of the source: a hole here too
+                    size = block_nbytes((rows, *rest), dtype)
+                    self._hash_zeros(size)
+                    position += size
+                    continue
+                data = memoryview(piece.reshape(-1).view(np.uint8))
+                for start in range(0, len(data), HOLE_BYTES):
+                    part = data[start : start + HOLE_BYTES]
+                    if any_nonzero(part):
+                        _pwrite_all(self._fd, part, position)
+                        if self._hash is not None:
+                            self._hash.update(part)
+                    else:
+                        self._hash_zeros(len(part))
+                    position += len(part)
         if position != offset + length:
             raise AssertionError(f"{self.path}: wrote {position - offset} of {length} bytes")
         self._end = position
@@ -460,7 +470,11 @@ def read_block(source: TensorSource, block: Block, zeros: bool) -> bytes:
     if zeros:
         return bytes(block_nbytes(block, source.dtype))
     read = source.reader()
-    return b"".join(
-        read(index, rows, rest).reshape(-1).view(np.uint8).tobytes()
-        for index, rows, rest in chunks(source.shape, block, source.dtype.itemsize)
-    )
+    parts = []
+    for index, rows, rest in chunks(source.shape, block, source.dtype.itemsize):
+        piece = read(index, rows, rest)
+        if piece is None:
+            parts.append(bytes(block_nbytes((rows, *rest), source.dtype)))
+        else:
+            parts.append(piece.reshape(-1).view(np.uint8).tobytes())
+    return b"".join(parts)

@@ -82,6 +82,27 @@ def test_file_and_array_sources_read_the_same_block(shape, block, tmp_path):
     assert read_block(ArraySource(deserialize_tensor(tensor)), block, False) == expected
 
 
+def test_holes_of_a_sparse_source_are_read_as_zeros_and_stay_holes(tmp_path):
+    rows = 4 * (1 << 20) // 64  # a [rows, 16] float32 tensor of 4 MiB: a hole, then data
+    data = np.arange(rows * 16, dtype=np.float32).reshape(rows, 16) + 1
+    data[: rows // 2] = 0
+    path = tmp_path / "sparse.data"
+    with open(path, "wb") as f:
+        f.seek(data[: rows // 2].nbytes)  # the zero half is a hole, never written
+        f.write(data[rows // 2 :].tobytes())
+    source = FileSource(str(path), 0, np.dtype(np.float32), data.shape)
+    block = (slice(0, rows), slice(4, 12))  # a column shard across hole and data
+    assert read_block(source, block, False) == data[block].tobytes()
+    writer = DataFileWriter(str(tmp_path / "out.data"))
+    offset, length = writer.append(source, block, False)
+    digest = writer.close()
+    written = (tmp_path / "out.data").read_bytes()
+    assert written[offset : offset + length] == data[block].tobytes()
+    assert digest == hashlib.sha256(written).hexdigest()
+    allocated = os.stat(tmp_path / "out.data").st_blocks * 512
+    assert allocated <= length // 2 + 2 * ALIGN  # the zero half is a hole in the output
+
+
 def test_writer_aligns_skips_zero_blocks_and_hashes_the_file(tmp_path):
     path = tmp_path / "d.data"
     ones = np.ones((300,), np.float32)
