@@ -149,6 +149,21 @@ def test_digests_of_files_that_share_a_prefix_equal_their_bytes(tmp_path):
         assert digest == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(), name
 
 
+@pytest.mark.parametrize("placements", ["S(0)S(0)", "S(0)S(1)", "S(1)P", "PS(1)", "RS(0)", "PP"])
+def test_shard_block_is_the_slicing_rule(placements):
+    from tensoropt.ir.layout import Layout, parse_placements, slice_for
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.passes.partition import shard_block
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    layout = Layout(parse_placements(placements))
+    array = np.arange(8 * 12, dtype=np.float32).reshape(8, 12) + 1
+    for coords in mesh.all_coords():
+        block, zeros = shard_block(array.shape, layout, mesh, coords)
+        piece = np.zeros_like(array[block]) if zeros else array[block]
+        assert np.array_equal(piece, slice_for(array, layout, mesh, coords)), coords
+
+
 def test_writer_without_tensors_makes_no_file(tmp_path):
     writer = DataFileWriter(str(tmp_path / "d.data"))
     assert writer.close() is None
