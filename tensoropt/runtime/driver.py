@@ -171,15 +171,18 @@ def _state_names(manifest: Manifest) -> list[str]:
 
 def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions) -> _Loop:
     names = _state_names(manifest)
-    loop = _Loop({r: initial_state(models[r], names, r) for r in engine.ranks}, [], 0)
+    loop = _Loop({r: initial_state(manifest, models[r], names, r) for r in engine.ranks}, [], 0)
     if opts.resume:
         _resume(engine, manifest, opts, loop)
-    if opts.verify and engine.is_root:
-        loop.reference = Reference.open(manifest.outdir, opts.threads)
-    if opts.verify and loop.start > 0:
+    if opts.verify:
+        # The reference starts from the global values assembled from the rank shards;
+        # an annotated.onnx that stores its own initial values (and a run from step 0)
+        # starts from those instead, which also checks how compile sliced them.
         params, states = _gather_global(engine, manifest, loop.state)
-        if loop.reference is not None:
-            loop.reference.state = {**params, **states}
+        if engine.is_root:
+            loop.reference = Reference.open(manifest.outdir, opts.threads)
+            if loop.start > 0 or not loop.reference.state:
+                loop.reference.state = {**params, **states}
     return loop
 
 

@@ -74,13 +74,23 @@ class RankProgram:
     def __init__(self, plan: SplitPlan, config: SessionConfig | None = None) -> None:
         self.plan = plan
         self.clock: StepClock | None = None  # set by --profile: times segments, collectives
-        opts = (config or SessionConfig()).options()
+        config = config or SessionConfig()
+        # One OrtValue per shared constant, over the plan's numpy array (no copy): every
+        # segment session that reads the constant uses this same buffer.
+        self._weights = {
+            name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in plan.weights.items()
+        }
         self._sessions: list[ort.InferenceSession | None] = []
         for stage in plan.stages:
             seg = stage.segment
             if seg is None:
                 self._sessions.append(None)
                 continue
+            opts = config.options()
+            if seg.shared:
+                opts.add_external_initializers(
+                    list(seg.shared), [self._weights[n] for n in seg.shared]
+                )
             try:
                 sess = ort.InferenceSession(
                     seg.model.SerializeToString(), opts, providers=["CPUExecutionProvider"]

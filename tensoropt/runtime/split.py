@@ -28,14 +28,18 @@ in the same segment. Within a segment and a batch, nodes keep graph order. Since
 every rank's graph has the same structure, every rank issues its collectives in
 the same order (checked by :func:`tensoropt.runtime.program.check_collective_order`).
 
-Initializers stay inside each segment that uses them (copied when several do);
-only names in ``fed`` (data, labels, parameters, optimizer state) become segment
-inputs fed every step.
+Only names in ``fed`` (data, labels, parameters, optimizer state) become segment
+inputs fed every step. Other initializers are constants: a small one (at most 1 KiB:
+shapes, axes, scalars) is copied into each segment that reads it, where onnxruntime
+and shape inference see its value; a larger one (or one in external data) appears
+in a segment only as a bytes-free stub (:func:`tensoropt.runtime.external.stub`),
+and the rank's one in-memory copy (``SplitPlan.weights``) is handed to every
+session that reads it. No segment proto embeds weight bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +54,7 @@ from tensoropt.runtime.collectives import (
     output_dims,
     parse_collective,
 )
+from tensoropt.runtime.external import is_shared, read_initializer, stub
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -60,6 +65,7 @@ class Segment:
     model: ModelProto
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    shared: tuple[str, ...] = ()  # stub initializers: the session gets SplitPlan.weights
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,6 +87,8 @@ class SplitPlan:
     outputs: tuple[str, ...]  # graph outputs, in graph order
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # initializers read
     # by collectives or returned as outputs directly
+    weights: dict[str, np.ndarray] = field(default_factory=dict)  # the rank's one copy of
+    # every shared constant (segments hold stubs of them)
 
     @property
     def collectives(self) -> tuple[CollectiveCall, ...]:
@@ -184,10 +192,38 @@ def collective_order(model: ModelProto, rank: int, world_size: int) -> tuple[Col
     return tuple(call for _, _, call in sorted(calls, key=lambda t: (t[0], t[1])))
 
 
-def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str]) -> SplitPlan:
-    """Split one rank's device graph; ``fed`` names the inputs fed every step."""
+def shared_weights(model: ModelProto, fed: Iterable[str], base=None) -> dict[str, np.ndarray]:
+    """The values of ``model``'s shared constants (not fed, external or over 1 KiB).
+
+    External data is read from the directory ``base`` (one copy per tensor)."""
+    fed_set = set(fed)
+    out: dict[str, np.ndarray] = {}
+    for t in model.graph.initializer:
+        if t.name in fed_set or not is_shared(t):
+            continue
+        if base is None and t.data_location == onnx.TensorProto.EXTERNAL:
+            raise TensorOptError(
+                f"initializer {t.name!r} is external data: pass the directory of its file"
+            )
+        out[t.name] = read_initializer(t, base)
+    return out
+
+
+def split_graph(
+    model: ModelProto,
+    rank: int,
+    world_size: int,
+    fed: Iterable[str],
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> SplitPlan:
+    """Split one rank's device graph; ``fed`` names the inputs fed every step.
+
+    ``weights``: the rank's shared constants (:func:`shared_weights`; read from the
+    graph when omitted, which needs the weight bytes inline)."""
     graph = model.graph
     fed_set = set(fed)
+    if weights is None:
+        weights = shared_weights(model, fed_set)
     sched = _schedule(graph, rank)
     n = sched.num_stages
     seg_nodes: list[list[NodeProto]] = [[] for _ in range(n)]
@@ -206,6 +242,7 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
         last_use=_last_use(seg_nodes, batches),
         coll_reads={c.input for calls in batches for c in calls},
         types=_initial_types(graph),
+        weights=dict(weights),
     )
     stages: list[Stage] = []
     for i in range(n):
@@ -218,7 +255,7 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
         )
         stages.append(Stage(segment, tuple(batches[i]), release))
     feeds = tuple(i.name for i in graph.input if i.name in fed_set or i.name not in ctx.inits)
-    return SplitPlan(rank, tuple(stages), feeds, ctx.graph_outputs, ctx.constants())
+    return SplitPlan(rank, tuple(stages), feeds, ctx.graph_outputs, ctx.constants(), ctx.weights)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -232,6 +269,7 @@ class _Context:
     last_use: dict[str, int]  # value -> last stage whose segment or batch reads it
     coll_reads: set[str]  # values some collective reads
     types: dict[str, TypeProto]  # grows as segments are inferred
+    weights: dict[str, np.ndarray]  # shared constants (one copy per rank)
 
     def exported(self, name: str, index: int) -> bool:
         """Must segment ``index``, which produces ``name``, hand it out?"""
@@ -245,7 +283,9 @@ class _Context:
         """Initializers that something other than a segment reads (kept as numpy)."""
         wanted = self.coll_reads | set(self.graph_outputs)
         return {
-            name: numpy_helper.to_array(self.inits[name])
+            name: self.weights[name]
+            if name in self.weights
+            else numpy_helper.to_array(self.inits[name])
             for name in sorted(wanted)
             if name in self.inits and name not in self.fed
         }
@@ -281,7 +321,15 @@ def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
         dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced_set)
     )
     inputs = [n for n in external if n in ctx.fed or n not in ctx.inits]
-    seg_inits = [ctx.inits[n] for n in external if n not in ctx.fed and n in ctx.inits]
+    consts = [n for n in external if n not in ctx.fed and n in ctx.inits]
+    shared = [n for n in consts if n in ctx.weights]
+    for n in consts:
+        if n not in ctx.weights and is_shared(ctx.inits[n]):
+            raise TensorOptError(
+                f"segment {index}: constant {n!r} has no shared value; load the rank's "
+                "weights with shared_weights"
+            )
+    seg_inits = [stub(ctx.inits[n]) if n in ctx.weights else ctx.inits[n] for n in consts]
     outputs = [o for o in produced if ctx.exported(o, index)]
     types, model = ctx.types, ctx.model
     where = f"segment {index}"
@@ -295,7 +343,7 @@ def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
         if vi.type.WhichOneof("value"):
             types.setdefault(vi.name, vi.type)
     seg.graph.output.extend(_value_info(o, types, where) for o in outputs)
-    return Segment(index, seg, tuple(inputs), tuple(outputs))
+    return Segment(index, seg, tuple(inputs), tuple(outputs), tuple(shared))
 
 
 def _value_info(name: str, types: dict[str, TypeProto], where: str) -> onnx.ValueInfoProto:
