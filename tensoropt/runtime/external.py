@@ -25,7 +25,6 @@ from tensoropt.runtime.manifest import plain_name
 # Tensors above this size are shared by the segments of a rank rather than copied into
 # each segment proto (the output-directory format puts the same ones in external data).
 INLINE_LIMIT = 1024
-SHARED_LOCATION = "tensoropt-shared"  # location of a stub the session gets from memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,26 +115,6 @@ def read_into(path: Path, offset: int, buffer: memoryview, chunk: int = 1 << 28)
 
 def initializers(model: onnx.ModelProto) -> dict[str, TensorProto]:
     return {t.name: t for t in model.graph.initializer}
-
-
-def stub(tensor: TensorProto) -> TensorProto:
-    """A bytes-free stand-in for ``tensor``: its name, type and shape, data "external".
-
-    A segment session replaces it with the rank's one in-memory copy
-    (``SessionOptions.add_external_initializers``)."""
-    out = TensorProto()
-    out.name = tensor.name
-    out.data_type = tensor.data_type
-    out.dims.extend(tensor.dims)
-    out.data_location = TensorProto.EXTERNAL
-    for key, value in (
-        ("location", SHARED_LOCATION),
-        ("offset", "0"),
-        ("length", str(tensor_nbytes(tensor))),
-    ):
-        entry = out.external_data.add()
-        entry.key, entry.value = key, value
-    return out
 
 
 def is_shared(tensor: TensorProto) -> bool:

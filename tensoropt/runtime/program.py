@@ -74,23 +74,13 @@ class RankProgram:
     def __init__(self, plan: SplitPlan, config: SessionConfig | None = None) -> None:
         self.plan = plan
         self.clock: StepClock | None = None  # set by --profile: times segments, collectives
-        config = config or SessionConfig()
-        # One OrtValue per shared constant, over the plan's numpy array (no copy): every
-        # segment session that reads the constant uses this same buffer.
-        self._weights = {
-            name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in plan.weights.items()
-        }
+        opts = (config or SessionConfig()).options()
         self._sessions: list[ort.InferenceSession | None] = []
         for stage in plan.stages:
             seg = stage.segment
             if seg is None:
                 self._sessions.append(None)
                 continue
-            opts = config.options()
-            if seg.shared:
-                opts.add_external_initializers(
-                    list(seg.shared), [self._weights[n] for n in seg.shared]
-                )
             try:
                 sess = ort.InferenceSession(
                     seg.model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
@@ -123,7 +113,8 @@ class RankProgram:
                 f"rank {self.rank}: no value fed for graph input(s) {missing}; "
                 "the manifest does not describe them"
             )
-        env = dict(self.plan.constants)
+        env = dict(self.plan.weights)  # shared constants: fed to segments, never copied
+        env.update(self.plan.constants)
         env.update(feeds)
         return env
 

@@ -28,13 +28,16 @@ in the same segment. Within a segment and a batch, nodes keep graph order. Since
 every rank's graph has the same structure, every rank issues its collectives in
 the same order (checked by :func:`tensoropt.runtime.program.check_collective_order`).
 
-Only names in ``fed`` (data, labels, parameters, optimizer state) become segment
-inputs fed every step. Other initializers are constants: a small one (at most 1 KiB:
+Names in ``fed`` (data, labels, parameters, optimizer state) become segment inputs
+fed every step. Other initializers are constants: a small one (at most 1 KiB:
 shapes, axes, scalars) is copied into each segment that reads it, where onnxruntime
-and shape inference see its value; a larger one (or one in external data) appears
-in a segment only as a bytes-free stub (:func:`tensoropt.runtime.external.stub`),
-and the rank's one in-memory copy (``SplitPlan.weights``) is handed to every
-session that reads it. No segment proto embeds weight bytes.
+and shape inference see its value; a larger one (or one in external data) is a
+*shared* constant: the rank holds one array of it (``SplitPlan.weights``) and every
+segment that reads it gets it as a segment input, fed from that array (onnxruntime
+reads a fed numpy array in place). No segment proto embeds weight bytes. Handing
+the array to each session as an initializer instead
+(``SessionOptions.add_external_initializers``) made onnxruntime 1.32 copy it into
+every session (measured in benchmarks/RESULTS.md, "Runtime at scale").
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from tensoropt.runtime.collectives import (
     output_dims,
     parse_collective,
 )
-from tensoropt.runtime.external import is_shared, read_initializer, stub
+from tensoropt.runtime.external import is_shared, read_initializer
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -65,7 +68,7 @@ class Segment:
     model: ModelProto
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    shared: tuple[str, ...] = ()  # stub initializers: the session gets SplitPlan.weights
+    shared: tuple[str, ...] = ()  # inputs that are shared constants (SplitPlan.weights)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -88,7 +91,7 @@ class SplitPlan:
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # initializers read
     # by collectives or returned as outputs directly
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # the rank's one copy of
-    # every shared constant (segments hold stubs of them)
+    # every shared constant (fed to the segments that read it)
 
     @property
     def collectives(self) -> tuple[CollectiveCall, ...]:
@@ -320,16 +323,16 @@ def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
     external = list(
         dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced_set)
     )
-    inputs = [n for n in external if n in ctx.fed or n not in ctx.inits]
     consts = [n for n in external if n not in ctx.fed and n in ctx.inits]
-    shared = [n for n in consts if n in ctx.weights]
     for n in consts:
         if n not in ctx.weights and is_shared(ctx.inits[n]):
             raise TensorOptError(
                 f"segment {index}: constant {n!r} has no shared value; load the rank's "
                 "weights with shared_weights"
             )
-    seg_inits = [stub(ctx.inits[n]) if n in ctx.weights else ctx.inits[n] for n in consts]
+    shared = [n for n in consts if n in ctx.weights]
+    inputs = [n for n in external if n in ctx.fed or n not in ctx.inits or n in ctx.weights]
+    seg_inits = [ctx.inits[n] for n in consts if n not in ctx.weights]
     outputs = [o for o in produced if ctx.exported(o, index)]
     types, model = ctx.types, ctx.model
     where = f"segment {index}"

@@ -31,6 +31,7 @@ from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.engine import load_device, split_all
 from tensoropt.runtime.external import INLINE_LIMIT, tensor_nbytes
 from tensoropt.runtime.manifest import load_outdir
+from tensoropt.runtime.program import RankProgram
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.tensorfile import ALIGN, read_header
 from tests.helpers.compile import compile_model
@@ -110,7 +111,11 @@ def test_segments_embed_no_weight_bytes_and_share_one_copy(dirs):
                 assert t.name in seg.shared or tensor_nbytes(t) <= INLINE_LIMIT, t.name
         readers = [seg for seg in segments if frozen in seg.shared]
         assert len(readers) >= 2, "the frozen weight should be read by forward and backward"
-        assert list(plan.weights) == [frozen]  # the rank's one copy, given to both
+        assert all(frozen in seg.inputs for seg in readers)
+        assert list(plan.weights) == [frozen]  # the rank's one copy, fed to both
+    program = RankProgram(plans[0])
+    feeds = {n: np.zeros(1) for n in plans[0].feeds}
+    assert program.begin(feeds)[frozen] is plans[0].weights[frozen]  # no copy per step
 
 
 def test_checkpoints_are_aligned_tensor_files_and_resume_exactly(dirs, tmp_path):
