@@ -20,7 +20,7 @@ import onnx
 from tensoropt.errors import OutputDirError, TensorOptError
 from tensoropt.runtime.comm import LocalWorld
 from tensoropt.runtime.external import load_graph, read_initializer
-from tensoropt.runtime.manifest import INIT_ZEROS, InputInfo, Manifest, block_of
+from tensoropt.runtime.manifest import InputInfo, InputInit, Manifest, block_of
 from tensoropt.runtime.profiling import StepClock, now
 from tensoropt.runtime.program import RankProgram, SessionConfig, check_collective_order
 from tensoropt.runtime.split import SplitPlan, shared_weights, split_graph
@@ -78,7 +78,7 @@ def initial_state(
     missing = []
     for name in names:
         info = manifest.inputs[name]
-        if info.init == INIT_ZEROS:
+        if info.init is InputInit.ZEROS:
             state[name] = np.zeros(local_shape(info, manifest, rank), dtype=info.dtype)
         elif name in inits:
             state[name] = read_initializer(inits[name], manifest.outdir)
