@@ -180,7 +180,7 @@ def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions
         # starts from those instead, which also checks how compile sliced them.
         params, states = _gather_global(engine, manifest, loop.state)
         if engine.is_root:
-            loop.reference = Reference.open(manifest.outdir, opts.threads)
+            loop.reference = Reference.open(manifest.outdir, opts.threads, opts.arena)
             if loop.start > 0 or not loop.reference.state:
                 loop.reference.state = {**params, **states}
     return loop

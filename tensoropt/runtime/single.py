@@ -16,6 +16,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from tensoropt.passes.training_step import StepSignature, read_signature
+from tensoropt.runtime.arena import ArenaMode, apply_arena
 from tensoropt.runtime.external import load_graph, read_initializer
 
 
@@ -40,8 +41,16 @@ class StepSession:
     (graph inputs only): :meth:`initial_state` is then empty and the caller feeds them.
     """
 
-    def __init__(self, model: onnx.ModelProto | str | os.PathLike, *, threads: int | None = None):
+    def __init__(
+        self,
+        model: onnx.ModelProto | str | os.PathLike,
+        *,
+        threads: int | None = None,
+        arena: ArenaMode | None = None,
+    ):
         opts = session_options(threads)
+        if arena is not None:  # e.g. the process's shared arena, next to a rank's segments
+            apply_arena(opts, arena)
         if isinstance(model, onnx.ModelProto):
             self.signature: StepSignature = read_signature(model)
             self._initial = _initial_values(model, self.signature)
