@@ -243,7 +243,12 @@ def _gather_global(
         )
         if pieces is None:
             continue
-        full = assemble({r: v for r, v in pieces.items() if v is not None}, info, manifest)
+        held = {r: v for r, v in pieces.items() if v is not None}
+        only = next(iter(held.values()))
+        if len(held) == 1 and only.shape == info.global_shape:
+            full = only  # replicated: the root's own array (values are never changed in place)
+        else:
+            full = assemble(held, info, manifest)
         (params if info.kind is InputKind.PARAM else states)[info.name] = full
     return params, states
 
