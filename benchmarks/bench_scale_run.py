@@ -1,10 +1,11 @@
 """The runtime at scale: GPT-2-medium-shaped runs, and how segments share constants.
 
 ``scale`` (the default): zoo ``gpt --preset paper --layers 24 --hidden 1024 --heads 16``
-(batch and sequence made small with ``--batch``/``--seq``: the weights are what is
-big). The zoo writes a paper preset's weights as zeros, under which every gradient
-but a few vanishes and a verification compares nothing, so the benchmark first fills
-every float weight with N(0, 0.02) noise in place. Compiled for 2 devices with
+(batch 2 and sequence 64 by default, with ``--batch``/``--seq``: the weights are what
+is big; a batch of 1 would not split, and data parallelism would replicate it). The
+zoo writes a paper preset's weights as zeros; with them both verified steps had the
+same loss and both sides the same parameters, a comparison of nothing, so the
+benchmark first fills every float weight with N(0, 0.02) noise in place. Compiled for 2 devices with
 data-parallel and megatron (SGD, ``--momentum`` 0 by default: without a momentum state
 the verified run of data parallelism fits this machine's 24 GB next to other work),
 then for each:
@@ -403,7 +404,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", choices=["scale", "constants"], default="scale")
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=2, help="2: data parallelism splits it")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (scale)")
     parser.add_argument("--lr", type=float, default=1.0, help="SGD learning rate (scale)")
