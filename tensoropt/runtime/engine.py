@@ -131,6 +131,8 @@ class LocalEngine:
                 for r, c in calls.items():
                     envs[r][c.output] = outs[r]
                 self._add_comm(now() - t0)
+                for r, p in self._programs.items():
+                    p.release_input(i, j, envs[r])
             for r, p in self._programs.items():
                 p.release(i, envs[r])
         return {r: p.finish(envs[r]) for r, p in self._programs.items()}

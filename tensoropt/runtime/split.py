@@ -78,6 +78,9 @@ class Stage:
     segment: Segment | None
     collectives: tuple[CollectiveCall, ...]
     release: tuple[str, ...] = ()  # values no later stage reads (freed after this stage)
+    # per collective: inputs that nothing after it reads (freed as soon as it returns, so
+    # a batch of all-reduces does not hold every gradient twice)
+    release_after: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -256,7 +259,9 @@ def split_graph(
         release = tuple(
             sorted(v for v, s in ctx.last_use.items() if s == i and v not in ctx.graph_outputs)
         )
-        stages.append(Stage(segment, tuple(batches[i]), release))
+        stages.append(
+            Stage(segment, tuple(batches[i]), release, _release_after(batches[i], release))
+        )
     feeds = tuple(i.name for i in graph.input if i.name in fed_set or i.name not in ctx.inits)
     return SplitPlan(rank, tuple(stages), feeds, ctx.graph_outputs, ctx.constants(), ctx.weights)
 
@@ -292,6 +297,18 @@ class _Context:
             for name in sorted(wanted)
             if name in self.inits and name not in self.fed
         }
+
+
+def _release_after(
+    calls: list[CollectiveCall], release: tuple[str, ...]
+) -> tuple[tuple[str, ...], ...]:
+    """For each collective of a batch: its input, if no later stage or collective reads it."""
+    free = set(release)
+    out = []
+    for j, call in enumerate(calls):
+        later = {c.input for c in calls[j + 1 :]}
+        out.append((call.input,) if call.input in free and call.input not in later else ())
+    return tuple(out)
 
 
 def _last_use(seg_nodes: list[list[NodeProto]], batches: list[list[CollectiveCall]]) -> dict:
