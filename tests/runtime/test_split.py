@@ -205,8 +205,8 @@ def test_compute_runs_in_the_segment_of_its_first_consumer():
 
 def test_gradients_are_freed_as_soon_as_their_allreduce_returns():
     """Data parallelism all-reduces every gradient in one batch: each gradient is
-    dropped right after its own all-reduce, not after the whole batch (which held
-    every gradient twice: a 406 M-parameter run measured 1.56x its estimate)."""
+    dropped right after its own all-reduce, not after the whole batch (which holds
+    every gradient twice, reduced and not, until the batch ends)."""
     for plan in _plans(mlp_case(dp=2, tp=1)):
         freed = [n for s in plan.stages for names in s.release_after for n in names]
         reduced = [c.input for c in plan.collectives]
