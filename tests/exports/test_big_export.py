@@ -5,10 +5,11 @@ A Llama-style transformer (tests/exports/models.py, HuggingFace-style code) with
 ``torch.onnx.export(dynamo=True, external_data=True)``; ``tensoropt compile
 --devices 2 --plan megatron`` must import it reading the weights in place (its peak
 resident memory stays under half the weights) and write the per-device shards;
-``tensoropt run --steps 1 --verify`` must then match the unpartitioned step. Batch
+``tensoropt run --steps 1 --verify`` must then match the unpartitioned step after a
+step large enough to move the weights well above float32 rounding. Batch
 and sequence are tiny: the weights are what is big. Each phase runs in its own
 process (so the test process never holds the weights) and its peak memory is read
-from ``getrusage``. Needs 16 GB of available memory and 8 GB of disk; skipped with
+from ``getrusage``. Needs 16 GB of available memory and 12 GB of disk; skipped with
 the reason otherwise.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -35,7 +35,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DIM, HEADS, LAYERS, HIDDEN = 2048, 16, 12, 5632  # 12 x (4 x 2048^2 + 3 x 2048 x 5632)
 MIN_PARAMS = 600_000_000
 NEED_MEMORY = 16 * 2**30
-NEED_DISK = 8 * 2**30
+NEED_DISK = 12 * 2**30
+LR = 1.0  # a large step, so that the update stands well above float32 rounding
+# The exporter folds the causal mask (torch.finfo.min above the diagonal) into an
+# initializer named "clone", which the training step would train like a weight: its
+# 3.4e38 entries would then set --verify's parameter floor (1e-3 of the largest
+# parameter) and hide every other difference. It is frozen.
+FREEZE = "^clone$"
 
 
 def _available_memory() -> int:
@@ -68,16 +74,43 @@ def export_big(path: str) -> None:
         )  # fmt: skip
 
 
+# Runs argv[1:] and prints the largest resident memory of that child (and its own
+# children) in KiB: a fresh process's RUSAGE_CHILDREN covers that child alone.
+_MEASURE = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+    "sys.exit(rc)"
+)
+
+
 def _child(argv: list[str]) -> tuple[str, float]:
     """Run ``argv`` in a child process; (stdout, its peak resident memory in bytes)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    cmd = [sys.executable, "-c", _MEASURE, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     assert proc.returncode == 0, f"{argv[:4]} failed:\n{proc.stderr[-3000:]}"
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of children is the largest of any child so far: only a new maximum is
-    # this child's own peak; otherwise it was at most the old maximum.
-    return proc.stdout, max(peak, before) * 1024.0
+    return proc.stdout, int(proc.stderr.strip().splitlines()[-1]) * 1024.0
+
+
+def _update_size(out: Path, saved: Path) -> float:
+    """max|trained - initial| over the largest initial weight, one tensor at a time."""
+    from tensoropt.runtime.engine import load_device
+    from tensoropt.runtime.external import read_initializer
+    from tensoropt.runtime.manifest import assemble, load_outdir
+
+    manifest = load_outdir(out, check_files=False)
+    inits = [
+        {t.name: t for t in load_device(manifest, r).graph.initializer}
+        for r in range(manifest.world_size)
+    ]
+    moved = scale = 0.0
+    with np.load(saved) as trained:
+        for name in trained.files:
+            pieces = {r: read_initializer(i[name], out) for r, i in enumerate(inits)}
+            before = assemble(pieces, manifest.inputs[name], manifest)
+            moved = max(moved, float(np.max(np.abs(trained[name] - before))))
+            scale = max(scale, float(np.max(np.abs(before))))
+    return moved / scale
 
 
 def _cli(*args: str) -> list[str]:
@@ -105,7 +138,7 @@ def test_an_export_over_2gb_compiles_and_verifies(tmp_path):
     out = tmp_path / "out"
     _, compile_rss = _child(
         _cli("compile", str(model), "--devices", "2", "--plan", "megatron", "--optimizer",
-             "sgd", "--momentum", "0", "--lr", "0.01", "-o", str(out))
+             "sgd", "--momentum", "0", "--lr", str(LR), "--freeze", FREEZE, "-o", str(out))
     )  # fmt: skip
     assert compile_rss < weight_bytes / 2, (
         f"compile peaked at {compile_rss / 2**30:.2f} GiB for {weight_bytes / 2**30:.2f} GiB "
@@ -119,9 +152,19 @@ def test_an_export_over_2gb_compiles_and_verifies(tmp_path):
         s.stat().st_size for s in shards
     ]
 
-    stdout, _ = _child(
-        _cli("run", str(out), "--steps", "1", "--verify", "--json", "--threads", "2")
-    )
+    saved = tmp_path / "trained.npz"
+    stdout, run_rss = _child(
+        _cli("run", str(out), "--steps", "1", "--verify", "--json", "--threads", "2",
+             "--save-params", str(saved))
+    )  # fmt: skip
     report = json.loads(stdout)["verify"]
     assert report["ok"], report
     assert len(report["per_step"]) == 1
+    moved = _update_size(out, saved)
+    assert moved > 1e-3, f"the step moved the weights by only {moved:.1e} of their scale"
+    print(
+        f"\n{params:,} parameters, {weight_bytes / 2**30:.2f} GiB; compile peak RSS "
+        f"{compile_rss / 2**30:.2f} GiB; run --verify peak RSS {run_rss / 2**30:.2f} GiB; "
+        f"rel. error loss {report['max_rel_error_loss']:.1e}, params "
+        f"{report['max_rel_error_params']:.1e}; update {moved:.1e} of the largest weight"
+    )
