@@ -359,6 +359,7 @@ def constants(args: argparse.Namespace) -> str:
     for _ in range(args.repeats):
         for as_initializers in (False, True):
             runs[as_initializers].append(_constants_once(work / "out", as_initializers, args.steps))
+    shutil.rmtree(work)
     a, b = runs[False][0]["losses"], runs[True][0]["losses"]
     loss_diff = max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
     keys = ("build_s", "built", "step_s", "cpu_s", "memory")
