@@ -22,9 +22,12 @@ plans:
 
 output (written completely or not at all):
   OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
+  OUTDIR/device_<k>.data  its weights above 1 KiB (ONNX external data; optimizer
+                          states are not stored: they start as zeros)
   OUTDIR/plan.json        the plan, reusable with --plan
   OUTDIR/manifest.json    how to slice data and parameters per rank, what carries over
   OUTDIR/annotated.onnx   the unpartitioned step with ONNX IRv11 sharding annotations
+                          (+ annotated.data; parameters and states are its inputs)
 
 examples:
   tensoropt compile gpt.onnx --devices 4 --plan data-parallel -o out/
@@ -140,7 +143,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
         f"picked {args.pick}: point {chosen.index} at {search.mesh.size} devices, mesh "
         f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
     )
-    step = build_step(args)
+    step = build_step(args, load_weights=False)  # compile streams the weights itself
     estimate = estimate_of(step, plan, None, args.cluster)
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         plan, data_axes = _load_plan_file(plan_name, mesh)
         mesh = plan.mesh
         notes = ()
-    step = build_step(args)
+    step = build_step(args, load_weights=False)  # compile streams the weights itself
     summary = step.selection.summary(step.model.graph)
     if not is_file:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)

@@ -52,22 +52,19 @@ def _targets(target: str) -> tuple[list[str], list[str], list[str], dict]:
     from tensoropt.passes.training_step import read_signature
 
     if os.path.isdir(target):
-        manifest_path = os.path.join(target, "manifest.json")
-        if not os.path.isfile(manifest_path):
-            raise OutputDirError(f"{target}: no manifest.json; is it a `tensoropt compile` output?")
-        with open(manifest_path) as f:
-            try:
-                manifest = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise OutputDirError(
-                    f"{manifest_path}: not valid JSON ({exc}); recompile"
-                ) from None
-        files = [os.path.join(target, r["file"]) for r in manifest["ranks"]]
-        step = manifest["step"]
-        plan = _plan_source(target)
-        about = {"mesh": manifest.get("mesh"), "plan_source": plan, "estimate": None}
-        about["estimate"] = manifest.get("estimate")
-        return files, step["params"], step["states"], about
+        from tensoropt.runtime.manifest import load_outdir
+
+        # names checked (plain files inside OUTDIR); weights are never read, only graphs
+        manifest = load_outdir(target, check_files=False)
+        files = [str(manifest.device_path(r.rank)) for r in manifest.ranks]
+        with open(os.path.join(target, "manifest.json")) as f:
+            raw = json.load(f)  # load_outdir checked it parses
+        about = {
+            "mesh": raw.get("mesh"),
+            "plan_source": _plan_source(target),
+            "estimate": raw.get("estimate"),
+        }
+        return files, list(manifest.step["params"]), list(manifest.step["states"]), about
     if not os.path.isfile(target):
         raise TensorOptError(f"{target}: no such file or directory")
     model = _load(target)

@@ -21,6 +21,10 @@ data: without --data the global batches are synthetic and seeded (the same ones
 `tensoropt train` uses); --data FILE.npz holds arrays keyed by the model's input
 names plus 'labels', each either the global shape or [steps, ...global shape].
 
+--checkpoint DIR: each rank writes DIR/rank_<r>.step_<s>.tensors (its parameter and
+optimizer-state shards as raw tensors after a JSON header), atomically, keeping its
+newest two; --resume continues from the newest step every rank has.
+
 --verify also runs annotated.onnx (the unpartitioned step) on the same batches and
 prints, per step, the relative error  max|a-b| / max(max|b|, floor)  of the loss
 and of the worst parameter (a = distributed, b = reference; floor = 1e-12 for the

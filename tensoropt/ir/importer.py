@@ -1,6 +1,7 @@
 """Import an ONNX file into the IR with every shape static and known.
 
-Pre: a path to an ONNX model (weights inline or as external data).
+Pre: a path to an ONNX model (weights inline or as external data; external-data
+locations must stay inside the model's directory, see ``ir/external.py``).
 Post: an ``onnx_ir.Model`` at ai.onnx opset >= 20 whose every value has a static
 shape and dtype, whose nodes all have unique names and carry
 ``tensoropt.role=forward`` / ``tensoropt.unit=<own name>`` metadata.
@@ -25,6 +26,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from tensoropt.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+from tensoropt.ir.external import check_extents, check_locations
 from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY, Role
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ def _read_proto(path: str, load_weights: bool) -> onnx.ModelProto:
     if os.path.isdir(path):
         raise ModelLoadError(f"{path}: is a directory, not an .onnx file")
     try:
-        model = onnx.load(path, load_external_data=load_weights)
+        model = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(
@@ -77,6 +79,22 @@ def _read_proto(path: str, load_weights: bool) -> onnx.ModelProto:
         raise ModelLoadError(
             f"{path}: holds no ONNX graph (not an ONNX model, or truncated); re-export it"
         )
+    base_dir = os.path.dirname(os.path.abspath(path))
+    try:
+        check_locations(model, base_dir)
+        if load_weights:
+            check_extents(model, base_dir)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    if load_weights:
+        try:
+            onnx.load_external_data_for_model(model, base_dir)
+        except (RuntimeError, ValueError, OSError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelLoadError(
+                f"{path}: cannot read its external data ({first}); keep the data files "
+                "next to the model"
+            ) from None
     return model
 
 

@@ -1,9 +1,12 @@
 """The compile pipeline: training step + plan -> an output directory.
 
 ``annotate -> annotated.onnx (IRv11 sharding specs) -> insert_redistribution ->
-localize -> lower_for_rank (per rank) -> device_<k>.onnx + plan.json +
-manifest.json``. The directory is written completely or not at all: everything
-goes to a temporary sibling directory that is renamed into place at the end.
+localize -> lower_for_rank (per rank) -> device_<k>.onnx + device_<k>.data +
+plan.json + manifest.json``. Weights are never held in memory: they are detached
+before the first serialization and streamed, block by block, into each file's
+external data (``ir/external.py``; the format is in docs/design/scale.md). The
+directory is written completely or not at all: everything goes to a temporary
+sibling directory that is renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -18,12 +21,23 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
 from tensoropt.errors import OutputDirError
 from tensoropt.ir.builder import static_shape
+from tensoropt.ir.external import (
+    INLINE_MAX_BYTES,
+    Block,
+    DataFileWriter,
+    DigestCache,
+    TensorSource,
+    block_nbytes,
+    read_block,
+    set_external,
+    set_inline,
+    source_of,
+)
 from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan, UnitStrategy
@@ -102,10 +116,6 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _global_values(graph: ir.Graph, names: Sequence[str]) -> dict[str, np.ndarray]:
-    return {n: graph.initializers[n].const_value.numpy() for n in names}
-
-
 def _io_entry(value: ir.Value, layout: Layout, kind: str | None, high: int | None) -> dict:
     entry = {
         "global_shape": list(static_shape(value)),
@@ -126,6 +136,7 @@ def _manifest(step: TrainingStep, ann: Annotation, graph: ir.Graph, layouts, fil
         kinds[sig.labels] = "labels"
     kinds.update({n: "param" for n in sig.params})
     kinds.update({n: "state" for n in sig.states})
+    states = set(sig.states)
     highs = dict(sig.input_high)
     if sig.labels and sig.labels_high is not None:
         highs[sig.labels] = sig.labels_high
@@ -141,6 +152,7 @@ def _manifest(step: TrainingStep, ann: Annotation, graph: ir.Graph, layouts, fil
         "step": sig.to_json(),
         "inputs": {
             v.name: _io_entry(v, layouts[v], kinds.get(v.name, "data"), highs.get(v.name))
+            | ({"init": "zeros"} if v.name in states else {})
             for v in graph.inputs
         },
         "outputs": {v.name: _io_entry(v, layouts[v], None, None) for v in graph.outputs},
@@ -194,36 +206,45 @@ def compile_step(
     so that every command reports the same figures. plan.json records the completed plan:
     every decision unit's strategy, explicit. ``options``: how the passes run
     (verification); None uses ``pipeline.DEFAULT_OPTIONS``.
+
+    No weight is held in memory: the initializers are swapped for data-free stand-ins
+    first (:func:`detach_weights`), and each file's external data is copied from the
+    sources block by block as the file is written.
     """
     model = step.model
     graph = model.graph
     mesh = plan.mesh
+    sig = step.signature
+    sources = detach_weights(graph)
     passes = pipeline.front_half(options or pipeline.DEFAULT_OPTIONS)
     to_layouts, to_template = passes.split_after(pipeline.InsertRedistribution.name)
     state = to_layouts(CompileState.of_step(step, plan, data_axes)).state
     ann, annotated, layouts = state.annotation, state.annotated, state.layouts
     completed = completed_plan(plan, ann)
     _sharding_annotations(annotated, ann, {})
-    sliced = [n for n, v in graph.initializers.items() if _needs(layouts[v])]
-    global_values = _global_values(graph, sliced)
     manifest = _manifest(step, ann, graph, layouts, {})  # global shapes: before localize
     template = to_template(state).state.template
+    # Optimizer states start as zeros that the runtime makes (manifest "init": "zeros");
+    # the reference step gets parameters and states fed, so it stores neither.
+    _drop_initializers(template.proto.graph, set(sig.states))
+    _drop_initializers(annotated.graph, {*sig.params, *sig.states})
     collectives = sum(1 for n in template.proto.graph.node if n.domain == COLLECTIVE_DOMAIN)
     tmp = prepare_outdir(outdir)
     try:
-        files = {}
-        onnx.save(annotated, os.path.join(tmp, "annotated.onnx"))
-        for rank in range(mesh.size):
-            proto = lower_for_rank(template, rank, global_values)
-            path = os.path.join(tmp, f"device_{rank}.onnx")
-            onnx.save(proto, path)
-            files[f"device_{rank}.onnx"] = _sha256(path)
+        digests = DigestCache()
+        files = _write_model(annotated, tmp, "annotated", sources, _full_blocks, digests)
+        for rank, entry in enumerate(manifest["ranks"]):
+            written = _write_model(
+                template, tmp, f"device_{rank}", sources, _lowered(rank), digests
+            )
+            files.update(written)
+            data = f"device_{rank}.data"
+            entry["data"] = data if data in written else None
         plan_path = os.path.join(tmp, "plan.json")
         with open(plan_path, "w") as f:
             json.dump(completed.to_json(), f, indent=2)
-        files["annotated.onnx"] = _sha256(os.path.join(tmp, "annotated.onnx"))
         files["plan.json"] = _sha256(plan_path)
-        manifest["files"] = files
+        manifest["files"] = dict(sorted(files.items()))
         if estimate is not None:
             manifest["estimate"] = dict(estimate)
         for entry in manifest["ranks"]:
@@ -244,6 +265,95 @@ def completed_plan(plan: Plan, ann: Annotation) -> Plan:
         for name, s in ann.roots.items()
     }
     return dataclasses.replace(plan, units=units, data_axes=None)
+
+
+STAND_IN_LOCATION = "__tensoropt_detached__"
+"""The location of a stand-in initializer: never written to a file (see detach_weights)."""
+
+
+def detach_weights(graph: ir.Graph) -> dict[str, TensorSource]:
+    """Swap initializers for data-free stand-ins; return where their bytes are.
+
+    Every external-data initializer and every in-memory one above
+    :data:`INLINE_MAX_BYTES` is detached, so that serializing the graph (the
+    annotated step, the local template) copies no weight bytes; the passes after
+    this read only shapes and small integer constants. External data files are
+    checked here (present, long enough), before any work is done.
+    """
+    sources: dict[str, TensorSource] = {}
+    for name, value in graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or tensor.dtype == ir.DataType.STRING:
+            continue
+        if not isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= INLINE_MAX_BYTES:
+            continue
+        sources[name] = source_of(tensor)
+        value.const_value = ir.ExternalTensor(
+            STAND_IN_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=name
+        )
+    return sources
+
+
+def _drop_initializers(graph: onnx.GraphProto, names: set[str]) -> None:
+    kept = [t for t in graph.initializer if t.name not in names]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamedWeights:
+    """A :class:`WeightSink` that writes blocks into one data file (inline when small)."""
+
+    sources: Mapping[str, TensorSource]
+    writer: DataFileWriter
+
+    def place(self, tensor: onnx.TensorProto, block: Block, zeros: bool) -> None:
+        source = self.sources.get(tensor.name)
+        if source is None:
+            raise AssertionError(f"initializer {tensor.name!r} is a stand-in without a source")
+        del tensor.dims[:]
+        tensor.dims.extend(s.stop - s.start for s in block)
+        if block_nbytes(block, source.dtype) <= INLINE_MAX_BYTES:
+            set_inline(tensor, read_block(source, block, zeros))
+        else:
+            offset, length = self.writer.append(source, block, zeros)
+            set_external(tensor, self.writer.location, offset, length)
+
+
+def _lowered(rank: int):
+    """The ``fill`` of :func:`_write_model` for ``rank``'s device graph."""
+    return lambda template, weights: lower_for_rank(template, rank, weights)
+
+
+def _full_blocks(proto: onnx.ModelProto, weights: _StreamedWeights) -> onnx.ModelProto:
+    """Every stand-in initializer of ``proto`` gets its whole value."""
+    for init in proto.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            weights.place(init, tuple(slice(0, d) for d in init.dims), False)
+    return proto
+
+
+def _write_model(
+    model, tmp: str, stem: str, sources: Mapping[str, TensorSource], fill, digests: DigestCache
+) -> dict[str, str]:
+    """Write ``<stem>.onnx`` and its data file ``<stem>.data``; their sha256 by file name.
+
+    ``fill(model, weights)`` returns the ModelProto to write, its stand-ins placed.
+    """
+    writer = DataFileWriter(os.path.join(tmp, f"{stem}.data"), digests)
+    try:
+        proto = fill(model, _StreamedWeights(sources, writer))
+        data_digest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    path = os.path.join(tmp, f"{stem}.onnx")
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+    files = {f"{stem}.onnx": _sha256(path)}
+    if data_digest is not None:
+        files[f"{stem}.data"] = data_digest
+    return files
 
 
 def _needs(layout: Layout) -> bool:

@@ -8,7 +8,8 @@ Pre: a graph whose every value has a layout and every conversion is inserted
    scales (e.g. a mean over a sharded dim) get a ``Mul``, and every value gets its
    local shape. Collectives get their local output ``shape`` attribute.
 2. :func:`lower_for_rank` (on the serialized proto, cheap per rank): initializers
-   and sharded Constant values become the rank's slice, ``ShardSlice`` becomes a
+   and sharded Constant values become the rank's slice (external-data initializers
+   through a :class:`WeightSink`, which streams the bytes), ``ShardSlice`` becomes a
    ``Slice``, ``ZeroUnlessFirst`` a ``Mul`` by 1 or 0, and collectives get their
    ``group`` of global ranks.
 
@@ -21,8 +22,9 @@ never runs those bodies, it executes the collectives itself.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -30,6 +32,7 @@ import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
+from tensoropt.ir.external import Block
 from tensoropt.ir.layout import Layout, Partial, Shard, local_shape, slice_for
 from tensoropt.ir.mesh import Mesh
 from tensoropt.passes import sharding_adapter as sa
@@ -192,20 +195,57 @@ def stand_in_functions(opset: int) -> list[onnx.FunctionProto]:
     return functions
 
 
-def lower_for_rank(
-    template: LocalTemplate, rank: int, global_values: Mapping[str, np.ndarray]
-) -> onnx.ModelProto:
-    """Stage 2 (see module doc): the device graph of ``rank``."""
+class WeightSink(Protocol):
+    """Gives an external-data initializer of a device graph its rank's bytes."""
+
+    def place(self, tensor: onnx.TensorProto, block: Block, zeros: bool) -> None:
+        """Make ``tensor`` hold ``block`` of its global value (zeros if ``zeros``)."""
+
+
+def shard_block(
+    global_shape: Sequence[int], layout: Layout | None, mesh: Mesh, coords: Sequence[int]
+) -> tuple[Block, bool]:
+    """The block of the global tensor the rank at ``coords`` holds, and whether it is zeros.
+
+    The CONTRACTS slicing rule (as :func:`slice_for`): each ``S(d)`` axis in order
+    splits the current range of dim ``d`` into equal pieces; a ``Partial`` axis keeps
+    the value on coordinate 0 and zeros elsewhere.
+    """
+    lo = [0] * len(global_shape)
+    hi = list(global_shape)
+    zeros = False
+    for axis, p in enumerate(layout.placements if layout is not None else ()):
+        c = coords[axis]
+        if isinstance(p, Shard):
+            piece = (hi[p.dim] - lo[p.dim]) // mesh.shape[axis]
+            lo[p.dim] += c * piece
+            hi[p.dim] = lo[p.dim] + piece
+        elif isinstance(p, Partial) and c != 0:
+            zeros = True
+    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True)), zeros
+
+
+def lower_for_rank(template: LocalTemplate, rank: int, weights: WeightSink) -> onnx.ModelProto:
+    """Stage 2 (see module doc): the device graph of ``rank``.
+
+    The template holds no weight bytes: every initializer stored as external data
+    (a data-free stand-in) gets its rank's block through ``weights``; small inline
+    initializers are sliced here.
+    """
     mesh = template.mesh
     coords = mesh.coords(rank)
     proto = copy.deepcopy(template.proto)
     graph = proto.graph
     for init in graph.initializer:
         layout = template.initializer_layouts.get(init.name)
-        if layout is None:
-            continue
-        piece = slice_for(global_values[init.name], layout, mesh, coords, init.name)
-        init.CopyFrom(numpy_helper.from_array(piece, init.name))
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            if layout is not None:  # an uneven split is a ShardingError, as in slice_for
+                local_shape(tuple(init.dims), layout, mesh, init.name)
+            block, zeros = shard_block(tuple(init.dims), layout, mesh, coords)
+            weights.place(init, block, zeros)
+        elif layout is not None:
+            piece = slice_for(numpy_helper.to_array(init), layout, mesh, coords, init.name)
+            init.CopyFrom(numpy_helper.from_array(piece, init.name))
     shapes = _value_shapes(graph)
     new_nodes = []
     for node in graph.node:

@@ -234,7 +234,12 @@ def _detach_large_weights(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
     detached: dict[str, ir.TensorProtocol] = {}
     for name, value in graph.initializers.items():
         tensor = value.const_value
-        if tensor is None or isinstance(tensor, ir.ExternalTensor):
+        if tensor is None:
+            continue
+        if isinstance(tensor, ir.ExternalTensor):
+            # Serialized as a reference (no bytes); re-attached so that it keeps the
+            # base directory its data file is found in, which a round trip drops.
+            detached[name] = tensor
             continue
         if not tensor.dtype.is_floating_point() or tensor.nbytes <= SHAPE_ONLY_BYTES:
             continue

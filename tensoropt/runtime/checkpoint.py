@@ -1,11 +1,14 @@
 """Per-rank checkpoint shards, written atomically, and resumption.
 
 Layout of a checkpoint directory: one file per rank and saved step,
-``rank_<rank>.step_<step>.npz`` (``step`` = number of completed steps). Each holds
-that rank's local parameter and optimizer-state shards plus a ``__meta__`` entry
-(JSON: step, loss history, seed, world size, sha256 of the manifest it was
-written for). A file is written to a temp name in the same directory and then
-``os.replace``d, so a crash never leaves a half-written shard under a real name.
+``rank_<rank>.step_<step>.tensors`` (``step`` = number of completed steps), a
+:mod:`tensoropt.runtime.tensorfile`: that rank's local parameter and
+optimizer-state shards as raw aligned bytes, after a JSON header that names each
+tensor's dtype, shape and offset and holds the metadata (step, loss history, seed,
+world size, sha256 of the manifest it was written for). A shard is streamed to a
+temp name in the same directory and then ``os.replace``d, so a crash never leaves a
+half-written shard under a real name, and no second copy of the state is built in
+memory to write it.
 
 Each rank keeps its newest two shards. Ranks write independently, so a crash can
 leave rank 0 at step 5 and rank 1 at step 4; :func:`latest_common_step` resumes
@@ -16,7 +19,6 @@ rank 0's host (a shared filesystem when running over several hosts).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -28,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from tensoropt.errors import TensorOptError
+from tensoropt.runtime.tensorfile import read_tensors, write_tensors
 
-_META = "__meta__"
-_NAME = re.compile(r"^rank_(\d+)\.step_(\d+)\.npz$")
+_NAME = re.compile(r"^rank_(\d+)\.step_(\d+)\.tensors$")
 KEEP = 2
 
 
@@ -78,14 +80,21 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
+    """An .npz of ``arrays``, streamed to a temp file renamed into place (no bytes copy)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def shard_path(directory: Path, rank: int, step: int) -> Path:
-    return directory / f"rank_{rank}.step_{step}.npz"
+    return directory / f"rank_{rank}.step_{step}.tensors"
 
 
 def save_shard(
@@ -94,10 +103,8 @@ def save_shard(
     """Write one rank's shard for ``meta.step`` and drop its shards older than the last two."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = dict(state)
-    arrays[_META] = np.frombuffer(meta.to_json().encode(), dtype=np.uint8)
     path = shard_path(directory, rank, meta.step)
-    write_atomic(path, npz_bytes(arrays))
+    write_tensors(path, state, json.loads(meta.to_json()))
     for old in sorted(_steps_of(directory).get(rank, ()))[:-KEEP]:
         shard_path(directory, rank, old).unlink(missing_ok=True)
     return path
@@ -126,13 +133,11 @@ def load_shard(
 ) -> tuple[dict[str, np.ndarray], CheckpointMeta]:
     """One rank's state and the checkpoint metadata stored with it."""
     path = shard_path(Path(directory), rank, step)
+    arrays, meta = read_tensors(path)
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise TensorOptError(f"{path}: unreadable checkpoint shard ({exc})") from exc
-    meta = CheckpointMeta.from_json(arrays.pop(_META).tobytes().decode())
-    return arrays, meta
+        return arrays, CheckpointMeta.from_json(json.dumps(meta))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TensorOptError(f"{path}: checkpoint shard without valid metadata ({exc!r})") from exc
 
 
 def check_meta(meta: CheckpointMeta, seed: int, world_size: int, manifest_sha: str, where: Path):

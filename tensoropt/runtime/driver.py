@@ -23,7 +23,7 @@ from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.arena import ArenaMode
 from tensoropt.runtime.data import batch_source, specs_from_manifest
 from tensoropt.runtime.engine import Engine, initial_state
-from tensoropt.runtime.manifest import InputKind, Manifest, assemble, shard
+from tensoropt.runtime.manifest import InputKind, Manifest, assemble, block_of, shard
 from tensoropt.runtime.profiling import ProfileReport, StepClock, StepRecord
 from tensoropt.runtime.verify import DEFAULT_TOLERANCE, Reference, VerifyReport, VerifyStep
 
@@ -171,15 +171,18 @@ def _state_names(manifest: Manifest) -> list[str]:
 
 def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions) -> _Loop:
     names = _state_names(manifest)
-    loop = _Loop({r: initial_state(models[r], names, r) for r in engine.ranks}, [], 0)
+    loop = _Loop({r: initial_state(manifest, models[r], names, r) for r in engine.ranks}, [], 0)
     if opts.resume:
         _resume(engine, manifest, opts, loop)
-    if opts.verify and engine.is_root:
-        loop.reference = Reference.open(manifest.outdir, opts.threads)
-    if opts.verify and loop.start > 0:
+    if opts.verify:
+        # The reference starts from the global values assembled from the rank shards;
+        # an annotated.onnx that stores its own initial values (and a run from step 0)
+        # starts from those instead, which also checks how compile sliced them.
         params, states = _gather_global(engine, manifest, loop.state)
-        if loop.reference is not None:
-            loop.reference.state = {**params, **states}
+        if engine.is_root:
+            loop.reference = Reference.open(manifest.outdir, opts.threads, opts.arena)
+            if loop.start > 0 or not loop.reference.state:
+                loop.reference.state = {**params, **states}
     return loop
 
 
@@ -220,21 +223,51 @@ def _carry(manifest: Manifest, outputs: Mapping[str, np.ndarray]) -> State:
     return {carry[o]: outputs[o] for o in carry}
 
 
-def _gather_global(engine: Engine, manifest: Manifest, state: Mapping[int, State]):
-    """Full parameters and states from the rank shards (root only; else empty dicts)."""
-    gathered = engine.gather({r: state[r] for r in engine.ranks})
-    if gathered is None:
-        return {}, {}
+def _gather_global(
+    engine: Engine,
+    manifest: Manifest,
+    state: Mapping[int, State],
+    kinds: tuple[InputKind, ...] = (InputKind.PARAM, InputKind.STATE),
+):
+    """Full parameters and states from the rank shards (root only; else empty dicts).
+
+    One tensor at a time, and only from the lowest rank holding each block (a
+    replicated tensor comes from rank 0 alone): the root never holds more than the
+    result plus one tensor's pieces, which matters when the state is gigabytes."""
     params: dict[str, np.ndarray] = {}
     states: dict[str, np.ndarray] = {}
-    for info in manifest.inputs_of(InputKind.PARAM, InputKind.STATE):
-        full = assemble({r: s[info.name] for r, s in gathered.items()}, info, manifest)
+    for info in manifest.inputs_of(*kinds):
+        owners = _owners(info, manifest)
+        pieces = engine.gather(
+            {r: state[r][info.name] if r in owners else None for r in engine.ranks}
+        )
+        if pieces is None:
+            continue
+        held = {r: v for r, v in pieces.items() if v is not None}
+        only = next(iter(held.values()))
+        if len(held) == 1 and only.shape == info.global_shape:
+            full = only  # replicated: the root's own array (values are never changed in place)
+        else:
+            full = assemble(held, info, manifest)
         (params if info.kind is InputKind.PARAM else states)[info.name] = full
     return params, states
 
 
+def _owners(info, manifest: Manifest) -> set[int]:
+    """Ranks whose block of ``info`` no lower rank holds (blocks are equal or disjoint)."""
+    seen: set[tuple] = set()
+    owners: set[int] = set()
+    for r in manifest.ranks:
+        block = block_of(info.global_shape, info.placements, manifest.mesh_shape, r.coords)
+        key = tuple((b.start, b.stop) for b in block)
+        if key not in seen:
+            seen.add(key)
+            owners.add(r.rank)
+    return owners
+
+
 def _verify_step(engine, manifest, loop: _Loop, k: int, batch, loss: float) -> VerifyStep | None:
-    params, _ = _gather_global(engine, manifest, loop.state)
+    params, _ = _gather_global(engine, manifest, loop.state, (InputKind.PARAM,))
     if loop.reference is None:
         return None
     vstep = loop.reference.step_and_compare(k, batch, loss, params)

@@ -19,10 +19,11 @@ import onnx
 
 from tensoropt.errors import OutputDirError, TensorOptError
 from tensoropt.runtime.comm import LocalWorld
-from tensoropt.runtime.manifest import Manifest
+from tensoropt.runtime.external import load_graph, read_initializer
+from tensoropt.runtime.manifest import InputInfo, InputInit, Manifest, block_of
 from tensoropt.runtime.profiling import StepClock, now
 from tensoropt.runtime.program import RankProgram, SessionConfig, check_collective_order
-from tensoropt.runtime.split import SplitPlan, split_graph
+from tensoropt.runtime.split import SplitPlan, shared_weights, split_graph
 
 Feeds = Mapping[str, np.ndarray]
 
@@ -42,11 +43,8 @@ class Engine(Protocol):
 
 
 def load_device(manifest: Manifest, rank: int) -> onnx.ModelProto:
-    path = manifest.device_path(rank)
-    try:
-        return onnx.load(str(path))
-    except Exception as exc:  # onnx raises DecodeError, OSError, ...
-        raise OutputDirError(f"{path}: cannot load ({exc}); recompile the model") from exc
+    """Rank ``rank``'s device graph without its weight bytes (they stay in its data file)."""
+    return load_graph(manifest.device_path(rank))
 
 
 def fed_names(manifest: Manifest) -> set[str]:
@@ -54,23 +52,50 @@ def fed_names(manifest: Manifest) -> set[str]:
     return set(manifest.inputs)
 
 
+def split_rank(manifest: Manifest, model: onnx.ModelProto, rank: int) -> SplitPlan:
+    """Split one rank's graph; its shared constants are read once from OUTDIR."""
+    fed = fed_names(manifest)
+    weights = shared_weights(model, fed, manifest.outdir)
+    return split_graph(model, rank, manifest.world_size, fed, weights)
+
+
 def split_all(manifest: Manifest, models: Mapping[int, onnx.ModelProto]) -> dict[int, SplitPlan]:
     """Split every given rank's graph and run the cross-rank pre-check."""
-    fed = fed_names(manifest)
-    plans = {r: split_graph(m, r, manifest.world_size, fed) for r, m in models.items()}
+    plans = {r: split_rank(manifest, m, r) for r, m in models.items()}
     check_collective_order({r: p.collectives for r, p in plans.items()})
     return plans
 
 
-def initial_state(model: onnx.ModelProto, names: Sequence[str], rank: int) -> dict[str, np.ndarray]:
-    """Initial local parameter/state values: the device graph's initializers."""
+def initial_state(
+    manifest: Manifest, model: onnx.ModelProto, names: Sequence[str], rank: int
+) -> dict[str, np.ndarray]:
+    """Initial local parameter/state values of ``rank``.
+
+    An input marked ``"init": "zeros"`` starts as zeros of its local shard shape;
+    any other is the device graph's initializer, read from the rank's data file."""
     inits = {t.name: t for t in model.graph.initializer if t.name in set(names)}
-    missing = [n for n in names if n not in inits]
+    state: dict[str, np.ndarray] = {}
+    missing = []
+    for name in names:
+        info = manifest.inputs[name]
+        if info.init is InputInit.ZEROS:
+            state[name] = np.zeros(local_shape(info, manifest, rank), dtype=info.dtype)
+        elif name in inits:
+            state[name] = read_initializer(inits[name], manifest.outdir)
+        else:
+            missing.append(name)
     if missing:
         raise OutputDirError(
             f"device graph of rank {rank} has no initializer for {missing}; recompile the model"
         )
-    return {n: onnx.numpy_helper.to_array(inits[n]) for n in names}
+    return state
+
+
+def local_shape(info: InputInfo, manifest: Manifest, rank: int) -> tuple[int, ...]:
+    """The shape of ``rank``'s piece of an input (the slicing rule)."""
+    coords = manifest.ranks[rank].coords
+    block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
+    return tuple(b.stop - b.start for b in block)
 
 
 class LocalEngine:
@@ -106,6 +131,8 @@ class LocalEngine:
                 for r, c in calls.items():
                     envs[r][c.output] = outs[r]
                 self._add_comm(now() - t0)
+                for r, p in self._programs.items():
+                    p.release_input(i, j, envs[r])
             for r, p in self._programs.items():
                 p.release(i, envs[r])
         return {r: p.finish(envs[r]) for r, p in self._programs.items()}

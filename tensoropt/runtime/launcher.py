@@ -37,13 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from tensoropt import errors
 from tensoropt.errors import TensorOptError, WorkerFault
 from tensoropt.runtime.driver import RunOptions, RunResult
 from tensoropt.runtime.malloc import child_env
 from tensoropt.runtime.profiling import ProfileReport
+from tensoropt.runtime.tensorfile import read_tensors
 from tensoropt.runtime.verify import VerifyReport, VerifyStep
 from tensoropt.runtime.worker import PROGRESS
 
@@ -269,8 +268,7 @@ def _read_result(rundir: Path, world_size: int, opts: RunOptions) -> RunResult:
     if not meta_path.exists():
         raise WorkerFault("the MPI job ended without a result from rank 0")
     meta = json.loads(meta_path.read_text())
-    with np.load(rundir / "result.npz") as npz:
-        arrays = {k: npz[k] for k in npz.files}
+    arrays, _ = read_tensors(rundir / "result.tensors")
     report = None
     if meta["verify"] is not None:
         steps = tuple(_verify_step(s) for s in meta["verify"]["per_step"])

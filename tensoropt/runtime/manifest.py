@@ -37,6 +37,12 @@ class InputKind(enum.Enum):
     STATE = "state"
 
 
+class InputInit(enum.Enum):
+    """How an input without an initializer starts (manifest input ``"init"``)."""
+
+    ZEROS = "zeros"  # zeros of the rank's local shape (optimizer states)
+
+
 @dataclass(frozen=True, slots=True)
 class InputInfo:
     """One entry of manifest["inputs"]: a graph input of every device graph."""
@@ -47,6 +53,7 @@ class InputInfo:
     dtype: str
     placements: tuple[str, ...]
     high: int | None = None  # exclusive upper bound for synthetic integer data
+    init: InputInit | None = None  # set: no initializer in the device graphs
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +62,7 @@ class RankInfo:
     coords: tuple[int, ...]
     file: str
     sha256: str
+    data: str | None = None  # the external data file of ``file`` (None: all inline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +115,38 @@ def load_outdir(outdir: str | Path, check_files: bool = True) -> Manifest:
         manifest = _parse(outdir, raw, sha256_file(path))
     except (KeyError, TypeError, ValueError) as exc:
         raise OutputDirError(f"{path}: malformed manifest ({exc!r}); {_RECOMPILE}") from exc
+    files = raw.get("files", {})
+    for rank in manifest.ranks:
+        if rank.data is not None and rank.data not in files:
+            raise OutputDirError(
+                f"{path}: data file {rank.data!r} of rank {rank.rank} has no sha256 in "
+                f'"files"; {_RECOMPILE}'
+            )
     if check_files:
         expected = {r.file: r.sha256 for r in manifest.ranks}
-        expected.update(raw.get("files", {}))
+        expected.update(files)
         for name, digest in expected.items():
-            check_file(outdir / name, digest)
+            check_file(outdir / plain_name(name, path), digest)
     return manifest
+
+
+def plain_name(name: object, manifest: Path) -> str:
+    """``name`` if it is a plain file name inside the output directory; refuses others."""
+    text = str(name)
+    bad = (
+        not isinstance(name, str)
+        or text in ("", ".", "..")
+        or "/" in text
+        or "\\" in text
+        or "\0" in text
+        or ":" in text
+    )
+    if bad:
+        raise OutputDirError(
+            f"{manifest}: names {text!r}, which is not a plain file name inside the output "
+            f"directory; {_RECOMPILE}"
+        )
+    return text
 
 
 def check_file(path: Path, digest: str) -> None:
@@ -131,10 +165,19 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
         raise ValueError(f"schema {raw.get('schema')!r}, expected {MANIFEST_SCHEMA!r}")
     world = int(raw["world_size"])
     mesh = raw.get("mesh", {"shape": [world], "axis_names": ["d"]})
+    where = outdir / "manifest.json"
     ranks = tuple(
-        RankInfo(int(r["rank"]), tuple(r["coords"]), str(r["file"]), str(r["sha256"]))
+        RankInfo(
+            int(r["rank"]),
+            tuple(r["coords"]),
+            plain_name(r["file"], where),
+            str(r["sha256"]),
+            None if r.get("data") is None else plain_name(r["data"], where),
+        )
         for r in sorted(raw["ranks"], key=lambda r: int(r["rank"]))
     )
+    for name in raw.get("files", {}):
+        plain_name(name, where)
     if [r.rank for r in ranks] != list(range(world)):
         raise ValueError(f"ranks {[r.rank for r in ranks]} should be 0..{world - 1}")
     inputs = {}
@@ -147,6 +190,7 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
             dtype=str(e.get("dtype", "float32")),
             placements=tuple(e.get("placements", ["R"] * len(mesh["shape"]))),
             high=None if high is None else int(high),
+            init=None if e.get("init") is None else InputInit(e["init"]),
         )
     return Manifest(
         outdir=outdir,

@@ -113,7 +113,8 @@ class RankProgram:
                 f"rank {self.rank}: no value fed for graph input(s) {missing}; "
                 "the manifest does not describe them"
             )
-        env = dict(self.plan.constants)
+        env = dict(self.plan.weights)  # shared constants: fed to segments, never copied
+        env.update(self.plan.constants)
         env.update(feeds)
         return env
 
@@ -134,6 +135,11 @@ class RankProgram:
         for name in self.plan.stages[i].release:
             env.pop(name, None)
 
+    def release_input(self, i: int, j: int, env: dict[str, np.ndarray]) -> None:
+        """Drop the input of collective ``j`` of stage ``i`` if nothing later reads it."""
+        for name in self.plan.stages[i].release_after[j]:
+            env.pop(name, None)
+
     def finish(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The graph outputs of a finished step."""
         return {name: env[name] for name in self.plan.outputs}
@@ -143,11 +149,12 @@ class RankProgram:
         env = self.begin(feeds)
         for i, stage in enumerate(self.plan.stages):
             self.run_segment(i, env)
-            for call in stage.collectives:
+            for j, call in enumerate(stage.collectives):
                 t0 = now()
                 env[call.output] = dispatch(comm, call, env[call.input])
                 if self.clock is not None:
                     self.clock.add_comm(now() - t0)
+                self.release_input(i, j, env)
             self.release(i, env)
         return self.finish(env)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.arena import ArenaMode
-from tensoropt.runtime.checkpoint import npz_bytes, write_atomic
+from tensoropt.runtime.checkpoint import save_npz
 from tensoropt.runtime.data import load_npz, specs_from_manifest
 from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
 from tensoropt.runtime.engine import LocalEngine, load_device, split_all
@@ -98,7 +98,7 @@ def run_steps(
     else:
         result = _run_mpi(manifest, opts, hostfile, on_step, stall_timeout)
     if save_params is not None:
-        write_atomic(save_params, npz_bytes(result.params))
+        save_npz(save_params, result.params)
     return result
 
 

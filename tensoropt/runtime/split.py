@@ -28,14 +28,21 @@ in the same segment. Within a segment and a batch, nodes keep graph order. Since
 every rank's graph has the same structure, every rank issues its collectives in
 the same order (checked by :func:`tensoropt.runtime.program.check_collective_order`).
 
-Initializers stay inside each segment that uses them (copied when several do);
-only names in ``fed`` (data, labels, parameters, optimizer state) become segment
-inputs fed every step.
+Names in ``fed`` (data, labels, parameters, optimizer state) become segment inputs
+fed every step. Other initializers are constants: a small one (at most 1 KiB:
+shapes, axes, scalars) is copied into each segment that reads it, where onnxruntime
+and shape inference see its value; a larger one (or one in external data) is a
+*shared* constant: the rank holds one array of it (``SplitPlan.weights``) and every
+segment that reads it gets it as a segment input, fed from that array (onnxruntime
+reads a fed numpy array in place). No segment proto embeds weight bytes. Handing
+the array to each session as an initializer instead
+(``SessionOptions.add_external_initializers``) made onnxruntime 1.32 copy it into
+every session (measured in benchmarks/RESULTS.md, "Runtime at scale").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +57,7 @@ from tensoropt.runtime.collectives import (
     output_dims,
     parse_collective,
 )
+from tensoropt.runtime.external import is_shared, read_initializer
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -60,6 +68,7 @@ class Segment:
     model: ModelProto
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    shared: tuple[str, ...] = ()  # inputs that are shared constants (SplitPlan.weights)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -69,6 +78,9 @@ class Stage:
     segment: Segment | None
     collectives: tuple[CollectiveCall, ...]
     release: tuple[str, ...] = ()  # values no later stage reads (freed after this stage)
+    # per collective: inputs that nothing after it reads (freed as soon as it returns, so
+    # a batch of all-reduces does not hold every gradient twice)
+    release_after: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,6 +93,8 @@ class SplitPlan:
     outputs: tuple[str, ...]  # graph outputs, in graph order
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # initializers read
     # by collectives or returned as outputs directly
+    weights: dict[str, np.ndarray] = field(default_factory=dict)  # the rank's one copy of
+    # every shared constant (fed to the segments that read it)
 
     @property
     def collectives(self) -> tuple[CollectiveCall, ...]:
@@ -184,10 +198,38 @@ def collective_order(model: ModelProto, rank: int, world_size: int) -> tuple[Col
     return tuple(call for _, _, call in sorted(calls, key=lambda t: (t[0], t[1])))
 
 
-def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str]) -> SplitPlan:
-    """Split one rank's device graph; ``fed`` names the inputs fed every step."""
+def shared_weights(model: ModelProto, fed: Iterable[str], base=None) -> dict[str, np.ndarray]:
+    """The values of ``model``'s shared constants (not fed, external or over 1 KiB).
+
+    External data is read from the directory ``base`` (one copy per tensor)."""
+    fed_set = set(fed)
+    out: dict[str, np.ndarray] = {}
+    for t in model.graph.initializer:
+        if t.name in fed_set or not is_shared(t):
+            continue
+        if base is None and t.data_location == onnx.TensorProto.EXTERNAL:
+            raise TensorOptError(
+                f"initializer {t.name!r} is external data: pass the directory of its file"
+            )
+        out[t.name] = read_initializer(t, base)
+    return out
+
+
+def split_graph(
+    model: ModelProto,
+    rank: int,
+    world_size: int,
+    fed: Iterable[str],
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> SplitPlan:
+    """Split one rank's device graph; ``fed`` names the inputs fed every step.
+
+    ``weights``: the rank's shared constants (:func:`shared_weights`; read from the
+    graph when omitted, which needs the weight bytes inline)."""
     graph = model.graph
     fed_set = set(fed)
+    if weights is None:
+        weights = shared_weights(model, fed_set)
     sched = _schedule(graph, rank)
     n = sched.num_stages
     seg_nodes: list[list[NodeProto]] = [[] for _ in range(n)]
@@ -206,6 +248,7 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
         last_use=_last_use(seg_nodes, batches),
         coll_reads={c.input for calls in batches for c in calls},
         types=_initial_types(graph),
+        weights=dict(weights),
     )
     stages: list[Stage] = []
     for i in range(n):
@@ -216,9 +259,11 @@ def split_graph(model: ModelProto, rank: int, world_size: int, fed: Iterable[str
         release = tuple(
             sorted(v for v, s in ctx.last_use.items() if s == i and v not in ctx.graph_outputs)
         )
-        stages.append(Stage(segment, tuple(batches[i]), release))
+        stages.append(
+            Stage(segment, tuple(batches[i]), release, _release_after(batches[i], release))
+        )
     feeds = tuple(i.name for i in graph.input if i.name in fed_set or i.name not in ctx.inits)
-    return SplitPlan(rank, tuple(stages), feeds, ctx.graph_outputs, ctx.constants())
+    return SplitPlan(rank, tuple(stages), feeds, ctx.graph_outputs, ctx.constants(), ctx.weights)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -232,6 +277,7 @@ class _Context:
     last_use: dict[str, int]  # value -> last stage whose segment or batch reads it
     coll_reads: set[str]  # values some collective reads
     types: dict[str, TypeProto]  # grows as segments are inferred
+    weights: dict[str, np.ndarray]  # shared constants (one copy per rank)
 
     def exported(self, name: str, index: int) -> bool:
         """Must segment ``index``, which produces ``name``, hand it out?"""
@@ -245,10 +291,24 @@ class _Context:
         """Initializers that something other than a segment reads (kept as numpy)."""
         wanted = self.coll_reads | set(self.graph_outputs)
         return {
-            name: numpy_helper.to_array(self.inits[name])
+            name: self.weights[name]
+            if name in self.weights
+            else numpy_helper.to_array(self.inits[name])
             for name in sorted(wanted)
             if name in self.inits and name not in self.fed
         }
+
+
+def _release_after(
+    calls: list[CollectiveCall], release: tuple[str, ...]
+) -> tuple[tuple[str, ...], ...]:
+    """For each collective of a batch: its input, if no later stage or collective reads it."""
+    free = set(release)
+    out = []
+    for j, call in enumerate(calls):
+        later = {c.input for c in calls[j + 1 :]}
+        out.append((call.input,) if call.input in free and call.input not in later else ())
+    return tuple(out)
 
 
 def _last_use(seg_nodes: list[list[NodeProto]], batches: list[list[CollectiveCall]]) -> dict:
@@ -280,8 +340,16 @@ def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
     external = list(
         dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced_set)
     )
-    inputs = [n for n in external if n in ctx.fed or n not in ctx.inits]
-    seg_inits = [ctx.inits[n] for n in external if n not in ctx.fed and n in ctx.inits]
+    consts = [n for n in external if n not in ctx.fed and n in ctx.inits]
+    for n in consts:
+        if n not in ctx.weights and is_shared(ctx.inits[n]):
+            raise TensorOptError(
+                f"segment {index}: constant {n!r} has no shared value; load the rank's "
+                "weights with shared_weights"
+            )
+    shared = [n for n in consts if n in ctx.weights]
+    inputs = [n for n in external if n in ctx.fed or n not in ctx.inits or n in ctx.weights]
+    seg_inits = [ctx.inits[n] for n in consts if n not in ctx.weights]
     outputs = [o for o in produced if ctx.exported(o, index)]
     types, model = ctx.types, ctx.model
     where = f"segment {index}"
@@ -295,7 +363,7 @@ def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
         if vi.type.WhichOneof("value"):
             types.setdefault(vi.name, vi.type)
     seg.graph.output.extend(_value_info(o, types, where) for o in outputs)
-    return Segment(index, seg, tuple(inputs), tuple(outputs))
+    return Segment(index, seg, tuple(inputs), tuple(outputs), tuple(shared))
 
 
 def _value_info(name: str, types: dict[str, TypeProto], where: str) -> onnx.ValueInfoProto:

@@ -115,10 +115,13 @@ class Reference:
     state: dict[str, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
-    def open(outdir: Path, threads: int | None = None) -> Reference:
+    def open(outdir: Path, threads: int | None = None, arena=None) -> Reference:
+        """The reference over ``annotated.onnx``; ``arena`` as the rank's segments use
+        (the shared arena lets the reference step reuse the memory the rank's step
+        freed, so rank 0 holds the larger of the two peaks, not their sum)."""
         from tensoropt.runtime.single import StepSession
 
-        session = StepSession(outdir / "annotated.onnx", threads=threads)
+        session = StepSession(outdir / "annotated.onnx", threads=threads, arena=arena)
         return Reference(session, session.initial_state())
 
     def step_and_compare(

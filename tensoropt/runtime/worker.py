@@ -7,7 +7,8 @@ the parent only through files in RUNDIR and JSON lines on stdout:
 * ``rank_<k>.pid``   -- "<host> <pid>", written first (the parent's watchdog);
 * stdout lines ``TENSOROPT_PROGRESS {...}`` from rank 0 after every step;
 * ``error_rank_<k>.json`` -- the error of a failing rank (then MPI Abort);
-* ``result.json`` + ``result.npz`` -- rank 0's result; ``rank_<k>.done`` at the end.
+* ``result.json`` + ``result.tensors`` (a tensor file) -- rank 0's result;
+  ``rank_<k>.done`` at the end.
 
 ``TENSOROPT_FAULT_INJECT=RANK:STEP[:hang]`` makes rank RANK die (``os._exit``),
 or hang, just before global step STEP: the fault-handling tests use it.
@@ -51,20 +52,22 @@ def _write_json(path: Path, data: object) -> None:
 
 
 def _run(rundir: Path, config: dict, rank: int, world) -> None:
-    from tensoropt.runtime.checkpoint import npz_bytes, write_atomic
     from tensoropt.runtime.driver import RunOptions, drive
-    from tensoropt.runtime.engine import MpiEngine, fed_names, load_device
+    from tensoropt.runtime.engine import MpiEngine, load_device, split_rank
     from tensoropt.runtime.manifest import check_file, load_outdir
     from tensoropt.runtime.program import SessionConfig
-    from tensoropt.runtime.split import split_graph
+    from tensoropt.runtime.tensorfile import write_tensors
 
     opts = RunOptions.from_json(config["options"])
     opts = RunOptions.from_json({**opts.to_json(), "fault": _fault_from_env()})
     manifest = load_outdir(config["outdir"], check_files=False)
     info = manifest.ranks[rank]
     check_file(manifest.outdir / info.file, info.sha256)
+    if info.data is not None:  # this rank's weights: checked here, read in place below
+        files = json.loads((manifest.outdir / "manifest.json").read_text()).get("files", {})
+        check_file(manifest.outdir / info.data, files.get(info.data, ""))
     model = load_device(manifest, rank)
-    plan = split_graph(model, rank, manifest.world_size, fed_names(manifest))
+    plan = split_rank(manifest, model, rank)
     threads = opts.threads or _threads(world)
     engine = MpiEngine(plan, world, SessionConfig(intra_op_threads=threads, arena=opts.arena))
 
@@ -76,7 +79,7 @@ def _run(rundir: Path, config: dict, rank: int, world) -> None:
     if result is not None:
         arrays = {f"param/{k}": v for k, v in result.params.items()}
         arrays.update({f"state/{k}": v for k, v in result.states.items()})
-        write_atomic(rundir / "result.npz", npz_bytes(arrays))
+        write_tensors(rundir / "result.tensors", arrays, {})
         meta = {
             "losses": result.losses,
             "start_step": result.start_step,

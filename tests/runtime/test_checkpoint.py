@@ -33,7 +33,7 @@ def test_resume_uses_newest_step_every_rank_has(outdirs, tmp_path):
     # a crash while writing step 3: rank 1's newest shard never appeared
     ckpt.shard_path(tmp_path, 1, 3).unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "rank_0.step_2.npz", "rank_0.step_3.npz", "rank_1.step_2.npz"
+        "rank_0.step_2.tensors", "rank_0.step_3.tensors", "rank_1.step_2.tensors"
     ]  # fmt: skip
     resumed = run_steps(outdirs("dp2"), 4, checkpoint=tmp_path, resume=True)
     assert resumed.start_step == 2
@@ -43,8 +43,8 @@ def test_resume_uses_newest_step_every_rank_has(outdirs, tmp_path):
 def test_checkpoint_every_k_and_no_temp_files_left(outdirs, tmp_path):
     run_steps(outdirs("dp2"), 5, checkpoint=tmp_path, checkpoint_every=2)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["rank_0.step_4.npz", "rank_0.step_5.npz",
-                     "rank_1.step_4.npz", "rank_1.step_5.npz"]  # fmt: skip
+    assert names == ["rank_0.step_4.tensors", "rank_0.step_5.tensors",
+                     "rank_1.step_4.tensors", "rank_1.step_5.tensors"]  # fmt: skip
     _, meta = ckpt.load_shard(tmp_path, 1, 5)
     assert meta.step == 5 and len(meta.losses) == 5
 

@@ -202,3 +202,15 @@ def test_compute_runs_in_the_segment_of_its_first_consumer():
     assert names == [["neg"], ["relu", "mul"]]
     x = np.ones((2, 4), np.float32)
     np.testing.assert_array_equal(LocalEngine({0: plan}).step({0: {"x": x}})[0]["y"], -0.5 * x)
+
+
+def test_gradients_are_freed_as_soon_as_their_allreduce_returns():
+    """Data parallelism all-reduces every gradient in one batch: each gradient is
+    dropped right after its own all-reduce, not after the whole batch (which holds
+    every gradient twice, reduced and not, until the batch ends)."""
+    for plan in _plans(mlp_case(dp=2, tp=1)):
+        freed = [n for s in plan.stages for names in s.release_after for n in names]
+        reduced = [c.input for c in plan.collectives]
+        assert len(reduced) > 1 and sorted(freed) == sorted(reduced)
+        for stage in plan.stages:
+            assert len(stage.release_after) == len(stage.collectives)
