@@ -13,8 +13,9 @@ then for each:
 1. ``tensoropt run OUT --steps 2 --backend mpi --verify``: must pass;
 2. ``tensoropt run OUT --steps 2 --backend mpi --profile --profile-warmup 1``: each
    rank's measured peak memory (anonymous RSS growth, runtime/profiling.py) against the
-   compile estimate, the static liveness peak of its device graph
-   (``tensoropt inspect``); the target is within 1.3x.
+   plan's estimate (the cost model's memory per device, which compile keeps in
+   manifest.json and ``tensoropt inspect`` reports; the static liveness peak of the
+   device graph is shown beside it); the target is within 1.3x.
 
 ``constants``: the two ways a rank's compute segments can share a constant (an
 initializer that is neither fed nor trained, e.g. a frozen weight read by the forward
@@ -144,7 +145,8 @@ def scale(args: argparse.Namespace) -> str:
         compile_s = time.perf_counter() - t0
         sizes = {p.name: p.stat().st_size for p in out.iterdir()}
         inspect = json.loads(_cli("inspect", str(out), "--json"))
-        estimates = [d["peak_bytes"] for d in inspect["devices"]]
+        estimates = [inspect["estimate"]["memory_bytes"]] * len(inspect["devices"])
+        liveness = [d["liveness_peak_bytes"] for d in inspect["devices"]]
         t0 = time.perf_counter()
         peak = _Peak()
         saved = work / "params.npz"
@@ -181,6 +183,7 @@ def scale(args: argparse.Namespace) -> str:
                 "moved": moved,
                 "profile_used": profile_used,
                 "estimate_bytes": estimates,
+                "liveness_bytes": liveness,
                 "measured_bytes": measured,
                 "ratio": [m / e for m, e in zip(measured, estimates, strict=True)],
                 "step_s": [r["step_s"] for r in prof["profile"]["ranks"]],
@@ -199,8 +202,9 @@ def scale(args: argparse.Namespace) -> str:
         f"{' '.join(knobs)}` ({filled:,} weights, filled with N(0, 0.02) noise), compiled "
         f"for 2 devices (`{' '.join(train)}`), then `run --steps 2 --backend mpi --verify` "
         "and `run --steps 2 --backend mpi --profile --profile-warmup 1` (the second step "
-        "measured). Estimate: the static liveness peak of the rank's device graph "
-        "(`tensoropt inspect`); measured: the rank's anonymous RSS growth over the step "
+        "measured). Estimate: the plan's memory per device from the cost model (the figure "
+        "search, compile and `tensoropt inspect` report); liveness: the static liveness "
+        "peak of the rank's device graph; measured: the rank's anonymous RSS growth over the step "
         "loop (`run --profile`). Machine memory: the largest growth of the machine's used "
         "memory during each run (all processes of the run; rank 0 also holds the "
         "unpartitioned reference while verifying). Update: how far the 2 steps moved the "
@@ -209,9 +213,9 @@ def scale(args: argparse.Namespace) -> str:
         "rounding). Step time on a machine shared with other work.",
         "",
         "| plan | rank | data file GiB | verify: loss / params rel. err. (update) "
-        "| estimate GiB | measured GiB | measured / estimate | step s "
+        "| estimate GiB | liveness GiB | measured GiB | measured / estimate | step s "
         "| machine memory GiB (verify, profile) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for r in range(2):
@@ -220,6 +224,7 @@ def scale(args: argparse.Namespace) -> str:
                 f"| {row['plan']} | {r} | {row['data_bytes'][r] / gib:.2f} | {verdict} "
                 f"{row['max_rel_error_loss']:.1e} / {row['max_rel_error_params']:.1e} "
                 f"({row['moved']:.1e}) | {row['estimate_bytes'][r] / gib:.2f} "
+                f"| {row['liveness_bytes'][r] / gib:.2f} "
                 f"| {row['measured_bytes'][r] / gib:.2f} "
                 f"| {row['ratio'][r]:.2f} | {row['step_s'][r]:.1f} "
                 f"| {row['verify_used'] / gib:.1f}, {row['profile_used'] / gib:.1f} |"

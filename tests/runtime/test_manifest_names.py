@@ -8,9 +8,9 @@ import json
 import pytest
 
 from tensoropt.errors import OutputDirError
-from tensoropt.runtime.handbuilt import mlp_case, write_outdir
 from tensoropt.runtime.manifest import InputInit, load_outdir
 from tests.cli.cli_run import assert_bad_input, cli
+from tests.helpers.handbuilt import mlp_case, write_outdir
 
 
 @pytest.fixture
