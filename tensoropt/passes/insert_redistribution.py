@@ -153,7 +153,7 @@ class _Inserter:
         found = self.views.get(key)
         if found is None:
             need = self.ann.entries.get(key, self.layouts[value])
-            unit = self.su.units[k].root.name
+            unit = _tag(anchor, self.su.units[k].root.name)
             found = self.views[key] = (
                 value if self.layouts[value] == need else self.convert(value, need, anchor, unit)
             )
@@ -165,7 +165,7 @@ class _Inserter:
             k = self.su.unit_of.get(node)
             if strategy is None or k is None:
                 continue
-            unit = self.su.units[k].root.name
+            unit = _tag(node, self.su.units[k].root.name)
             for i, value in enumerate(node.inputs):
                 need = sa.input_layout(strategy, i)
                 if value is None or need is None:
@@ -205,6 +205,12 @@ class _Inserter:
 def insert_redistribution(graph: ir.Graph, ann: Annotation) -> dict[ir.Value, Layout]:
     """Insert conversions (see module doc); return the layout of every value."""
     return _Inserter(graph, ann).run()
+
+
+def _tag(node: ir.Node, root: str) -> str:
+    """The unit tag of a conversion: that of the node it is made for (a follower's own
+    name, or the root's); the decision unit that pays for it is ``root``'s."""
+    return node.metadata_props.get(UNIT_KEY) or root
 
 
 def planned_conversions(graph: ir.Graph, ann: Annotation) -> list[Planned]:
