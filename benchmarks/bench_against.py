@@ -64,9 +64,10 @@ def _model(tree: Path, path: Path, *knobs: str) -> None:
 
 def _time(tree: Path, code: str) -> tuple[float, int]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
-    ).stdout.split()
+    out = subprocess.run(  # cwd: ``-c`` puts the working directory first on sys.path
+        [sys.executable, "-c", code], env=env, cwd=tree, check=True, capture_output=True,
+        text=True,
+    ).stdout.split()  # fmt: skip
     return float(out[0]), int(out[1])
 
 
