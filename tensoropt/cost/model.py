@@ -187,16 +187,6 @@ def _numel(shape) -> float:
     return float(np.prod(shape, dtype=np.float64)) if shape is not None else 0.0
 
 
-def _split_axes(strategy: MeshSharding, mesh: Mesh) -> list[int]:
-    """Mesh axes on which the op's work is divided (some input/output S or P there)."""
-    layouts = [*(x for x in strategy.inputs if x is not None), *strategy.outputs]
-    return [
-        a
-        for a in range(mesh.ndim)
-        if any(isinstance(lay.placements[a], (Shard, Partial)) for lay in layouts)
-    ]
-
-
 def _allowed(node: ir.Node, s: MeshSharding, fixed_inputs, params) -> bool:
     """Strategies the search considers.
 

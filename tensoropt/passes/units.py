@@ -48,13 +48,11 @@ from tensoropt.errors import ShardingError
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.redistribute import CollectiveKind, Step, plan_redistribution
+from tensoropt.ir.redistribute import CollectiveKind, Step, plan_redistribution, step_output_shape
+from tensoropt.ir.vocab import PARAM_KEY
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.autodiff import GRAD_OF_KEY, grad_of
 from tensoropt.rules.sharding import MeshSharding
-
-PARAM_KEY = "tensoropt.param"
-_VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 
 
 class Entry(Enum):
@@ -109,17 +107,14 @@ def conversion_steps(
     for step, axes in merged:
         after = current
         for axis in axes:
-            after = _after(step, axis, after, mesh.shape[axis])
+            after = _after(step, after, mesh.shape[axis])
         if any(mesh.shape[a] > 1 for a in axes):
             out.append(ConversionStep(step, axes, current, after))
         current = after
     return tuple(out)
 
 
-def _after(step: Step, axis: int, shape: tuple[int, ...], n: int) -> tuple[int, ...]:
-    from tensoropt.ir.redistribute import step_output_shape
-
-    del axis
+def _after(step: Step, shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return tuple(step_output_shape(step, shape, n))
 
 
@@ -640,12 +635,6 @@ def _value(su: StepUnits, k: int, name: str) -> ir.Value:
         if v.name == name:
             return v
     raise KeyError(name)
-
-
-def fixed_layouts(su: StepUnits, mesh: Mesh) -> dict[ir.Value, Layout]:
-    """Layouts of the values fixed nodes make (replicated)."""
-    rep = replicated(mesh)
-    return {v: rep for node in su.fixed for v in node.outputs}
 
 
 def itemsize(value: ir.Value) -> int:
