@@ -21,7 +21,6 @@ Two steps:
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +36,8 @@ from tensoropt.passes.training_step import StepSignature
 from tensoropt.passes.units import (
     ProgramCache,
     StepUnits,
+    cheapest,
     group_units,
-    output_terms,
     replicated,
     state_params,
 )
@@ -129,29 +128,8 @@ class _Completion:
         if not cands:
             raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
         haves = [None if v is None else self.layouts.get(v) for v in node.inputs]
-        memo: dict = {}
-        return min(cands, key=lambda c: self._score(node, c, haves, memo))
-
-    def _score(self, node: ir.Node, cand: MeshSharding, haves, memo: dict) -> tuple:
-        cost = 0.0
-        conversions = 0
-        for i, value in enumerate(node.inputs):
-            need = cand.inputs[i] if i < len(cand.inputs) else None
-            if value is None or need is None:
-                continue
-            have = haves[i]
-            if have is None:  # a parameter or data input placed by its first reader
-                if need.has_partial:
-                    return (math.inf,)
-                continue
-            if have != need:
-                conversions += 1
-                key = (i, need)
-                found = memo.get(key)
-                if found is None:
-                    found = memo[key] = sa.conversion_bytes(have, need, value, self.mesh)
-                cost += found
-        return (cost, *output_terms(cand, self.mesh, self.out_terms))
+        # an input without a layout is a parameter or data input placed by this reader
+        return cheapest(node, cands, haves, self.mesh, self.out_terms, lambda _: True)
 
 
 def listed_strategy(node: ir.Node, unit: UnitStrategy, mesh: Mesh) -> MeshSharding:

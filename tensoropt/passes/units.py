@@ -37,7 +37,7 @@ the layout its first reader in the unit needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -457,30 +457,7 @@ class _Chooser:
         elif role == "backward":
             cands = self._mirror_candidates(node, cands)
         haves = [None if v is None else self._have(v) for v in node.inputs]
-        memo: dict = {}
-        return min(cands, key=lambda c: self._score(node, c, haves, memo))
-
-    def _score(self, node: ir.Node, cand: MeshSharding, haves, memo: dict) -> tuple:
-        cost = 0.0
-        conversions = 0
-        for i, value in enumerate(node.inputs):
-            need = cand.inputs[i] if i < len(cand.inputs) else None
-            if value is None or need is None:
-                continue
-            have = haves[i]
-            if have is None:  # an entry placed by this reader
-                if need.has_partial and self._stored(value):
-                    return (math.inf,)
-                continue
-            if have != need:
-                conversions += 1
-                key = (i, need)
-                found = memo.get(key)
-                if found is None:
-                    found = memo[key] = sa.conversion_bytes(have, need, value, self.mesh)
-                cost += found
-        partial, spread = output_terms(cand, self.mesh, self.out_terms)
-        return (cost, partial, conversions, spread)
+        return cheapest(node, cands, haves, self.mesh, self.out_terms, self._stored)
 
     def _optimizer_candidates(self, node: ir.Node, cands):
         no_partial = [c for c in cands if not sa.has_partial(c)]
@@ -549,6 +526,44 @@ class _Chooser:
                     need = found
             if have != need:
                 self.conversions.setdefault((ref, need), Conversion(ref, have, need))
+
+
+def cheapest(
+    node: ir.Node,
+    cands: Sequence[MeshSharding],
+    haves: Sequence[Layout | None],
+    mesh: Mesh,
+    out_terms: dict,
+    stored: Callable[[ir.Value], bool],
+) -> MeshSharding:
+    """The candidate with the cheapest conversion of its inputs, scored (bytes sent,
+    partial outputs, conversions, spread of outputs); lower wins, the first of equals.
+
+    ``haves``: the layout each input is held in, None for a value this reader places (a
+    stored value, ``stored(value)``, may then not be read as a partial sum)."""
+    memo: dict = {}
+
+    def score(cand: MeshSharding) -> tuple:
+        cost = 0.0
+        conversions = 0
+        for i, value in enumerate(node.inputs):
+            need = cand.inputs[i] if i < len(cand.inputs) else None
+            if value is None or need is None:
+                continue
+            have = haves[i]
+            if have is None:
+                if need.has_partial and stored(value):
+                    return (math.inf,)
+                continue
+            if have != need:
+                conversions += 1
+                found = memo.get((i, need))
+                if found is None:
+                    found = memo[(i, need)] = sa.conversion_bytes(have, need, value, mesh)
+                cost += found
+        return (cost, *output_terms(cand, mesh, out_terms))
+
+    return min(cands, key=score)
 
 
 def output_terms(cand: MeshSharding, mesh: Mesh, memo: dict) -> tuple[int, float]:
