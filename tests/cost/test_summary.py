@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
 import pytest
 
-from tensoropt.cli.common import search_graph
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import build_problem
 from tensoropt.cost.summary import ALL_REPLICATED, REPLICATED, summarize, unit_kind
 from tensoropt.ir.mesh import Mesh
 from tensoropt.models import build_model, save_model
 from tensoropt.search.driver import reference_choices
+from tests.helpers.program import graph_of
 
 
 @pytest.fixture(scope="module")
 def mlp():
     path = os.path.join(tempfile.mkdtemp(), "mlp.onnx")
     save_model(build_model("mlp", "tiny"), path)
-    args = argparse.Namespace(
-        model=path,
-        input_shape=None,
-        trainable=None,
-        freeze=None,
-        optimizer="sgd",
-        momentum=0.9,
-        loss="auto",
-    )
-    return search_graph(args)
+    return graph_of(path)
 
 
 def _replicated_choice(mp, sg) -> tuple[int, ...]:

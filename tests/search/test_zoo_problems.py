@@ -9,14 +9,12 @@ problem must be equalled or dominated by some frontier point.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import tempfile
 
 import pytest
 
-from tensoropt.cli.common import search_graph
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import build_problem
 from tensoropt.models import build_model, save_model
@@ -26,22 +24,14 @@ from tests.helpers.exhaustive import exhaustive_frontier
 
 pytest.importorskip("highspy")
 from tensoropt.search.ilp import ilp_min_time  # noqa: E402
+from tests.helpers.program import graph_of
 
 
 def _search_graph(name: str, **knobs):
     tmp = tempfile.mkdtemp()
     path = os.path.join(tmp, f"{name}.onnx")
     save_model(build_model(name, "tiny", **knobs), path)
-    args = argparse.Namespace(
-        model=path,
-        input_shape=None,
-        trainable=None,
-        freeze=None,
-        optimizer="sgd",
-        momentum=0.9,
-        loss="auto",
-    )
-    return search_graph(args)
+    return graph_of(path)
 
 
 @pytest.fixture(scope="module")
