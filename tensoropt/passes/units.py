@@ -635,9 +635,8 @@ def crossings(su: StepUnits) -> list[Crossing]:
                 source = su.owner.get(name)
                 if source is None or source == k:
                     continue
+                # a state is held in its parameter's layout: the parameter's entry there
                 src_ref = ("x", su.units[source].externals.index(_value(su, source, name)))
-                if kind is Entry.STATE:
-                    src_ref = ("x", su.units[source].externals.index(v))
                 out.append(Crossing(v, source, src_ref, k, x, kind is not Entry.STATE))
                 continue
             source, src_ref = refs[v]
