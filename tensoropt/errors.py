@@ -1,17 +1,46 @@
-"""Exception classes. Every user-facing failure is one of these.
+"""Exception classes and exit codes. Every user-facing failure is one of these.
 
-The CLI turns a :class:`TensorOptError` into one line on stderr and exit code 2.
+The CLI turns a :class:`TensorOptError` into one line on stderr and its exit code.
 Messages name the thing that failed (file, node, tensor, dimension) and say what
 the user can do about it.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """The ``tensoropt`` command's exit codes (listed in ``tensoropt --help``)."""
+
+    OK = 0
+    INTERNAL = 1  # a bug (with its traceback), or a runtime worker that died or hung
+    BAD_INPUT = 2  # bad input or an infeasible request: one line on stderr
+    VERIFY_FAILED = 3  # `run --verify`: the distributed run differs from one device
+    BROKEN_PIPE = 141  # stdout closed early (`tensoropt inspect out | head`): 128 + SIGPIPE
+    INTERRUPTED = 130  # Ctrl-C or SIGTERM: 128 + SIGINT
+
+
+EXIT_CODE_MEANINGS: tuple[tuple[ExitCode, str], ...] = (
+    (ExitCode.OK, "ok"),
+    (ExitCode.INTERNAL, "internal error (a traceback), or a runtime worker died or hung"),
+    (ExitCode.BAD_INPUT, "bad input or an infeasible request (one line on stderr)"),
+    (ExitCode.VERIFY_FAILED, "`run --verify`: the distributed run differs from one device"),
+    (ExitCode.INTERRUPTED, "interrupted (Ctrl-C, SIGTERM)"),
+    (ExitCode.BROKEN_PIPE, "stdout was closed early (`| head`)"),
+)
+
+
+def exit_codes_help() -> str:
+    """The exit codes as a ``--help`` epilog section."""
+    rows = [f"  {int(code):<4} {meaning}" for code, meaning in EXIT_CODE_MEANINGS]
+    return "\n".join(["exit codes:", *rows])
+
 
 class TensorOptError(Exception):
     """Bad input or an infeasible request; exit code 2."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class ModelLoadError(TensorOptError):
@@ -57,4 +86,4 @@ class OutputDirError(TensorOptError):
 class WorkerFault(TensorOptError):
     """A runtime worker died or timed out; names the rank. Exit code 1."""
 
-    exit_code = 1
+    exit_code = ExitCode.INTERNAL

@@ -2,18 +2,22 @@
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and
 ``run(args) -> int``. Errors derived from :class:`TensorOptError` become one line
-on stderr with their exit code; nothing else is caught here, so internal bugs
-still show a traceback (exit 1).
+on stderr with their exit code, and so do argparse's usage errors and failures to
+read or write a named file (an ``OSError`` with a file name: a path the user gave).
+Nothing else is caught here, so internal bugs still show a traceback (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import os
 import sys
 
-from tensoropt.errors import TensorOptError
+from tensoropt import __version__
+from tensoropt.errors import ExitCode, TensorOptError, exit_codes_help
 
 # (module, command) in the order --help lists them.
 _COMMANDS = (
@@ -29,7 +33,8 @@ _COMMANDS = (
     "report",
 )
 
-_EPILOG = """\
+_EPILOG = (
+    """\
 the main job, start to finish:
   tensoropt model gpt --preset tiny -o gpt.onnx
   tensoropt search gpt.onnx --devices 1,2,4,8 --plot frontier.png
@@ -37,21 +42,47 @@ the main job, start to finish:
   tensoropt run out/ --steps 3 --backend mpi --verify
 or simply: tensoropt demo
 
-exit codes: 0 ok, 2 bad input or infeasible request, 1 internal error.
+device counts (--devices): a list 1,2,4,8; A-B every count from A to B (1-8);
+A..B the powers of two from A to B, which must be powers of two (1..64).
+
 """
+    + exit_codes_help()
+    + "\n"
+)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written; every option's help names its default
+    (options whose default is None or False have none to name)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.option_strings and _names_default(action) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit 2), like
+    every other bad input, pointing at ``--help`` instead of printing the usage."""
+
+    def error(self, message: str):
+        msg = " ".join(message.split())
+        self.exit(ExitCode.BAD_INPUT, f"{self.prog}: error: {msg} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tensoropt",
         description="Plan, partition and run distributed DNN training over ONNX: "
         "search the Pareto frontier of (step time, memory per device, devices), "
         "compile the chosen plan to one ONNX graph per device, and run it.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"tensoropt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in _COMMANDS:
         try:
             module = importlib.import_module(f"tensoropt.cli.cmd_{name}")
@@ -60,25 +91,92 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter  # defaults in every command's --help
+        for action in command._actions:
+            if not action.help and action.option_strings and _names_default(action):
+                action.help = "default: %(default)s"  # argparse skips an action without help
     return parser
+
+
+def _names_default(action: argparse.Action) -> bool:
+    """Whether ``--help`` should name the option's default: it is not None or False."""
+    default = action.default
+    return not (default is None or default is False or default == argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = _parse(parser, argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (one line, above)
+        return int(exc.code or 0)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return ExitCode.BAD_INPUT
+    prefix = f"tensoropt {args.command}: "
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except TensorOptError as exc:
         msg = " ".join(str(exc).split())
-        print(f"tensoropt {args.command}: error: {msg}", file=sys.stderr)
+        print(f"{prefix}error: {msg}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        _drop_stdout()
+        return ExitCode.BROKEN_PIPE
+    except OSError as exc:
+        if exc.filename is None or exc.errno == errno.EPIPE:
+            raise
+        print(f"{prefix}error: {_os_error_line(exc)}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
-        print(f"tensoropt {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{prefix}interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an unknown argument is reported by the subcommand it was given to."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = getattr(args, "command", None)
+        owner = _subcommands(parser).get(command, parser) if command else parser
+        owner.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _os_error_line(exc: OSError) -> str:
+    """``PATH: reason; what to do`` for a file the command could not read or write."""
+    reason = exc.strerror or type(exc).__name__
+    advice = {
+        errno.EACCES: "choose a path you may write (or read), or fix its permissions",
+        errno.EPERM: "choose a path you may write (or read), or fix its permissions",
+        errno.EROFS: "choose a path on a writable file system",
+        errno.ENOSPC: "free some disk space or choose another file system",
+        errno.ENOENT: "check the path",
+        errno.ENOTDIR: "check the path: a part of it is a file",
+        errno.EISDIR: "give a file name, not a directory",
+    }.get(exc.errno or 0, "check the path")
+    return f"{exc.filename}: {reason.lower()}; {advice}"
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout went away (``| head``): send whatever Python still holds
+    for stdout to /dev/null so that its flush at exit stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is no file (captured in a test): nothing to flush at exit

@@ -174,7 +174,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         work_items,
         write_profile,
     )
-    from tensoropt.cli.common import print_json, progress
+    from tensoropt.cli.common import check_output_file, print_json, progress
     from tensoropt.cost.cluster import from_json
 
     opts = CalibrateOptions(
@@ -188,6 +188,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         neighbours=args.neighbours,
     )
     opts.check()
+    check_output_file(args.output, "-o")
     baseline = load_baseline(args.against) if args.against else None
     total = work_items(opts)
     bar = progress(range(total), total=total, desc="calibrate")

@@ -7,8 +7,18 @@ import json
 import os
 import sys
 
-from tensoropt.cli.common import TRAINING_HELP, add_training_options, build_step
+from tensoropt.cli.common import (
+    TRAINING_HELP,
+    add_training_options,
+    build_step,
+    check_output_dir,
+    parse_bytes,
+    parse_devices,
+)
 from tensoropt.errors import PlanError, TensorOptError
+
+# --pick policies that take a memory size after a colon.
+_BUDGET_POLICIES = ("fastest-under", "fewest-devices-under")
 
 EPILOG = (
     TRAINING_HELP
@@ -18,7 +28,18 @@ plans:
   megatron        Megatron-LM tensor parallelism of attention and MLP blocks (found by
                   structure) on the last mesh axis, data parallelism on the others
   PLAN.json       a plan file (schema tensoropt.plan/1), e.g. one written by compile
-  --pick POLICY   a point of the searched frontier (see `tensoropt search --help`)
+  --pick POLICY   a point of the searched frontier at --devices (see `tensoropt search`):
+                    fastest                   the fastest plan
+                    min-memory                the plan with the least memory per device
+                    fastest-under:MEM         the fastest plan within MEM per device
+                    INDEX                     the point of that index (the "pick" column)
+                    fewest-devices-under:MEM  the fastest plan within MEM per device at the
+                                              fewest devices; --devices gives the candidate
+                                              counts: a list 1,2,4, a range 1-8 (every
+                                              count) or 1..8 (powers of two); a single N
+                                              means the powers of two below N, and N
+  without --plan or --pick: --plan data-parallel
+  MEM takes a unit: 16GiB, 80GB, 512MiB
 
 output (written completely or not at all):
   OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
@@ -33,6 +54,7 @@ examples:
   tensoropt compile gpt.onnx --devices 4 --plan data-parallel -o out/
   tensoropt compile gpt.onnx --devices 8 --mesh 2x4 --plan megatron -o out/
   tensoropt compile gpt.onnx --devices 2 --pick fastest -o out/
+  tensoropt compile gpt.onnx --devices 1-8 --pick fewest-devices-under:1GiB -o out/
 """
 )
 
@@ -47,14 +69,24 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--devices", type=int, required=True, help="number of devices (ranks)")
-    p.add_argument("--mesh", help="mesh shape, e.g. 8 or 2x4 (dp x tp); default: 1-D")
+    p.add_argument(
+        "--devices",
+        required=True,
+        metavar="N",
+        help="number of devices (ranks); with --pick fewest-devices-under:MEM the candidate "
+        "counts (a list or range, see below)",
+    )
+    p.add_argument(
+        "--mesh", help="mesh shape, e.g. 8 or 2x4 (dp x tp) (default: 1-D, all N devices)"
+    )
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--plan", default=None, help="data-parallel | megatron | PLAN.json")
+    how.add_argument(
+        "--plan", default=None, help="data-parallel | megatron | PLAN.json (default: data-parallel)"
+    )
     how.add_argument(
         "--pick",
         help="fastest | min-memory | fastest-under:MEM | "
-        "fewest-devices-under:MEM | INDEX (searches first)",
+        "fewest-devices-under:MEM | INDEX (searches first; see below)",
     )
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
     add_training_options(p)
@@ -83,11 +115,46 @@ def _pipeline_options(args: argparse.Namespace):
     return PipelineOptions(verify=True, device_check=check_device_graphs)
 
 
+def one_count(text: str) -> int:
+    """``--devices N`` where one count is meant (every use but fewest-devices-under)."""
+    try:
+        devices = int(text)
+    except ValueError:
+        raise TensorOptError(
+            f"--devices {text!r}: give one device count, like 4 (a list or range of "
+            "candidates only goes with --pick fewest-devices-under:MEM)"
+        ) from None
+    if devices < 1:
+        raise TensorOptError(f"--devices must be at least 1, got {devices}")
+    return devices
+
+
+def candidate_counts(text: str) -> list[int]:
+    """The device counts ``--pick fewest-devices-under`` chooses from: a list or range as
+    for ``search``, or for a single N the powers of two below N, and N."""
+    if text.strip().isdigit():
+        top = one_count(text)
+        return sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
+    return parse_devices(text)
+
+
+def check_policy(policy: str) -> None:
+    """Refuse a malformed --pick before the search runs (the search takes a while)."""
+    name, colon, arg = policy.partition(":")
+    if name in _BUDGET_POLICIES and colon:
+        parse_bytes(arg, f"--pick {name}")
+    elif not colon and (policy in ("fastest", "min-memory") or policy.isdigit()):
+        return
+    else:
+        raise TensorOptError(
+            f"--pick {policy!r}: use fastest, min-memory, fastest-under:MEM, "
+            "fewest-devices-under:MEM or a point index"
+        )
+
+
 def parse_mesh(devices: int, text: str | None, plan: str):
     from tensoropt.ir.mesh import Mesh
 
-    if devices < 1:
-        raise TensorOptError(f"--devices must be at least 1, got {devices}")
     if text is None:
         names = ("tp",) if plan == "megatron" else ("dp",)
         return Mesh((devices,), names)
@@ -123,19 +190,18 @@ def _load_plan_file(path: str, mesh):
 def _compile_picked(args: argparse.Namespace) -> int:
     """Search, pick a point by policy, and compile its plan through the same passes."""
     from tensoropt.cli.cmd_search import explore_from_args
-    from tensoropt.cli.common import parse_bytes
     from tensoropt.passes.compile import compile_step
     from tensoropt.search.driver import pick, plan_from_choice
 
-    if args.devices < 1:
-        raise TensorOptError(f"--devices must be at least 1, got {args.devices}")
-    counts = [args.devices]
+    check_policy(args.pick)
     if args.pick.startswith("fewest-devices-under:"):
-        counts = sorted({d for d in (1, 2, 4, 8, 16, 32, 64) if d < args.devices} | counts)
+        counts = candidate_counts(args.devices)
+    else:
+        counts = [one_count(args.devices)]
     args.epsilon = None
     args.memory_budget = None
     _, _, exp = explore_from_args(args, counts)
-    chosen = pick(exp, args.devices, args.pick, parse_bytes)
+    chosen = pick(exp, max(counts), args.pick, parse_bytes)
     search, point = chosen.search, chosen.point
     source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
     plan = plan_from_choice(search, point.choice, source)
@@ -144,12 +210,13 @@ def _compile_picked(args: argparse.Namespace) -> int:
         f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
     )
     step = build_step(args, load_weights=False)  # compile streams the weights itself
+    summary = step.selection.summary(step.model.graph)  # the whole model: before compile
     estimate = estimate_of(step, plan, None, args.cluster)
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
     )
     print(picked, file=sys.stderr)
-    print(step.selection.summary(step.model.graph), file=sys.stderr)
+    print(summary, file=sys.stderr)
     _report(args, result, search.mesh, (source,), estimate)
     return 0
 
@@ -199,13 +266,15 @@ def run(args: argparse.Namespace) -> int:
     from tensoropt.passes.compile import compile_step
     from tensoropt.passes.plans import builtin_plan
 
-    plan_name = args.plan or "data-parallel"
+    check_output_dir(args.output, "-o")
     if args.pick:
         return _compile_picked(args)
+    plan_name = args.plan or "data-parallel"
+    devices = one_count(args.devices)
     is_file = plan_name.endswith(".json") or os.path.sep in plan_name
     if not is_file and plan_name not in ("data-parallel", "megatron"):
         raise PlanError(f"--plan {plan_name!r}: use data-parallel, megatron or a PLAN.json file")
-    mesh = parse_mesh(args.devices, args.mesh, plan_name)
+    mesh = parse_mesh(devices, args.mesh, plan_name)
     if is_file:
         plan, data_axes = _load_plan_file(plan_name, mesh)
         mesh = plan.mesh
@@ -220,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
     result = compile_step(
         step, plan, data_axes, args.output, estimate.to_json(), _pipeline_options(args)
     )
+    if args.plan is None:
+        print("no --plan or --pick given: compiled --plan data-parallel", file=sys.stderr)
     for line in (summary, *notes):
         print(line, file=sys.stderr)
     _report(args, result, mesh, notes, estimate)

@@ -67,6 +67,11 @@ def _targets(target: str) -> tuple[list[str], list[str], list[str], dict]:
         return files, list(manifest.step["params"]), list(manifest.step["states"]), about
     if not os.path.isfile(target):
         raise TensorOptError(f"{target}: no such file or directory")
+    if target.endswith(".json"):
+        raise TensorOptError(
+            f"{target}: a JSON file (a plan or manifest?); give the output directory of "
+            "`tensoropt compile` or one of its device_<k>.onnx"
+        )
     model = _load(target)
     try:
         sig = read_signature(model)
@@ -89,8 +94,8 @@ def _load(path: str):
     import onnx
     from google.protobuf.message import DecodeError
 
-    try:
-        return onnx.load(path, load_external_data=False)
+    try:  # binary ONNX whatever the name: a .json would go to the JSON parser
+        return onnx.load(path, format="protobuf", load_external_data=False)
     except (DecodeError, OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(

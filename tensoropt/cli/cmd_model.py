@@ -79,6 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Build, save, and print one line: the file, parameter count and weight bytes."""
+    from tensoropt.cli.common import check_output_file
+
+    check_output_file(args.output, "-o")
     knobs = {k: getattr(args, k) for k in _KNOB_HELP}
     model = build_model(args.name, args.preset, **knobs)
     save_model(model, args.output)

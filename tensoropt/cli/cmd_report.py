@@ -8,7 +8,7 @@ import sys
 import time
 
 from tensoropt.cli.cmd_search import add_search_options, explore_from_args
-from tensoropt.cli.common import parse_devices
+from tensoropt.cli.common import DEVICES_HELP, check_output_dir, parse_devices
 from tensoropt.errors import TensorOptError
 
 EPILOG = """\
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--devices", default="1..64", help="e.g. 1..64 (default) or 1,2,4,8")
+    p.add_argument("--devices", default="1..64", help=f"{DEVICES_HELP} (default 1..64)")
     p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
     add_search_options(p)
     p.add_argument(
@@ -85,8 +85,11 @@ def search_for_report(args: argparse.Namespace):
     from tensoropt.report.build import prepare_report_dir
     from tensoropt.report.render import Header
 
+    check_output_dir(args.output, "-o")
     devices = parse_devices(args.devices)
-    detail = tuple(parse_devices(args.detail_devices)) if args.detail_devices else ()
+    detail = (
+        tuple(parse_devices(args.detail_devices, "--detail-devices")) if args.detail_devices else ()
+    )
     missing = [d for d in detail if d not in devices]
     if missing:
         raise TensorOptError(

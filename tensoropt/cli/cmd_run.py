@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tensoropt.errors import TensorOptError
+from tensoropt.errors import ExitCode, TensorOptError
 
 EPILOG = """\
 backends:
@@ -29,7 +29,8 @@ newest two; --resume continues from the newest step every rank has.
 prints, per step, the relative error  max|a-b| / max(max|b|, floor)  of the loss
 and of the worst parameter (a = distributed, b = reference; floor = 1e-12 for the
 loss, 1e-3 x the largest parameter magnitude for parameters), then a verdict.
-Exit codes: 0 ok, 1 verification failed or a worker died, 2 bad input.
+Exit codes: 0 ok, 3 verification failed, 1 a worker died (or an internal error),
+2 bad input.
 
 --profile: per rank, medians over the steps after --profile-warmup of: the step's
 wall time (segments + collectives + glue; batch generation excluded), compute (sum
@@ -37,7 +38,9 @@ of the segments' session.run times), communication (sum of the collectives' time
 and memory: the growth of the process's anonymous resident memory over the start
 of the step loop (training state, activations in onnxruntime's arenas, buffers),
 sampled after every segment and collective. With --backend local every rank lives
-in one process and reports the process's memory.
+in one process and reports the process's memory. spread: how much the rank's step
+times vary, (third quartile - first quartile) / median; above 0.1 the medians are
+unsteady (other work on the machine, too few steps).
 
 examples:
   tensoropt run out/ --steps 3 --verify
@@ -59,7 +62,12 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=10, help="global steps to run (default 10)")
     p.add_argument("--backend", choices=["local", "mpi"], default="local")
     p.add_argument("--verify", action="store_true", help="compare with the unpartitioned step")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="--verify tolerance")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="largest relative error --verify accepts (default 1e-4)",
+    )
     p.add_argument("--data", metavar="FILE.npz", help="training data (default: synthetic)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--checkpoint", metavar="DIR", help="write per-rank checkpoint shards here")
@@ -142,11 +150,16 @@ def profile_table(profile) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensoropt.cli.common import print_json
+    from tensoropt.cli.common import check_output_file, print_json
     from tensoropt.runtime.run import run_steps
 
     if args.tolerance <= 0:
         raise TensorOptError(f"--tolerance must be positive, got {args.tolerance}")
+    if args.threads is not None and args.threads < 1:
+        raise TensorOptError(f"--threads {args.threads}: give at least 1")
+    if args.stall_timeout is not None and args.stall_timeout <= 0:
+        raise TensorOptError(f"--stall-timeout {args.stall_timeout}: give a positive number")
+    check_output_file(args.save_params, "--save-params")
     table = _Table(args.steps, args.verify, quiet=args.json)
     try:
         result = run_steps(
@@ -202,5 +215,5 @@ def run(args: argparse.Namespace) -> int:
             f"by more than {report.tolerance:g}",
             file=sys.stderr,
         )
-        return 1
+        return ExitCode.VERIFY_FAILED
     return 0

@@ -7,7 +7,9 @@ import json
 import sys
 
 from tensoropt.cli.common import (
+    DEVICES_HELP,
     add_model_input_options,
+    check_output_file,
     parse_bytes,
     parse_devices,
     search_graph,
@@ -36,11 +38,17 @@ examples:
 
 
 def add_search_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default="h100", help="v100 | a100 | h100 | h200 | FILE.json")
+    p.add_argument(
+        "--cluster", default="h100", help="v100 | a100 | h100 | h200 | FILE.json (default h100)"
+    )
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--loss", choices=["auto", "ce", "mse"], default="auto")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--memory-budget", metavar="SIZE", help="drop plans over SIZE per device")
+    p.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="drop plans over SIZE per device; SIZE takes a unit: 16GiB, 80GB, 512MiB",
+    )
     p.add_argument("--epsilon", type=float, help="approximate within (1+E) in step time")
     p.add_argument("--trainable", metavar="REGEX")
     p.add_argument("--freeze", metavar="REGEX")
@@ -62,7 +70,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--devices", default="1,2,4,8", help="e.g. 1,2,4,8 or 1..64 (default 1,2,4,8)")
+    p.add_argument("--devices", default="1,2,4,8", help=f"{DEVICES_HELP} (default 1,2,4,8)")
     p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
     add_search_options(p)
     p.add_argument("--json", metavar="OUT.json", help="every frontier point with its plan")
@@ -148,22 +156,39 @@ def _sample(rows, limit=10):
     return [(i, rows[i]) for i in picks]
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def print_tables(sg, exp, out=None) -> None:
     out = out or sys.stdout
     table = per_device_points(exp)
+    budget = exp.memory_budget
     for d, rows in table.items():
-        print(f"\n{d} device{'s' if d > 1 else ''}: {len(rows)} frontier points", file=out)
+        if not rows:
+            print(f"\n{_plural(d, 'device')}: no plan fits the memory budget", file=out)
+            continue
+        head = f"\n{_plural(d, 'device')}: {_plural(len(rows), 'frontier point')}"
+        shown = _sample(rows)
+        if len(shown) < len(rows):
+            head += f" ({len(shown)} shown, evenly spaced from fastest to least memory)"
+        print(head, file=out)
         print(
-            f"  {'#':>3} {'mesh':>6} {'step time':>12} {'memory/dev':>12} {'samples/s':>11}  plan",
+            f"  {'pick':>4} {'mesh':>6} {'step time':>12} {'memory/dev':>12} {'samples/s':>11}  "
+            "plan",
             file=out,
         )
-        for i, (s, p) in _sample(rows):
+        for i, (s, p) in shown:
             mesh = "x".join(map(str, s.mesh.shape))
             print(
-                f"  {i:>3} {mesh:>6} {_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12} "
+                f"  {i:>4} {mesh:>6} {_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12} "
                 f"{sg.batch / p.time_s:>11.1f}  {s.summaries[_index(s, p)]}",
                 file=out,
             )
+    print(
+        "  (pick: the point's index at its device count, for `compile --devices N --pick INDEX`)",
+        file=out,
+    )
     print("\nreference plans on the same cost model (best mesh per device count):", file=out)
     for d in table:
         for name in ("data-parallel", "megatron"):
@@ -174,22 +199,29 @@ def print_tables(sg, exp, out=None) -> None:
                     if best is None or t < best[0]:
                         best = (t, m, s.mesh)
             if best:
+                over = "  over the memory budget" if budget is not None and best[1] > budget else ""
+                mesh = "x".join(map(str, best[2].shape))
                 print(
-                    f"  {d:>3} devices {name:<14} mesh {'x'.join(map(str, best[2].shape)):>5} "
-                    f"{_fmt_time(best[0]):>12} {_fmt_mem(best[1]):>12}",
+                    f"  {_plural(d, 'device'):>11} {name:<14} mesh {mesh:>5} "
+                    f"{_fmt_time(best[0]):>12} {_fmt_mem(best[1]):>12}{over}",
                     file=out,
                 )
-    print(
-        f"\noverall frontier over (devices, step time, memory/device): {len(exp.merged)} points",
-        file=out,
-    )
-    print(f"  {'#':>3} {'devices':>7} {'mesh':>6} {'step time':>12} {'memory/dev':>12}", file=out)
-    for i, p in _sample(list(exp.merged), 20):
+    merged = list(exp.merged)
+    shown = _sample(merged, 20)
+    head = f"\noverall frontier over (devices, step time, memory/device): {len(merged)} points"
+    if len(shown) < len(merged):
+        head += f" ({len(shown)} shown, evenly spaced)"
+    print(head, file=out)
+    print(f"  {'n':>3} {'devices':>7} {'mesh':>6} {'step time':>12} {'memory/dev':>12}", file=out)
+    for i, p in shown:
         print(
             f"  {i:>3} {p.devices:>7} {'x'.join(map(str, p.mesh)):>6} "
             f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}",
             file=out,
         )
+    print(
+        "  (n: the position in this overall frontier, fastest first; not a --pick index)", file=out
+    )
     if exp.searches:
         print(f"\nguarantee: {exp.searches[0].result.guarantee}", file=out)
 
@@ -243,49 +275,21 @@ def to_json(sg, profile, exp, model_path: str) -> dict:
     }
 
 
-def plot(sg, exp, path: str) -> None:
+def plot(exp, path: str) -> None:
+    """The report's frontier figure: a staircase per device count, the reference plans
+    of each count on their best mesh, and the memory budget when there is one."""
     import io
 
-    import matplotlib
+    from tensoropt.report import analysis, plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    table = per_device_points(exp)
-    mems = [p.memory_bytes for rows in table.values() for _, p in rows] or [1.0]
-    times = [p.time_s for rows in table.values() for _, p in rows] or [1.0]
-    mem_unit, mem_name = (2**30, "GiB") if max(mems) >= 2**30 else (2**20, "MiB")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, (d, rows) in enumerate(table.items()):
-        c = colors[k % len(colors)]
-        xs = [p.time_s * 1e3 for _, p in rows]
-        ys = [p.memory_bytes / mem_unit for _, p in rows]
-        ax.step(xs, ys, where="post", color=c, label=f"{d} devices", marker="o", ms=3)
-        for s in exp.searches:
-            if s.mesh.size != d:
-                continue
-            for name, marker in (("data-parallel", "s"), ("megatron", "^")):
-                if name in s.references:
-                    t, m, _ = s.references[name]
-                    ax.scatter(
-                        [t * 1e3], [m / 2**30], marker=marker, facecolors="none", edgecolors=c, s=60
-                    )
-    ax.scatter([], [], marker="s", facecolors="none", edgecolors="k", label="data-parallel")
-    ax.scatter([], [], marker="^", facecolors="none", edgecolors="k", label="Megatron")
-    if max(times) / max(min(times), 1e-12) > 10:
-        ax.set_xscale("log")
-    if max(mems) / max(min(mems), 1.0) > 10:
-        ax.set_yscale("log")
-    ax.set_xlabel("estimated step time (ms)")
-    ax.set_ylabel(f"memory per device ({mem_name})")
-    ax.set_title("Frontier of step time vs memory per device")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=120)
-    plt.close(fig)
+    plots.frontier(
+        analysis.device_frontiers(exp),
+        analysis.references(exp),
+        buffer,
+        "Frontier of step time vs memory per device",
+        budget=exp.memory_budget,
+    )
     write_atomic(path, buffer.getvalue())
 
 
@@ -293,13 +297,19 @@ def run(args: argparse.Namespace) -> int:
     from tensoropt.ir.costs import CostRecord, costs_to_json
 
     devices = parse_devices(args.devices)
+    for flag, path in (
+        ("--json", args.json),
+        ("--plot", args.plot),
+        ("--dump-costs", args.dump_costs),
+    ):
+        check_output_file(path, flag)
     sg, profile, exp = explore_from_args(args, devices)
     print_tables(sg, exp)
     if args.json:
         data = to_json(sg, profile, exp, args.model)
         write_atomic(args.json, json.dumps(data, indent=1).encode())
     if args.plot:
-        plot(sg, exp, args.plot)
+        plot(exp, args.plot)
     if args.dump_costs:
         records = [CostRecord(s.problem, s.result.points, exp.epsilon) for s in exp.searches]
         write_atomic(args.dump_costs, json.dumps(costs_to_json(records)).encode())

@@ -9,6 +9,7 @@ from tensoropt.cli.common import (
     TRAINING_HELP,
     add_training_options,
     build_step,
+    check_output_file,
     print_json,
     progress,
     save_npz_atomic,
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise TensorOptError(f"--steps must be at least 1, got {args.steps}")
+    if args.threads is not None and args.threads < 1:
+        raise TensorOptError(f"--threads {args.threads}: give at least 1")
+    check_output_file(args.save_params, "--save-params")
+    check_output_file(args.export_step, "--export-step")
     step = build_step(args)
     summary = step.selection.summary(step.model.graph)
     proto = export_model(step.model)

@@ -50,7 +50,9 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--devices", default="1,2", help="device counts (default 1,2)")
+    p.add_argument(
+        "--devices", default="1,2", help="device counts: a list, A-B or A..B (default 1,2)"
+    )
     p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
     p.add_argument("--points", type=int, default=4, help="plans per device count (default 4)")
     p.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
@@ -84,7 +86,7 @@ def _explore(args, devices):
 
     profile = load_cluster(args.cluster)
     if args.memory_budget is None:
-        args.memory_budget = str(profile.memory_bytes)
+        args.memory_budget = f"{int(profile.memory_bytes)}B"
     try:
         return explore_from_args(args, devices)
     except InfeasibleError as exc:
@@ -138,13 +140,21 @@ def run(args: argparse.Namespace) -> int:
         select_points,
         table,
     )
-    from tensoropt.cli.common import build_step, parse_devices, progress, write_atomic
+    from tensoropt.cli.common import (
+        build_step,
+        check_output_file,
+        parse_devices,
+        progress,
+        write_atomic,
+    )
     from tensoropt.passes.compile import compile_step
     from tensoropt.runtime.run import run_steps
     from tensoropt.search.driver import device_frontier, plan_from_choice
 
     _check_args(args)
     devices = parse_devices(args.devices)
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot")
     threads = _threads(args, devices)
     sg, profile, exp = _explore(args, devices)
     compute_only = _compute_only(sg, profile)

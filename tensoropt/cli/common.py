@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from tensoropt.errors import TensorOptError
+from tensoropt.ir.files import mkstemp_public
 
 TRAINING_HELP = """\
 training options (the update is part of the compiled graph, so compile takes them too):
@@ -94,7 +95,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise TensorOptError(f"{path}: directory {directory} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    fd, tmp = mkstemp_public(directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -135,51 +136,101 @@ def search_graph(args: argparse.Namespace):
     return search_graph_of(build_step(args, load_weights=False))
 
 
+_BYTE_UNITS = {
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
 def parse_bytes(text: str, flag: str) -> float:
-    """``16GiB``, ``80GB``, ``512MiB`` or a plain number of bytes."""
+    """``16GiB``, ``80GB``, ``512MiB``, ``1000000B``: a number with its unit.
+
+    A bare number is refused: ``10`` would otherwise be 10 bytes, which nobody means."""
     import re
 
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 1e3,
-        "MB": 1e6,
-        "GB": 1e9,
-        "TB": 1e12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).upper() not in units:
+    if match and not match.group(2):
+        raise TensorOptError(
+            f"{flag} {text!r}: give a unit: {match.group(1)}GiB, {match.group(1)}MiB "
+            f"or {match.group(1)}B"
+        )
+    if not match or match.group(2).upper() not in _BYTE_UNITS:
         raise TensorOptError(f"{flag} {text!r}: give a size like 16GiB, 80GB or 512MiB")
-    return float(match.group(1)) * units[match.group(2).upper()]
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
-def parse_devices(text: str) -> list[int]:
-    """``1,2,4,8`` or a range ``1..64`` (powers of two) or ``1-8`` (every count)."""
+DEVICES_HELP = (
+    "device counts: a list 1,2,4,8; A-B every count from A to B (3-5 = 3,4,5); A..B the "
+    "powers of two from A to B, both powers of two (1..64 = 1,2,4,...,64)"
+)
+
+
+def parse_devices(text: str, flag: str = "--devices") -> list[int]:
+    """``1,2,4,8``, ``A-B`` (every count) or ``A..B`` (powers of two, A and B among them)."""
     import re
 
     text = text.strip()
-    try:
-        if ".." in text:
-            lo, hi = (int(x) for x in text.split(".."))
-            out, d = [], 1
-            while d <= hi:
-                if d >= lo:
-                    out.append(d)
-                d *= 2
-        elif re.fullmatch(r"\d+-\d+", text):
-            lo, hi = (int(x) for x in text.split("-"))
-            out = list(range(lo, hi + 1))
-        else:
-            out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise TensorOptError(
-            f"--devices {text!r}: give counts like 1,2,4,8, a range 1..64 (powers of two) "
-            "or 1-8 (every count)"
-        ) from None
-    if not out or any(d < 1 for d in out):
-        raise TensorOptError(f"--devices {text!r}: device counts must be positive")
+    usage = f"{flag} {text!r}: give counts like 1,2,4,8, 1-8 (every count) or 1..64 (powers of two)"
+    if re.fullmatch(r"\d+\.\.\d+", text):
+        lo, hi = (int(x) for x in text.split(".."))
+        odd = [x for x in (lo, hi) if x < 1 or x & (x - 1)]
+        if odd:
+            raise TensorOptError(
+                f"{flag} {text!r}: A..B takes the powers of two from A to B, and {odd[0]} is "
+                f"not one; use {lo}-{hi} for every count from {lo} to {hi}"
+            )
+        out = [1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi]
+    elif re.fullmatch(r"\d+-\d+", text):
+        lo, hi = (int(x) for x in text.split("-"))
+        out = list(range(lo, hi + 1))
+    elif re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
+        out = [int(x) for x in text.split(",")]
+    else:
+        raise TensorOptError(usage)
+    if not out:
+        raise TensorOptError(f"{flag} {text!r}: the range is empty; give the smaller count first")
+    if any(d < 1 for d in out):
+        raise TensorOptError(f"{flag} {text!r}: device counts must be at least 1")
     return sorted(set(out))
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """Refuse an output file that cannot be written, before any work or output: its
+    directory must exist and take a new file, and the path must not be a directory."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise TensorOptError(f"{flag} {path}: is a directory; give a file name")
+    _check_writable_dir(os.path.dirname(os.path.abspath(path)), flag, path)
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Refuse an output directory whose parent cannot take it, before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise TensorOptError(f"{flag} {path}: exists and is not a directory; choose another path")
+    _check_writable_dir(os.path.dirname(os.path.abspath(path)), flag, path)
+
+
+def _check_writable_dir(directory: str, flag: str, path: str) -> None:
+    """``directory`` exists and a file can be created in it: tried, since permission
+    bits do not tell (root may write anywhere the bits say, but not in /proc)."""
+    if not os.path.isdir(directory):
+        raise TensorOptError(
+            f"{flag} {path}: directory {directory} does not exist; create it first"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".tensoropt-probe-")
+    except OSError as exc:
+        reason = (exc.strerror or type(exc).__name__).lower()
+        raise TensorOptError(
+            f"{flag} {path}: cannot create files in {directory} ({reason}); choose another path"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)

@@ -356,7 +356,7 @@ class DataFileWriter:
     def append(self, source: TensorSource, block: Block, zeros: bool) -> tuple[int, int]:
         """Write ``source[block]`` (or zeros of its shape); returns (offset, length)."""
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         self._follow((source_key(source), block, zeros))
         offset = align(self._end)
         self._hash_zeros(offset - self._end)

@@ -68,7 +68,9 @@ def _read_proto(path: str, load_weights: bool) -> onnx.ModelProto:
     if os.path.isdir(path):
         raise ModelLoadError(f"{path}: is a directory, not an .onnx file")
     try:
-        model = onnx.load(path, load_external_data=False)
+        # Binary ONNX whatever the name ends with: onnx.load would read a ``.json`` or
+        # ``.txt`` file as a text serialisation and fail in the JSON or text parser.
+        model = onnx.load(path, format="protobuf", load_external_data=False)
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from tensoropt.ir.external import (
     set_inline,
     source_of,
 )
+from tensoropt.ir.files import mkdtemp_public
 from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan, UnitStrategy
@@ -175,7 +175,7 @@ def prepare_outdir(outdir: str) -> str:
                 f"{outdir}: exists and is not a tensoropt output directory; choose another -o "
                 "or remove it"
             )
-    return tempfile.mkdtemp(prefix=".tensoropt-", dir=parent)
+    return mkdtemp_public(parent, prefix=".tensoropt-")
 
 
 def commit_outdir(tmp: str, outdir: str) -> None:

@@ -71,11 +71,18 @@ class TrainableSelection:
     frozen: tuple[str, ...]
 
     def summary(self, graph: ir.Graph) -> str:
+        """One line for the user: what is trained and which float initializers are not
+        (integer initializers are shapes and indices: never trainable, not counted).
+        ``graph`` is the whole model's: the counts are global, not per device."""
         elements = sum(int(np.prod(graph.initializers[n].shape.numpy())) for n in self.trained)
-        return (
-            f"training {len(self.trained)} parameters ({elements:,} elements); "
-            f"{len(self.frozen)} initializers frozen"
-        )
+        kept = sum(is_float(graph.initializers[n]) for n in self.frozen)
+        line = f"training {len(self.trained)} parameters ({elements:,} elements, whole model)"
+        if kept:
+            line += (
+                f"; {kept} float initializer{'s' if kept > 1 else ''} not trained "
+                "(constants, masks, buffers or --freeze)"
+            )
+        return line
 
 
 def _reaches_loss(graph: ir.Graph, sources: Iterable[ir.Value], non_diff) -> set[ir.Value]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.errors import OutputDirError, TensorOptError
+from tensoropt.ir.files import mkdtemp_public
 from tensoropt.report import analysis, plots, render, strategies
 from tensoropt.search.driver import Exploration
 
@@ -68,11 +68,7 @@ def prepare_report_dir(outdir: str | os.PathLike) -> str:
                 f"{outdir}: exists and is not a tensoropt report directory (no {REPORT_FILE}); "
                 "choose another -o or remove it"
             )
-    tmp = tempfile.mkdtemp(prefix=".tensoropt-report-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a report is for reading
-    return tmp
+    return mkdtemp_public(parent, prefix=".tensoropt-report-")
 
 
 def write_report(

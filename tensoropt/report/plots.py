@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from tensoropt.report.analysis import GIB, Point, Reference
 from tensoropt.report.strategies import Track, kind_order
@@ -62,32 +63,63 @@ def _log_if_spread(ax, xs: Sequence[float], ys: Sequence[float]) -> None:
         _plain(ax.yaxis)
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path | BinaryIO) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=DPI)
     _pyplot().close(fig)
 
 
+def devices_label(d: int) -> str:
+    return f"{d} device" if d == 1 else f"{d} devices"
+
+
+# Markers of the device counts' staircases: none of the reference plans' markers.
+_COUNT_MARKERS = ("o", "D", "v", "P", "X", "*", "h", "p", "<", ">")
+
+
 def frontier(
     rows: Mapping[int, Sequence[Point]],
     refs: Mapping[int, Sequence[Reference]],
-    path: Path,
+    path: Path | BinaryIO,
     title: str,
+    budget: float | None = None,
 ) -> None:
     """Memory per device against step time, one staircase per device count, with the
-    reference plans of each count marked in its colour."""
+    reference plans of each count marked in its colour (at their own memory, in the
+    axis' unit) and, with ``budget``, the memory budget as a dashed line.
+
+    Staircases are drawn from the most points to the fewest, each above the previous
+    one, and a count with a single point gets a larger marker: a short frontier stays
+    visible where a longer one passes through the same place. A reference marker's
+    artist is labelled ``_NAME at D devices`` (the underscore keeps it out of the
+    legend), so that it can be found and checked against the search's figures."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     mems = [p.memory_bytes for ps in rows.values() for p in ps]
     mems += [r.memory_bytes for rs in refs.values() for r in rs]
     times = [p.time_s for ps in rows.values() for p in ps]
+    times += [r.time_s for rs in refs.values() for r in rs]
     scale, unit = memory_scale(mems)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, (d, points) in enumerate(rows.items()):
+    order = sorted(rows, key=lambda d: -len(rows[d]))
+    for k, d in enumerate(rows):
+        points = rows[d]
         c = colors[k % len(colors)]
-        xs = [p.time_s * 1e3 for p in points]
-        ys = [p.memory_bytes / scale for p in points]
-        ax.step(xs, ys, where="post", color=c, label=f"{d} dev", marker="o", ms=2.5, lw=1.2)
+        if points:  # none when nothing fits the memory budget at this count
+            xs = [p.time_s * 1e3 for p in points]
+            ys = [p.memory_bytes / scale for p in points]
+            z = 2 + order.index(d) / max(len(order), 1)
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                color=c,
+                label=devices_label(d),
+                marker=_COUNT_MARKERS[k % len(_COUNT_MARKERS)],
+                ms=7 if len(points) == 1 else 3,
+                lw=1.2,
+                zorder=z,
+            )
         for r in refs.get(d, ()):
             marker, _ = _MARKERS[r.name]
             ax.scatter(
@@ -97,9 +129,14 @@ def frontier(
                 s=50,
                 facecolors="none",
                 edgecolors=c,
+                zorder=4,
+                label=f"_{r.name} at {devices_label(d)}",
             )
     for marker, label in _MARKERS.values():
         ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
+    if budget is not None:
+        ax.axhline(budget / scale, color="0.3", ls="--", lw=1.0, label="memory budget")
+        mems.append(budget)
     _log_if_spread(ax, times, mems)
     ax.set_xlabel("estimated step time (ms)")
     ax.set_ylabel(f"memory per device ({unit})")
@@ -146,7 +183,7 @@ def capacity(
             linewidths=0.5,
             s=24,
             zorder=3,
-            label=f"{d} dev",
+            label=devices_label(d),
         )
     for m in marks:
         if min(mems, default=0) <= m <= top:

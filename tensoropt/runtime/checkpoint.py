@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from tensoropt.errors import TensorOptError
+from tensoropt.ir.files import mkstemp_public
 from tensoropt.runtime.tensorfile import read_tensors, write_tensors
 
 _NAME = re.compile(r"^rank_(\d+)\.step_(\d+)\.tensors$")
@@ -70,7 +70,7 @@ class CheckpointMeta:
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write a file completely or not at all (temp file in the same dir, then rename)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -83,7 +83,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
 def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
     """An .npz of ``arrays``, streamed to a temp file renamed into place (no bytes copy)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)

@@ -105,6 +105,9 @@ def load_outdir(outdir: str | Path, check_files: bool = True) -> Manifest:
     """Parse ``OUTDIR/manifest.json`` and (by default) check every listed file's sha256."""
     outdir = Path(outdir)
     path = outdir / "manifest.json"
+    if not outdir.is_dir():
+        what = "is not a directory" if outdir.exists() else "does not exist"
+        raise OutputDirError(f"{outdir}: {what}; give an output directory of `tensoropt compile`")
     if not path.is_file():
         raise OutputDirError(f"{path}: no manifest.json in the output directory; {_RECOMPILE}")
     try:

@@ -73,6 +73,8 @@ def run_steps(
     if hostfile is not None and backend is not Backend.MPI:
         raise TensorOptError("--hostfile only applies to --backend mpi")
     manifest = load_outdir(outdir)
+    if resume:
+        _check_resume_target(checkpoint, manifest.world_size, steps)
     if verify and not (manifest.outdir / "annotated.onnx").is_file():
         raise TensorOptError(
             f"{manifest.outdir}: --verify needs annotated.onnx; recompile the model"
@@ -100,6 +102,18 @@ def run_steps(
     if save_params is not None:
         save_npz(save_params, result.params)
     return result
+
+
+def _check_resume_target(checkpoint, world_size: int, steps: int) -> None:
+    """Refuse a resume that would run no step: the checkpoint is already at --steps."""
+    from tensoropt.runtime.checkpoint import latest_common_step
+
+    done = latest_common_step(checkpoint, world_size)
+    if done is not None and done >= steps:
+        raise TensorOptError(
+            f"--resume: {checkpoint} already holds step {done}, and --steps {steps} asks for "
+            f"no more; give --steps above {done} to continue training"
+        )
 
 
 def _choice(enum_cls, value, what: str):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tensoropt.errors import TensorOptError
+from tensoropt.ir.files import mkstemp_public
 
 MAGIC = b"TOTENS1\n"
 ALIGN = 4096
@@ -71,7 +71,7 @@ def write_tensors(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], met
     """Write ``arrays`` and ``meta`` to ``path`` atomically, one tensor at a time."""
     path = Path(path)
     header, placed = _layout(arrays, dict(meta))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)

@@ -75,7 +75,7 @@ def test_budget_reports_the_fewest_devices_that_fit(zoo_file, capsys, tmp_path):
     assert low["8"] < low["1"]
     budget = (low["8"] + low["1"]) / 2
     out = cli(
-        capsys, "search", zoo_file("gpt"), "--devices", "1", "--memory-budget", f"{int(budget)}"
+        capsys, "search", zoo_file("gpt"), "--devices", "1", "--memory-budget", f"{int(budget)}B"
     )
     assert_bad_input(out, "search", "1 devices:")
 
