@@ -1,0 +1,85 @@
+"""Under umask 022 every file and directory a command writes is readable by others
+(issue 15, item 4): compiled directories go to a launcher that may run as another
+user. Outputs are written to private temporaries and renamed into place; the modes
+must still be what the umask says."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tensoropt.cli import main
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _unreadable(root: Path) -> list[str]:
+    """Entries under ``root`` that others cannot read (or, for directories, enter)."""
+    bad = []
+    for path in [root, *root.rglob("*")]:
+        mode = path.stat().st_mode
+        want = 0o755 if stat.S_ISDIR(mode) else 0o644
+        if stat.S_IMODE(mode) != want:
+            bad.append(f"{path.relative_to(root.parent)} {stat.filemode(mode)}")
+    return bad
+
+
+def test_every_command_writes_files_others_can_read(tmp_path, umask_022):
+    root = tmp_path / "outputs"
+    root.mkdir()
+    model = root / "mlp.onnx"
+    outdir = root / "compiled"
+    runs = [
+        ["model", "mlp", "-o", model],
+        ["train", model, "--steps", "1", "--save-params", root / "p.npz",
+         "--export-step", root / "step.onnx"],
+        ["search", model, "--devices", "1,2", "--plot", root / "frontier.png",
+         "--dump-costs", root / "costs.json"],
+        ["compile", model, "--devices", "2", "--pick", "min-memory", "-o", outdir],
+        ["run", outdir, "--steps", "2", "--checkpoint", root / "ckpt",
+         "--save-params", root / "trained.npz"],
+        ["report", model, "--devices", "1,2", "-o", root / "report"],
+    ]  # fmt: skip
+    for argv in runs:
+        assert main([str(a) for a in argv]) == 0, argv
+    written = {p.name for p in root.iterdir()}
+    assert {"compiled", "ckpt", "report", "frontier.png", "trained.npz"} <= written
+    assert any((root / "ckpt").iterdir()) and any((root / "report").iterdir())
+    assert _unreadable(root) == []
+
+
+def test_a_private_umask_keeps_outputs_private(tmp_path):
+    """The umask is honoured, not overridden: 077 gives 0600 files and 0700 directories."""
+    previous = os.umask(0o077)
+    try:
+        model = tmp_path / "mlp.onnx"
+        assert main(["model", "mlp", "-o", str(model)]) == 0
+        out = tmp_path / "c"
+        assert main(["compile", str(model), "--devices", "2", "-o", str(out)]) == 0
+    finally:
+        os.umask(previous)
+    for path in [out, *out.iterdir()]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o077 == 0, (path, oct(mode))
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_others_can_read(tmp_path, umask_022):
+    root = tmp_path / "outputs"
+    root.mkdir()
+    argv = ["calibrate", "-o", str(root / "here.json"), "--quick", "--backend", "local"]
+    assert main(argv) == 0
+    assert (root / "here.json").is_file()
+    assert _unreadable(root) == []
