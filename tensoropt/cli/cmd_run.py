@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tensoropt.errors import ExitCode, TensorOptError
@@ -159,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
         raise TensorOptError(f"--threads {args.threads}: give at least 1")
     if args.stall_timeout is not None and args.stall_timeout <= 0:
         raise TensorOptError(f"--stall-timeout {args.stall_timeout}: give a positive number")
+    if args.profile_warmup < 0:
+        raise TensorOptError(f"--profile-warmup {args.profile_warmup}: give 0 or more steps")
+    ckpt = args.checkpoint
+    if ckpt is not None and os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        raise TensorOptError(
+            f"--checkpoint {ckpt}: is a file; give a directory (it is created when missing)"
+        )
     check_output_file(args.save_params, "--save-params")
     table = _Table(args.steps, args.verify, quiet=args.json)
     try:

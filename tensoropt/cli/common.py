@@ -206,6 +206,8 @@ def check_output_file(path: str | None, flag: str) -> None:
     directory must exist and take a new file, and the path must not be a directory."""
     if path is None:
         return
+    if not path.strip():
+        raise TensorOptError(f"{flag} {path!r}: give a file name")
     if os.path.isdir(path):
         raise TensorOptError(f"{flag} {path}: is a directory; give a file name")
     _check_writable_dir(os.path.dirname(os.path.abspath(path)), flag, path)
@@ -213,6 +215,8 @@ def check_output_file(path: str | None, flag: str) -> None:
 
 def check_output_dir(path: str, flag: str) -> None:
     """Refuse an output directory whose parent cannot take it, before any work."""
+    if not path.strip():
+        raise TensorOptError(f"{flag} {path!r}: give a directory name")
     if os.path.exists(path) and not os.path.isdir(path):
         raise TensorOptError(f"{flag} {path}: exists and is not a directory; choose another path")
     _check_writable_dir(os.path.dirname(os.path.abspath(path)), flag, path)

@@ -70,6 +70,8 @@ CASES: list[tuple[list[str], str]] = [
     (["model", "gpt", "-o", "/proc/m.onnx"], "/proc"),
     (["model", "gpt", "-o", f"{OUT}/nodir/m.onnx"], "does not exist"),
     (["model", "gpt", "-o", "{a_dir}"], "is a directory"),
+    (["model", "gpt", "-o", ""], "give a file name"),
+    (["model", "gpt", "--batch", "0", "-o", f"{OUT}/m.onnx"], "--batch"),
     # train
     (["train", "{missing}"], "no-such-thing"),
     (["train", P], "not a readable ONNX model"),
@@ -143,6 +145,8 @@ CASES: list[tuple[list[str], str]] = [
     ),  # fmt: skip
     (["compile", M, "--devices", "2", "--cluster", "nope", "-o", f"{OUT}/c"], "nope"),
     (["compile", M, "--devices", "2"], "-o"),
+    (["compile", M, "--devices", "2", "-o", ""], "give a directory name"),
+    (["compile", M, "--devices", "2", "--plan", "{a_dir}/", "-o", f"{OUT}/c"], "plan"),
     # run
     (["run", "{missing}"], "does not exist"),
     (["run", P], "not a directory"),
@@ -158,12 +162,15 @@ CASES: list[tuple[list[str], str]] = [
     (["run", O, "--arena", "huge"], "--arena"),
     (["run", O, "--threads", "0"], "--threads"),
     (["run", O, "--stall-timeout", "0"], "--stall-timeout"),
+    (["run", O, "--profile", "--profile-warmup", "-1"], "--profile-warmup"),
+    (["run", O, "--checkpoint", "{a_file}", "--steps", "1"], "is a file"),
     (["run", O, "--resume", "--checkpoint", "{ckpt}", "--steps", "2"], "step 3"),
     # inspect
     (["inspect", "{missing}"], "no-such-thing"),
     (["inspect", P], "JSON file"),
     (["inspect", "{garbage}"], "not a readable ONNX model"),
     (["inspect", "{foreign}"], "manifest"),
+    (["inspect", "{outdir}", "--bogus"], "unrecognized arguments"),
     # report
     (["report", M, "-o", "/proc/r"], "/proc"),
     (["report", M, "--devices", "1,2", "--detail-devices", "4", "-o", f"{OUT}/r"], "4"),
