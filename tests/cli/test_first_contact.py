@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -218,7 +217,6 @@ def test_inspect_into_a_closed_pipe_is_quiet(compiled):
         stderr=subprocess.PIPE,
         text=True,
         timeout=120,
-        preexec_fn=lambda: signal.signal(signal.SIGPIPE, signal.SIG_IGN),
     )
     os.close(write)
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
