@@ -39,6 +39,7 @@ so the step trains exactly as before; only a fused QKV weight's shape changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -423,14 +424,19 @@ def _unflatten_gemms(graph: ir.Graph, em: _Emitter) -> int:
         x = before.inputs[0]
         if after.op_type != "Reshape" or x is None or w is None or w.const_value is None:
             continue
-        xs, ws, ys = static_shape(x), static_shape(w), static_shape(after.outputs[0])
-        if len(xs) < 2 or len(ws) != 2 or xs[-1] != ws[0] or ys != (*xs[:-1], ws[1]):
+        ws, ys = static_shape(w), static_shape(after.outputs[0])
+        if len(ws) != 2 or len(ys) < 2 or ys[-1] != ws[1]:
+            continue
+        if math.prod(ys[:-1]) != static_shape(flat)[0] or static_shape(flat)[1] != ws[0]:
             continue
         if bias is not None and static_shape(bias) not in ((ws[1],), (1, ws[1])):
             continue
         if not _removable(after.outputs):
             continue
         dtype = after.outputs[0].dtype
+        xs = (*ys[:-1], ws[0])
+        if static_shape(x) != xs:  # e.g. attention heads merged by the flattening Reshape
+            [x] = em.node(gemm, "Reshape", [x, em.ints(xs)], [xs], dtype)
         [y] = em.node(gemm, "MatMul", [x, w], [ys], dtype)
         if bias is not None:
             [y] = em.node(gemm, "Add", [y, bias], [ys], dtype)

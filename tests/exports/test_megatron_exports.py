@@ -1,0 +1,184 @@
+"""Megatron-LM plans on real ``torch.onnx.export(dynamo=True)`` output.
+
+For GPT-2 (fused ``c_attn`` + ``split``), HF-style GPT-2 (``Conv1D``: Reshape -> Gemm ->
+Reshape), BERT (separate Q/K/V, masked), ViT (fused ``qkv`` + reshape/unbind) and Llama
+(RMSNorm, rotary, SiLU-gated MLP):
+
+* the forward rewrite of ``passes.blocks`` changes nothing a step computes: loss and
+  updated parameters equal those of the export's own step (a fused QKV weight compared
+  through its ``[C, 3, D]`` view);
+* every layer's MLP and attention block is found (counts equal the torch model's layers);
+* the device graphs hold exactly one all-reduce forward and one backward per block on
+  the tp group, and nothing else on it (meshes 2, 4 and 2x2);
+* ``--verify`` passes (3 SGD momentum steps, max relative error <= 1e-4);
+* a tp size that does not divide the heads is refused with exit 2, naming the tensor,
+  the dimension and the sizes.
+
+Mesh 4 uses 4-head variants of the models (2 heads cannot split 4 ways).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript")
+
+from tensoropt.cli import main  # noqa: E402
+from tensoropt.ir.importer import export_model  # noqa: E402
+from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: E402
+from tensoropt.passes.plans import prepare_model  # noqa: E402
+from tensoropt.passes.training_step import TrainingOptions, build_training_step  # noqa: E402
+from tensoropt.runtime.run import run_steps  # noqa: E402
+from tensoropt.runtime.single import StepSession  # noqa: E402
+from tests.exports.hf_models import HF_GPT2  # noqa: E402
+from tests.exports.models import CASES, Case, export  # noqa: E402
+from tests.helpers.compile import compile_model  # noqa: E402
+from tests.helpers.steps import import_proto  # noqa: E402
+from tests.passes.test_collective_counts import _role, collectives  # noqa: E402
+
+SGD = OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9)
+NAMES = ("gpt2", "hf_gpt2", "bert", "vit", "llama")
+QUICK = {("gpt2", "2"), ("hf_gpt2", "2")}
+
+
+def _case(name: str) -> Case:
+    """``name`` or its 4-head variant ``name-h4``."""
+    base, _, variant = name.partition("-")
+    case = HF_GPT2 if base == "hf_gpt2" else CASES[base]
+    if variant == "h4":
+        build = case.build
+        case = dataclasses.replace(case, name=name, build=lambda: build(heads=4))
+    return case
+
+
+def _layers(case: Case) -> int:
+    """The torch model's layer count: the length of its longest ModuleList."""
+    model = case.build()
+    return max(len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+
+
+@pytest.fixture(scope="module")
+def export_of(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("megatron_exports")
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            import warnings
+
+            path = folder / f"{name}.onnx"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                export(_case(name), str(path))
+            made[name] = onnx.load(str(path))
+        return made[name]
+
+    return get
+
+
+def _batch(case: Case, logits_shape) -> dict[str, np.ndarray]:
+    inputs = case.inputs(torch.Generator().manual_seed(0))
+    labels = case.labels(tuple(logits_shape), torch.Generator().manual_seed(7))
+    return {k: v.numpy() for k, v in inputs.items()} | {"labels": labels.numpy()}
+
+
+def _one_step(proto: onnx.ModelProto, prepare: bool, batch_of):
+    model = import_proto(proto)
+    if prepare:
+        prepare_model("megatron", model)
+    step = build_training_step(model, TrainingOptions(optimizer=SGD))
+    session = StepSession(export_model(step.model))
+    state = session.initial_state()
+    logits = proto.graph.output[0].type.tensor_type.shape
+    loss, new = session.step(state, batch_of([d.dim_value for d in logits.dim]))
+    return loss, {p: new[p] for p in step.signature.params}
+
+
+def _models(quick=("gpt2", "hf_gpt2")):
+    return [pytest.param(n, marks=() if n in quick else (pytest.mark.slow,), id=n) for n in NAMES]
+
+
+@pytest.mark.parametrize("name", _models())
+def test_prepared_step_trains_exactly_as_the_export(name, export_of):
+    proto = export_of(name)
+    case = _case(name)
+    loss, params = _one_step(proto, False, lambda shape: _batch(case, shape))
+    loss2, params2 = _one_step(proto, True, lambda shape: _batch(case, shape))
+    assert loss2 == pytest.approx(loss, rel=1e-6)
+    assert params.keys() == params2.keys()
+    reshaped = 0
+    for key, want in params.items():
+        got = params2[key]
+        if got.shape != want.shape:  # a fused QKV weight or bias, now its [.., 3, D] view
+            assert got.size == want.size and 3 in got.shape[:2], (key, got.shape, want.shape)
+            got = got.reshape(want.shape)
+            reshaped += 1
+        scale = max(float(np.abs(want).max()), 1e-6)
+        assert float(np.abs(got - want).max()) / scale <= 1e-6, key
+    fused = name in ("gpt2", "hf_gpt2", "vit")
+    assert reshaped == (4 if fused else 0)  # weight and bias of each layer's fused QKV
+
+
+def _mesh_cases():
+    for name in NAMES:
+        for mesh in ("2", "2x2", "4"):
+            target = f"{name}-h4" if mesh == "4" else name
+            marks = () if (name, mesh) in QUICK else (pytest.mark.slow,)
+            yield pytest.param(target, mesh, marks=marks, id=f"{target}-{mesh}")
+
+
+def _tp_group(mesh: str, rank: int) -> tuple[int, ...]:
+    if mesh == "2x2":
+        return (rank - rank % 2, rank - rank % 2 + 1)
+    return tuple(range(int(mesh)))
+
+
+@pytest.mark.parametrize(("name", "mesh"), list(_mesh_cases()))
+def test_every_block_found_with_one_allreduce_each_way(name, mesh, export_of, tmp_path):
+    layers = _layers(_case(name))
+    out = tmp_path / "out"
+    _, built = compile_model(export_of(name), "megatron", mesh, out, TrainingOptions(optimizer=SGD))
+    tp = 1 if mesh == "2x2" else 0
+    assert built.notes[0] == (
+        f"megatron: {layers} MLP and {layers} attention blocks on mesh axis {tp} (tp)"
+    ), built.notes
+    assert not any("left to data parallelism" in n or "unsharded" in n for n in built.notes)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["ranks"]:
+        found = collectives(onnx.load(str(out / entry["file"])))
+        group = _tp_group(mesh, entry["rank"])
+        on_tp = Counter((c.kind, _role(c)) for c in found if c.group == group)
+        assert on_tp == Counter(
+            {("AllReduce", "forward"): 2 * layers, ("AllReduce", "backward"): 2 * layers}
+        ), (entry["rank"], on_tp)
+        if mesh != "2x2":  # pure tp: the blocks' all-reduces are every collective
+            assert len(found) == 4 * layers
+        else:  # everything else runs over a dp column
+            assert all(
+                len(c.group) == 2 and set(c.group) != set(group) for c in found if c.group != group
+            )
+    report = run_steps(out, 3, "local", verify=True, threads=1).verify
+    assert report is not None and len(report.per_step) == 3
+    assert report.max_rel_error_loss <= 1e-4, report.to_json()
+    assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+def test_tp_that_splits_heads_is_refused_through_the_cli(export_of, tmp_path, capsys):
+    model = tmp_path / "gpt2.onnx"
+    onnx.save(export_of("gpt2"), str(model))
+    out = tmp_path / "out"
+    rc = main(["compile", str(model), "--devices", "4", "--plan", "megatron", "-o", str(out)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    line = err[-1]
+    assert "dim 2 (size 32)" in line and "2 heads of 16" in line, line
+    assert "4 does not divide 2 heads" in line and "Reshape" in line, line
+    assert not out.exists()
