@@ -600,6 +600,7 @@ def stack_projections(model: ir.Model) -> Rewrite:
         if v.const_value is not None and v.dtype is not None and v.dtype.is_floating_point()
     }
     blocks = find_blocks(graph, params)
+    order = {node: i for i, node in enumerate(graph)}
     groups: list[list[ir.Node]] = []
     for column, _row in (*blocks.attention, *blocks.mlp):
         by_input: dict[ir.Value, list[ir.Node]] = {}
@@ -609,7 +610,7 @@ def stack_projections(model: ir.Model) -> Rewrite:
         for group in by_input.values():
             shapes = {static_shape(m.inputs[1]) for m in group}
             if len(group) > 1 and len(shapes) == 1:
-                groups.append(group)
+                groups.append(sorted(group, key=order.__getitem__))
     for group in groups:
         if _removable(m.outputs[0] for m in group):
             _stack(graph, em, group)

@@ -82,17 +82,23 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     dp_axes = tuple(range(mesh.ndim - 1))
     params = set(sig.params)
     blocks = find_blocks(graph, params)
+    attention = []
+    split_heads: list[str] = []
+    for column, row in blocks.attention:
+        problem = _heads_problem(column, mesh, tp, params)
+        if problem is None:
+            attention.append((column, row))
+        else:
+            split_heads.append(problem)
     roles: dict[ir.Node, MegatronSplit] = {}
-    for column, row in (*blocks.mlp, *blocks.attention):
+    for column, row in (*blocks.mlp, *attention):
         for node in column:
             roles[node] = MegatronSplit.COLUMN
         roles[row] = MegatronSplit.ROW
-    for column, _row in blocks.attention:
-        _check_heads(column, mesh, tp, params)
     units: dict[str, UnitStrategy] = {}
     skipped = []
     for node, kind in roles.items():
-        unit = _unit(node, kind, mesh, tp, dp_axes)
+        unit = _unit(node, kind, mesh, tp, dp_axes, params)
         if unit is None:
             skipped.append(node.name)
             continue
@@ -101,11 +107,14 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
             units.update(_stacked_weight_units(node, mesh, tp, params))
         if kind is MegatronSplit.ROW:
             units.update(_reduce_after(node, mesh, dp_axes, params))
-    tp_text = f"mesh axis {tp} (tp)"
-    notes = [
-        f"megatron: {len(blocks.mlp)} MLP and {len(blocks.attention)} attention blocks on {tp_text}"
-    ]
-    viewed = _viewed_fused(blocks, params)
+    counts = f"{len(blocks.mlp)} MLP and {len(attention)} attention blocks"
+    notes = [f"megatron: {counts} on mesh axis {tp} (tp)"]
+    if split_heads:
+        notes.append(
+            f"megatron: {len(split_heads)} attention blocks left to data parallelism, because "
+            f"a tp split would cut heads apart: {split_heads[0]}"
+        )
+    viewed = _viewed_fused(attention, params)
     if viewed:
         notes.append(
             f"megatron: {len(viewed)} fused QKV weights trained as their [C, 3, D] view and "
@@ -148,10 +157,10 @@ def prepare_model(name: str, model: ir.Model) -> Rewrite | None:
     return stack_projections(model)
 
 
-def _viewed_fused(blocks, params: set[str]) -> list[str]:
+def _viewed_fused(attention, params: set[str]) -> list[str]:
     """Fused QKV weights that the rewrite made ``[C, k, D]`` views (a Transpose source)."""
     names = []
-    for column, _row in blocks.attention:
+    for column, _row in attention:
         for node in column:
             sources = stacked_sources(node.inputs[1], params) if is_stacked(node) else None
             if sources and len(sources) == 1:
@@ -159,8 +168,10 @@ def _viewed_fused(blocks, params: set[str]) -> list[str]:
     return names
 
 
-def _unit(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
-    _check_weight_split(node, kind, mesh, tp)
+def _unit(
+    node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes, params: set[str]
+) -> UnitStrategy | None:
+    _check_weight_split(node, kind, mesh, tp, params)
     x = node.inputs[0]
     xshape = static_shape(x)
     wrank = len(static_shape(node.inputs[1]))
@@ -248,8 +259,8 @@ def _reduce_after(node: ir.Node, mesh: Mesh, dp_axes, params) -> dict[str, UnitS
     return {}
 
 
-def _check_heads(column, mesh: Mesh, tp: int, params: set[str]) -> None:
-    """Refuse an attention block whose heads the tp axis cannot split.
+def _heads_problem(column, mesh: Mesh, tp: int, params: set[str]) -> str | None:
+    """Why the tp axis cannot split an attention block's heads, or None if it can.
 
     Walks from each projection output to the Reshape that splits its feature (last) dim
     into heads; the heads dim must divide (a split inside a head would need the scores
@@ -265,7 +276,9 @@ def _check_heads(column, mesh: Mesh, tp: int, params: set[str]) -> None:
                 continue
             seen.add(node)
             if node.op_type == "Reshape":
-                _check_reshape_heads(node, column, mesh, tp, params)
+                problem = _reshape_heads_problem(node, column, mesh.shape[tp], params)
+                if problem is not None:
+                    return problem
             elif node.op_type in ELEMENTWISE or node.op_type in ("Split", "Squeeze"):
                 stack.extend(node.outputs)
             elif node.op_type == "Transpose":
@@ -273,41 +286,44 @@ def _check_heads(column, mesh: Mesh, tp: int, params: set[str]) -> None:
                 rank = len(static_shape(value))
                 if perm is not None and list(perm.value)[-1] == rank - 1:
                     stack.extend(node.outputs)
+    return None
 
 
-def _check_reshape_heads(node: ir.Node, column, mesh: Mesh, tp: int, params) -> None:
-    n = mesh.shape[tp]
+def _reshape_heads_problem(node: ir.Node, column, n: int, params) -> str | None:
     src, dst = static_shape(node.inputs[0]), static_shape(node.outputs[0])
     try:
         groups = reshape_groups(src, dst)
     except ShardingError:
-        return
+        return None
     last = len(src) - 1
     for gin, gout in groups:
         if last in gin and gin[0] == last and len(gout) > 1:
             heads = dst[gout[0]]
             if heads % n:
                 weights = ", ".join(repr(_weight_name(m, params)) for m in column)
-                raise ShardingError(
-                    f"megatron over {n} devices on mesh axis {tp} ({mesh.axis_names[tp]}): "
-                    f"the attention projection of weight {weights} feeds Reshape "
-                    f"{node.name!r}, which splits dim {last} (size {src[last]}) of tensor "
-                    f"{node.inputs[0].name!r} into {heads} heads of {src[last] // heads}; "
-                    f"{n} does not divide {heads} heads; use a tp size that divides {heads}"
+                return (
+                    f"the projection of weight {weights} feeds Reshape {node.name!r}, which "
+                    f"splits dim {last} (size {src[last]}) of tensor {node.inputs[0].name!r} "
+                    f"into {heads} heads of {src[last] // heads}, and {n} does not divide "
+                    f"{heads}; use a tp size that divides {heads} to split them"
                 )
+    return None
 
 
 def _weight_name(node: ir.Node, params: set[str]) -> str:
     """The trained weight(s) behind a projection MatMul (a stacked one's sources)."""
     w = node.inputs[1]
     sources = stacked_sources(w, params) if is_stacked(node) else None
-    return "/".join(v.name for v in sources) if sources else w.name
+    return " + ".join(v.name for v in sources) if sources else w.name
 
 
-def _check_weight_split(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int) -> None:
+def _check_weight_split(
+    node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, params: set[str]
+) -> None:
     """Refuse a block whose weight the tp axis cannot split as Megatron promises.
 
     Column-parallel splits the weight's output (last) dim, row-parallel its input dim (0).
+    A stacked weight is named by the trained weights it is built from, with their dim.
     """
     weight = node.inputs[1]
     assert weight is not None  # a weight MatMul (see blocks.weight_matmuls)
@@ -315,9 +331,15 @@ def _check_weight_split(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int)
     dim = len(wshape) - 1 if kind is MegatronSplit.COLUMN else 0
     size, n = wshape[dim], mesh.shape[tp]
     if size % n:
+        sources = stacked_sources(weight, params) if is_stacked(node) else None
+        if sources:
+            names = ", ".join(repr(v.name) for v in sources)
+            dim = len(static_shape(sources[0])) - 1
+        else:
+            names = repr(weight.name)
         raise ShardingError(
             f"megatron over {n} devices on mesh axis {tp} ({mesh.axis_names[tp]}): weight "
-            f"{weight.name!r} of MatMul {node.name!r} ({kind.value}-parallel) dim {dim} has "
+            f"{names} of MatMul {node.name!r} ({kind.value}-parallel) dim {dim} has "
             f"size {size}, which {n} does not divide; use a tp size that divides {size}"
         )
 

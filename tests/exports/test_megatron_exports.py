@@ -11,8 +11,9 @@ Reshape), BERT (separate Q/K/V, masked), ViT (fused ``qkv`` + reshape/unbind) an
 * the device graphs hold exactly one all-reduce forward and one backward per block on
   the tp group, and nothing else on it (meshes 2, 4 and 2x2);
 * ``--verify`` passes (3 SGD momentum steps, max relative error <= 1e-4);
-* a tp size that does not divide the heads is refused with exit 2, naming the tensor,
-  the dimension and the sizes.
+* a tp size that does not divide the heads leaves attention whole with a note naming the
+  Reshape, tensor, dimension and sizes; a weight split that does not divide is refused
+  with exit 2.
 
 Mesh 4 uses 4-head variants of the models (2 heads cannot split 4 ways).
 """
@@ -170,15 +171,33 @@ def test_every_block_found_with_one_allreduce_each_way(name, mesh, export_of, tm
     assert report.max_rel_error_params <= 1e-4, report.to_json()
 
 
-def test_tp_that_splits_heads_is_refused_through_the_cli(export_of, tmp_path, capsys):
+def _cli_compile(export_of, tmp_path, devices: str):
     model = tmp_path / "gpt2.onnx"
     onnx.save(export_of("gpt2"), str(model))
     out = tmp_path / "out"
-    rc = main(["compile", str(model), "--devices", "4", "--plan", "megatron", "-o", str(out)])
+    rc = main(["compile", str(model), "--devices", devices, "--plan", "megatron", "-o", str(out)])
+    return rc, out
+
+
+def test_tp_that_would_cut_heads_leaves_attention_whole_and_says_why(export_of, tmp_path, capsys):
+    """2 heads on 4 tp ranks: the MLP blocks split, attention stays whole, a note says
+    which Reshape, tensor, dim and sizes; the step still verifies."""
+    rc, out = _cli_compile(export_of, tmp_path, "4")
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "megatron: 2 MLP and 0 attention blocks" in err, err
+    [note] = [line for line in err.splitlines() if "cut heads apart" in line]
+    assert "weight 'val_9'" in note and "Reshape" in note, note
+    assert "dim 2 (size 32)" in note and "2 heads of 16, and 4 does not divide 2" in note, note
+    assert main(["run", str(out), "--steps", "3", "--verify", "--threads", "1"]) == 0
+
+
+def test_weight_split_that_does_not_divide_is_refused_through_the_cli(export_of, tmp_path, capsys):
+    rc, out = _cli_compile(export_of, tmp_path, "3")
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
     line = err[-1]
-    assert "dim 2 (size 32)" in line and "2 heads of 16" in line, line
-    assert "4 does not divide 2 heads" in line and "Reshape" in line, line
+    assert "which 3 does not divide" in line and "dim 1 has size 128" in line, line
+    assert "weight 'val_" in line, line
     assert not out.exists()
