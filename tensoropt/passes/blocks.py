@@ -370,10 +370,10 @@ class _Emitter:
 
 
 def _replace_uses(old: ir.Value, new: ir.Value) -> None:
+    """Every reader of ``old`` reads ``new`` (callers check that ``old`` is no graph output)."""
+    assert not old.is_graph_output(), old.name
     for use in list(old.uses()):
         use.node.replace_input_with(use.idx, new)
-    if old.is_graph_output():
-        raise AssertionError(f"value {old.name!r} is a graph output")  # checked by callers
 
 
 def _removable(values: Iterable[ir.Value]) -> bool:
@@ -605,18 +605,21 @@ def stack_projections(model: ir.Model) -> Rewrite:
     for column, _row in (*blocks.attention, *blocks.mlp):
         by_input: dict[ir.Value, list[ir.Node]] = {}
         for m in column:
-            if not is_stacked(m) and m.inputs[0] is not None:
-                by_input.setdefault(m.inputs[0], []).append(m)
+            x = m.inputs[0]
+            if not is_stacked(m) and x is not None and len(static_shape(x)) >= 2:
+                by_input.setdefault(x, []).append(m)
         for group in by_input.values():
             shapes = {static_shape(m.inputs[1]) for m in group}
             if len(group) > 1 and len(shapes) == 1:
                 groups.append(sorted(group, key=order.__getitem__))
+    stacked = 0
     for group in groups:
         if _removable(m.outputs[0] for m in group):
             _stack(graph, em, group)
+            stacked += 1
     fused = []
     for m, _o in blocks.fused:
         name = m.inputs[1].name if m.inputs[1] is not None else "?"
         if _removable(m.outputs) and _view_fused(graph, em, m, params):
             fused.append(name)
-    return Rewrite(unflattened, len(groups), tuple(fused))
+    return Rewrite(unflattened, stacked, tuple(fused))

@@ -92,15 +92,26 @@ def _batch(case: Case, logits_shape) -> dict[str, np.ndarray]:
 
 
 def _one_step(proto: onnx.ModelProto, prepare: bool, batch_of):
+    """(loss, updated params, the rewrite or None) of one SGD step of ``proto``."""
     model = import_proto(proto)
-    if prepare:
-        prepare_model("megatron", model)
+    rewrite = prepare_model("megatron", model) if prepare else None
     step = build_training_step(model, TrainingOptions(optimizer=SGD))
     session = StepSession(export_model(step.model))
     state = session.initial_state()
     logits = proto.graph.output[0].type.tensor_type.shape
     loss, new = session.step(state, batch_of([d.dim_value for d in logits.dim]))
-    return loss, {p: new[p] for p in step.signature.params}
+    return loss, {p: new[p] for p in step.signature.params}, rewrite
+
+
+# What the rewrite does per 2-layer export: (Conv1D unflattened, projection groups
+# stacked (Q/K/V; gate/up), fused QKV weights viewed).
+REWRITES = {
+    "gpt2": (0, 0, 2),
+    "hf_gpt2": (8, 0, 2),
+    "bert": (0, 2, 0),
+    "vit": (0, 0, 2),
+    "llama": (0, 4, 0),
+}
 
 
 def _models(quick=("gpt2",)):
@@ -111,8 +122,9 @@ def _models(quick=("gpt2",)):
 def test_prepared_step_trains_exactly_as_the_export(name, export_of):
     proto = export_of(name)
     case = _case(name)
-    loss, params = _one_step(proto, False, lambda shape: _batch(case, shape))
-    loss2, params2 = _one_step(proto, True, lambda shape: _batch(case, shape))
+    loss, params, _ = _one_step(proto, False, lambda shape: _batch(case, shape))
+    loss2, params2, rewrite = _one_step(proto, True, lambda shape: _batch(case, shape))
+    assert (rewrite.unflattened, rewrite.stacked, len(rewrite.fused)) == REWRITES[name]
     assert loss2 == pytest.approx(loss, rel=1e-6)
     assert params.keys() == params2.keys()
     reshaped = 0
