@@ -176,7 +176,7 @@ def main() -> None:
     rows, summary = rows_and_summary(plans)
     load_end = os.getloadavg()[0]
     cal = profile["calibration"]
-    flag = f" --cluster {args.cluster}" if args.cluster else ""
+    flag = " --cluster CLUSTER.json" if args.cluster else ""  # no machine paths in RESULTS
     head = (
         f"`python benchmarks/bench_validate.py{flag}"
         f" --points {args.points} --steps {args.steps}` -- "

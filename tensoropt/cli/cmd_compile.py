@@ -279,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
         plan, data_axes = _load_plan_file(plan_name, mesh)
         mesh = plan.mesh
         notes = ()
-    step = build_step(args, load_weights=False)  # compile streams the weights itself
+    # compile streams the weights itself; a built-in plan may rewrite the forward first
+    step = build_step(args, load_weights=False, plan=None if is_file else plan_name)
     summary = step.selection.summary(step.model.graph)
     if not is_file:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)

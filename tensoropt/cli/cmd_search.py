@@ -75,7 +75,13 @@ def add_parser(sub) -> None:
     add_search_options(p)
     p.add_argument("--json", metavar="OUT.json", help="every frontier point with its plan")
     p.add_argument("--plot", metavar="OUT.png", help="memory vs step time per device count")
-    p.add_argument("--dump-costs", metavar="COSTS.json", help="the cost problems and answers")
+    p.add_argument(
+        "--dump-costs",
+        metavar="COSTS.json",
+        help="the cost problems and answers: "
+        "each problem's whole frontier (slower: the meshes of a device count are then "
+        "solved without each other's incumbents)",
+    )
     p.set_defaults(func=run)
 
 
@@ -112,6 +118,8 @@ def explore_from_args(args, devices):
         epsilon=args.epsilon,
         jobs=getattr(args, "jobs", None),
         on_problem=tick,
+        # the dumped problems carry their whole frontiers, for an external solver to check
+        whole_frontiers=bool(getattr(args, "dump_costs", None)),
     )
     bar.close()
     return sg, profile, exp

@@ -69,8 +69,9 @@ def training_options(args: argparse.Namespace):
     )
 
 
-def build_step(args: argparse.Namespace, *, load_weights: bool = True):
-    """Import ``args.model`` and build its training step (TrainingStep)."""
+def build_step(args: argparse.Namespace, *, load_weights: bool = True, plan: str | None = None):
+    """Import ``args.model`` and build its training step (TrainingStep); ``plan``: the
+    built-in plan it is for, which may rewrite the forward model first (megatron)."""
     from tensoropt.ir.importer import ImportOptions, import_model, parse_input_shapes
     from tensoropt.passes.training_step import build_training_step
     from tensoropt.rules.grad import GRAD_RULES
@@ -81,6 +82,10 @@ def build_step(args: argparse.Namespace, *, load_weights: bool = True):
         supported_ops=supported_ops(GRAD_RULES),
     )
     model = import_model(args.model, options)
+    if plan is not None:
+        from tensoropt.passes.plans import prepare_model
+
+        prepare_model(plan, model)
     return build_training_step(model, training_options(args))
 
 

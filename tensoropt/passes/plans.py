@@ -3,15 +3,13 @@
 Both produce a :class:`Plan` that goes through the same annotate/insert/partition
 mechanism as searched and hand-written plans.
 
-Megatron blocks are found by structure, not by names:
-
-- an MLP block is a MatMul by a trained 2-D weight (A), a region of element-wise
-  ops (bias Add, activation, dropout, ...), and a second weight MatMul (B) that is
-  the region's only exit. A is column-parallel, B row-parallel.
-- an attention block is a weight MatMul (O) whose activation input comes, through
-  attention ops only (Reshape, Transpose, activation MatMuls, Softmax, scale,
-  mask, ...), from weight MatMuls (Q, K, V, or one fused QKV). The projections are
-  column-parallel, O is row-parallel, so heads split across the tp axis.
+Megatron blocks are found by structure, not by names (``passes.blocks``): MLP blocks
+(column-parallel first MatMul and gate siblings, row-parallel second) and attention
+blocks (column-parallel Q/K/V projections, row-parallel output projection). Before the
+training step is built, :func:`prepare_model` stacks each block's column-parallel
+projections into one MatMul and views a fused QKV weight as ``[C, 3, D]``, so that
+each block needs one all-reduce forward and one backward, as in Megatron-LM, and a
+fused QKV splits head-wise.
 
 Where no block applies (CNNs, say), the tp axis falls back to data parallelism
 and the plan notes say so.
@@ -31,65 +29,17 @@ from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
 from tensoropt.ir.vocab import MegatronSplit, Role, role_of
 from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.blocks import (
+    ELEMENTWISE,
+    Rewrite,
+    find_blocks,
+    is_forward,
+    is_stacked,
+    stack_projections,
+    stacked_sources,
+)
 from tensoropt.passes.training_step import StepSignature
-
-_ELEMENTWISE = frozenset(
-    {
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Pow",
-        "Sqrt",
-        "Neg",
-        "Gelu",
-        "Relu",
-        "Tanh",
-        "Sigmoid",
-        "Erf",
-        "Cast",
-        "Dropout",
-        "Identity",
-        "LeakyRelu",
-        "Exp",
-    }
-)
-_NONLINEAR = frozenset(
-    {
-        "Gelu",
-        "Relu",
-        "Tanh",
-        "Sigmoid",
-        "Erf",
-        "LeakyRelu",
-        "Exp",
-        "Pow",
-        "Sqrt",
-        "Softplus",
-        "Elu",
-        "HardSigmoid",
-        "HardSwish",
-        "Mul",
-        "Div",
-    }
-)
-_ATTENTION = _ELEMENTWISE | frozenset(
-    {
-        "Reshape",
-        "Transpose",
-        "MatMul",
-        "Softmax",
-        "Where",
-        "Split",
-        "Slice",
-        "Squeeze",
-        "Unsqueeze",
-        "Concat",
-        "Expand",
-        "Constant",
-        "Einsum",
-    }
-)
+from tensoropt.rules.sharding.shape import reshape_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,117 +55,10 @@ def data_parallel(mesh: Mesh) -> BuiltPlan:
     return BuiltPlan(plan, tuple(range(mesh.ndim)), ())
 
 
-def _forward(node: ir.Node) -> bool:
-    return role_of(node) is Role.FORWARD
-
-
-def _weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
-    out = []
-    for node in graph:
-        if not _forward(node) or node.op_type != "MatMul":
-            continue
-        w = node.inputs[1]
-        if w is not None and w.name in params and len(static_shape(w)) == 2:
-            out.append(node)
-    return out
-
-
-def _is_const(value: ir.Value, params: set[str]) -> bool:
-    if value.const_value is not None or value.name in params:
-        return True
-    producer = value.producer()
-    return producer is not None and producer.op_type == "Constant"
-
-
-def _mlp_partner(
-    a: ir.Node, weights: set[ir.Node], params: set[str]
-) -> tuple[ir.Node, list[ir.Node]] | None:
-    """The row-parallel MatMul that closes an MLP block opened by ``a``, if any.
-
-    Also returns the gate siblings: weight MatMuls on ``a``'s own input whose outputs
-    join the region (a SiLU/GELU-gated MLP, ``down(act(gate(x)) * up(x))``); they are
-    column-parallel like ``a``.
-    """
-    region: set[ir.Node] = set()
-    frontier = [a.outputs[0]]
-    exit_node = None
-    while frontier:
-        value = frontier.pop()
-        for use in value.uses():
-            node = use.node
-            if not _forward(node):
-                continue
-            if node in weights and use.idx == 0:
-                if exit_node not in (None, node):
-                    return None
-                exit_node = node
-                continue
-            if node.op_type not in _ELEMENTWISE:
-                return None
-            if node not in region:
-                region.add(node)
-                frontier.extend(node.outputs)
-    if exit_node is None or not any(n.op_type in _NONLINEAR for n in region):
-        # Two weight MatMuls joined by nothing (or only a bias) are not an MLP block:
-        # pairing them would take a MatMul away from the block that follows.
-        return None
-    siblings: list[ir.Node] = []
-    for node in region:
-        for v in node.inputs:
-            if v is None or v is a.outputs[0] or v.producer() in region:
-                continue
-            sibling = v.producer()
-            if sibling in weights and sibling.inputs[0] is a.inputs[0] and sibling is not a:
-                if sibling not in siblings:
-                    siblings.append(sibling)
-                continue
-            if not _is_const(v, params):
-                return None
-    return exit_node, siblings
-
-
-def _param_dependent(graph: ir.Graph, params: set[str]) -> set[ir.Value]:
-    """Values computed from some parameter; the others come from data inputs and
-    constants only (attention masks built from an ``attention_mask`` input)."""
-    dependent = {v for v in graph.initializers.values() if v.name in params}
-    dependent |= {v for v in graph.inputs if v.name in params}
-    for node in graph:  # topological order
-        if any(v is not None and v in dependent for v in node.inputs):
-            dependent.update(node.outputs)
-    return dependent
-
-
-def _attention_sources(
-    o: ir.Node, weights: set[ir.Node], params: set[str], dependent: set[ir.Value]
-) -> list[ir.Node] | None:
-    """The projection MatMuls feeding ``o`` through attention ops only, if that holds."""
-    sources: list[ir.Node] = []
-    seen: set[ir.Node] = set()
-    stack = [o.inputs[0]]
-    saw_softmax = False
-    while stack:
-        value = stack.pop()
-        if value is None or _is_const(value, params) or value not in dependent:
-            continue
-        node = value.producer()
-        if node is None or not _forward(node):
-            return None
-        if node in weights:
-            if node not in sources:
-                sources.append(node)
-            continue
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op_type not in _ATTENTION:
-            return None
-        saw_softmax |= node.op_type == "Softmax"
-        stack.extend(node.inputs)
-    return sources if saw_softmax and sources else None
-
-
-def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: MegatronSplit):
-    """(x, W, out) layouts of a column- or row-parallel MatMul."""
+def _layouts(
+    x_rank: int, w_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: MegatronSplit
+):
+    """(x, W, out) layouts of a column- or row-parallel MatMul (W 2-D, or stacked 3-D)."""
     x = [Replicate()] * mesh.ndim
     w = [Replicate()] * mesh.ndim
     out = [Replicate()] * mesh.ndim
@@ -224,7 +67,7 @@ def _layouts(x_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: Me
             x[a] = Shard(0)
             out[a] = Shard(0)
     if kind is MegatronSplit.COLUMN:
-        w[tp] = Shard(1)
+        w[tp] = Shard(w_rank - 1)
         out[tp] = Shard(x_rank - 1)
     else:
         x[tp] = Shard(x_rank - 1)
@@ -238,52 +81,52 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     tp = mesh.ndim - 1
     dp_axes = tuple(range(mesh.ndim - 1))
     params = set(sig.params)
-    weights = _weight_matmuls(graph, params)
-    weight_set = set(weights)
+    blocks = find_blocks(graph, params)
+    attention = []
+    split_heads: list[str] = []
+    for column, row in blocks.attention:
+        problem = _heads_problem(column, mesh, tp, params)
+        if problem is None:
+            attention.append((column, row))
+        else:
+            split_heads.append(problem)
     roles: dict[ir.Node, MegatronSplit] = {}
-    for a in weights:
-        found = _mlp_partner(a, weight_set, params)
-        if found is None:
-            continue
-        b, siblings = found
-        if not any(n in roles for n in (a, b, *siblings)):
-            for n in (a, *siblings):
-                roles[n] = MegatronSplit.COLUMN
-            roles[b] = MegatronSplit.ROW
-    attention = 0
-    fused: list[str] = []
-    dependent = _param_dependent(graph, params)
-    for o in weights:
-        if o in roles:
-            continue
-        sources = _attention_sources(o, weight_set, params, dependent)
-        if not sources or any(s in roles for s in sources):
-            continue
-        if len(sources) == 1:
-            # One projection makes Q, K and V: a column split would give each rank a
-            # slice of [Q | K | V], not whole heads (see docs/design/exports.md).
-            fused.append(f"{sources[0].name} -> {o.name}")
-            continue
-        for s in sources:
-            roles[s] = MegatronSplit.COLUMN
-        roles[o] = MegatronSplit.ROW
-        attention += 1
-    mlps = sum(1 for r in roles.values() if r is MegatronSplit.ROW) - attention
+    for column, row in (*blocks.mlp, *attention):
+        for node in column:
+            roles[node] = MegatronSplit.COLUMN
+        roles[row] = MegatronSplit.ROW
     units: dict[str, UnitStrategy] = {}
     skipped = []
     for node, kind in roles.items():
-        unit = _unit(node, kind, mesh, tp, dp_axes)
+        unit = _unit(node, kind, mesh, tp, dp_axes, params)
         if unit is None:
             skipped.append(node.name)
             continue
         units[node.name] = unit
+        if kind is MegatronSplit.COLUMN and is_stacked(node):
+            units.update(_stacked_weight_units(node, mesh, tp, params))
         if kind is MegatronSplit.ROW:
-            units.update(_reduce_before_bias(node, mesh, tp, dp_axes, params))
-    notes = [f"megatron: {mlps} MLP and {attention} attention blocks on mesh axis {tp} (tp)"]
-    if fused:
+            units.update(_reduce_after(node, mesh, dp_axes, params))
+    counts = f"{len(blocks.mlp)} MLP and {len(attention)} attention blocks"
+    notes = [f"megatron: {counts} on mesh axis {tp} (tp)"]
+    if split_heads:
+        notes.append(
+            f"megatron: {len(split_heads)} attention blocks left to data parallelism, because "
+            f"a tp split would cut heads apart: {split_heads[0]}"
+        )
+    viewed = _viewed_fused(attention, params)
+    if viewed:
+        notes.append(
+            f"megatron: {len(viewed)} fused QKV weights trained as their [C, 3, D] view and "
+            "split head-wise (each rank holds the same heads of q, k and v): "
+            + ", ".join(viewed[:5])
+        )
+    if blocks.fused:
+        fused = [f"{m.name} -> {o.name}" for m, o in blocks.fused]
         notes.append(
             f"megatron: {len(fused)} attention blocks with a fused QKV projection left to "
-            "data parallelism (a column split would mix Q, K and V): " + ", ".join(fused[:5])
+            "data parallelism (a column split would mix Q, K and V; the model was not "
+            "prepared for megatron, see prepare_model): " + ", ".join(fused[:5])
         )
     if not roles:
         notes.append(
@@ -304,59 +147,199 @@ def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     return BuiltPlan(plan, dp_axes, tuple(notes))
 
 
-def _unit(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes) -> UnitStrategy | None:
-    _check_weight_split(node, kind, mesh, tp)
+def prepare_model(name: str, model: ir.Model) -> Rewrite | None:
+    """Rewrite the imported forward ``model`` for built-in plan ``name`` before its
+    training step is built: for megatron, stack each block's column-parallel projections
+    and view fused QKV weights head-wise (``passes.blocks``). Other plans change nothing.
+    """
+    if name != "megatron":
+        return None
+    return stack_projections(model)
+
+
+def _viewed_fused(attention, params: set[str]) -> list[str]:
+    """Fused QKV weights that the rewrite made ``[C, k, D]`` views (a Transpose source)."""
+    names = []
+    for column, _row in attention:
+        for node in column:
+            sources = stacked_sources(node.inputs[1], params) if is_stacked(node) else None
+            if sources and len(sources) == 1:
+                names.append(sources[0].name)
+    return names
+
+
+def _unit(
+    node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes, params: set[str]
+) -> UnitStrategy | None:
+    _check_weight_split(node, kind, mesh, tp, params)
     x = node.inputs[0]
     xshape = static_shape(x)
+    wrank = len(static_shape(node.inputs[1]))
     batch_ok = all(xshape[0] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False
-    xl, wl, ol = _layouts(len(xshape), mesh, tp, dp_axes, batch_ok, kind)
+    xl, wl, ol = _layouts(len(xshape), wrank, mesh, tp, dp_axes, batch_ok, kind)
     for cand in sa.candidates(node, mesh):
         if sa.matches(cand, (xl, wl), (ol,)):
             return UnitStrategy(inputs=(xl, wl), outputs=(ol,))
     return None
 
 
-def _reduce_before_bias(node: ir.Node, mesh: Mesh, tp: int, dp_axes, params) -> dict:
-    """Megatron all-reduces a row-parallel output before its bias Add: list that Add.
+def _tp_layout(mesh: Mesh, tp: int, dim: int) -> Layout:
+    placements = [Replicate()] * mesh.ndim
+    placements[tp] = Shard(dim)
+    return Layout(tuple(placements))
+
+
+def _first_inputs_match(cand, inputs, outputs) -> bool:
+    """``cand`` takes ``inputs`` at its first inputs (the rest: constants, replicated)."""
+    if tuple(cand.outputs) != tuple(outputs) or len(cand.inputs) < len(inputs):
+        return False
+    if tuple(cand.inputs[: len(inputs)]) != tuple(inputs):
+        return False
+    return all(x is None or not _split(x) for x in cand.inputs[len(inputs) :])
+
+
+def _split(layout: Layout) -> bool:
+    return any(isinstance(p, (Shard, Partial)) for p in layout.placements)
+
+
+def _pinned(node: ir.Node, mesh: Mesh, inputs, outputs) -> dict[str, UnitStrategy]:
+    for cand in sa.candidates(node, mesh):
+        if _first_inputs_match(cand, inputs, outputs):
+            return {node.name: UnitStrategy(inputs=tuple(cand.inputs), outputs=tuple(cand.outputs))}
+    return {}
+
+
+def _stacked_weight_units(node: ir.Node, mesh: Mesh, tp: int, params) -> dict[str, UnitStrategy]:
+    """The nodes that build a stacked weight keep it split on its feature dim: the
+    weights themselves are column-split, never gathered (``passes.blocks``)."""
+    w = node.inputs[1]
+    build = w.producer()
+    s2 = _tp_layout(mesh, tp, 2)
+    units: dict[str, UnitStrategy] = {}
+    if build.op_type == "Transpose":  # Transpose(W[C, k, D], [1, 0, 2])
+        units.update(_pinned(build, mesh, (s2,), (s2,)))
+        return units
+    s1 = _tp_layout(mesh, tp, 1)
+    for v in build.inputs:  # Concat(Unsqueeze(W_i [C, D], [0]), ...)
+        units.update(_pinned(v.producer(), mesh, (s1,), (s2,)))
+    units.update(_pinned(build, mesh, (s2,) * len(build.inputs), (s2,)))
+    return units
+
+
+def _act_layout(value: ir.Value, mesh: Mesh, dp_axes, params) -> Layout:
+    """A block's activations: batch-split over the data axes (as far as they divide),
+    whole on tp; parameters and constants replicated."""
+    placements = [Replicate()] * mesh.ndim
+    if value.name in params or value.const_value is not None:
+        return Layout(tuple(placements))
+    shape = static_shape(value)
+    for a in dp_axes:
+        if shape and shape[0] % mesh.shape[a] == 0:
+            placements[a] = Shard(0)
+    return Layout(tuple(placements))
+
+
+def _reduce_after(node: ir.Node, mesh: Mesh, dp_axes, params) -> dict[str, UnitStrategy]:
+    """Megatron all-reduces a row-parallel output where the block ends: the Add that
+    takes it (its bias, or the residual) reads and makes whole values on tp.
 
     Without it the cheapest-conversion choice would reduce-scatter instead (sequence
-    parallelism), which moves the same bytes in two collectives instead of one.
+    parallelism), which moves the same bytes in two collectives and leaves the
+    normalisation after the block split by sequence, with more conversions around it.
     """
     uses = node.outputs[0].uses()
     if len(uses) != 1 or uses[0].node.op_type != "Add":
         return {}
     add = uses[0].node
-    other = add.inputs[1 - uses[0].idx]
-    if other is None or other.name not in params:
-        return {}
-    act = [Replicate()] * mesh.ndim
-    xshape = static_shape(node.outputs[0])
-    for a in dp_axes:
-        if xshape and xshape[0] % mesh.shape[a] == 0:
-            act[a] = Shard(0)
-    act_layout = Layout(tuple(act))
-    bias_layout = Layout((Replicate(),) * mesh.ndim)
-    ins = [act_layout, act_layout]
-    ins[1 - uses[0].idx] = bias_layout
+    ins = tuple(_act_layout(v, mesh, dp_axes, params) for v in add.inputs)
+    out = (_act_layout(add.outputs[0], mesh, dp_axes, params),)
     for cand in sa.candidates(add, mesh):
-        if sa.matches(cand, tuple(ins), (act_layout,)):
-            return {add.name: UnitStrategy(inputs=tuple(ins), outputs=(act_layout,))}
+        if sa.matches(cand, ins, out):
+            return {add.name: UnitStrategy(inputs=ins, outputs=out)}
     return {}
 
 
-def _check_weight_split(node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int) -> None:
+def _heads_problem(column, mesh: Mesh, tp: int, params: set[str]) -> str | None:
+    """Why the tp axis cannot split an attention block's heads, or None if it can.
+
+    Walks from each projection output to the Reshape that splits its feature (last) dim
+    into heads; the heads dim must divide (a split inside a head would need the scores
+    of a head summed across ranks).
+    """
+    stack = [m.outputs[0] for m in column]
+    seen: set[ir.Node] = set()
+    while stack:
+        value = stack.pop()
+        for use in value.uses():
+            node = use.node
+            if node in seen or not is_forward(node) or use.idx != 0:
+                continue
+            seen.add(node)
+            if node.op_type == "Reshape":
+                problem = _reshape_heads_problem(node, column, mesh.shape[tp], params)
+                if problem is not None:
+                    return problem
+            elif node.op_type in ELEMENTWISE or node.op_type in ("Split", "Squeeze"):
+                stack.extend(node.outputs)
+            elif node.op_type == "Transpose":
+                perm = node.attributes.get("perm")
+                rank = len(static_shape(value))
+                if perm is not None and list(perm.value)[-1] == rank - 1:
+                    stack.extend(node.outputs)
+    return None
+
+
+def _reshape_heads_problem(node: ir.Node, column, n: int, params) -> str | None:
+    src, dst = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+    try:
+        groups = reshape_groups(src, dst)
+    except ShardingError:
+        return None
+    last = len(src) - 1
+    for gin, gout in groups:
+        if last in gin and gin[0] == last and len(gout) > 1:
+            heads = dst[gout[0]]
+            if heads % n:
+                weights = ", ".join(repr(_weight_name(m, params)) for m in column)
+                return (
+                    f"the projection of weight {weights} feeds Reshape {node.name!r}, which "
+                    f"splits dim {last} (size {src[last]}) of tensor {node.inputs[0].name!r} "
+                    f"into {heads} heads of {src[last] // heads}, and {n} does not divide "
+                    f"{heads}; use a tp size that divides {heads} to split them"
+                )
+    return None
+
+
+def _weight_name(node: ir.Node, params: set[str]) -> str:
+    """The trained weight(s) behind a projection MatMul (a stacked one's sources)."""
+    w = node.inputs[1]
+    sources = stacked_sources(w, params) if is_stacked(node) else None
+    return " + ".join(v.name for v in sources) if sources else w.name
+
+
+def _check_weight_split(
+    node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, params: set[str]
+) -> None:
     """Refuse a block whose weight the tp axis cannot split as Megatron promises.
 
-    Column-parallel splits the weight's output dim (1), row-parallel its input dim (0).
+    Column-parallel splits the weight's output (last) dim, row-parallel its input dim (0).
+    A stacked weight is named by the trained weights it is built from, with their dim.
     """
     weight = node.inputs[1]
-    assert weight is not None  # a weight MatMul (see _weight_matmuls)
-    dim = 1 if kind is MegatronSplit.COLUMN else 0
-    size, n = static_shape(weight)[dim], mesh.shape[tp]
+    assert weight is not None  # a weight MatMul (see blocks.weight_matmuls)
+    wshape = static_shape(weight)
+    dim = len(wshape) - 1 if kind is MegatronSplit.COLUMN else 0
+    size, n = wshape[dim], mesh.shape[tp]
     if size % n:
+        sources = stacked_sources(weight, params) if is_stacked(node) else None
+        if sources:
+            names = ", ".join(repr(v.name) for v in sources)
+            dim = len(static_shape(sources[0])) - 1
+        else:
+            names = repr(weight.name)
         raise ShardingError(
             f"megatron over {n} devices on mesh axis {tp} ({mesh.axis_names[tp]}): weight "
-            f"{weight.name!r} of MatMul {node.name!r} ({kind.value}-parallel) dim {dim} has "
+            f"{names} of MatMul {node.name!r} ({kind.value}-parallel) dim {dim} has "
             f"size {size}, which {n} does not divide; use a tp size that divides {size}"
         )
 

@@ -181,11 +181,18 @@ def conversion_bytes(have: Layout, need: Layout, value: ir.Value, mesh: Mesh) ->
     Per mesh axis of size n and local size B: P->R 2(n-1)/n B, P->S and S->R (n-1)/n B,
     S->S (n-1)/n B, R->S nothing; R->P is charged like P->R (see below).
     """
-    key = (have, need, static_shape(value), value.dtype, mesh.shape)
+    return shaped_conversion_bytes(have, need, static_shape(value), value.dtype, mesh)
+
+
+def shaped_conversion_bytes(
+    have: Layout, need: Layout, shape: tuple[int, ...], dtype: ir.DataType, mesh: Mesh
+) -> float:
+    """:func:`conversion_bytes` of a value of ``shape`` and ``dtype``."""
+    key = (have, need, shape, dtype, mesh.shape)
     cached = _BYTES.get(key)
     if cached is None:
-        itemsize = max(1, int(np.ceil(value.dtype.itemsize)))
-        cached = _BYTES.put(key, _conversion_bytes(have, need, key[2], itemsize, mesh))
+        itemsize = max(1, int(np.ceil(dtype.itemsize)))
+        cached = _BYTES.put(key, _conversion_bytes(have, need, shape, itemsize, mesh))
     return cached
 
 

@@ -537,30 +537,39 @@ def cheapest(
     stored: Callable[[ir.Value], bool],
 ) -> MeshSharding:
     """The candidate with the cheapest conversion of its inputs, scored (bytes sent,
-    partial outputs, conversions, spread of outputs); lower wins, the first of equals.
+    partial outputs, spread of outputs); lower wins, the first of equals.
 
     ``haves``: the layout each input is held in, None for a value this reader places (a
     stored value, ``stored(value)``, may then not be read as a partial sum)."""
+    # Per held input: (index, held layout, shape, dtype); an input this reader places is
+    # checked only for partial sums of stored values.
+    held = []
+    placed = []
+    for i, value in enumerate(node.inputs):
+        if value is None:
+            continue
+        if haves[i] is None:
+            if stored(value):
+                placed.append(i)
+        else:
+            held.append((i, haves[i], static_shape(value), value.dtype))
     memo: dict = {}
 
     def score(cand: MeshSharding) -> tuple:
+        ins = cand.inputs
+        for i in placed:
+            need = ins[i] if i < len(ins) else None
+            if need is not None and need.has_partial:
+                return (math.inf,)
         cost = 0.0
-        conversions = 0
-        for i, value in enumerate(node.inputs):
-            need = cand.inputs[i] if i < len(cand.inputs) else None
-            if value is None or need is None:
+        for i, have, shape, dtype in held:
+            need = ins[i] if i < len(ins) else None
+            if need is None or have == need:
                 continue
-            have = haves[i]
-            if have is None:
-                if need.has_partial and stored(value):
-                    return (math.inf,)
-                continue
-            if have != need:
-                conversions += 1
-                found = memo.get((i, need))
-                if found is None:
-                    found = memo[(i, need)] = sa.conversion_bytes(have, need, value, mesh)
-                cost += found
+            found = memo.get((i, need))
+            if found is None:
+                found = memo[(i, need)] = sa.shaped_conversion_bytes(have, need, shape, dtype, mesh)
+            cost += found
         return (cost, *output_terms(cand, mesh, out_terms))
 
     return min(cands, key=score)

@@ -369,13 +369,19 @@ class BoundSet:
 
 
 def compute_bounds(
-    sched: Schedule, leaves: dict[int, Table], convex: bool = True
+    sched: Schedule,
+    leaves: dict[int, Table],
+    convex: bool = True,
+    external: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> BoundSet | None:
     """Bounds for every product of the schedule: key (step index, product index), where
     the products of a step with n inputs are numbered 0..max(n-2, 0) and the last one
     yields the step's output. None: no feasible plan (nothing to prune against).
     convex: also carry LB_WEIGHTS weighted lower bounds (stronger, costs an outside pass
-    of that many more channels)."""
+    of that many more channels).
+    external: (time, memory) of plans found elsewhere (another mesh of the same device
+    count): they join the incumbents, so partial plans strictly dominated by one of them
+    are dropped as well."""
     plain = {i: _leaf_channels(sched, i, tb, np.zeros((0, 2))) for i, tb in leaves.items()}
     lows = _inside(sched, plain)
     t_min = sum(float(lows[r][0].reshape(-1)[0]) for r in sched.roots)
@@ -390,6 +396,9 @@ def compute_bounds(
         t_part, m_part = _incumbents(sched, leaves, weights[lo : lo + BATCH])
         ts.append(t_part)
         ms.append(m_part)
+    if external is not None:
+        ts.append(np.asarray(external[0], dtype=np.float64))
+        ms.append(np.asarray(external[1], dtype=np.float64))
     inc_t, inc_m = _staircase(np.concatenate(ts), np.concatenate(ms))
     if not convex:
         prod = _outside(sched, {i: v[:2] for i, v in lows.items()})

@@ -146,13 +146,15 @@ def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, 
 
 
 def _solve_mesh(
-    sg: SearchGraph, job: tuple[Mesh, ClusterProfile, float | None, float | None]
+    sg: SearchGraph,
+    job: tuple[Mesh, ClusterProfile, float | None, float | None],
+    incumbents: tuple[list[float], list[float]] | None = None,
 ) -> MeshSearch:
     from tensoropt.cost.summary import Summarizer, unit_kind
 
     mesh, profile, budget, epsilon = job
     mp = build_problem(sg, mesh, profile)
-    result = solve(mp.problem, memory_budget=budget, epsilon=epsilon)
+    result = solve(mp.problem, memory_budget=budget, epsilon=epsilon, incumbents=incumbents)
     summarize = Summarizer(mp, sg)
     refs, ref_summaries = {}, {}
     for name, choice in reference_choices(sg, mp).items():
@@ -191,41 +193,66 @@ def explore(
     epsilon: float | None = None,
     jobs: int | None = None,
     on_problem: Callable[[Mesh], None] | None = None,
+    whole_frontiers: bool = False,
 ) -> Exploration:
     """Solve every (devices, mesh) problem (in parallel processes) and merge the frontiers.
 
-    Problems are independent, so they are spread over ``jobs`` worker processes (fork;
-    default: one per core, at most one per problem; 1 = in this process).
+    The meshes of one device count are solved one after the other in one job, the most
+    balanced 2-D mesh first: each exact search gets the points already found for its
+    device count as incumbents, and leaves out what they strictly dominate (points that
+    no per-device table, merged frontier or ``--pick`` can show), which spares most of the
+    work on meshes whose plans are all slower and larger than another mesh's.
+    ``whole_frontiers``: every mesh's complete frontier instead (``--dump-costs`` records
+    them for an external solver). Jobs are spread over ``jobs`` worker processes (fork;
+    default: one per core, at most one per job; 1 = in this process).
     """
     meshes = search_meshes(sg, devices, mesh_spec)
-    work = [(m, profile, memory_budget, epsilon) for m in meshes]
+    groups: dict[int, list[Mesh]] = {}
+    for m in meshes:
+        groups.setdefault(m.size, []).append(m)
+    chained = epsilon is None and not whole_frontiers
+    work = []
+    for d in sorted(groups, reverse=True):  # the largest counts first: the longest jobs
+        ordered = sorted(groups[d], key=_solve_order) if chained else groups[d]
+        batches = [ordered] if chained else [[m] for m in ordered]
+        work += [(tuple(b), profile, memory_budget, epsilon) for b in batches]
     workers = max(1, min(len(work), jobs or os.cpu_count() or 1))
-    searches: list[MeshSearch] = []
+    found: dict[tuple[int, tuple[int, ...]], MeshSearch] = {}
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         for job in work:
-            searches.append(_solve_mesh(sg, job))
-            if on_problem:
-                on_problem(job[0])
+            for search in _solve_meshes(sg, job):
+                found[(search.mesh.size, tuple(search.mesh.shape))] = search
+                if on_problem:
+                    on_problem(search.mesh)
     else:
         # A forked worker inherits the search graph from this process (initargs are not
         # pickled under fork); only the plain-data results come back.
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(workers, initializer=_pool_worker_init, initargs=(sg,)) as pool:
-            for search in pool.imap(_solve_in_worker, work):
-                searches.append(search)
-                if on_problem:
-                    on_problem(search.mesh)
+            for batch in pool.imap_unordered(_solve_in_worker, work):
+                for search in batch:
+                    found[(search.mesh.size, tuple(search.mesh.shape))] = search
+                    if on_problem:
+                        on_problem(search.mesh)
+    searches = [found[(m.size, tuple(m.shape))] for m in meshes]
     merged = merge_frontiers({(s.mesh.size, tuple(s.mesh.shape)): s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
     return Exploration(tuple(searches), merged, epsilon, memory_budget)
 
 
+def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
+    """Most balanced mesh first, the 1-D mesh last: balanced 2-D meshes have the fastest
+    plans at moderate memory and small frontiers, so they make strong incumbents
+    (measured on GPT-2-medium at 32 and 64 devices: see docs/design/search.md)."""
+    return (-min(mesh.shape) if mesh.ndim > 1 else 0, tuple(mesh.shape))
+
+
 _WORKER_GRAPH: list[SearchGraph] = []  # the search graph of a pool worker process
 
 
-def _solve_in_worker(job) -> MeshSearch:
-    return _solve_mesh(_WORKER_GRAPH[0], job)
+def _solve_in_worker(job) -> list[MeshSearch]:
+    return _solve_meshes(_WORKER_GRAPH[0], job)
 
 
 def _pool_worker_init(sg: SearchGraph) -> None:
@@ -235,6 +262,22 @@ def _pool_worker_init(sg: SearchGraph) -> None:
     the pool's task-queue lock and hang the pool for good (seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_GRAPH[:] = [sg]
+
+
+def _solve_meshes(sg: SearchGraph, job) -> list[MeshSearch]:
+    """The meshes of one job in order, each exact search with the points found before it
+    in the job as incumbents."""
+    meshes, profile, budget, epsilon = job
+    out: list[MeshSearch] = []
+    for mesh in meshes:
+        incumbents = None
+        if out and epsilon is None:
+            incumbents = (
+                [p.time_s for s in out for p in s.result.points],
+                [p.memory_bytes for s in out for p in s.result.points],
+            )
+        out.append(_solve_mesh(sg, (mesh, profile, budget, epsilon), incumbents))
+    return out
 
 
 def _infeasible_message(sg, searches, budget, profile) -> str:

@@ -143,7 +143,8 @@ def eliminate(
         if start < 0 and _wants_bounds(ctx, inputs, keep):
             sched = Schedule(steps[j:], scopes, dims, roots)
             leaves = {i: f.table for i, f in live.items() if f.table is not None}
-            bounds, start = compute_bounds(sched, leaves, ctx.convex_bounds), j
+            bounds = compute_bounds(sched, leaves, ctx.convex_bounds, ctx.external)
+            start = j
             ctx.notes.append(f"bound pruning from step {j} of {len(steps)}")
         for i in st.inputs:
             del live[i]

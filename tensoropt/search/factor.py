@@ -50,6 +50,8 @@ class Context:
     bounding: bool = False  # exact bound pruning allowed (exact mode only)
     bound_trigger: int = 0  # ... once a step's inputs hold this many points
     convex_bounds: bool = False  # ... with weighted (convex) lower bounds too
+    # (time, memory) of plans of other problems that join the bounds' incumbents
+    external: tuple[np.ndarray, np.ndarray] | None = None
     max_frontier: int = 0
     max_scope: int = 0
     max_entries: int = 0

@@ -26,6 +26,7 @@ import enum
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,8 +106,10 @@ class SearchResult:
     stats: SearchStats
 
 
-def _exact_guarantee(budget: float | None) -> str:
+def _exact_guarantee(budget: float | None, external=None) -> str:
     where = "every plan" if budget is None else f"every plan with memory <= {budget!r}"
+    if external is not None:
+        where += f", less the points that one of {len(external[0])} given plans strictly dominates"
     return f"exact: the points are the Pareto frontier of {where}"
 
 
@@ -191,17 +194,36 @@ def evaluate_choices(problem: CostProblem, choices: np.ndarray) -> tuple[np.ndar
     return np.array([math.fsum(r) for r in tt]), np.array([math.fsum(r) for r in mm])
 
 
-def _exact_points(problem: CostProblem, choices: np.ndarray) -> tuple[FrontierPoint, ...]:
-    """Re-evaluate every choice exactly, prune, sort by time."""
+def _exact_points(
+    problem: CostProblem, choices: np.ndarray, incumbents: tuple[np.ndarray, np.ndarray] | None
+) -> tuple[FrontierPoint, ...]:
+    """Re-evaluate every choice exactly, prune, sort by time; drop the points strictly
+    dominated by an incumbent."""
     if len(choices) == 0:
         return ()
     t, m = evaluate_choices(problem, choices)
     keep = prune_groups(np.zeros(len(t), dtype=np.int64), t, m)
+    if incumbents is not None:
+        keep = keep[~strictly_dominated(t[keep], m[keep], *incumbents)]
     rows = choices[keep].tolist()
     return tuple(
         FrontierPoint(float(t[k]), float(m[k]), tuple(row))
         for k, row in zip(keep, rows, strict=True)
     )
+
+
+def strictly_dominated(
+    t: np.ndarray, m: np.ndarray, inc_t: np.ndarray, inc_m: np.ndarray
+) -> np.ndarray:
+    """Mask of the points (t, m) that some incumbent (inc_t, inc_m) strictly dominates:
+    no more time, no more memory, and not equal in both."""
+    if not len(inc_t) or not len(t):
+        return np.zeros(len(t), dtype=bool)
+    keep = prune_groups(np.zeros(len(inc_t), dtype=np.int64), inc_t, inc_m)
+    st, sm = inc_t[keep], inc_m[keep]  # staircase: time ascending, memory descending
+    j = np.searchsorted(st, t, side="right") - 1  # the least-memory incumbent with time <= t
+    jj = np.maximum(j, 0)
+    return (j >= 0) & (sm[jj] <= m) & ((st[jj] != t) | (sm[jj] != m))
 
 
 def solve(
@@ -211,6 +233,7 @@ def solve(
     epsilon: float | None = None,
     blocks: BlockMode = BlockMode.AUTO,
     pruning: Pruning = Pruning.AUTO,
+    incumbents: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> SearchResult:
     """Pareto frontier over (time, memory) of `problem`, each point with its choice vector.
 
@@ -219,8 +242,18 @@ def solve(
     epsilon: approximate, with the guarantee stated in the result (module docstring).
     blocks: how repeated blocks are recognised (the result does not depend on it).
     pruning: exact bound pruning in exact mode (the result does not depend on it).
+    incumbents: (times, memories) of plans found elsewhere, e.g. on another mesh of the
+    same device count (exact mode only). The points that one of them strictly dominates
+    are left out, and partial plans that can only lead to such points are dropped early
+    by the bounds; every other frontier point is returned, so the frontier of this
+    problem together with the incumbents' is unchanged.
     """
     _check_args(memory_budget, epsilon)
+    if incumbents is not None and epsilon is not None:
+        raise PlanError("incumbents prune exact searches only; leave them out with epsilon")
+    external = None
+    if incumbents is not None:
+        external = tuple(np.asarray(x, dtype=np.float64) for x in incumbents)
     start = time.perf_counter()
     prep = prepare(problem)
     regions = _regions(problem, prep, blocks)
@@ -234,10 +267,13 @@ def solve(
     ctx.bounding = epsilon is None and pruning is not Pruning.OFF
     ctx.bound_trigger = 0 if pruning is Pruning.ALWAYS else BOUND_TRIGGER
     ctx.convex_bounds = pruning is Pruning.ALWAYS
+    if external is not None and len(external[0]) and pruning is not Pruning.OFF:
+        ctx.external = external
+        ctx.bound_trigger = 0  # incumbents from elsewhere prune from the first step
     final = _schedule(ctx, prep, regions, adaptive=epsilon is None)
     assert final.table is not None and final.scope == ()
     choices = ctx.prov.recover(final.table.prov, prep.n_units)
-    points = _exact_points(problem, choices)
+    points = _exact_points(problem, choices, external)
     stats = SearchStats(
         elimination_width=max(ctx.max_scope - 1, 0),
         max_table_entries=ctx.max_entries,
@@ -248,7 +284,7 @@ def solve(
         seconds=time.perf_counter() - start,
     )
     guarantee = (
-        _exact_guarantee(memory_budget)
+        _exact_guarantee(memory_budget, external)
         if epsilon is None
         else _eps_guarantee(epsilon, memory_budget)
     )

@@ -41,11 +41,11 @@ from tests.helpers.steps import step_proto  # noqa: E402
 QUICK = "gpt2"
 PLAIN_SGD = OptimizerOptions(OptimizerKind.SGD, lr=1.0, momentum=0.0)
 SGD = OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9)
-# Megatron blocks each export yields (fused QKV projections are left to data parallelism).
+# Megatron blocks each export yields (fused QKV weights are viewed head-wise).
 MEGATRON_NOTES = {
-    "gpt2": ("2 MLP and 0 attention blocks", "2 attention blocks with a fused QKV"),
+    "gpt2": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "bert": ("2 MLP and 2 attention blocks",),
-    "vit": ("2 MLP and 0 attention blocks", "2 attention blocks with a fused QKV"),
+    "vit": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "llama": ("2 MLP and 2 attention blocks",),
     "resnet": ("no attention or MLP block found",),
 }

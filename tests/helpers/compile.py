@@ -6,7 +6,7 @@ import onnx
 
 from tensoropt.ir.mesh import Mesh
 from tensoropt.passes.compile import compile_step
-from tensoropt.passes.plans import builtin_plan
+from tensoropt.passes.plans import builtin_plan, prepare_model
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tests.helpers.steps import import_proto
 
@@ -19,6 +19,8 @@ def make_mesh(spec: str, plan: str) -> Mesh:
 
 def compile_model(proto: onnx.ModelProto, plan: str, mesh: str, outdir, options=None):
     """Compile ``proto`` into ``outdir``; returns (CompileResult, BuiltPlan)."""
-    step = build_training_step(import_proto(proto), options or TrainingOptions())
+    model = import_proto(proto)
+    prepare_model(plan, model)
+    step = build_training_step(model, options or TrainingOptions())
     built = builtin_plan(plan, step.model.graph, step.signature, make_mesh(mesh, plan))
     return compile_step(step, built.plan, built.data_axes, str(outdir)), built

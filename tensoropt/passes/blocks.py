@@ -1,0 +1,625 @@
+"""Megatron-LM blocks found by graph structure, and the forward rewrite that stacks their
+column-parallel projections.
+
+Recognition (used on the forward model and on the training step):
+
+- an MLP block is a weight MatMul (A), a region of element-wise ops (bias Add,
+  activation, dropout, ...) and of Split/Squeeze that leave the last dim alone, and a
+  second weight MatMul (B) that is the region's only exit. A is column-parallel, B
+  row-parallel. Weight MatMuls on A's own input whose outputs join the region are gate
+  siblings (a gated MLP ``down(act(gate(x)) * up(x))``), column-parallel like A.
+- an attention block is a weight MatMul (O) whose activation input comes, through
+  attention ops only (Reshape, Transpose, activation MatMuls, Softmax, scale, mask,
+  rotary products, ...), from weight MatMuls (Q, K, V, or one fused QKV). The
+  projections are column-parallel, O is row-parallel, so heads split across tp.
+
+A *weight MatMul* multiplies an activation by a trained 2-D weight, or by a *stacked*
+weight ``[k, C, D]`` that :func:`stack_projections` builds from trained weights.
+
+The rewrite (:func:`stack_projections`, on the forward model before the training step
+is built) makes each block's column-parallel side one MatMul, as Megatron-LM's fused
+``ColumnParallelLinear`` is:
+
+- Q, K and V (or gate and up) reading the same input become
+  ``MatMul(Unsqueeze(x), Concat(Unsqueeze(Wq), Unsqueeze(Wk), Unsqueeze(Wv)))`` of shape
+  ``[.., 3, T, D]``, split back into q, k and v. Their weights stay separate parameters.
+  The block input is then read by one MatMul, so its gradient is one partial sum and
+  the backward needs one all-reduce, not one per projection.
+- a fused QKV weight ``W [C, 3D]`` whose output is split into three (``Split``) or
+  reshaped to ``[.., 3, heads, head_dim]`` is trained as its ``[C, 3, D]`` view (the
+  same bytes, row-major; its bias ``[3D]`` as ``[3, 1, D]``), multiplied as
+  ``Transpose(W, [1, 0, 2])``. A column split of dim 2 of that view gives each rank
+  the columns of the same heads of q, k and v: the per-device ``[q | k | v]`` blocks.
+- an HF ``Conv1D`` projection (``Reshape -> Gemm -> Reshape``, ``view -> addmm ->
+  view``) becomes ``MatMul + Add`` on the unflattened activation first.
+
+Every rewrite computes the same function with the same parameters (values and names),
+so the step trains exactly as before; only a fused QKV weight's shape changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from tensoropt.ir.builder import static_shape
+from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY, Role, role_of
+
+ELEMENTWISE = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Sqrt",
+        "Neg",
+        "Gelu",
+        "Relu",
+        "Tanh",
+        "Sigmoid",
+        "Erf",
+        "Cast",
+        "Dropout",
+        "Identity",
+        "LeakyRelu",
+        "Exp",
+    }
+)
+NONLINEAR = frozenset(
+    {
+        "Gelu",
+        "Relu",
+        "Tanh",
+        "Sigmoid",
+        "Erf",
+        "LeakyRelu",
+        "Exp",
+        "Pow",
+        "Sqrt",
+        "Softplus",
+        "Elu",
+        "HardSigmoid",
+        "HardSwish",
+        "Mul",
+        "Div",
+    }
+)
+ATTENTION = ELEMENTWISE | frozenset(
+    {
+        "Reshape",
+        "Transpose",
+        "MatMul",
+        "Softmax",
+        "Where",
+        "Split",
+        "Slice",
+        "Squeeze",
+        "Unsqueeze",
+        "Concat",
+        "Expand",
+        "Constant",
+        "Einsum",
+    }
+)
+# Ops that move a stacked projection's pieces apart without touching the feature dim.
+_UNSTACK = frozenset({"Split", "Squeeze"})
+
+
+def is_forward(node: ir.Node) -> bool:
+    return role_of(node) is Role.FORWARD
+
+
+def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
+    """The trained weights a stacked ``[k, C, D]`` MatMul operand is built from, if it is one.
+
+    Two forms (see the module doc): ``Transpose(W[C, k, D], perm=[1, 0, 2])`` and
+    ``Concat(Unsqueeze(W_i, [0]), ..., axis=0)``.
+    """
+    node = b.producer()
+    if node is None or not is_forward(node) or len(static_shape(b)) != 3:
+        return None
+    if node.op_type == "Transpose":
+        perm = node.attributes.get("perm")
+        w = node.inputs[0]
+        if perm is not None and list(perm.value) == [1, 0, 2] and w is not None:
+            return [w] if w.name in params else None
+        return None
+    if node.op_type != "Concat" or node.attributes.get_int("axis", 0) != 0:
+        return None
+    out = []
+    for v in node.inputs:
+        u = v.producer() if v is not None else None
+        if u is None or u.op_type != "Unsqueeze" or not is_forward(u):
+            return None
+        w = u.inputs[0]
+        if w is None or w.name not in params or len(static_shape(w)) != 2:
+            return None
+        out.append(w)
+    return out
+
+
+def weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
+    """Forward MatMuls by a trained 2-D weight or a stacked weight, in graph order."""
+    out = []
+    for node in graph:
+        if not is_forward(node) or node.op_type != "MatMul":
+            continue
+        w = node.inputs[1]
+        if w is None:
+            continue
+        if (w.name in params and len(static_shape(w)) == 2) or stacked_sources(w, params):
+            out.append(node)
+    return out
+
+
+def is_stacked(node: ir.Node) -> bool:
+    """A weight MatMul whose weight is a stacked ``[k, C, D]`` (rank 3)."""
+    w = node.inputs[1]
+    return w is not None and len(static_shape(w)) == 3
+
+
+def is_const(value: ir.Value, params: set[str]) -> bool:
+    if value.const_value is not None or value.name in params:
+        return True
+    producer = value.producer()
+    return producer is not None and producer.op_type == "Constant"
+
+
+def _keeps_last_dim(node: ir.Node) -> bool:
+    """A Split or Squeeze that leaves its input's last dim whole (a stacked piece)."""
+    rank = len(static_shape(node.inputs[0]))
+    if node.op_type == "Split":
+        axis = node.attributes.get_int("axis", 0)
+        return axis % rank != rank - 1
+    axes = node.inputs[1] if len(node.inputs) > 1 else None
+    if axes is None or axes.const_value is None:
+        return False
+    return all(int(a) % rank != rank - 1 for a in axes.const_value.numpy().reshape(-1))
+
+
+def mlp_partner(
+    a: ir.Node, weights: set[ir.Node], params: set[str]
+) -> tuple[ir.Node, list[ir.Node]] | None:
+    """The row-parallel MatMul that closes an MLP block opened by ``a``, and the gate
+    siblings (module doc), if any."""
+    region: set[ir.Node] = set()
+    frontier = [a.outputs[0]]
+    exit_node = None
+    while frontier:
+        value = frontier.pop()
+        for use in value.uses():
+            node = use.node
+            if not is_forward(node):
+                continue
+            if node in weights and use.idx == 0 and not is_stacked(node):
+                if exit_node not in (None, node):
+                    return None
+                exit_node = node
+                continue
+            if node.op_type in _UNSTACK and use.idx == 0 and _keeps_last_dim(node):
+                pass
+            elif node.op_type not in ELEMENTWISE:
+                return None
+            if node not in region:
+                region.add(node)
+                frontier.extend(node.outputs)
+    if exit_node is None or not any(n.op_type in NONLINEAR for n in region):
+        # Two weight MatMuls joined by nothing (or only a bias) are not an MLP block:
+        # pairing them would take a MatMul away from the block that follows.
+        return None
+    siblings: list[ir.Node] = []
+    for node in region:
+        for v in node.inputs:
+            if v is None or v is a.outputs[0] or v.producer() in region:
+                continue
+            sibling = v.producer()
+            if sibling in weights and sibling.inputs[0] is a.inputs[0] and sibling is not a:
+                if sibling not in siblings:
+                    siblings.append(sibling)
+                continue
+            if not is_const(v, params):
+                return None
+    return exit_node, siblings
+
+
+def param_dependent(graph: ir.Graph, params: set[str]) -> set[ir.Value]:
+    """Values computed from some parameter; the others come from data inputs and
+    constants only (attention masks built from an ``attention_mask`` input)."""
+    dependent = {v for v in graph.initializers.values() if v.name in params}
+    dependent |= {v for v in graph.inputs if v.name in params}
+    for node in graph:  # topological order
+        if any(v is not None and v in dependent for v in node.inputs):
+            dependent.update(node.outputs)
+    return dependent
+
+
+def attention_sources(
+    o: ir.Node, weights: set[ir.Node], params: set[str], dependent: set[ir.Value]
+) -> list[ir.Node] | None:
+    """The projection MatMuls feeding ``o`` through attention ops only, if that holds."""
+    sources: list[ir.Node] = []
+    seen: set[ir.Node] = set()
+    stack = [o.inputs[0]]
+    saw_softmax = False
+    while stack:
+        value = stack.pop()
+        if value is None or is_const(value, params) or value not in dependent:
+            continue
+        node = value.producer()
+        if node is None or not is_forward(node):
+            return None
+        if node in weights:
+            if node not in sources:
+                sources.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op_type not in ATTENTION:
+            return None
+        saw_softmax |= node.op_type == "Softmax"
+        stack.extend(node.inputs)
+    return sources if saw_softmax and sources else None
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Column- and row-parallel MatMuls of the blocks found, and the fused QKV left over."""
+
+    mlp: tuple[tuple[tuple[ir.Node, ...], ir.Node], ...]  # (column side, row)
+    attention: tuple[tuple[tuple[ir.Node, ...], ir.Node], ...]
+    fused: tuple[tuple[ir.Node, ir.Node], ...]  # (unstacked fused QKV, output projection)
+
+
+def find_blocks(graph: ir.Graph, params: set[str]) -> Blocks:
+    """Every MLP and attention block (module doc); a MatMul joins at most one block."""
+    weights = weight_matmuls(graph, params)
+    weight_set = set(weights)
+    taken: set[ir.Node] = set()
+    mlp = []
+    for a in weights:
+        found = mlp_partner(a, weight_set, params)
+        if found is None:
+            continue
+        b, siblings = found
+        if not any(n in taken for n in (a, b, *siblings)):
+            taken.update((a, b, *siblings))
+            mlp.append(((a, *siblings), b))
+    attention = []
+    fused = []
+    dependent = param_dependent(graph, params)
+    for o in weights:
+        if o in taken or is_stacked(o):
+            continue
+        sources = attention_sources(o, weight_set, params, dependent)
+        if not sources or any(s in taken for s in sources):
+            continue
+        if len(sources) == 1 and not is_stacked(sources[0]):
+            # One 2-D projection makes Q, K and V: a column split would give each rank a
+            # slice of [Q | K | V], not whole heads (stack_projections views it instead).
+            fused.append((sources[0], o))
+            continue
+        taken.update((*sources, o))
+        attention.append((tuple(sources), o))
+    return Blocks(tuple(mlp), tuple(attention), tuple(fused))
+
+
+# -- the forward rewrite ----------------------------------------------------------------
+
+
+class _Emitter:
+    """Inserts named, forward-tagged nodes before an anchor node."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.names = {n.name for n in graph} | {v.name for v in graph.initializers.values()}
+        self.count = 0
+
+    def fresh(self, stem: str) -> str:
+        while True:
+            self.count += 1
+            name = f"megatron_{stem}_{self.count}"
+            if name not in self.names:
+                self.names.add(name)
+                return name
+
+    def node(
+        self,
+        anchor: ir.Node,
+        op: str,
+        inputs: list[ir.Value | None],
+        shapes: list[tuple[int, ...]],
+        dtype: ir.DataType,
+        attrs: dict | None = None,
+    ) -> list[ir.Value]:
+        name = self.fresh(op)
+        attributes = [ir.convenience.convert_attribute(k, v) for k, v in (attrs or {}).items()]
+        outputs = [ir.Value(name=f"{name}_o{i}") for i in range(len(shapes))]
+        node = ir.Node(
+            "",
+            op,
+            inputs,
+            attributes,
+            outputs=outputs,
+            name=name,
+            metadata_props={ROLE_KEY: Role.FORWARD.value, UNIT_KEY: name},
+        )
+        for value, shape in zip(outputs, shapes, strict=True):
+            value.shape = ir.Shape(list(shape))
+            value.dtype = dtype
+        self.graph.insert_before(anchor, node)
+        return outputs
+
+    def ints(self, values: Iterable[int]) -> ir.Value:
+        """An int64 initializer (shapes, axes, split sizes)."""
+        name = self.fresh("ints")
+        array = np.asarray(list(values), dtype=np.int64)
+        value = ir.Value(
+            name=name,
+            shape=ir.Shape(list(array.shape)),
+            type=ir.TensorType(ir.DataType.INT64),
+            const_value=ir.tensor(array, name=name),
+        )
+        self.graph.register_initializer(value)
+        return value
+
+
+def _replace_uses(old: ir.Value, new: ir.Value) -> None:
+    """Every reader of ``old`` reads ``new`` (callers check that ``old`` is no graph output)."""
+    assert not old.is_graph_output(), old.name
+    for use in list(old.uses()):
+        use.node.replace_input_with(use.idx, new)
+
+
+def _removable(values: Iterable[ir.Value]) -> bool:
+    return not any(v.is_graph_output() for v in values)
+
+
+def _reshaped(value: ir.Value, shape: tuple[int, ...]) -> None:
+    """Give initializer ``value`` the row-major view ``shape`` of the same bytes."""
+    tensor = value.const_value
+    assert tensor is not None
+    if isinstance(tensor, ir.ExternalTensor):
+        new = ir.ExternalTensor(
+            tensor.location,
+            tensor.offset,
+            tensor.length,
+            tensor.dtype,
+            shape=ir.Shape(list(shape)),
+            name=tensor.name,
+            base_dir=tensor.base_dir,
+            metadata_props=dict(tensor.metadata_props),
+        )
+    else:
+        new = ir.tensor(tensor.numpy().reshape(shape), name=tensor.name)
+        new.metadata_props.update(tensor.metadata_props)
+    value.const_value = new
+    value.shape = ir.Shape(list(shape))
+
+
+def _unflatten_gemms(graph: ir.Graph, em: _Emitter) -> int:
+    """``Reshape(x [.., C] -> [N, C]) -> Gemm(., W [C, D], b [D]) -> Reshape([.., D])``
+    becomes ``MatMul(x, W) + b`` (HF ``Conv1D``); returns how many."""
+    count = 0
+    for gemm in list(graph):
+        if gemm.op_type != "Gemm" or not is_forward(gemm) or len(gemm.inputs) < 2:
+            continue
+        attrs = gemm.attributes
+        if any(attrs.get_int(k, 0) for k in ("transA", "transB")):
+            continue
+        if attrs.get_float("alpha", 1.0) != 1.0 or attrs.get_float("beta", 1.0) != 1.0:
+            continue
+        flat, w = gemm.inputs[0], gemm.inputs[1]
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        before = flat.producer() if flat is not None else None
+        uses = gemm.outputs[0].uses()
+        if before is None or before.op_type != "Reshape" or len(uses) != 1:
+            continue
+        after = uses[0].node
+        x = before.inputs[0]
+        if after.op_type != "Reshape" or x is None or w is None or w.const_value is None:
+            continue
+        ws, ys = static_shape(w), static_shape(after.outputs[0])
+        if len(ws) != 2 or len(ys) < 2 or ys[-1] != ws[1]:
+            continue
+        if math.prod(ys[:-1]) != static_shape(flat)[0] or static_shape(flat)[1] != ws[0]:
+            continue
+        if bias is not None and static_shape(bias) not in ((ws[1],), (1, ws[1])):
+            continue
+        if not _removable(after.outputs):
+            continue
+        dtype = after.outputs[0].dtype
+        xs = (*ys[:-1], ws[0])
+        if static_shape(x) != xs:  # e.g. attention heads merged by the flattening Reshape
+            [x] = em.node(gemm, "Reshape", [x, em.ints(xs)], [xs], dtype)
+        [y] = em.node(gemm, "MatMul", [x, w], [ys], dtype)
+        if bias is not None:
+            [y] = em.node(gemm, "Add", [y, bias], [ys], dtype)
+        _replace_uses(after.outputs[0], y)
+        for node in (after, gemm):
+            graph.remove(node, safe=True)
+        if not flat.uses() and _removable(before.outputs):
+            graph.remove(before, safe=True)
+        count += 1
+    return count
+
+
+def _stack(graph: ir.Graph, em: _Emitter, group: list[ir.Node]) -> None:
+    """Q, K, V (or gate, up) reading one input and of equal weight shapes: one MatMul."""
+    order = {n: i for i, n in enumerate(graph)}
+    anchor = min(group, key=order.__getitem__)
+    x = group[0].inputs[0]
+    assert x is not None
+    xs = static_shape(x)
+    cin, d = static_shape(group[0].inputs[1])
+    k = len(group)
+    r = len(xs)
+    dtype = group[0].outputs[0].dtype
+    [xu] = em.node(anchor, "Unsqueeze", [x, em.ints([r - 2])], [(*xs[:-2], 1, *xs[-2:])], dtype)
+    pieces = [
+        em.node(anchor, "Unsqueeze", [m.inputs[1], em.ints([0])], [(1, cin, d)], dtype)[0]
+        for m in group
+    ]
+    [ws] = em.node(anchor, "Concat", pieces, [(k, cin, d)], dtype, {"axis": 0})
+    _unstack(em, anchor, xu, ws, [m.outputs[0] for m in group], xs, d, dtype)
+    for m in group:
+        graph.remove(m, safe=True)
+
+
+def _unstack(em: _Emitter, anchor: ir.Node, xu, ws, outs, xs, d, dtype, bias=None) -> ir.Value:
+    """``P = MatMul(xu, ws) (+ bias)`` of shape ``[.., k, T, D]``; each ``outs[i]`` (if
+    any are given) is replaced by piece ``i``. Returns P."""
+    k = static_shape(ws)[0]
+    r = len(xs)
+    pshape = (*xs[:-2], k, xs[-2], d)
+    [p] = em.node(anchor, "MatMul", [xu, ws], [pshape], dtype)
+    if bias is not None:
+        [p] = em.node(anchor, "Add", [p, bias], [pshape], dtype)
+    if not outs:
+        return p
+    one = (*xs[:-2], 1, xs[-2], d)
+    parts = em.node(anchor, "Split", [p, em.ints([1] * k)], [one] * k, dtype, {"axis": r - 2})
+    for part, old in zip(parts, outs, strict=True):
+        [q] = em.node(anchor, "Squeeze", [part, em.ints([r - 2])], [(*xs[:-1], d)], dtype)
+        _replace_uses(old, q)
+    return p
+
+
+def _fused_consumer(y: ir.Value, k_parts: int) -> tuple[str, ir.Node] | None:
+    """How a fused QKV output is taken apart: ``("split", Split)`` into equal pieces of
+    the last dim, or ``("reshape", Reshape)`` to ``[.., k, heads, head_dim]``."""
+    uses = y.uses()
+    if len(uses) != 1 or uses[0].idx != 0:
+        return None
+    node = uses[0].node
+    shape = static_shape(y)
+    last = shape[-1]
+    if node.op_type == "Split" and len(node.outputs) == k_parts:
+        rank = len(shape)
+        if node.attributes.get_int("axis", 0) % rank != rank - 1:
+            return None
+        sizes = [static_shape(o)[-1] for o in node.outputs]
+        if sizes == [last // k_parts] * k_parts and _removable(node.outputs):
+            return "split", node
+        return None
+    if node.op_type == "Reshape":
+        out = static_shape(node.outputs[0])
+        keeps = out[: len(shape) - 1] == shape[:-1] and len(out) == len(shape) + 2
+        if keeps and out[len(shape) - 1] == k_parts and _removable(node.outputs):
+            return "reshape", node
+    return None
+
+
+def _fused_parts(y: ir.Value) -> int | None:
+    """The number of equal parts a fused projection's output is taken apart into."""
+    for use in y.uses():
+        node = use.node
+        if node.op_type == "Split":
+            return len(node.outputs)
+        if node.op_type == "Reshape":
+            out = static_shape(node.outputs[0])
+            if len(out) == len(static_shape(y)) + 2:
+                return out[len(static_shape(y)) - 1]
+    return None
+
+
+def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> bool:
+    """Fused ``W [C, kD]`` (+ bias) taken apart into k pieces: use its ``[C, k, D]`` view."""
+    x, w = m.inputs[0], m.inputs[1]
+    if x is None or w is None or w.const_value is None or len(w.uses()) != 1:
+        return False
+    y = m.outputs[0]
+    bias = None
+    bias_add = None
+    uses = y.uses()
+    if len(uses) == 1 and uses[0].node.op_type == "Add":
+        add = uses[0].node
+        other = add.inputs[1 - uses[0].idx]
+        is_bias = other is not None and other.name in params and other.const_value is not None
+        if is_bias and len(other.uses()) == 1 and static_shape(other) == (static_shape(y)[-1],):
+            bias, bias_add, y = other, add, add.outputs[0]
+    k = _fused_parts(y)
+    if not k or k < 2:
+        return False
+    found = _fused_consumer(y, k)
+    if found is None:
+        return False
+    kind, consumer = found
+    cin, total = static_shape(w)
+    if total % k:
+        return False
+    d = total // k
+    xs = static_shape(x)
+    if len(xs) < 2:
+        return False
+    dtype = y.dtype
+    _reshaped(w, (cin, k, d))
+    [wt] = em.node(m, "Transpose", [w], [(k, cin, d)], dtype, {"perm": [1, 0, 2]})
+    [xu] = em.node(m, "Unsqueeze", [x, em.ints([len(xs) - 2])], [(*xs[:-2], 1, *xs[-2:])], dtype)
+    if bias is not None:
+        _reshaped(bias, (k, 1, d))
+    anchor = consumer
+    if kind == "split":
+        _unstack(em, anchor, xu, wt, list(consumer.outputs), xs, d, dtype, bias)
+    else:
+        p = _unstack(em, anchor, xu, wt, [], xs, d, dtype, bias)
+        r = len(xs)
+        perm = [*range(r - 2), r - 1, r - 2, r]
+        [pt] = em.node(anchor, "Transpose", [p], [(*xs[:-1], k, d)], dtype, {"perm": perm})
+        out = static_shape(consumer.outputs[0])
+        [v] = em.node(anchor, "Reshape", [pt, em.ints(out)], [out], dtype)
+        _replace_uses(consumer.outputs[0], v)
+    for node in (consumer, bias_add, m):
+        if node is not None:
+            graph.remove(node, safe=True)
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """What :func:`stack_projections` changed."""
+
+    unflattened: int  # Reshape-Gemm-Reshape projections made MatMul + Add
+    stacked: int  # groups of projections on one input made one MatMul
+    fused: tuple[str, ...]  # fused QKV weights now trained as their [C, k, D] view
+
+
+def stack_projections(model: ir.Model) -> Rewrite:
+    """The forward rewrite of the module doc (mutates ``model``)."""
+    graph = model.graph
+    em = _Emitter(graph)
+    unflattened = _unflatten_gemms(graph, em)
+    params = {
+        v.name
+        for v in graph.initializers.values()
+        if v.const_value is not None and v.dtype is not None and v.dtype.is_floating_point()
+    }
+    blocks = find_blocks(graph, params)
+    order = {node: i for i, node in enumerate(graph)}
+    groups: list[list[ir.Node]] = []
+    for column, _row in (*blocks.attention, *blocks.mlp):
+        by_input: dict[ir.Value, list[ir.Node]] = {}
+        for m in column:
+            x = m.inputs[0]
+            if not is_stacked(m) and x is not None and len(static_shape(x)) >= 2:
+                by_input.setdefault(x, []).append(m)
+        for group in by_input.values():
+            shapes = {static_shape(m.inputs[1]) for m in group}
+            if len(group) > 1 and len(shapes) == 1:
+                groups.append(sorted(group, key=order.__getitem__))
+    stacked = 0
+    for group in groups:
+        if _removable(m.outputs[0] for m in group):
+            _stack(graph, em, group)
+            stacked += 1
+    fused = []
+    for m, _o in blocks.fused:
+        name = m.inputs[1].name if m.inputs[1] is not None else "?"
+        if _removable(m.outputs) and _view_fused(graph, em, m, params):
+            fused.append(name)
+    return Rewrite(unflattened, stacked, tuple(fused))

@@ -1,0 +1,87 @@
+"""Incumbents from other meshes: the search leaves out exactly the points they strictly
+dominate, and the per-device frontiers do not change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensoropt.search.solver import Pruning, solve, strictly_dominated
+from tensoropt.search.synthetic import transformer_problem
+
+
+def _values(points):
+    return [(p.time_s, p.memory_bytes) for p in points]
+
+
+@pytest.mark.parametrize("pruning", [Pruning.AUTO, Pruning.ALWAYS])
+@pytest.mark.parametrize(("mesh", "other"), [((4,), (2, 2)), ((2, 4), (4, 2)), ((8,), (2, 4))])
+def test_leaves_out_exactly_the_strictly_dominated_points(mesh, other, pruning):
+    problem = transformer_problem(3, mesh, seed=1)
+    whole = solve(problem).points
+    incumbents = _values(solve(transformer_problem(3, other, seed=2)).points)
+    inc_t = np.array([t for t, _ in incumbents])
+    inc_m = np.array([m for _, m in incumbents])
+    # and points of this problem: some exactly (ties: kept), some a little faster
+    # (strictly dominating) and some a little larger (dominating nothing)
+    ties, faster, larger = whole[::4], whole[1::4], whole[2::4]
+    inc_t = np.concatenate(
+        [inc_t, [p.time_s for p in ties], [p.time_s * 0.999 for p in faster],
+         [p.time_s for p in larger]]
+    )  # fmt: skip
+    inc_m = np.concatenate(
+        [inc_m, [p.memory_bytes for p in ties], [p.memory_bytes for p in faster],
+         [p.memory_bytes * 1.0000001 for p in larger]]
+    )  # fmt: skip
+    got = solve(problem, incumbents=(inc_t, inc_m), pruning=pruning)
+    t = np.array([p.time_s for p in whole])
+    m = np.array([p.memory_bytes for p in whole])
+    gone = strictly_dominated(t, m, inc_t, inc_m)
+    expected = [p for p, out in zip(whole, gone, strict=True) if not out]
+    assert 0 < len(expected) < len(whole)  # the case prunes something and keeps something
+    assert _values(got.points) == _values(expected)
+    for p in got.points:  # each returned choice is a plan of that value
+        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
+    assert "strictly dominates" in got.guarantee
+
+
+def test_strictly_dominated_keeps_equal_points():
+    inc_t, inc_m = np.array([1.0, 2.0]), np.array([5.0, 3.0])
+    t = np.array([1.0, 1.5, 2.0, 0.5, 3.0])
+    m = np.array([5.0, 5.0, 3.0, 9.0, 2.0])
+    assert strictly_dominated(t, m, inc_t, inc_m).tolist() == [False, True, False, False, False]
+
+
+def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
+    """The tiny gpt over 4 and 8 devices: solving each count's meshes in a chain with
+    incumbents leaves points out of some meshes, but no per-device frontier changes."""
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.models import build_model, save_model
+    from tensoropt.search.driver import explore
+    from tensoropt.search.merge import merge_frontiers
+
+    path = tmp_path / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    args = build_parser().parse_args(["search", str(path), "--devices", "4,8"])
+    sg = search_graph(args)
+
+    def per_device(exp):
+        out = {}
+        for d in (4, 8):
+            group = {(s.mesh.size, tuple(s.mesh.shape)): s.result for s in exp.searches
+                     if s.mesh.size == d}  # fmt: skip
+            out[d] = [(p.mesh, p.time_s, p.memory_bytes) for p in merge_frontiers(group)]
+        return out
+
+    chained = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1)
+    whole = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1, whole_frontiers=True)
+    assert per_device(chained) == per_device(whole)
+
+    def merged(exp):  # a point's index into its mesh's result differs: the values do not
+        return [(p.devices, p.mesh, p.time_s, p.memory_bytes) for p in exp.merged]
+
+    assert merged(chained) == merged(whole)
+    kept = sum(len(s.result.points) for s in chained.searches)
+    assert kept < sum(len(s.result.points) for s in whole.searches)
