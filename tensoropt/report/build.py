@@ -107,7 +107,9 @@ def _write_into(
     refs = analysis.references(exp)
     lines = render.header(head, profile)
 
-    plots.frontier(rows, refs, root / FRONTIER_PNG, f"Frontier per device count: {title}")
+    plots.frontier(
+        rows, refs, root / FRONTIER_PNG, f"Frontier per device count: {title}", exp.memory_budget
+    )
     lines += render.frontier_section(rows, head.batch, FRONTIER_PNG, options.table_rows)
 
     caps = analysis.capacities(exp)

@@ -180,6 +180,18 @@ def test_memory_budget_draws_a_line_marks_references_and_skips_empty_tables(
     assert np.allclose(line.get_ydata(), budget / _unit_scale(ax))
 
 
+def test_report_frontier_draws_the_memory_budget(gpt, tmp_path, capsys, drawn):
+    exp = _explore(gpt, "--devices", "1,2")
+    budget = int(max(p.memory_bytes for s in exp.searches for p in s.result.points))
+    out = cli(capsys, "report", gpt, "--devices", "1,2", "--memory-budget", f"{budget}B",
+              "-o", tmp_path / "r")  # fmt: skip
+    assert out.code == 0, out.err
+    frontier = next(f for f in drawn if f.axes[0].get_title().startswith("Frontier"))
+    ax = frontier.axes[0]
+    (line,) = [line for line in ax.get_lines() if line.get_label() == "memory budget"]
+    assert np.allclose(line.get_ydata(), budget / _unit_scale(ax))
+
+
 # -- item 3: ordinary mistakes -------------------------------------------------------------
 
 
