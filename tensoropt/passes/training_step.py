@@ -199,13 +199,12 @@ def _remove_initializer_inputs(graph: ir.Graph) -> None:
 
 
 def _infer_shapes(model: ir.Model) -> ir.Model:
-    """Whole-model ONNX shape inference (data propagation) over the step graph."""
-    value_meta = {
-        v.name: dict(v.metadata_props)
-        for node in model.graph
-        for v in node.outputs
-        if v.metadata_props
-    }
+    """Whole-model ONNX shape inference (data propagation) over the step graph.
+
+    The inferred types are copied by name onto the model's own values, which keeps every
+    IR object (and its metadata) as it is; deserializing the inferred proto instead cost
+    as much again as serializing it (GPT-2-medium step: 0.7 s of 1.6 s).
+    """
     weights = _detach_large_weights(model.graph)
     try:
         proto = ir.serde.serialize_model(model)
@@ -215,13 +214,17 @@ def _infer_shapes(model: ir.Model) -> ir.Model:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as exc:
         raise AssertionError(f"shape inference failed on the training step: {exc}") from exc
-    result = ir.serde.deserialize_model(proto)
-    _attach_weights(result.graph, weights)
-    for node in result.graph:
-        for v in node.outputs:
-            if v.name in value_meta:
-                v.metadata_props.update(value_meta[v.name])
-    return result
+    values = {v.name: v for node in model.graph for v in node.outputs if v.name}
+    for info in (*proto.graph.value_info, *proto.graph.output):
+        value = values.get(info.name)
+        if value is None or not info.type.HasField("tensor_type"):
+            continue
+        tensor_type = info.type.tensor_type
+        if tensor_type.elem_type:
+            value.dtype = ir.DataType(tensor_type.elem_type)
+        if tensor_type.HasField("shape"):
+            value.shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+    return model
 
 
 def _detach_large_weights(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
