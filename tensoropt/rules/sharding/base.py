@@ -283,9 +283,20 @@ def local_shapes(
     return ins, outs  # type: ignore[return-value]
 
 
+# The legal strategies of the last (rule, op, n) checked. Composing n-D strategies
+# localizes every strategy of one op in turn, and each check would enumerate them all
+# again; the entry holds the rule and the (frozen) view themselves, compared by identity.
+_LAST_LEGAL: list = [None, None, 0, ()]
+
+
 def check_member(rule: ShardingRule, op: OpView, s: OpSharding, n: int) -> None:
     """Raise ShardingError unless ``s`` is one of the rule's strategies for ``op``."""
-    legal = rule.strategies(op, n)
+    last = _LAST_LEGAL
+    if last[0] is rule and last[1] is op and last[2] == n:
+        legal = last[3]
+    else:
+        legal = rule.strategies(op, n)
+        _LAST_LEGAL[:] = [rule, op, n, legal]
     if s not in legal:
         options = "; ".join(str(x) for x in legal)
         raise ShardingError(
