@@ -107,6 +107,11 @@ def _load(path: str):
         ) from None
 
 
+def _replicates_all_work(report) -> bool:
+    """Several device graphs and not one collective: each runs the whole step."""
+    return len(report) > 1 and not any(s.collectives for _, s in report)
+
+
 def _relation(peak: float, estimate: dict) -> str:
     memory = estimate["memory_bytes"]
     return f" ({peak / memory:.2f}x the estimate)" if memory else ""
@@ -127,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
         body = {
             **about,
+            "replicates_all_work": _replicates_all_work(report),
             "devices": [
                 {
                     "file": name,
@@ -158,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
             f"{_fmt_bytes(estimate['memory_bytes'])} per device, "
             f"{estimate['collectives_per_device']} collectives per device"
         )
+    if _replicates_all_work(report):
+        from tensoropt.cli.cmd_compile import REPLICATED_NOTE
+
+        print(f"no collectives on {len(report)} devices: {REPLICATED_NOTE}")
     for name, s in report:
         print(
             f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "

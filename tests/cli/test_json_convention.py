@@ -142,6 +142,10 @@ def test_replicated_plan_says_no_faster_than_one_device(zoo_file, tmp_path, caps
     doc = json_of(cli(capsys, *argv, "-o", tmp_path / "b", "--json"), "compile")
     assert doc["replicates_all_work"] is True and doc["collectives_per_device"] == 0
     assert "data-parallel" not in text.out + text.err
+    inspected = cli(capsys, "inspect", tmp_path / "a")
+    assert inspected.code == 0 and "no faster than 1 device" in inspected.out
+    inspected = json_of(cli(capsys, "inspect", tmp_path / "a", "--json"), "inspect")
+    assert inspected["replicates_all_work"] is True
 
 
 def test_run_json(compiled, capsys):
@@ -159,6 +163,7 @@ def test_inspect_json_gives_mesh_plan_source_and_estimate(compiled, capsys):
     assert doc["plan_source"] == compiled_doc["plan_source"]
     assert doc["estimate"] == compiled_doc["estimate"]
     assert [d["file"] for d in doc["devices"]] == ["device_0.onnx", "device_1.onnx"]
+    assert doc["replicates_all_work"] is False
     single = json_of(cli(capsys, "inspect", out / "device_1.onnx", "--json"), "inspect")
     assert single["mesh"] is single["plan_source"] is single["estimate"] is None
     assert single["devices"] == doc["devices"][1:]

@@ -10,7 +10,7 @@ from tensoropt.cli.search_json import PickedRow, load_search, plan_of
 from tensoropt.ir.costs import load_costs
 from tensoropt.runtime.run import run_steps
 from tensoropt.search.solver import solve
-from tests.cli.cli_run import assert_bad_input, cli, cli_process
+from tests.cli.cli_run import assert_bad_input, cli
 
 pytest.importorskip("matplotlib")
 
@@ -199,13 +199,3 @@ def test_pick_budget_and_index_errors(zoo_file, capsys, tmp_path):
     )
     assert_bad_input(out, "compile", "frontier at 2 devices has")
     assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.mpi
-def test_demo_runs_end_to_end(tmp_path):
-    out = cli_process("demo", "--dir", tmp_path / "demo", timeout=300)
-    assert out.code == 0, out.err
-    assert "verify: ok" in out.out
-    for name in ("gpt.onnx", "frontier.png", "search.json", "compiled/manifest.json"):
-        assert (tmp_path / "demo" / name).exists(), name
