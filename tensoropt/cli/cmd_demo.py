@@ -45,7 +45,7 @@ steps (each an ordinary command, printed as it runs, so you can rerun it by hand
      DIR/frontier.png) and says in one sentence what it means
   4. compiles the fastest {DEVICES}-device plan from DIR/search.json to DIR/compiled/
   5. runs 3 training steps on {DEVICES} ranks with --verify against the unpartitioned step
-and says where everything was written. It takes about a minute on 2 cores.
+and says where everything was written. It takes about half a minute on 2 cores.
 --cluster NAME|FILE prices the plans on another profile instead (default: the CPU-class
 one above); on h100, for instance, the fastest 2-device plan of this model replicates
 all work, and the demo says so.
@@ -57,7 +57,7 @@ the sentence, and the JSON of each step (model, compile, run).
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="search, compile and run a small GPT end to end (about a minute)",
+        help="search, compile and run a small GPT end to end (about half a minute)",
         description="The main job on the zoo's gpt small preset, priced for a CPU-class "
         "machine like the one it runs on.",
         epilog=EPILOG,
@@ -117,17 +117,15 @@ def frontier_sentence(doc: dict, devices: int) -> str:
     if not rows or not one:
         return f"The search has no frontier at {devices} devices or at 1 device to compare."
     single, fastest, least = one[0], rows[0], rows[-1]
-    trade = (
-        f"trading step time for memory, {devices} devices go down to "
-        f"{_fmt_mib(least['memory_bytes'])} per device at {_fmt_ms(least['time_s'])}"
-    )
+    lowest = f"{_fmt_mib(least['memory_bytes'])} per device at {_fmt_ms(least['time_s'])}"
     if fastest["replicates_all_work"] or fastest["time_s"] >= single["time_s"]:
         return (
             f"No {devices}-device plan is faster than 1 device ({_fmt_ms(single['time_s'])} "
             f"per step): the fastest replicates all work (no faster than 1 device), and "
-            f"the others only save memory: {trade}."
+            f"the others trade step time for memory, down to {lowest}."
         )
-    largest = max(int(d) for d in per_device)
+    trade = f"trading step time for memory, {devices} devices go down to {lowest}"
+    largest = max(int(d) for d, counted in per_device.items() if counted)
     top = per_device[str(largest)][0]
     dp = [r for r in doc["references"] if r["devices"] == devices and r["plan"] == "data-parallel"]
     versus = f" (data-parallel: {_fmt_ms(dp[0]['time_s'])})" if dp else ""

@@ -81,6 +81,22 @@ def test_demo_frontier_says_partitioning_pays(demo):
     assert f"{two['time_s'] * 1e3:.1f} ms" in sentence
 
 
+def test_frontier_sentence_says_when_no_plan_beats_one_device(zoo_file, capsys):
+    """The tiny GPT on h100 is latency-bound: the sentence says so, in the words every
+    place that prints such a plan uses."""
+    from tensoropt.cli.cmd_demo import frontier_sentence
+
+    out = cli(capsys, "search", zoo_file("gpt"), "--devices", "1,2", "--json")
+    assert out.code == 0, out.err
+    search = json.loads(out.out)
+    assert search["per_device"]["2"][0]["replicates_all_work"] is True
+    assert search["per_device"]["2"][0]["summary"] == "replicated (no faster than 1 device)"
+    sentence = frontier_sentence(search, 2)
+    assert sentence.startswith("No 2-device plan is faster than 1 device")
+    assert "no faster than 1 device" in sentence and "pays" not in sentence
+    assert "data-parallel" not in sentence
+
+
 def _unit(label: str, units: dict[str, float]) -> float:
     match = re.search(r"\(([^()]+)\)\s*$", label)
     assert match and match.group(1) in units, label
