@@ -12,6 +12,10 @@ process of the search, wall time of the whole command):
   (the ``tensoropt.search/1`` layout this replaced: ``plan_from_choice(...).to_json()``
   per point, ``indent=1``), by this script in a child process (``--child-expanded``).
 
+The whole-run walls include the search (minutes on a loaded machine), so a fourth child
+(``--child-write-times``) runs the search once and times only the writing: building
+each document and writing it, compact then one plan per point, on the same search.
+
 Then, in this process, every point of the compact file is expanded into its plan as
 ``compile --search FILE --pick INDEX`` does (``search_json.plan_of``), and the expanded
 plans are checked equal to the ones the old layout carried (units and layouts).
@@ -103,14 +107,41 @@ def expanded_document(sg, profile, exp, model_path: str) -> dict:
 
 def child_expanded(model: str, out: str) -> None:
     """The CLI's search (same parser, same explore), then the one-plan-per-point file."""
-    from tensoropt.cli import build_parser
     from tensoropt.cli.cmd_search import explore_from_args
     from tensoropt.cli.common import parse_devices, write_atomic
 
-    args = build_parser().parse_args(["search", model, "--devices", DEVICES])
+    args = build_args(model)
     sg, profile, exp = explore_from_args(args, parse_devices(args.devices))
     doc = expanded_document(sg, profile, exp, model)
     write_atomic(out, json.dumps(doc, indent=1).encode())
+
+
+def child_write_times(model: str, work: str) -> None:
+    """One search, then the seconds to build and write each document (JSON on stdout)."""
+    from tensoropt.cli.cmd_search import explore_from_args
+    from tensoropt.cli.common import parse_devices, write_atomic
+    from tensoropt.cli.json_output import document, dumps
+    from tensoropt.cli.search_json import SCHEMA, search_document, step_options
+
+    args = build_args(model)
+    sg, profile, exp = explore_from_args(args, parse_devices(args.devices))
+    start = time.perf_counter()
+    body = search_document(sg, profile, exp, model, step_options(args))
+    write_atomic(
+        os.path.join(work, "t-compact.json"), dumps(document(SCHEMA, body), compact=True).encode()
+    )
+    compact = time.perf_counter() - start
+    start = time.perf_counter()
+    doc = expanded_document(sg, profile, exp, model)
+    write_atomic(os.path.join(work, "t-expanded.json"), json.dumps(doc, indent=1).encode())
+    expanded = time.perf_counter() - start
+    print(json.dumps({"compact": compact, "expanded": expanded}))
+
+
+def build_args(model: str) -> argparse.Namespace:
+    from tensoropt.cli import build_parser
+
+    return build_parser().parse_args(["search", model, "--devices", DEVICES])
 
 
 def check_expansion(compact: Path, expanded: Path) -> tuple[int, float]:
@@ -138,7 +169,7 @@ def _median(runs: list[Run], field: str) -> float:
     return statistics.median(getattr(r, field) for r in runs)
 
 
-def report(runs: dict[str, list[Run]], points: int, expand_s: float, args) -> str:
+def report(runs: dict[str, list[Run]], points: int, expand_s: float, writes: dict, args) -> str:
     base = runs["no JSON"]
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     load = os.getloadavg()[0]
@@ -171,6 +202,10 @@ def report(runs: dict[str, list[Run]], points: int, expand_s: float, args) -> st
     shrink = _median(expanded, "file_bytes") / _median(compact, "file_bytes")
     lines += [
         "",
+        f"Writing alone, on one search in one process: compact {writes['compact']:.2f} s, "
+        f"one plan per point {writes['expanded']:.2f} s "
+        f"({writes['expanded'] / writes['compact']:.0f}x).",
+        "",
         f"The compact file is {shrink:.0f}x smaller than one plan per point. Expanding all "
         f"{points} points from it (load + `plan_of`, what `compile --search` does for one) "
         f"took {expand_s:.2f} s in one process, and every expanded plan equals the plan the "
@@ -187,9 +222,13 @@ def main() -> None:
     parser.add_argument(
         "--child-expanded", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--child-write-times", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_expanded:
         child_expanded(*args.child_expanded)
+        return
+    if args.child_write_times:
+        child_write_times(*args.child_write_times)
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
@@ -214,8 +253,13 @@ def main() -> None:
             for name, (argv, out) in variants.items():
                 runs[name].append(_child(argv, out))
                 print(f"repeat {k}: {name}: {runs[name][-1]}", file=sys.stderr)
+        timing = subprocess.run(
+            [sys.executable, __file__, "--child-write-times", str(model), str(work)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        writes = json.loads(timing.stdout.strip().splitlines()[-1])
         points, expand_s = check_expansion(compact, expanded)
-    text = report(runs, points, expand_s, args)
+    text = report(runs, points, expand_s, writes, args)
     print(text)
     if args.write:
         write_section(SECTION, text)

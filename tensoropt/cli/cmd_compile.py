@@ -184,6 +184,11 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.passes.compile import compile_step
 
+    if args.mesh is not None:
+        raise TensorOptError(
+            f"--mesh {args.mesh} with --search: the file's frontier is over every mesh it "
+            f"searched; search with --mesh {args.mesh} --json-out FILE and compile from that"
+        )
     devices = max(args.devices) if isinstance(args.devices, list) else args.devices
     sf = load_search(args.search)
     check_matches(sf, step_options(args), load_cluster(args.cluster).to_json())

@@ -127,4 +127,28 @@ def test_search_file_errors(zoo_file, searched, tmp_path, capsys):
     assert_bad_input(no_pick, "compile", "give --pick")
     absent = cli(capsys, *base, "--devices", 8, "--pick", "fastest", "--search", searched)
     assert_bad_input(absent, "compile", "no frontier at 8 devices", "1, 2, 4")
+    meshed = cli(
+        capsys, *base, "--devices", 4, "--mesh", "2x2", "--pick", "0", "--search", searched
+    )
+    assert_bad_input(meshed, "compile", "--mesh 2x2 with --search")
     assert not (tmp_path / "o").exists()
+
+
+def test_no_plan_that_replicates_all_work_is_called_data_parallel(zoo_file, capsys):
+    """Batch 8 on 3 devices cannot be split: no data-parallel reference there, and every
+    point or reference on several devices that splits nothing says so."""
+    from tensoropt.cost.summary import ALL_REPLICATED
+
+    out = cli(capsys, "search", zoo_file("gpt"), "--devices", "1-4", "--json")
+    doc = json.loads(out.out)
+    dp = {r["devices"] for r in doc["references"] if r["plan"] == "data-parallel"}
+    assert dp == {1, 2, 4}
+    for ref in doc["references"]:
+        if ref["devices"] > 1:
+            assert ref["summary"] != ALL_REPLICATED and "=" in ref["summary"], ref
+    replicated = [
+        row for rows in doc["per_device"].values() for row in rows if row["replicates_all_work"]
+    ]
+    assert {len(doc["per_device"]["3"])} == {1} and doc["per_device"]["3"][0] in replicated
+    for row in replicated:
+        assert row["summary"] == ALL_REPLICATED and row["mesh"] != [1]
