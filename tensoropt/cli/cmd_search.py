@@ -34,12 +34,12 @@ examples:
   tensoropt search gpt.onnx --devices 1..64 --cluster v100 --memory-budget 16GiB
   tensoropt search bert.onnx --devices 8 --mesh 2x4 --json-out s.json --dump-costs costs.json
   tensoropt search gpt.onnx --devices 2 --json | jq '.per_device["2"][0]'
+  tensoropt search gpt.onnx --devices 1..64 --epsilon 0.05     # faster, within 5% in time
 
 JSON (--json on stdout, --json-out FILE): every frontier point per device count with
 its estimate and summary; its plan is a vector of indices into a per-mesh table of
 strategies (`compile --search FILE --pick POLICY` expands it), the merged frontier and
 the reference plans.
-  tensoropt search gpt.onnx --devices 1..64 --epsilon 0.05     # faster, within 5% in time
 """
 
 
