@@ -38,12 +38,18 @@ def integral_bytes(obj: object, key: str = "") -> object:
     whatever float arithmetic produced them."""
     if isinstance(obj, dict):
         return {k: integral_bytes(v, str(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [integral_bytes(v, key) for v in obj]
     counts_bytes = key.endswith("bytes")
+    if isinstance(obj, (list, tuple)):
+        if counts_bytes:
+            return [integral_bytes(v, key) for v in obj]
+        # long vectors (a search point's choices) pass through without a call per item
+        return [integral_bytes(v, key) if isinstance(v, _NESTED) else v for v in obj]
     if counts_bytes and isinstance(obj, float) and math.isfinite(obj):
         return int(round(obj))
     return obj
+
+
+_NESTED = (dict, list, tuple)
 
 
 def document(schema: str, body: dict) -> dict:

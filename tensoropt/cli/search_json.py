@@ -44,10 +44,13 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
     tables = {id(s): _StrategyTable(s) for s in exp.searches}
     per_device: dict[str, list[dict]] = {}
     row_of: dict[tuple[int, int], int] = {}  # (id(search), point index) -> row
+    position = {  # (id(search), id(point)) -> index in that search's frontier
+        (id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)
+    }
     for d in sorted({s.mesh.size for s in exp.searches}):
         rows = []
         for i, (s, p) in enumerate(device_frontier(exp, d)):
-            k = s.result.points.index(p)
+            k = position[(id(s), id(p))]
             row_of[(id(s), k)] = i
             rows.append(
                 {
