@@ -1,7 +1,7 @@
 """The ``--json`` convention every command follows.
 
 ``--json`` prints the command's result as one JSON document on stdout, and nothing
-else goes to stdout (tables and notes are left out; progress and notes stay on
+else goes to stdout (tables are left out; progress bars and notes stay on
 stderr). Where a file is the natural result (``search``, ``validate``), ``--json-out
 FILE`` writes the same document to FILE (atomically) and the human output stays.
 
