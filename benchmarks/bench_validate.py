@@ -60,7 +60,7 @@ def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
     out = tmp / f"{name}-{preset}.json"
     argv = ["validate", str(path), "--devices", "1,2", "--cluster", str(cluster),
             "--points", str(args.points), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--json", str(out)]  # fmt: skip
+            "--warmup", str(args.warmup), "--json-out", str(out)]  # fmt: skip
     code, text = _main(argv)
     if code != 0:
         raise SystemExit(f"validate {model} failed ({code}): {text}")

@@ -97,7 +97,11 @@ def add_parser(sub) -> None:
         help="a previous profile of this machine: after measuring, list the rates that "
         "moved more than 20%% since it (the host changed under you, or a library did)",
     )
-    p.add_argument("--json", action="store_true", help="print the profile on stdout too")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the profile (the file's content) on stdout instead of the summary",
+    )
     p.set_defaults(func=run)
 
 
@@ -174,7 +178,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         work_items,
         write_profile,
     )
-    from tensoropt.cli.common import check_output_file, print_json, progress
+    from tensoropt.cli.common import check_output_file, progress
+    from tensoropt.cli.json_output import emit, integral_bytes
     from tensoropt.cost.cluster import from_json
 
     opts = CalibrateOptions(
@@ -204,7 +209,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from_json(profile, args.output)  # what search will read: refuse to write a bad file
     write_profile(args.output, profile)
     if args.json:
-        print_json(profile)
+        emit(args, integral_bytes(profile))
     else:
         print(_summary(profile))
         print(f"wrote {args.output}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -15,7 +14,10 @@ from tensoropt.cli.common import (
     parse_bytes,
     parse_devices,
 )
+from tensoropt.cli.json_output import add_json_flag
 from tensoropt.errors import PlanError, TensorOptError
+
+JSON_SCHEMA = "tensoropt.compile/2"
 
 # --pick policies that take a memory size after a colon.
 _BUDGET_POLICIES = ("fastest-under", "fewest-devices-under")
@@ -40,6 +42,8 @@ plans:
                                               means the powers of two below N, and N
   without --plan or --pick: --plan data-parallel
   MEM takes a unit: 16GiB, 80GB, 512MiB
+  --search FILE   with --pick: a point of that search's JSON (`search --json-out FILE`),
+                  not searched again
 
 output (written completely or not at all):
   OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
@@ -55,6 +59,13 @@ examples:
   tensoropt compile gpt.onnx --devices 8 --mesh 2x4 --plan megatron -o out/
   tensoropt compile gpt.onnx --devices 2 --pick fastest -o out/
   tensoropt compile gpt.onnx --devices 1-8 --pick fewest-devices-under:1GiB -o out/
+  tensoropt search gpt.onnx --devices 1-8 --json-out s.json
+  tensoropt compile gpt.onnx --devices 4 --pick min-memory --search s.json -o out/
+
+--json prints, on stdout alone: the output directory and every file written, the mesh,
+the plan's source, and the estimate (step time, memory per device as an integer byte
+count, collectives per device, cluster); replicates_all_work is true for a plan in which
+every device computes the whole step (no collectives: no faster than 1 device).
 """
 )
 
@@ -95,7 +106,13 @@ def add_parser(sub) -> None:
         default="h100",
         help="cluster profile that prices the plan (and --pick's search); default h100",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument(
+        "--search",
+        metavar="SEARCH.json",
+        help="take --pick's frontier from a `search --json-out` file instead of searching "
+        "again (same model, training options and --cluster as that search)",
+    )
+    add_json_flag(p, JSON_SCHEMA)
     p.add_argument(
         "--verify-passes",
         action="store_true",
@@ -217,7 +234,54 @@ def _compile_picked(args: argparse.Namespace) -> int:
     )
     print(picked, file=sys.stderr)
     print(summary, file=sys.stderr)
-    _report(args, result, search.mesh, (source,), estimate)
+    _report(args, result, search.mesh, (source,), estimate, source)
+    return 0
+
+
+def _compile_from_search(args: argparse.Namespace) -> int:
+    """``--pick POLICY --search FILE``: expand a point of a search JSON and compile it,
+    without searching again (the file holds the strategies of every point)."""
+    from tensoropt.cli.search_json import (
+        check_matches,
+        load_search,
+        pick_row,
+        plan_of,
+        step_options,
+    )
+    from tensoropt.cost.cluster import load_cluster
+    from tensoropt.passes.compile import compile_step
+
+    check_policy(args.pick)
+    if args.mesh is not None:
+        raise TensorOptError(
+            f"--mesh {args.mesh} with --search: the file's frontier is over every mesh it "
+            f"searched; search with --mesh {args.mesh} --json-out FILE and compile from that"
+        )
+    if args.pick.startswith("fewest-devices-under:"):
+        devices = max(candidate_counts(args.devices))
+    else:
+        devices = one_count(args.devices)
+    sf = load_search(args.search)
+    check_matches(sf, step_options(args), load_cluster(args.cluster).to_json())
+    chosen = pick_row(sf, devices, args.pick, parse_bytes)
+    source = (
+        f"search --pick {args.pick} ({args.search}): point {chosen.index} at "
+        f"{chosen.devices} devices"
+    )
+    plan = plan_of(sf, chosen, source)
+    step = build_step(args, load_weights=False)  # compile streams the weights itself
+    summary = step.selection.summary(step.model.graph)  # the whole model: before compile
+    estimate = estimate_of(step, plan, None, args.cluster)
+    result = compile_step(
+        step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
+    )
+    print(
+        f"picked {args.pick} from {args.search}: point {chosen.index} at {chosen.devices} "
+        f"devices, mesh {plan.mesh}; {chosen.row.get('summary', '')}",
+        file=sys.stderr,
+    )
+    print(summary, file=sys.stderr)
+    _report(args, result, plan.mesh, (source,), estimate, source)
     return 0
 
 
@@ -235,31 +299,43 @@ def estimate_of(step, plan, data_axes, cluster: str):
     return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster))
 
 
-def _report(args, result, mesh, notes, estimate) -> None:
+REPLICATED_NOTE = "every device computes the whole step: no faster than 1 device"
+
+
+def replicates_all_work(result) -> bool:
+    """A plan on several devices that needs no collective splits no work: each device
+    runs the single-device step (any split work needs at least the gradient reduction)."""
+    return result.world_size > 1 and result.collectives == 0
+
+
+def _report(args, result, mesh, notes, estimate, source: str) -> None:
     if args.json:
-        json.dump(
-            {
-                "schema": "tensoropt.compile/1",
-                "outdir": result.outdir,
-                "world_size": result.world_size,
-                "mesh": list(mesh.shape),
-                "files": list(result.files),
-                "collectives": result.collectives,
-                "estimate": estimate.to_json(),
-                "notes": list(notes),
-            },
-            sys.stdout,
-            indent=2,
-        )
-        print()
-    else:
-        print(
-            f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
-            f"{result.collectives} collectives per device; estimated step "
-            f"{estimate.time_s * 1e3:.3f} ms, {estimate.memory_bytes / 2**20:.1f} MiB per "
-            f"device ({estimate.profile}); run it with "
-            f"`tensoropt run {args.output} --steps 3 --verify`"
-        )
+        from tensoropt.cli.json_output import document, emit
+
+        files = list(result.files)
+        if "manifest.json" not in files:
+            files.append("manifest.json")
+        body = {
+            "outdir": result.outdir,
+            "files": [os.path.join(result.outdir, name) for name in sorted(files)],
+            "world_size": result.world_size,
+            "mesh": list(mesh.shape),
+            "plan_source": source,
+            "collectives_per_device": result.collectives,
+            "replicates_all_work": replicates_all_work(result),
+            "estimate": estimate.to_json(),
+            "notes": list(notes),
+        }
+        emit(args, document(JSON_SCHEMA, body))
+        return
+    replicated = f" ({REPLICATED_NOTE})" if replicates_all_work(result) else ""
+    print(
+        f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
+        f"{result.collectives} collectives per device{replicated}; estimated step "
+        f"{estimate.time_s * 1e3:.3f} ms, {estimate.memory_bytes / 2**20:.1f} MiB per "
+        f"device ({estimate.profile}); run it with "
+        f"`tensoropt run {args.output} --steps 3 --verify`"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,6 +343,10 @@ def run(args: argparse.Namespace) -> int:
     from tensoropt.passes.plans import builtin_plan
 
     check_output_dir(args.output, "-o")
+    if args.search and not args.pick:
+        raise TensorOptError("--search FILE: give --pick POLICY to choose one of its points")
+    if args.pick and args.search:
+        return _compile_from_search(args)
     if args.pick:
         return _compile_picked(args)
     plan_name = args.plan or "data-parallel"
@@ -294,5 +374,5 @@ def run(args: argparse.Namespace) -> int:
         print("no --plan or --pick given: compiled --plan data-parallel", file=sys.stderr)
     for line in (summary, *notes):
         print(line, file=sys.stderr)
-    _report(args, result, mesh, notes, estimate)
+    _report(args, result, mesh, notes, estimate, plan.source or plan_name)
     return 0

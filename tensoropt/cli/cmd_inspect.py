@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
+from tensoropt.cli.json_output import add_json_flag
 from tensoropt.errors import ModelLoadError, OutputDirError, TensorOptError
+
+JSON_SCHEMA = "tensoropt.inspect/1"
 
 EPILOG = """\
 shows the plan's estimate (the cost model's step time, memory per device and
@@ -19,6 +21,10 @@ figure: every tensor alive at once when the graph runs node by node in file orde
 estimate counts what a step holds (parameters, gradients, optimizer state, activations
 saved for the backward, converted buffers); the liveness peak is what one sequential
 schedule holds, without the runtime's allocator or segment boundaries.
+
+--json prints, on stdout alone: the mesh, the plan's source and the estimate (null for a
+single device file, which carries none), then per device the same figures as the table,
+byte counts as integers.
 
 examples:
   tensoropt inspect out/
@@ -35,7 +41,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="OUTDIR|FILE.onnx")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_json_flag(p, JSON_SCHEMA)
     p.set_defaults(func=run)
 
 
@@ -77,7 +83,10 @@ def _targets(target: str) -> tuple[list[str], list[str], list[str], dict]:
         sig = read_signature(model)
     except TensorOptError as exc:
         raise TensorOptError(f"{target}: {exc}") from None
-    return [target], list(sig.params), list(sig.states), {}
+    return [target], list(sig.params), list(sig.states), dict.fromkeys(_ABOUT)
+
+
+_ABOUT = ("mesh", "plan_source", "estimate")  # what only an output directory knows
 
 
 def _plan_source(outdir: str) -> str | None:
@@ -103,6 +112,11 @@ def _load(path: str):
         ) from None
 
 
+def _replicates_all_work(report) -> bool:
+    """Several device graphs and not one collective: each runs the whole step."""
+    return len(report) > 1 and not any(s.collectives for _, s in report)
+
+
 def _relation(peak: float, estimate: dict) -> str:
     memory = estimate["memory_bytes"]
     return f" ({peak / memory:.2f}x the estimate)" if memory else ""
@@ -119,36 +133,34 @@ def run(args: argparse.Namespace) -> int:
         stats = device_stats(_load(path), params, states)
         report.append((os.path.basename(path), stats))
     if args.json:
-        json.dump(
-            {
-                "schema": "tensoropt.inspect/1",
-                **about,
-                "devices": [
-                    {
-                        "file": name,
-                        "ops": s.ops,
-                        "op_types": s.op_types,
-                        "collectives": [
-                            {
-                                "kind": c.kind,
-                                "group": list(c.group),
-                                "count": c.count,
-                                "bytes_sent": c.bytes_sent,
-                            }
-                            for c in s.collectives
-                        ],
-                        "bytes_sent_per_step": s.bytes_sent,
-                        "param_shapes": {k: list(v) for k, v in s.param_shapes.items()},
-                        "param_and_state_bytes": s.state_bytes,
-                        "liveness_peak_bytes": s.peak_bytes,
-                    }
-                    for name, s in report
-                ],
-            },
-            sys.stdout,
-            indent=2,
-        )
-        print()
+        from tensoropt.cli.json_output import document, emit
+
+        body = {
+            **about,
+            "replicates_all_work": _replicates_all_work(report),
+            "devices": [
+                {
+                    "file": name,
+                    "ops": s.ops,
+                    "op_types": s.op_types,
+                    "collectives": [
+                        {
+                            "kind": c.kind,
+                            "group": list(c.group),
+                            "count": c.count,
+                            "bytes_sent": c.bytes_sent,
+                        }
+                        for c in s.collectives
+                    ],
+                    "bytes_sent_per_step": s.bytes_sent,
+                    "param_shapes": {k: list(v) for k, v in s.param_shapes.items()},
+                    "param_and_state_bytes": s.state_bytes,
+                    "liveness_peak_bytes": s.peak_bytes,
+                }
+                for name, s in report
+            ],
+        }
+        emit(args, document(JSON_SCHEMA, body))
         return 0
     estimate = about.get("estimate")
     if estimate:
@@ -157,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
             f"{_fmt_bytes(estimate['memory_bytes'])} per device, "
             f"{estimate['collectives_per_device']} collectives per device"
         )
+    if _replicates_all_work(report):
+        from tensoropt.cli.cmd_compile import REPLICATED_NOTE
+
+        print(f"no collectives on {len(report)} devices: {REPLICATED_NOTE}")
     for name, s in report:
         print(
             f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tensoropt.cli.json_output import add_json_flag, document, emit
 from tensoropt.models import (
     MODEL_NAMES,
     PRESET_NAMES,
@@ -73,6 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     for knob, text in _KNOB_HELP.items():
         flag = "--" + knob.replace("_", "-")
         knobs.add_argument(flag, dest=knob, type=int, default=None, metavar="N", help=text)
+    add_json_flag(parser, "tensoropt.model/1")
     parser.set_defaults(func=run)
     return parser
 
@@ -91,9 +93,21 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {info.name} ({info.preset}), {info.params:,} parameters, "
         f"{_human_bytes(info.weight_bytes)} of weights"
     )
-    if info.weights is WeightStorage.EXTERNAL_ZEROS:
-        line += f" (zeros for planning, sparse file {sidecar_path(args.output)})"
-    print(line)
+    sidecar = sidecar_path(args.output) if info.weights is WeightStorage.EXTERNAL_ZEROS else None
+    if sidecar:
+        line += f" (zeros for planning, sparse file {sidecar})"
+    if args.json:
+        body = {
+            "path": args.output,
+            "data_path": sidecar,
+            "model": info.name,
+            "preset": info.preset,
+            "parameters": info.params,
+            "weight_bytes": info.weight_bytes,
+        }
+        emit(args, document("tensoropt.model/1", body))
+    else:
+        print(line)
     return 0
 
 

@@ -9,6 +9,7 @@ import time
 
 from tensoropt.cli.cmd_search import add_search_options, explore_from_args
 from tensoropt.cli.common import DEVICES_HELP, check_output_dir, parse_devices
+from tensoropt.cli.json_output import add_json_flag
 from tensoropt.errors import TensorOptError
 
 EPILOG = """\
@@ -49,6 +50,7 @@ def add_parser(sub) -> None:
         help="device counts whose strategies are drawn (default: 8 and the largest)",
     )
     p.add_argument("-o", "--output", required=True, metavar="REPORT_DIR")
+    add_json_flag(p, "tensoropt.report/1")
     p.set_defaults(func=run)
 
 
@@ -121,6 +123,19 @@ def run(args: argparse.Namespace) -> int:
 
     head, profile, exp, detail = search_for_report(args)
     names = write_report(exp, head, profile, args.output, ReportOptions(detail_devices=detail))
-    print(f"wrote {os.path.join(args.output, names[0])} and {len(names) - 1} figures")
+    if args.json:
+        from tensoropt.cli.json_output import document, emit
+
+        body = {
+            "report": os.path.join(args.output, names[0]),
+            "files": [os.path.join(args.output, name) for name in names],
+            "devices": list(head.devices),
+            "meshes": head.meshes,
+            "frontier_points": len(exp.merged),
+            "guarantee": head.guarantee,
+        }
+        emit(args, document("tensoropt.report/1", body))
+    else:
+        print(f"wrote {os.path.join(args.output, names[0])} and {len(names) - 1} figures")
     print(f"guarantee: {head.guarantee}", file=sys.stderr)
     return 0

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from tensoropt.cli.json_output import add_json_flag
 from tensoropt.errors import ExitCode, TensorOptError
 
 EPILOG = """\
@@ -96,7 +97,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--profile-warmup", type=int, default=2, metavar="W", help="steps left out (default 2)"
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_flag(p, "tensoropt.run/1")
     p.set_defaults(func=run)
 
 
@@ -151,7 +152,8 @@ def profile_table(profile) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensoropt.cli.common import check_output_file, print_json
+    from tensoropt.cli.common import check_output_file
+    from tensoropt.cli.json_output import document, emit
     from tensoropt.runtime.run import run_steps
 
     if args.tolerance <= 0:
@@ -194,20 +196,23 @@ def run(args: argparse.Namespace) -> int:
         table.close()
     report = result.verify
     if args.json:
-        print_json(
-            {
-                "schema": "tensoropt.run/1",
-                "outdir": args.outdir,
-                "backend": args.backend,
-                "world_size": result.world_size,
-                "steps": args.steps,
-                "start_step": result.start_step,
-                "losses": result.losses,
-                "seconds": result.seconds,
-                "saved_params": args.save_params,
-                "verify": None if report is None else report.to_json(),
-                "profile": None if result.profile is None else result.profile.to_json(),
-            }
+        emit(
+            args,
+            document(
+                "tensoropt.run/1",
+                {
+                    "outdir": args.outdir,
+                    "backend": args.backend,
+                    "world_size": result.world_size,
+                    "steps": args.steps,
+                    "start_step": result.start_step,
+                    "losses": result.losses,
+                    "seconds": result.seconds,
+                    "saved_params": args.save_params,
+                    "verify": None if report is None else report.to_json(),
+                    "profile": None if result.profile is None else result.profile.to_json(),
+                },
+            ),
         )
     elif result.profile is not None:
         print(profile_table(result.profile))

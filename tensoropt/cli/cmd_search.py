@@ -15,6 +15,8 @@ from tensoropt.cli.common import (
     search_graph,
     write_atomic,
 )
+from tensoropt.cli.json_output import add_json_flag, add_json_out
+from tensoropt.cli.search_json import SCHEMA
 
 EPILOG = """\
 what it does: builds the cost problem of the model on every mesh of every device
@@ -32,8 +34,14 @@ file (keys of the built-in profiles; "base": NAME to override only some rates).
 examples:
   tensoropt search gpt.onnx --devices 1,2,4,8 --plot frontier.png
   tensoropt search gpt.onnx --devices 1..64 --cluster v100 --memory-budget 16GiB
-  tensoropt search bert.onnx --devices 8 --mesh 2x4 --json out.json --dump-costs costs.json
+  tensoropt search bert.onnx --devices 8 --mesh 2x4 --json-out s.json --dump-costs costs.json
+  tensoropt search gpt.onnx --devices 2 --json | jq '.per_device["2"][0]'
   tensoropt search gpt.onnx --devices 1..64 --epsilon 0.05     # faster, within 5% in time
+
+JSON (--json on stdout, --json-out FILE): every frontier point per device count with
+its estimate and summary; its plan is a vector of indices into a per-mesh table of
+strategies (`compile --search FILE --pick POLICY` expands it), the merged frontier and
+the reference plans.
 """
 
 
@@ -73,7 +81,8 @@ def add_parser(sub) -> None:
     p.add_argument("--devices", default="1,2,4,8", help=f"{DEVICES_HELP} (default 1,2,4,8)")
     p.add_argument("--mesh", default="auto", help="auto (1-D and 2-D) or one shape like 2x4")
     add_search_options(p)
-    p.add_argument("--json", metavar="OUT.json", help="every frontier point with its plan")
+    add_json_flag(p, SCHEMA)
+    add_json_out(p, SCHEMA)
     p.add_argument("--plot", metavar="OUT.png", help="memory vs step time per device count")
     p.add_argument(
         "--dump-costs",
@@ -234,55 +243,6 @@ def print_tables(sg, exp, out=None) -> None:
         print(f"\nguarantee: {exp.searches[0].result.guarantee}", file=out)
 
 
-def to_json(sg, profile, exp, model_path: str) -> dict:
-    from tensoropt.search.driver import plan_from_choice
-
-    per_device = {}
-    for d, rows in per_device_points(exp).items():
-        per_device[str(d)] = [
-            {
-                "index": i,
-                "mesh": list(s.mesh.shape),
-                "time_s": p.time_s,
-                "memory_bytes": p.memory_bytes,
-                "samples_per_s": sg.batch / p.time_s,
-                "summary": s.summaries[_index(s, p)],
-                "plan": plan_from_choice(s, p.choice, f"search point {d}:{i}").to_json(),
-            }
-            for i, (s, p) in enumerate(rows)
-        ]
-    return {
-        "schema": "tensoropt.search/1",
-        "model": model_path,
-        "cluster": profile.to_json(),
-        "epsilon": exp.epsilon,
-        "guarantee": exp.searches[0].result.guarantee if exp.searches else "",
-        "memory_budget": exp.memory_budget,
-        "per_device": per_device,
-        "frontier": [
-            {
-                "devices": p.devices,
-                "mesh": list(p.mesh),
-                "time_s": p.time_s,
-                "memory_bytes": p.memory_bytes,
-                "point": p.index,
-            }
-            for p in exp.merged
-        ],
-        "references": [
-            {
-                "devices": s.mesh.size,
-                "mesh": list(s.mesh.shape),
-                "plan": name,
-                "time_s": t,
-                "memory_bytes": m,
-            }
-            for s in exp.searches
-            for name, (t, m, _) in s.references.items()
-        ],
-    }
-
-
 def plot(exp, path: str) -> None:
     """The report's frontier figure: a staircase per device count, the reference plans
     of each count on their best mesh, and the memory budget when there is one."""
@@ -302,26 +262,30 @@ def plot(exp, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensoropt.cli.json_output import document, emit
+    from tensoropt.cli.search_json import search_document, step_options
     from tensoropt.ir.costs import CostRecord, costs_to_json
 
     devices = parse_devices(args.devices)
     for flag, path in (
-        ("--json", args.json),
+        ("--json-out", args.json_out),
         ("--plot", args.plot),
         ("--dump-costs", args.dump_costs),
     ):
         check_output_file(path, flag)
     sg, profile, exp = explore_from_args(args, devices)
-    print_tables(sg, exp)
-    if args.json:
-        data = to_json(sg, profile, exp, args.model)
-        write_atomic(args.json, json.dumps(data, indent=1).encode())
+    if not args.json:  # with --json, stdout is the document alone
+        print_tables(sg, exp)
+    if args.json or args.json_out:
+        body = search_document(sg, profile, exp, args.model, step_options(args))
+        emit(args, document(SCHEMA, body), compact=True)
     if args.plot:
         plot(exp, args.plot)
     if args.dump_costs:
         records = [CostRecord(s.problem, s.result.points, exp.epsilon) for s in exp.searches]
         write_atomic(args.dump_costs, json.dumps(costs_to_json(records)).encode())
-    for flag, path in (("json", args.json), ("plot", args.plot), ("costs", args.dump_costs)):
+    written = (("json", args.json_out), ("plot", args.plot), ("costs", args.dump_costs))
+    for flag, path in written:
         if path:
             print(f"wrote {flag}: {path}", file=sys.stderr)
     return 0

@@ -10,11 +10,11 @@ from tensoropt.cli.common import (
     add_training_options,
     build_step,
     check_output_file,
-    print_json,
     progress,
     save_npz_atomic,
     write_atomic,
 )
+from tensoropt.cli.json_output import add_json_flag, document, emit
 from tensoropt.errors import TensorOptError
 
 EPILOG = (
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--save-params", metavar="OUT.npz", help="save the trained parameters")
     p.add_argument("--export-step", metavar="STEP.onnx", help="write the training-step graph")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_flag(p, "tensoropt.train/1")
     p.set_defaults(func=run)
 
 
@@ -87,16 +87,19 @@ def run(args: argparse.Namespace) -> int:
     if args.save_params:
         save_npz_atomic(args.save_params, params)
     if args.json:
-        print_json(
-            {
-                "schema": "tensoropt.train/1",
-                "losses": losses,
-                "steps": args.steps,
-                "optimizer": step.signature.optimizer,
-                "trained_parameters": len(step.signature.params),
-                "trained_elements": int(sum(v.size for v in params.values())),
-                "saved_params": args.save_params,
-                "exported_step": args.export_step,
-            }
+        emit(
+            args,
+            document(
+                "tensoropt.train/1",
+                {
+                    "losses": losses,
+                    "steps": args.steps,
+                    "optimizer": step.signature.optimizer,
+                    "trained_parameters": len(step.signature.params),
+                    "trained_elements": int(sum(v.size for v in params.values())),
+                    "saved_params": args.save_params,
+                    "exported_step": args.export_step,
+                },
+            ),
         )
     return 0

@@ -9,6 +9,7 @@ import sys
 import tempfile
 
 from tensoropt.cli.cmd_search import add_search_options
+from tensoropt.cli.json_output import add_json_flag, add_json_out
 from tensoropt.errors import InfeasibleError, TensorOptError
 
 EPILOG = """\
@@ -36,7 +37,7 @@ searched; a model that fits at no requested device count exits 2.
 examples:
   tensoropt calibrate -o here.json
   tensoropt validate mlp.onnx --devices 1,2 --cluster here.json --plot v.png
-  tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --points 6 --json v.json
+  tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --points 6 --json-out v.json
 """
 
 
@@ -61,7 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default: profile's)")
     p.add_argument("--lr", type=float, default=0.01)
     add_search_options(p)
-    p.add_argument("--json", metavar="FILE.json", help="every plan with estimate and measurement")
+    add_json_flag(p, "tensoropt.validate/1")
+    add_json_out(p, "tensoropt.validate/1")
     p.add_argument("--plot", metavar="FILE.png", help="estimated vs measured scatter (log-log)")
     p.set_defaults(func=run, cluster=None)
 
@@ -145,15 +147,15 @@ def run(args: argparse.Namespace) -> int:
         check_output_file,
         parse_devices,
         progress,
-        write_atomic,
     )
+    from tensoropt.cli.json_output import emit, integral_bytes
     from tensoropt.passes.compile import compile_step
     from tensoropt.runtime.run import run_steps
     from tensoropt.search.driver import device_frontier, plan_from_choice
 
     _check_args(args)
     devices = parse_devices(args.devices)
-    check_output_file(args.json, "--json")
+    check_output_file(args.json_out, "--json-out")
     check_output_file(args.plot, "--plot")
     threads = _threads(args, devices)
     sg, profile, exp = _explore(args, devices)
@@ -194,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
                     facts.comm_s, facts.collectives, link,
                 )
             )  # fmt: skip
-    print(table(checks))
+    if not args.json:  # with --json, stdout is the document alone
+        print(table(checks))
     meta = {
         "model": args.model,
         "cluster": args.cluster,
@@ -204,9 +207,9 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
     }
-    if args.json:
-        write_atomic(args.json, json.dumps(report_json(checks, meta), indent=1).encode())
-        print(f"wrote json: {args.json}", file=sys.stderr)
+    emit(args, integral_bytes(report_json(checks, meta)))
+    if args.json_out:
+        print(f"wrote json: {args.json_out}", file=sys.stderr)
     if args.plot:
         plot(checks, args.plot)
         print(f"wrote plot: {args.plot}", file=sys.stderr)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -117,11 +116,6 @@ def save_npz_atomic(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     write_atomic(path, buffer.getvalue())
-
-
-def print_json(data: object) -> None:
-    json.dump(data, sys.stdout, indent=2, default=float)
-    sys.stdout.write("\n")
 
 
 def progress(iterable, *, total: int, desc: str):

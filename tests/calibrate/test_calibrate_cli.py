@@ -93,7 +93,7 @@ def test_search_accepts_the_calibrated_profile(quick_profile, zoo_model, capsys,
     for cluster in (str(quick_profile), "h100"):
         out = tmp_path / "s.json"
         code = main(["search", str(model), "--devices", "1,2", "--cluster", cluster,
-                     "--json", str(out)])  # fmt: skip
+                     "--json-out", str(out)])  # fmt: skip
         assert code == 0, capsys.readouterr().err
         result = json.loads(out.read_text())
         times = [p["time_s"] for p in result["frontier"]]

@@ -33,7 +33,8 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
     out, png = tmp_path / "v.json", tmp_path / "v.png"
     code = main([
         "validate", str(model), "--devices", "1,2", "--cluster", str(quick_profile),
-        "--points", "2", "--steps", "3", "--warmup", "1", "--json", str(out), "--plot", str(png),
+        "--points", "2", "--steps", "3", "--warmup", "1",
+        "--json-out", str(out), "--plot", str(png),
     ])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err

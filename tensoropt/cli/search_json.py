@@ -1,0 +1,292 @@
+"""The search result as JSON (``search --json``/``--json-out``) and plans read back from it
+(``compile --pick POLICY --search FILE``).
+
+Exact frontiers reach thousands of points, each a choice of one strategy for each of
+hundreds of units, so a point does not carry its plan. The document holds, per mesh, a
+table of the strategies some point uses (per unit, as plan-file unit entries), and each
+point is a vector of indices into that table, one per unit of the shared ``units`` list.
+:func:`plan_of` expands a point into the same :class:`Plan` the search itself builds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tensoropt.errors import InfeasibleError, PlanError, TensorOptError
+
+SCHEMA = "tensoropt.search/2"
+
+# The options that shape the training step (and so the units and strategies); compile
+# must build the same step to use a point of the file.
+STEP_OPTIONS = ("loss", "optimizer", "momentum", "trainable", "freeze", "input_shape")
+
+
+class SearchFileError(TensorOptError):
+    """A search JSON file that cannot be read back, or does not fit the compile request."""
+
+
+def mesh_key(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def step_options(args) -> dict:
+    return {name: getattr(args, name, None) for name in STEP_OPTIONS}
+
+
+def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
+    """The body of the search JSON (without ``schema``; see json_output.document)."""
+    from tensoropt.cost.summary import ALL_REPLICATED
+    from tensoropt.search.driver import device_frontier
+
+    shared = exp.searches[0].unit_names if exp.searches else ()
+    tables = {id(s): _StrategyTable(s) for s in exp.searches}
+    per_device: dict[str, list[dict]] = {}
+    row_of: dict[tuple[int, int], int] = {}  # (id(search), point index) -> row
+    position = {  # (id(search), id(point)) -> index in that search's frontier
+        (id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)
+    }
+    for d in sorted({s.mesh.size for s in exp.searches}):
+        rows = []
+        for i, (s, p) in enumerate(device_frontier(exp, d)):
+            k = position[(id(s), id(p))]
+            row_of[(id(s), k)] = i
+            rows.append(
+                {
+                    "index": i,
+                    "mesh": list(s.mesh.shape),
+                    "time_s": p.time_s,
+                    "memory_bytes": p.memory_bytes,
+                    "samples_per_s": sg.batch / p.time_s,
+                    "summary": s.summaries[k],
+                    "replicates_all_work": s.summaries[k] == ALL_REPLICATED,
+                    "choice": tables[id(s)].add(p.choice),
+                }
+            )
+        per_device[str(d)] = rows
+    return {
+        "model": model_path,
+        "step": options,
+        "cluster": profile.to_json(),
+        "batch": sg.batch,
+        "epsilon": exp.epsilon,
+        "guarantee": exp.searches[0].result.guarantee if exp.searches else "",
+        "memory_budget_bytes": exp.memory_budget,
+        "units": list(shared),
+        "meshes": {
+            mesh_key(s.mesh.shape): {
+                "devices": s.mesh.size,
+                "shape": list(s.mesh.shape),
+                "axis_names": list(s.mesh.axis_names),
+                "units": None if s.unit_names == shared else list(s.unit_names),
+                "strategies": tables[id(s)].json(),
+            }
+            for s in exp.searches
+        },
+        "per_device": per_device,
+        "frontier": [
+            {
+                "devices": p.devices,
+                "mesh": list(p.mesh),
+                "time_s": p.time_s,
+                "memory_bytes": p.memory_bytes,
+                "row": row_of.get((id(exp.search_of(p.devices, p.mesh)), p.index)),
+            }
+            for p in exp.merged
+        ],
+        "references": [
+            {
+                "devices": s.mesh.size,
+                "mesh": list(s.mesh.shape),
+                "plan": name,
+                "time_s": t,
+                "memory_bytes": m,
+                "summary": s.reference_summaries.get(name, ""),
+            }
+            for s in exp.searches
+            for name, (t, m, _) in s.references.items()
+        ],
+    }
+
+
+class _StrategyTable:
+    """The strategies of one mesh search that points use, renumbered per unit."""
+
+    def __init__(self, search) -> None:
+        self._layouts = search.unit_layouts
+        self._used: list[dict[int, int]] = [{} for _ in search.unit_names]
+
+    def add(self, choice: Sequence[int]) -> list[int]:
+        out = []
+        for used, s in zip(self._used, choice, strict=True):
+            out.append(used.setdefault(s, len(used)))
+        return out
+
+    def json(self) -> list[list[dict]]:
+        table = []
+        for layouts, used in zip(self._layouts, self._used, strict=True):
+            entries = [None] * len(used)
+            for s, k in used.items():
+                inputs, outputs = layouts[s]
+                entries[k] = {
+                    "inputs": [None if lay is None else str(lay) for lay in inputs],
+                    "outputs": [str(lay) for lay in outputs],
+                }
+            table.append(entries)
+        return table
+
+
+@dataclass(frozen=True, slots=True)
+class SearchFile:
+    """A search JSON document read back, checked enough to pick and expand points."""
+
+    path: str
+    doc: dict
+
+    @property
+    def device_counts(self) -> list[int]:
+        return sorted(int(d) for d in self.doc["per_device"])
+
+    def rows(self, devices: int) -> list[dict]:
+        return self.doc["per_device"].get(str(devices), [])
+
+
+def load_search(path: str) -> SearchFile:
+    """Read ``path`` (written by ``search --json-out``); bad files are one-line errors."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise SearchFileError(
+            f"--search {path}: no such file; write one with `tensoropt search MODEL "
+            f"--json-out {path}`"
+        ) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SearchFileError(f"--search {path}: not a readable JSON file ({first})") from None
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    if schema != SCHEMA:
+        raise SearchFileError(
+            f"--search {path}: schema {schema!r}, expected {SCHEMA!r}; write it again with "
+            "`tensoropt search MODEL --json-out FILE`"
+        )
+    for key in ("units", "meshes", "per_device", "step", "cluster"):
+        if key not in doc:
+            raise SearchFileError(f"--search {path}: missing {key!r}; search again")
+    return SearchFile(path, doc)
+
+
+def check_matches(sf: SearchFile, options: dict, cluster: dict) -> None:
+    """Refuse a compile whose step or cluster differs from the search's: the file's
+    strategies belong to that step, and its figures to that cluster."""
+    for name in STEP_OPTIONS:
+        searched, given = sf.doc["step"].get(name), options.get(name)
+        if _normal(searched) != _normal(given):
+            flag = "--" + name.replace("_", "-")
+            raise SearchFileError(
+                f"--search {sf.path}: searched with {flag} {searched!r} but compiling with "
+                f"{given!r}; give the same {flag} or search again"
+            )
+    searched = sf.doc["cluster"]
+    if _normal(searched) != _normal(cluster):
+        raise SearchFileError(
+            f"--search {sf.path}: searched on cluster {searched.get('name')!r}, compiling for "
+            f"{cluster.get('name')!r}; give the --cluster the search had"
+        )
+
+
+def _normal(value: object) -> object:
+    """JSON round trip with byte counts as integers (how the file holds ``value``)."""
+    from tensoropt.cli.json_output import integral_bytes
+
+    return json.loads(json.dumps(integral_bytes(value)))
+
+
+@dataclass(frozen=True, slots=True)
+class PickedRow:
+    devices: int
+    index: int  # row in the per-device-count frontier (fastest first)
+    row: dict
+
+
+def pick_row(
+    sf: SearchFile, devices: int, policy: str, parse_bytes: Callable[[str, str], float]
+) -> PickedRow:
+    """Apply a ``--pick`` policy to the file's frontiers, as ``search.driver.pick`` does to
+    a search held in memory (same policies, same order: fastest first)."""
+    name, _, arg = policy.partition(":")
+    if name == "fewest-devices-under":
+        budget = parse_bytes(arg, "--pick fewest-devices-under")
+        counts = [d for d in sf.device_counts if d <= devices]
+        for d in counts:
+            for i, row in enumerate(sf.rows(d)):
+                if row["memory_bytes"] <= budget:
+                    return PickedRow(d, i, row)
+        raise InfeasibleError(
+            f"--pick {policy}: no plan of {sf.path} at {', '.join(map(str, counts)) or 'no'} "
+            f"devices fits {arg} per device; add devices or raise the budget"
+        )
+    rows = sf.rows(devices)
+    if not rows:
+        raise SearchFileError(
+            f"--search {sf.path}: no frontier at {devices} devices (it has "
+            f"{', '.join(map(str, sf.device_counts))}); search that device count"
+        )
+    if name == "fastest":
+        k = 0
+    elif name == "min-memory":
+        k = len(rows) - 1
+    elif name == "fastest-under":
+        budget = parse_bytes(arg, "--pick fastest-under")
+        fits = [i for i, row in enumerate(rows) if row["memory_bytes"] <= budget]
+        if not fits:
+            raise InfeasibleError(
+                f"--pick {policy}: the smallest memory at {devices} devices in {sf.path} is "
+                f"{rows[-1]['memory_bytes'] / 2**20:.2f} MiB per device; raise the budget "
+                "or add devices"
+            )
+        k = fits[0]
+    elif policy.isdigit():
+        k = int(policy)
+        if k >= len(rows):
+            raise TensorOptError(
+                f"--pick {policy}: the frontier at {devices} devices has {len(rows)} points "
+                f"(0..{len(rows) - 1}, fastest first)"
+            )
+    else:
+        raise TensorOptError(
+            f"--pick {policy!r}: use fastest, min-memory, fastest-under:MEM, "
+            "fewest-devices-under:MEM or a point index"
+        )
+    return PickedRow(devices, k, rows[k])
+
+
+def plan_of(sf: SearchFile, picked: PickedRow, source: str):
+    """Expand one point of the file into its plan (explicit layouts for every unit)."""
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+
+    where = f"{sf.path}: per_device[{picked.devices}][{picked.index}]"
+    key = mesh_key(picked.row.get("mesh", ()))
+    entry = sf.doc["meshes"].get(key)
+    if not isinstance(entry, dict):
+        raise SearchFileError(f"{where}: mesh {key!r} is not in the file's meshes")
+    names = entry.get("units") or sf.doc["units"]
+    table, choice = entry.get("strategies"), picked.row.get("choice")
+    if not (isinstance(choice, list) and isinstance(table, list)):
+        raise SearchFileError(f"{where}: no choice vector or strategy table; search again")
+    if not len(names) == len(table) == len(choice):
+        raise SearchFileError(
+            f"{where}: {len(choice)} choices for {len(names)} units; the file is damaged"
+        )
+    mesh = Mesh(tuple(entry["shape"]), tuple(entry["axis_names"]))
+    units = {}
+    for name, options, k in zip(names, table, choice, strict=True):
+        if not (isinstance(k, int) and 0 <= k < len(options)):
+            raise SearchFileError(f"{where}: unit {name!r} has no strategy {k!r}")
+        try:
+            units[name] = UnitStrategy.from_json(options[k], mesh, f"{where} unit {name!r}")
+        except PlanError as exc:
+            raise SearchFileError(str(exc)) from None
+    return Plan(mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
