@@ -233,32 +233,10 @@ def pick_row(
             f"--search {sf.path}: no frontier at {devices} devices (it has "
             f"{', '.join(map(str, sf.device_counts))}); search that device count"
         )
-    if name == "fastest":
-        k = 0
-    elif name == "min-memory":
-        k = len(rows) - 1
-    elif name == "fastest-under":
-        budget = parse_bytes(arg, "--pick fastest-under")
-        fits = [i for i, row in enumerate(rows) if row["memory_bytes"] <= budget]
-        if not fits:
-            raise InfeasibleError(
-                f"--pick {policy}: the smallest memory at {devices} devices in {sf.path} is "
-                f"{rows[-1]['memory_bytes'] / 2**20:.2f} MiB per device; raise the budget "
-                "or add devices"
-            )
-        k = fits[0]
-    elif policy.isdigit():
-        k = int(policy)
-        if k >= len(rows):
-            raise TensorOptError(
-                f"--pick {policy}: the frontier at {devices} devices has {len(rows)} points "
-                f"(0..{len(rows) - 1}, fastest first)"
-            )
-    else:
-        raise TensorOptError(
-            f"--pick {policy!r}: use fastest, min-memory, fastest-under:MEM, "
-            "fewest-devices-under:MEM or a point index"
-        )
+    from tensoropt.search.driver import pick_index
+
+    memories = [row["memory_bytes"] for row in rows]
+    k = pick_index(policy, memories, devices, parse_bytes, f" in {sf.path}")
     return PickedRow(devices, k, rows[k])
 
 

@@ -340,6 +340,41 @@ def device_frontier(exp: Exploration, devices: int) -> list[tuple[MeshSearch, Fr
     ]
 
 
+def pick_index(
+    policy: str, memories: Sequence[float], devices: int, parse_bytes, where: str = ""
+) -> int:
+    """The index that a per-count policy (fastest | min-memory | fastest-under:MEM | INDEX)
+    names in one device count's frontier, given its memories (fastest point first).
+    ``where``: what holds the frontier, for the messages (e.g. a search file)."""
+    name, _, arg = policy.partition(":")
+    at = f"at {devices} devices{where}"
+    if name == "fastest":
+        return 0
+    if name == "min-memory":
+        return len(memories) - 1
+    if name == "fastest-under":
+        budget = parse_bytes(arg, "--pick fastest-under")
+        fits = [k for k, m in enumerate(memories) if m <= budget]
+        if not fits:
+            raise InfeasibleError(
+                f"--pick {policy}: the smallest memory {at} is {_gib(memories[-1])} "
+                "per device; raise the budget or add devices"
+            )
+        return fits[0]
+    if policy.isdigit():
+        k = int(policy)
+        if k >= len(memories):
+            raise TensorOptError(
+                f"--pick {policy}: the frontier {at} has {len(memories)} points "
+                f"(0..{len(memories) - 1}, fastest first); see `tensoropt search`"
+            )
+        return k
+    raise TensorOptError(
+        f"--pick {policy!r}: use fastest, min-memory, fastest-under:MEM, "
+        "fewest-devices-under:MEM or a point index"
+    )
+
+
 def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
     """Apply a policy: fastest | min-memory | fastest-under:MEM | fewest-devices-under:MEM |
     INDEX (into the frontier of ``devices``, fastest first)."""
@@ -359,31 +394,6 @@ def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
     rows = device_frontier(exp, devices)
     if not rows:
         raise InfeasibleError(f"no plan found at {devices} devices")
-    if name == "fastest":
-        k = 0
-    elif name == "min-memory":
-        k = len(rows) - 1
-    elif name == "fastest-under":
-        budget = parse_bytes(arg, "--pick fastest-under")
-        fits = [k for k, (_, p) in enumerate(rows) if p.memory_bytes <= budget]
-        if not fits:
-            low = rows[-1][1].memory_bytes
-            raise InfeasibleError(
-                f"--pick {policy}: the smallest memory at {devices} devices is {_gib(low)} "
-                "per device; raise the budget or add devices"
-            )
-        k = fits[0]
-    elif policy.isdigit():
-        k = int(policy)
-        if k >= len(rows):
-            raise TensorOptError(
-                f"--pick {policy}: the frontier at {devices} devices has {len(rows)} points "
-                f"(0..{len(rows) - 1}, fastest first); see `tensoropt search`"
-            )
-    else:
-        raise TensorOptError(
-            f"--pick {policy!r}: use fastest, min-memory, fastest-under:MEM, "
-            "fewest-devices-under:MEM or a point index"
-        )
+    k = pick_index(policy, [p.memory_bytes for _, p in rows], devices, parse_bytes)
     s, p = rows[k]
     return Pick(s, p, k, policy)
