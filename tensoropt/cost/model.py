@@ -235,6 +235,12 @@ class _Builder:
         self.programs = ProgramCache(self.su, mesh)
         self.only = only
         self.update_cache: dict = {}
+        # Repeated layers price alike: a unit's (time, memory) under a strategy is keyed by
+        # its structure, the strategy, which parameters it places and which outputs the
+        # backward saves; a crossing's tables by its two units' programs, ends and value.
+        self.unit_cache: dict = {}
+        self.crossing_cache: dict = {}
+        self.signatures: dict[int, tuple] = {}
 
     def infos(self) -> list[UnitInfo]:
         infos = []
@@ -250,6 +256,25 @@ class _Builder:
         return infos
 
     def unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
+        unit = self.su.units[k]
+        key = (unit.key, strategy, self._signature(k))
+        found = self.unit_cache.get(key)
+        if found is None:
+            found = self.unit_cache[key] = self._unit(k, strategy, program)
+        return found
+
+    def _signature(self, k: int) -> tuple:
+        """What a unit's pricing reads besides its structure: the parameters it places and
+        which of its outputs the backward saves."""
+        found = self.signatures.get(k)
+        if found is None:
+            unit = self.su.units[k]
+            owned = tuple(self.su.owner.get(v.name) == k for v in unit.externals)
+            saved = tuple(v.name in self.sg.saved for node in unit.nodes for v in node.outputs)
+            found = self.signatures[k] = (owned, saved)
+        return found
+
+    def _unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
         unit = self.su.units[k]
         seconds = 0.0
         memory = 0.0
@@ -299,6 +324,22 @@ class _Builder:
         Each distinct (holder layout, entry layout) pair is priced once."""
         shape = static_shape(c.value)
         isz = itemsize(c.value)
+        # programs are shared objects (ProgramCache), alive for the whole build
+        key = (
+            tuple(map(id, programs[c.source])),
+            c.source_ref,
+            tuple(map(id, programs[c.target])),
+            c.index,
+            c.forward,
+            shape,
+            isz,
+        )
+        found = self.crossing_cache.get(key)
+        if found is None:
+            found = self.crossing_cache[key] = self._crossing_tables(c, programs, shape, isz)
+        return found
+
+    def _crossing_tables(self, c: Crossing, programs, shape, isz):
         haves, rows = _distinct([p.layout(c.source_ref) for p in programs[c.source]])
         needs, cols = _distinct([p.entries[c.index] for p in programs[c.target]])
         times = np.zeros((len(haves), len(needs)))
