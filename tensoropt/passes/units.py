@@ -358,13 +358,15 @@ class ProgramCache:
         self.su = su
         self.mesh = mesh
         self._cache: dict[tuple, Program] = {}
+        self._out_terms: dict = {}  # candidate -> its scoring tie-breakers on this mesh
 
     def program(self, k: int, strategy: MeshSharding) -> Program:
         unit = self.su.units[k]
         key = (unit.key, strategy)
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = _Chooser(self.su, unit, self.mesh).run(strategy)
+            chooser = _Chooser(self.su, unit, self.mesh, self._out_terms)
+            found = self._cache[key] = chooser.run(strategy)
         return found
 
 
@@ -375,7 +377,9 @@ def replicated(mesh: Mesh) -> Layout:
 class _Chooser:
     """Runs the propagation over one unit for one root strategy."""
 
-    def __init__(self, su: StepUnits, unit: UnitNodes, mesh: Mesh) -> None:
+    def __init__(
+        self, su: StepUnits, unit: UnitNodes, mesh: Mesh, out_terms: dict | None = None
+    ) -> None:
         self.su = su
         self.unit = unit
         self.mesh = mesh
@@ -391,7 +395,7 @@ class _Chooser:
                 self.by_name.setdefault(v.name, ref)
         self.layouts: dict[Ref, Layout] = {}
         self.conversions: dict[tuple[Ref, Layout], Conversion] = {}
-        self.out_terms: dict = {}
+        self.out_terms: dict = {} if out_terms is None else out_terms
 
     def run(self, root: MeshSharding) -> Program:
         strategies = []
@@ -564,7 +568,7 @@ def cheapest(
         cost = 0.0
         for i, have, shape, dtype in held:
             need = ins[i] if i < len(ins) else None
-            if need is None or have == need:
+            if need is None or have is need or have == need:
                 continue
             found = memo.get((i, need))
             if found is None:
