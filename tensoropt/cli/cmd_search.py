@@ -144,22 +144,9 @@ def _fmt_mem(b: float) -> str:
 
 def per_device_points(exp):
     """{devices: [(MeshSearch, FrontierPoint)]}, non-dominated within each device count."""
-    from tensoropt.search.merge import merge_frontiers
+    from tensoropt.search.driver import device_frontier
 
-    out = {}
-    for d in sorted({s.mesh.size for s in exp.searches}):
-        group = {
-            (s.mesh.size, tuple(s.mesh.shape)): s.result for s in exp.searches if s.mesh.size == d
-        }
-        pts = merge_frontiers(group)
-        out[d] = [
-            (
-                exp.search_of(p.devices, p.mesh),
-                exp.search_of(p.devices, p.mesh).result.points[p.index],
-            )
-            for p in pts
-        ]
-    return out
+    return {d: device_frontier(exp, d) for d in sorted({s.mesh.size for s in exp.searches})}
 
 
 def _index(search, point) -> int:

@@ -383,10 +383,9 @@ def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
         budget = parse_bytes(arg, "--pick fewest-devices-under")
         counts = sorted({s.mesh.size for s in exp.searches})
         for d in counts:
-            rows = [(s, p) for s, p in device_frontier(exp, d) if p.memory_bytes <= budget]
-            if rows:
-                s, p = rows[0]
-                return Pick(s, p, device_frontier(exp, d).index((s, p)), policy)
+            for k, (s, p) in enumerate(device_frontier(exp, d)):
+                if p.memory_bytes <= budget:
+                    return Pick(s, p, k, policy)
         raise InfeasibleError(
             f"--pick {policy}: no plan at {', '.join(map(str, counts))} devices fits "
             f"{_gib(budget)} per device; add devices or raise the budget"
