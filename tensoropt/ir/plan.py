@@ -12,6 +12,11 @@ strategy is either
 When both are given they must agree (checked where the node is known, by
 ``registry.resolve_unit``). Units not listed get the plan's ``default``.
 
+Memory-for-time choices, each optional (absent means off): a unit's ``zero`` stage
+(:class:`ZeroStage`) for the parameters it places, the plan's ``micro_batches`` (gradient
+accumulation over that many micro-batches per step) and ``recompute`` (names of the blocks
+whose forward runs again in the backward).
+
 File format (``schema`` ``tensoropt.plan/1``)::
 
     {"schema": "tensoropt.plan/1",
@@ -19,7 +24,9 @@ File format (``schema`` ``tensoropt.plan/1``)::
      "mesh": {"shape": [2, 4], "axis_names": ["dp", "tp"]},
      "default": "data-parallel",
      "units": {"MatMul_0": {"inputs": ["S(0)R", "RS(1)"], "outputs": ["S(0)S(1)"]},
-               "Add_3": {"index": 2}}}
+               "Add_3": {"index": 2, "zero": 3}},
+     "micro_batches": 4,
+     "recompute": ["block_0", "block_1"]}
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -51,13 +58,32 @@ class DefaultStrategy(Enum):
     REPLICATED = "replicated"
 
 
+class ZeroStage(IntEnum):
+    """How much of a unit's parameter state is sharded over its data-parallel mesh axes.
+
+    The axes are those where the unit's parameter is replicated while its op splits the
+    batch. ``OPTIMIZER`` (ZeRO-1): optimizer state sharded, gradient reduce-scattered, the
+    update runs on the shard and the new parameter is all-gathered. ``GRADIENTS`` (ZeRO-2):
+    in addition only the gradient shard stays resident across micro-batches. ``PARAMETERS``
+    (ZeRO-3, FSDP): in addition the parameter is stored as a shard and all-gathered for its
+    forward use and again for its backward use.
+    """
+
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
 @dataclass(frozen=True, slots=True)
 class UnitStrategy:
-    """The strategy of one decision unit: explicit layouts, an enumeration index, or both."""
+    """The strategy of one decision unit: explicit layouts, an enumeration index, or both,
+    and the ZeRO stage of the parameters the unit places."""
 
     inputs: tuple[Layout | None, ...] | None = None
     outputs: tuple[Layout, ...] | None = None
     index: int | None = None
+    zero: ZeroStage = ZeroStage.NONE
 
     def __post_init__(self) -> None:
         if (self.inputs is None) != (self.outputs is None):
@@ -79,24 +105,27 @@ class UnitStrategy:
             out["outputs"] = [str(lay) for lay in self.outputs]
         if self.index is not None:
             out["index"] = self.index
+        if self.zero is not ZeroStage.NONE:
+            out["zero"] = int(self.zero)
         return out
 
     @classmethod
     def from_json(cls, obj: object, mesh: Mesh, where: str) -> UnitStrategy:
         if not isinstance(obj, dict):
             raise PlanError(f"{where}: expected an object, found {type(obj).__name__}")
-        unknown = set(obj) - {"inputs", "outputs", "index"}
+        unknown = set(obj) - {"inputs", "outputs", "index", "zero"}
         if unknown:
             raise PlanError(
-                f"{where}: unknown keys {sorted(unknown)}; allowed: inputs, outputs, index"
+                f"{where}: unknown keys {sorted(unknown)}; allowed: inputs, outputs, index, zero"
             )
+        zero = _zero(obj.get("zero", 0), f"{where}.zero")
         index = obj.get("index")
         if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
             raise PlanError(f"{where}.index: expected an integer, found {index!r}")
         inputs = _layouts(obj.get("inputs"), mesh, f"{where}.inputs", allow_null=True)
         outputs = _layouts(obj.get("outputs"), mesh, f"{where}.outputs", allow_null=False)
         try:
-            return cls(inputs, outputs, index)  # type: ignore[arg-type]
+            return cls(inputs, outputs, index, zero)  # type: ignore[arg-type]
         except PlanError as exc:
             raise PlanError(f"{where}: {exc}") from None
 
@@ -134,9 +163,24 @@ class Plan:
     # Mesh axes that shard dim 0 of the data inputs (outermost first); None: data inputs
     # take the layout their first listed consumer reads them in (searched plans).
     data_axes: tuple[int, ...] | None = (0,)
+    # Each step's global batch runs as this many micro-batches whose gradients are
+    # accumulated; gradients are synchronised and parameters updated once per step.
+    micro_batches: int = 1
+    # Names of the recomputed blocks: only a block's input is kept for the backward, and
+    # its forward runs again inside the backward.
+    recompute: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", MappingProxyType(dict(self.units)))
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+        if isinstance(self.micro_batches, bool) or not (
+            isinstance(self.micro_batches, int) and self.micro_batches >= 1
+        ):
+            raise PlanError(
+                f"plan micro_batches: expected an integer >= 1, found {self.micro_batches!r}"
+            )
+        if len(set(self.recompute)) != len(self.recompute):
+            raise PlanError("plan recompute: a block is listed twice; list each block once")
         for name, unit in self.units.items():
             _check_unit_axes(name, unit, self.mesh)
         if self.data_axes is not None:
@@ -153,14 +197,20 @@ class Plan:
         return self.units.get(name)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "schema": PLAN_SCHEMA,
             "source": self.source,
             "mesh": self.mesh.to_json(),
             "default": self.default.value,
             "data_axes": None if self.data_axes is None else list(self.data_axes),
-            "units": {name: self.units[name].to_json() for name in sorted(self.units)},
         }
+        # Written only when they differ from the plain plan, so plain plans read the same.
+        if self.micro_batches != 1:
+            out["micro_batches"] = self.micro_batches
+        if self.recompute:
+            out["recompute"] = list(self.recompute)
+        out["units"] = {name: self.units[name].to_json() for name in sorted(self.units)}
+        return out
 
     def dumps(self) -> str:
         """Deterministic JSON text (sorted units, two-space indent)."""
@@ -177,7 +227,8 @@ class Plan:
         schema = obj.get("schema")
         if schema != PLAN_SCHEMA:
             raise PlanError(f"{where}.schema: expected {PLAN_SCHEMA!r}, found {schema!r}")
-        unknown = set(obj) - {"schema", "source", "mesh", "default", "units", "data_axes"}
+        keys = {"schema", "source", "mesh", "default", "units", "data_axes"}
+        unknown = set(obj) - keys - {"micro_batches", "recompute"}
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}")
         if "mesh" not in obj:
@@ -200,7 +251,21 @@ class Plan:
             or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
         ):
             raise PlanError(f"{where}.data_axes: expected a list of mesh axes or null")
-        return cls(mesh, units, source, default, None if axes is None else tuple(axes))
+        micro = obj.get("micro_batches", 1)
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+            raise PlanError(f"{where}.micro_batches: expected an integer >= 1, found {micro!r}")
+        recompute = obj.get("recompute", [])
+        if not isinstance(recompute, list) or not all(isinstance(b, str) for b in recompute):
+            raise PlanError(f"{where}.recompute: expected a list of block names")
+        return cls(
+            mesh,
+            units,
+            source,
+            default,
+            None if axes is None else tuple(axes),
+            micro,
+            tuple(recompute),
+        )
 
     @classmethod
     def loads(cls, text: str, where: str = "plan") -> Plan:
@@ -228,6 +293,12 @@ def _default(value: object, where: str) -> DefaultStrategy:
             return d
     allowed = ", ".join(d.value for d in DefaultStrategy)
     raise PlanError(f"{where}.default: expected one of {allowed}, found {value!r}")
+
+
+def _zero(value: object, where: str) -> ZeroStage:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+        return ZeroStage(value)
+    raise PlanError(f"{where}: expected a ZeRO stage 0, 1, 2 or 3, found {value!r}")
 
 
 def _check_unit_axes(name: str, unit: UnitStrategy, mesh: Mesh) -> None:

@@ -98,3 +98,37 @@ def test_unit_layouts_must_fit_the_mesh() -> None:
     unit = UnitStrategy((Layout.parse("R"),), (Layout.parse("R"),))
     with pytest.raises(PlanError, match="plan unit 'x': layout R has 1 placements"):
         Plan(Mesh.parse("2x2"), {"x": unit})
+
+
+def test_memory_axes_round_trip_and_plain_plans_unchanged():
+    from tensoropt.ir.plan import ZeroStage
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    plain = Plan(mesh, {"MatMul_0": UnitStrategy(index=1)})
+    assert set(plain.to_json()) == {"schema", "source", "mesh", "default", "data_axes", "units"}
+    plan = Plan(
+        mesh,
+        {"MatMul_0": UnitStrategy(index=1, zero=ZeroStage.PARAMETERS)},
+        micro_batches=4,
+        recompute=("block_0",),
+    )
+    back = Plan.loads(plan.dumps())
+    assert back == plan
+    assert back.units["MatMul_0"].zero is ZeroStage.PARAMETERS
+    assert back.to_json()["micro_batches"] == 4
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"micro_batches": 0}, "micro_batches"),
+        ({"micro_batches": True}, "micro_batches"),
+        ({"recompute": "block_0"}, "recompute"),
+        ({"recompute": ["b", "b"]}, "listed twice"),
+        ({"units": {"MatMul_0": {"index": 0, "zero": 4}}}, "ZeRO stage"),
+    ],
+)
+def test_memory_axes_bad_values_name_the_key(patch, message):
+    obj = Plan(Mesh((2,), ("dp",)), {}).to_json() | patch
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(obj)
