@@ -70,7 +70,10 @@ def _state_value(graph: ir.Graph, name: str, like: ir.Value) -> ir.Value:
     shape = static_shape(like)
     dtype = like.dtype.numpy()
     value = ir.Value(name=name, type=ir.TensorType(like.dtype), shape=ir.Shape(shape))
-    value.const_value = ir.tensor(np.zeros(shape, dtype=dtype), name=name)
+    # Zeros made when read: the search never reads them, and compile streams them.
+    value.const_value = ir.LazyTensor(
+        lambda: ir.tensor(np.zeros(shape, dtype=dtype)), like.dtype, ir.Shape(shape), name=name
+    )
     graph.register_initializer(value)
     graph.inputs.append(value)
     return value
