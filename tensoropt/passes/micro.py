@@ -1,0 +1,465 @@
+"""Micro-batching with gradient accumulation (``Plan.micro_batches``).
+
+A step's batch runs as ``k`` micro-batches, one after the other; their gradients are
+summed, synchronised once and applied once. This is a batch split that runs in time
+instead of on other devices, so it is compiled as one: the plan's mesh gets one more
+axis, the *micro axis* of size ``k``, placed last, on which every decision unit takes
+the data-parallel strategy (the batch split, parameters replicated, gradients partial).
+Annotation, conversions and localization then run unchanged on that *micro mesh*; the
+local shapes and constants they produce are those of one micro-batch on one rank.
+
+A micro-mesh device is (real rank, micro-batch index). Ranks run the device graph of
+micro index 0 for every micro-batch, which is exact because nothing a rank holds depends
+on the micro index except the data it is fed (checked here: no initializer, constant or
+local conversion is sliced or zeroed along the micro axis). The only collectives over the
+micro axis are the all-reduces that turn partial values (parameter gradients, the loss)
+into replicated ones; a sum over micro-batches is the runtime's accumulation, so each is
+rewritten to an all-reduce over its other axes (or an Identity when none remain).
+
+The graph is then cut into two phases (node metadata :data:`PHASE_KEY`):
+
+- ``micro``: everything before the accumulation (forward, loss, backward, and
+  collectives of other axes inside them), run once per micro-batch;
+- ``step``: the rewritten all-reduces and everything after them (gradient
+  synchronisation, optimizer), run once per step, on the accumulated values.
+
+Values crossing the cut are listed in :class:`MicroCut` (the model's metadata
+:data:`MICRO_KEY`, and the manifest's ``micro``): ``accumulate`` (summed over the
+micro-batches; each is a partial sum, so the sum is exact) and ``keep`` (values that do
+not depend on the batch; the step phase reads them as the micro phase left them).
+A step value that depends on one micro-batch alone would be wrong: such steps (an op
+that couples the samples of a batch) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import onnx
+import onnx_ir as ir
+
+from tensoropt.errors import PlanError, ShardingError
+from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
+from tensoropt.ir.layout import Layout, Replicate, Shard, local_shape
+from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import DefaultStrategy, Plan
+from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.annotate import Annotation, annotate, annotate_roots, complete_plan
+from tensoropt.passes.insert_redistribution import COLLECTIVES, DOMAIN, TEMPLATE_LOCAL
+from tensoropt.passes.partition import LocalTemplate
+from tensoropt.passes.partition import _lower_node as lower_node
+from tensoropt.passes.training_step import StepSignature
+from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
+from tensoropt.rules.sharding.registry import local_view
+
+MICRO_AXIS = "micro"
+"""The name of the micro axis in the micro mesh (suffixed with ``_`` while taken)."""
+PHASE_KEY = "tensoropt.phase"
+"""Node metadata: the node's :class:`Phase`."""
+MICRO_KEY = "tensoropt.micro"
+"""Model metadata: the :class:`MicroCut` as JSON."""
+
+
+class MicroError(PlanError):
+    """A plan's ``micro_batches`` cannot be compiled for this step."""
+
+
+class Phase(Enum):
+    """When a node of a micro-batched device graph runs."""
+
+    MICRO = "micro"  # once per micro-batch
+    STEP = "step"  # once per step, after the micro-batches
+
+
+@dataclass(frozen=True, slots=True)
+class MicroCut:
+    """The contract between the phases (see the module doc)."""
+
+    batches: int
+    accumulate: tuple[str, ...]  # micro values summed over the micro-batches
+    keep: tuple[str, ...]  # batch-independent micro values the step phase reads
+
+    def to_json(self) -> dict:
+        return {
+            "batches": self.batches,
+            "accumulate": list(self.accumulate),
+            "keep": list(self.keep),
+        }
+
+    @staticmethod
+    def from_json(data: Mapping) -> MicroCut:
+        return MicroCut(
+            int(data["batches"]),
+            tuple(str(n) for n in data["accumulate"]),
+            tuple(str(n) for n in data.get("keep", ())),
+        )
+
+
+# -- the micro mesh ------------------------------------------------------------------
+
+
+def micro_mesh(mesh: Mesh, k: int) -> Mesh:
+    """``mesh`` with the micro axis of size ``k`` appended."""
+    name = MICRO_AXIS
+    while name in mesh.axis_names:
+        name += "_"
+    return Mesh((*mesh.shape, k), (*mesh.axis_names, name))
+
+
+def micro_axes(axes: Sequence[int], mesh: Mesh) -> tuple[tuple[int, ...], bool]:
+    """An all-reduce over ``axes`` of the micro mesh ``mesh``, as a rank issues it:
+    the axes it still reduces over, and whether it sums over the micro-batches (then
+    its input is accumulated and the rest runs once per step)."""
+    micro = mesh.ndim - 1
+    return tuple(a for a in axes if a != micro), micro in axes
+
+
+# -- annotation ----------------------------------------------------------------------
+
+
+def check_batch_divides(graph: ir.Graph, sig: StepSignature, ann: Annotation, k: int) -> None:
+    """Refuse a ``k`` that does not divide each data input's batch on one rank."""
+    data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
+    mesh = ann.mesh
+    for value in graph.inputs:
+        if value.name not in data:
+            continue
+        shape = static_shape(value)
+        if not shape:
+            continue
+        local = local_shape(shape, ann.layouts[value], mesh, value.name)[0]
+        if local % k:
+            raise MicroError(
+                f"--micro-batches {k} does not divide the batch: input {value.name!r} has "
+                f"batch {shape[0]} over data-parallel size {shape[0] // local} "
+                f"({local} per rank); give a micro-batch count that divides {local}"
+            )
+
+
+def check_no_coupling(graph: ir.Graph, k: int) -> None:
+    """Refuse ops whose result depends on the whole batch (training-mode statistics)."""
+    for node in graph:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        mode = node.attributes.get("training_mode")
+        if mode is not None and mode.value:
+            raise MicroError(
+                f"--micro-batches {k}: node {node.name!r} (BatchNormalization in training "
+                "mode) normalises with statistics of the whole batch, which micro-batches "
+                "do not see; compile with --micro-batches 1"
+            )
+
+
+def annotate_micro(
+    graph: ir.Graph,
+    sig: StepSignature,
+    plan: Plan,
+    data_axes: Sequence[int] | None,
+) -> Annotation:
+    """Annotate the step on the micro mesh: the plan's strategies on the plan's axes,
+    the data-parallel one on the micro axis."""
+    k = plan.micro_batches
+    check_no_coupling(graph, k)
+    real = annotate(graph, sig, plan, data_axes)
+    check_batch_divides(graph, sig, real, k)
+    su = real.units
+    seq = Mesh((k,), (MICRO_AXIS,))
+    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
+    along = complete_plan(graph, sig, split, (0,), su)
+    roots = {}
+    for unit in su.units:
+        name = unit.root.name
+        roots[name] = _combine(unit.root, real.roots[name], along[name], plan.mesh, k)
+    return annotate_roots(graph, su, roots, micro_mesh(plan.mesh, k))
+
+
+def _combine(
+    node: ir.Node, real: MeshSharding, along: MeshSharding, mesh: Mesh, k: int
+) -> MeshSharding:
+    """``real`` on the plan's axes then ``along``'s placements on the micro axis, which
+    must be legal on the op as the plan's axes localized it."""
+    view = sa.op_view(node)
+    for s, n in zip(real.axes, mesh.shape, strict=True):
+        view = local_view(view, SHARDING_RULES.localize(view, s, n))
+    want = along.axes[0]
+    for cand in SHARDING_RULES.strategies(view, k):
+        if cand == want:
+            return MeshSharding((*real.axes, cand))
+    raise MicroError(
+        f"--micro-batches {k}: unit {node.name!r} ({node.op_type}) cannot split its batch "
+        f"{want} into {k} micro-batches under its strategy {real}; give a micro-batch "
+        "count that divides its local batch, or --micro-batches 1"
+    )
+
+
+# -- the phase cut -------------------------------------------------------------------
+
+
+def _mesh_axes(node: ir.Node) -> tuple[int, ...]:
+    attr = node.attributes["mesh_axis"]
+    value = attr.value
+    return tuple(value) if isinstance(value, Sequence) else (int(value),)
+
+
+def _describe(graph_nodes: Mapping[str, ir.Node], node: ir.Node) -> str:
+    """``'unit' (OpType)`` of the forward node whose unit ``node`` belongs to."""
+    unit = node.metadata_props.get(UNIT_KEY, "") or node.name
+    owner = graph_nodes.get(unit)
+    return f"{unit!r} ({owner.op_type if owner is not None else node.op_type})"
+
+
+def _batch_values(graph: ir.Graph, sig: StepSignature) -> set[ir.Value]:
+    """Values that depend on the data inputs (the micro-batch)."""
+    data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
+    batch = {v for v in graph.inputs if v.name in data}
+    for node in graph:
+        if any(v in batch for v in node.inputs if v is not None):
+            batch.update(node.outputs)
+    return batch
+
+
+def cut_phases(
+    graph: ir.Graph,
+    sig: StepSignature,
+    mesh: Mesh,
+    layouts: dict[ir.Value, Layout],
+    k: int,
+) -> MicroCut:
+    """Tag every node with its phase, rewrite the micro-axis all-reduces, return the cut.
+
+    ``mesh`` is the micro mesh; ``layouts`` (the conversions' layouts) gets the values
+    of the Identity nodes that replace all-reduces over the micro axis alone."""
+    micro = mesh.ndim - 1
+    by_name = {n.name: n for n in graph}
+    syncs: list[ir.Node] = []
+    for node in graph:
+        if node.domain != DOMAIN:
+            continue
+        axes = _mesh_axes(node)
+        if micro not in axes:
+            continue
+        if node.op_type == "ShardSlice" and _uniform(node.inputs[0]):
+            continue  # every micro-batch's slice of a uniform value is the same
+        reader = next((u.node for u in node.outputs[0].uses()), node)
+        if node.op_type in TEMPLATE_LOCAL or node.op_type != "AllReduce":
+            raise MicroError(
+                f"--micro-batches {k}: unit {_describe(by_name, reader)} needs the whole batch "
+                f"(a {node.op_type} over the micro-batches, node {node.name!r}); compile with "
+                "--micro-batches 1 or a plan that keeps the batch split there"
+            )
+        syncs.append(node)
+    batch = _batch_values(graph, sig)
+    phase = _phases(graph, set(syncs), batch)
+    accumulate: dict[str, None] = {}
+    keep: dict[str, None] = {}
+    for node in graph:
+        if phase[node] is not Phase.STEP:
+            continue
+        for value in node.inputs:
+            producer = None if value is None else value.producer()
+            if producer is None or phase[producer] is not Phase.MICRO:
+                continue
+            if node in syncs:
+                accumulate[value.name] = None  # type: ignore[union-attr]
+            elif value in batch:
+                raise MicroError(
+                    f"--micro-batches {k}: unit {_describe(by_name, node)} couples the "
+                    f"samples of a batch (it reads {value.name!r} of one micro-batch after "
+                    "the micro-batches are summed); compile with --micro-batches 1"
+                )
+            else:
+                keep[value.name] = None  # type: ignore[union-attr]
+    for node in syncs:
+        producer = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if producer is None or phase[producer] is not Phase.MICRO:
+            raise ShardingError(
+                f"micro-batching: all-reduce {node.name!r} over the micro axis reads a value "
+                "made once per step; this plan cannot be micro-batched"
+            )
+    for node, p in phase.items():
+        node.metadata_props[PHASE_KEY] = p.value
+    for node in syncs:
+        _rewrite_sync(graph, node, mesh, layouts)
+    cut = MicroCut(k, tuple(accumulate), tuple(keep))
+    return cut
+
+
+def _uniform(value: ir.Value | None) -> bool:
+    """Whether every element of ``value`` is the same constant (a ConstantOfShape, or a
+    slice of one), so that any slice of it is equal to any other of its shape."""
+    producer = None if value is None else value.producer()
+    if producer is None:
+        return False
+    if producer.op_type == "ConstantOfShape" and producer.domain in ("", "ai.onnx"):
+        return True
+    return producer.domain == DOMAIN and producer.op_type == "ShardSlice" and (
+        _uniform(producer.inputs[0])
+    )
+
+
+def _phases(graph: ir.Graph, syncs: set[ir.Node], batch: set[ir.Value]) -> dict[ir.Node, Phase]:
+    """Step: the syncs and what reads their results; then every node that does not
+    depend on the batch and whose readers all run in the step phase moves there too
+    (it is needed once per step)."""
+    phase: dict[ir.Node, Phase] = {}
+    step_values: set[ir.Value] = set()
+    for node in graph:
+        if node in syncs or any(v in step_values for v in node.inputs if v is not None):
+            phase[node] = Phase.STEP
+            step_values.update(node.outputs)
+        else:
+            phase[node] = Phase.MICRO
+    outputs = set(graph.outputs)
+    for node in reversed(list(graph)):
+        if phase[node] is Phase.STEP or any(v in batch for v in node.outputs):
+            continue
+        readers = [u.node for v in node.outputs for u in v.uses()]
+        if any(v in outputs for v in node.outputs):
+            continue
+        if readers and all(phase[r] is Phase.STEP for r in readers):
+            phase[node] = Phase.STEP
+    return phase
+
+
+def _rewrite_sync(graph: ir.Graph, node: ir.Node, mesh: Mesh, layouts: dict) -> None:
+    """An all-reduce over the micro axis, as a rank runs it on the accumulated input."""
+    rest, _ = micro_axes(_mesh_axes(node), mesh)
+    if rest:
+        node.attributes["mesh_axis"] = ir.AttrInt64s("mesh_axis", list(rest))
+        return
+    ident = ir.Node(
+        "",
+        "Identity",
+        [node.inputs[0]],
+        name=node.name,
+        metadata_props=dict(node.metadata_props),
+        num_outputs=1,
+    )
+    out, new = node.outputs[0], ident.outputs[0]
+    new.dtype, new.shape = out.dtype, out.shape
+    layouts[new] = layouts[out]
+    graph.insert_after(node, ident)
+    for use in list(out.uses()):
+        use.node.replace_input_with(use.idx, new)
+    if out.is_graph_output():
+        index = list(graph.outputs).index(out)
+        graph.outputs[index] = new
+    name = out.name
+    graph.remove(node, safe=True)
+    new.name = name
+    layouts.pop(out, None)
+
+
+# -- back to the plan's mesh ---------------------------------------------------------
+
+
+def real_layout(layout: Layout, what: str, k: int) -> Layout:
+    """``layout`` on the micro mesh without its micro placement, which must be ``R``."""
+    *rest, last = layout.placements
+    if not isinstance(last, Replicate):
+        raise MicroError(
+            f"--micro-batches {k}: {what} is {last} over the micro-batches, so each "
+            "micro-batch would need its own copy; compile with --micro-batches 1"
+        )
+    return Layout(tuple(rest))
+
+
+def to_plan_mesh(template: LocalTemplate, mesh: Mesh, k: int) -> LocalTemplate:
+    """The micro-mesh template as every rank of ``mesh`` runs it (micro index 0)."""
+    inits = {
+        name: real_layout(lay, f"initializer {name!r}", k)
+        for name, lay in template.initializer_layouts.items()
+    }
+    consts = {
+        name: real_layout(lay, f"constant {name!r}", k)
+        for name, lay in template.constant_layouts.items()
+    }
+    inits = {n: lay for n, lay in inits.items() if _sliced(lay)}
+    consts = {n: lay for n, lay in consts.items() if _sliced(lay)}
+    _lower_micro_slices(template, mesh.ndim)
+    _tag_by_readers(template.proto.graph)
+    return LocalTemplate(template.proto, mesh, inits, consts)
+
+
+def _tag_by_readers(graph: onnx.GraphProto) -> None:
+    """Nodes that localize added (constants, scales) take the phase of their first
+    reader, or of their producer when nothing reads them."""
+    phase: dict[str, str] = {}  # value -> phase of its first reader
+    tagged = {PHASE_KEY}
+    for node in reversed(graph.node):
+        own = next((p.value for p in node.metadata_props if p.key in tagged), None)
+        if own is None:
+            own = next((phase[o] for o in node.output if o in phase), None)
+            if own is None:
+                own = Phase.STEP.value
+            entry = node.metadata_props.add()
+            entry.key, entry.value = PHASE_KEY, own
+        for name in node.input:
+            if name:
+                phase[name] = own
+
+
+def _lower_micro_slices(template: LocalTemplate, micro: int) -> None:
+    """ShardSlices along the micro axis (of uniform values, see :func:`cut_phases`)
+    become the slice of micro index 0, in place."""
+    graph = template.proto.graph
+    shapes = {
+        vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        for vi in [*graph.input, *graph.output, *graph.value_info]
+    }
+    coords = (0,) * template.mesh.ndim
+    nodes = []
+    for node in graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "mesh_axis"), None)
+        if node.domain == DOMAIN and node.op_type == "ShardSlice" and axis == micro:
+            nodes.extend(lower_node(node, 0, coords, template.mesh, template, shapes))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _sliced(layout: Layout) -> bool:
+    return any(not isinstance(p, Replicate) for p in layout.placements)
+
+
+def cut_of(model: onnx.ModelProto) -> MicroCut:
+    """The cut a micro-batched model's metadata records."""
+    raw = next((p.value for p in model.metadata_props if p.key == MICRO_KEY), None)
+    if raw is None:
+        raise AssertionError("the model records no micro-batch cut")
+    return MicroCut.from_json(json.loads(raw))
+
+
+def plan_mesh_view(ann: Annotation, mesh: Mesh) -> Annotation:
+    """``ann`` on the plan's mesh, its micro placements dropped: what plan.json, the
+    manifest and the annotated model's sharding specs describe."""
+
+    def strategy(s: MeshSharding) -> MeshSharding:
+        return MeshSharding(s.axes[:-1])
+
+    def layout(lay: Layout) -> Layout:
+        return Layout(lay.placements[:-1])
+
+    return Annotation(
+        mesh,
+        {n: strategy(s) for n, s in ann.strategies.items()},
+        {v: layout(lay) for v, lay in ann.layouts.items()},
+        {v: layout(lay) for v, lay in ann.required_outputs.items()},
+        ann.units,
+        {n: strategy(s) for n, s in ann.roots.items()},
+        {key: layout(lay) for key, lay in ann.entries.items()},
+    )
+
+
+def manifest_micro(manifest: dict, graph: ir.Graph, layouts: Mapping, cut: MicroCut) -> None:
+    """Add the cut to ``manifest`` and, on each input split into micro-batches, the
+    dim of its rank-local piece that the micro-batches split (``micro_dim``)."""
+    for value in graph.inputs:
+        last = layouts[value].placements[-1]
+        if isinstance(last, Shard):
+            manifest["inputs"][value.name]["micro_dim"] = last.dim
+    manifest["micro"] = cut.to_json()
