@@ -222,7 +222,7 @@ def compile_step(
     ann, annotated, layouts = state.annotation, state.annotated, state.layouts
     if plan.micro_batches > 1:  # the files describe the plan's mesh, not the micro mesh
         ann = micro.plan_mesh_view(ann, mesh)
-        layouts = {v: Layout(lay.placements[:-1]) for v, lay in state.layouts.items()}
+        layouts = {v: Layout(lay.placements[1:]) for v, lay in state.layouts.items()}
     completed = completed_plan(plan, ann)
     _sharding_annotations(annotated, ann, {})
     manifest = _manifest(step, ann, graph, layouts, {})  # global shapes: before localize

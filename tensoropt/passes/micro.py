@@ -3,12 +3,15 @@
 A step's batch runs as ``k`` micro-batches, one after the other; their gradients are
 summed, synchronised once and applied once. This is a batch split that runs in time
 instead of on other devices, so it is compiled as one: the plan's mesh gets one more
-axis, the *micro axis* of size ``k``, placed last, on which every decision unit takes
-the data-parallel strategy (the batch split, parameters replicated, gradients partial).
+axis, the *micro axis* of size ``k``, placed first (outermost: micro-batch m is the m-th
+contiguous chunk of the batch, split over the data-parallel axes inside it), on which
+every decision unit takes the data-parallel strategy (the batch split, parameters
+replicated, gradients partial). The micro axis is the mesh's sequential axis
+(``Mesh.sequential_axis``): the strategies' scoring never moves data along it.
 Annotation, conversions and localization then run unchanged on that *micro mesh*; the
 local shapes and constants they produce are those of one micro-batch on one rank.
 
-A micro-mesh device is (real rank, micro-batch index). Ranks run the device graph of
+A micro-mesh device is (micro-batch index, real rank). Ranks run the device graph of
 micro index 0 for every micro-batch, which is exact because nothing a rank holds depends
 on the micro index except the data it is fed (checked here: no initializer, constant or
 local conversion is sliced or zeroed along the micro axis). The only collectives over the
@@ -38,29 +41,32 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 
 from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Replicate, Shard, local_shape
-from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.mesh import SEQUENTIAL_AXIS, Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation, annotate, annotate_roots, complete_plan
 from tensoropt.passes.insert_redistribution import COLLECTIVES, DOMAIN, TEMPLATE_LOCAL
 from tensoropt.passes.partition import LocalTemplate
-from tensoropt.passes.partition import _lower_node as lower_node
 from tensoropt.passes.training_step import StepSignature
 from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
 from tensoropt.rules.sharding.registry import local_view
 
-MICRO_AXIS = "micro"
-"""The name of the micro axis in the micro mesh (suffixed with ``_`` while taken)."""
+MICRO_AXIS = SEQUENTIAL_AXIS
+"""The name of the micro axis in the micro mesh: conversions never move data along it."""
 PHASE_KEY = "tensoropt.phase"
 """Node metadata: the node's :class:`Phase`."""
 MICRO_KEY = "tensoropt.micro"
 """Model metadata: the :class:`MicroCut` as JSON."""
+MICRO_INDEX = 0
+"""The index of the micro axis in the micro mesh."""
 
 
 class MicroError(PlanError):
@@ -102,19 +108,18 @@ class MicroCut:
 
 
 def micro_mesh(mesh: Mesh, k: int) -> Mesh:
-    """``mesh`` with the micro axis of size ``k`` appended."""
-    name = MICRO_AXIS
-    while name in mesh.axis_names:
-        name += "_"
-    return Mesh((*mesh.shape, k), (*mesh.axis_names, name))
+    """``mesh`` with the micro axis of size ``k`` in front."""
+    if MICRO_AXIS in mesh.axis_names:
+        raise MicroError(f"mesh {mesh}: the axis name {MICRO_AXIS!r} is reserved; rename it")
+    return Mesh((k, *mesh.shape), (MICRO_AXIS, *mesh.axis_names))
 
 
 def micro_axes(axes: Sequence[int], mesh: Mesh) -> tuple[tuple[int, ...], bool]:
     """An all-reduce over ``axes`` of the micro mesh ``mesh``, as a rank issues it:
     the axes it still reduces over, and whether it sums over the micro-batches (then
-    its input is accumulated and the rest runs once per step)."""
-    micro = mesh.ndim - 1
-    return tuple(a for a in axes if a != micro), micro in axes
+    its input is accumulated and the rest runs once per step). Axes are the micro
+    mesh's; the plan's axis ``a`` is the micro mesh's ``a + 1``."""
+    return tuple(a for a in axes if a != MICRO_INDEX), MICRO_INDEX in axes
 
 
 # -- annotation ----------------------------------------------------------------------
@@ -159,8 +164,8 @@ def annotate_micro(
     plan: Plan,
     data_axes: Sequence[int] | None,
 ) -> Annotation:
-    """Annotate the step on the micro mesh: the plan's strategies on the plan's axes,
-    the data-parallel one on the micro axis."""
+    """Annotate the step on the micro mesh: the data-parallel strategy on the micro
+    axis, the plan's strategies on the plan's axes."""
     k = plan.micro_batches
     check_no_coupling(graph, k)
     real = annotate(graph, sig, plan, data_axes)
@@ -179,20 +184,22 @@ def annotate_micro(
 def _combine(
     node: ir.Node, real: MeshSharding, along: MeshSharding, mesh: Mesh, k: int
 ) -> MeshSharding:
-    """``real`` on the plan's axes then ``along``'s placements on the micro axis, which
-    must be legal on the op as the plan's axes localized it."""
+    """``along``'s placements on the micro axis, then ``real`` on the plan's axes, each
+    legal on the op as the axes before it localized it."""
     view = sa.op_view(node)
-    for s, n in zip(real.axes, mesh.shape, strict=True):
+    axes = []
+    for axis, (s, n) in enumerate(zip((along.axes[0], *real.axes), (k, *mesh.shape))):
+        if s not in SHARDING_RULES.strategies(view, n):
+            what = "micro-batches" if axis == 0 else f"mesh axis {axis - 1}"
+            raise MicroError(
+                f"--micro-batches {k}: unit {node.name!r} ({node.op_type}) cannot run its "
+                f"strategy {s} on {what} within a micro-batch (input shapes "
+                f"{list(view.input_shapes)}); give a micro-batch count that divides its "
+                "local batch, or --micro-batches 1"
+            )
+        axes.append(s)
         view = local_view(view, SHARDING_RULES.localize(view, s, n))
-    want = along.axes[0]
-    for cand in SHARDING_RULES.strategies(view, k):
-        if cand == want:
-            return MeshSharding((*real.axes, cand))
-    raise MicroError(
-        f"--micro-batches {k}: unit {node.name!r} ({node.op_type}) cannot split its batch "
-        f"{want} into {k} micro-batches under its strategy {real}; give a micro-batch "
-        "count that divides its local batch, or --micro-batches 1"
-    )
+    return MeshSharding(tuple(axes))
 
 
 # -- the phase cut -------------------------------------------------------------------
@@ -232,7 +239,7 @@ def cut_phases(
 
     ``mesh`` is the micro mesh; ``layouts`` (the conversions' layouts) gets the values
     of the Identity nodes that replace all-reduces over the micro axis alone."""
-    micro = mesh.ndim - 1
+    micro = MICRO_INDEX
     by_name = {n.name: n for n in graph}
     syncs: list[ir.Node] = []
     for node in graph:
@@ -243,6 +250,8 @@ def cut_phases(
             continue
         if node.op_type == "ShardSlice" and _uniform(node.inputs[0]):
             continue  # every micro-batch's slice of a uniform value is the same
+        if node.op_type == "ZeroUnlessFirst" and _uniform(node.inputs[0], zero=True):
+            continue  # zeros are zeros on every micro-batch
         reader = next((u.node for u in node.outputs[0].uses()), node)
         if node.op_type in TEMPLATE_LOCAL or node.op_type != "AllReduce":
             raise MicroError(
@@ -287,16 +296,20 @@ def cut_phases(
     return cut
 
 
-def _uniform(value: ir.Value | None) -> bool:
-    """Whether every element of ``value`` is the same constant (a ConstantOfShape, or a
-    slice of one), so that any slice of it is equal to any other of its shape."""
+def _uniform(value: ir.Value | None, zero: bool = False) -> bool:
+    """Whether every element of ``value`` is the same constant (``zero``: the constant
+    0): a ConstantOfShape, or a local conversion of one. Any slice of such a value is
+    equal to any other slice of its shape."""
     producer = None if value is None else value.producer()
     if producer is None:
         return False
     if producer.op_type == "ConstantOfShape" and producer.domain in ("", "ai.onnx"):
-        return True
-    return producer.domain == DOMAIN and producer.op_type == "ShardSlice" and (
-        _uniform(producer.inputs[0])
+        attr = producer.attributes.get("value")
+        return not zero or attr is None or not attr.as_tensor().numpy().any()
+    return (
+        producer.domain == DOMAIN
+        and producer.op_type in TEMPLATE_LOCAL
+        and _uniform(producer.inputs[0], zero)
     )
 
 
@@ -358,7 +371,7 @@ def _rewrite_sync(graph: ir.Graph, node: ir.Node, mesh: Mesh, layouts: dict) -> 
 
 def real_layout(layout: Layout, what: str, k: int) -> Layout:
     """``layout`` on the micro mesh without its micro placement, which must be ``R``."""
-    *rest, last = layout.placements
+    last, *rest = layout.placements
     if not isinstance(last, Replicate):
         raise MicroError(
             f"--micro-batches {k}: {what} is {last} over the micro-batches, so each "
@@ -379,7 +392,7 @@ def to_plan_mesh(template: LocalTemplate, mesh: Mesh, k: int) -> LocalTemplate:
     }
     inits = {n: lay for n, lay in inits.items() if _sliced(lay)}
     consts = {n: lay for n, lay in consts.items() if _sliced(lay)}
-    _lower_micro_slices(template, mesh.ndim)
+    _lower_micro_slices(template)
     _tag_by_readers(template.proto.graph)
     return LocalTemplate(template.proto, mesh, inits, consts)
 
@@ -402,24 +415,55 @@ def _tag_by_readers(graph: onnx.GraphProto) -> None:
                 phase[name] = own
 
 
-def _lower_micro_slices(template: LocalTemplate, micro: int) -> None:
-    """ShardSlices along the micro axis (of uniform values, see :func:`cut_phases`)
-    become the slice of micro index 0, in place."""
+def _lower_micro_slices(template: LocalTemplate) -> None:
+    """Local conversions along the micro axis (of uniform values, see
+    :func:`cut_phases`) become those of micro index 0, and every other node's
+    ``mesh_axis`` becomes the plan mesh's axis, in place."""
     graph = template.proto.graph
     shapes = {
         vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
         for vi in [*graph.input, *graph.output, *graph.value_info]
     }
-    coords = (0,) * template.mesh.ndim
     nodes = []
     for node in graph.node:
         axis = next((a.i for a in node.attribute if a.name == "mesh_axis"), None)
-        if node.domain == DOMAIN and node.op_type == "ShardSlice" and axis == micro:
-            nodes.extend(lower_node(node, 0, coords, template.mesh, template, shapes))
-        else:
-            nodes.append(node)
+        if node.domain == DOMAIN and node.op_type in TEMPLATE_LOCAL and axis == MICRO_INDEX:
+            nodes.extend(_slice_of_first(node, shapes))
+            continue
+        for attr in node.attribute if node.domain == DOMAIN else ():
+            if attr.name == "mesh_axis" and attr.type == onnx.AttributeProto.INT:
+                attr.i -= 1
+            elif attr.name == "mesh_axis":
+                attr.ints[:] = [a - 1 for a in attr.ints]
+        nodes.append(node)
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _slice_of_first(node: onnx.NodeProto, shapes: Mapping) -> list[onnx.NodeProto]:
+    """A ShardSlice or ZeroUnlessFirst of micro index 0: the first piece, or the value."""
+    out = node.output[0]
+    if node.op_type == "ZeroUnlessFirst":
+        ident = onnx.helper.make_node("Identity", [node.input[0]], [out], name=node.name)
+        ident.metadata_props.extend(node.metadata_props)
+        return [ident]
+    dim = next(a.i for a in node.attribute if a.name == "axis")
+    consts = [
+        onnx.helper.make_node(
+            "Constant",
+            [],
+            [f"{node.name}__{key}"],
+            name=f"{node.name}__{key}",
+            value=onnx.numpy_helper.from_array(np.asarray([v], dtype=np.int64)),
+        )
+        for key, v in (("s", 0), ("e", shapes[out][dim]), ("a", dim))
+    ]
+    cut = onnx.helper.make_node(
+        "Slice", [node.input[0], *(c.output[0] for c in consts)], [out], name=node.name
+    )
+    for n in (*consts, cut):
+        n.metadata_props.extend(node.metadata_props)
+    return [*consts, cut]
 
 
 def _sliced(layout: Layout) -> bool:
@@ -439,10 +483,10 @@ def plan_mesh_view(ann: Annotation, mesh: Mesh) -> Annotation:
     manifest and the annotated model's sharding specs describe."""
 
     def strategy(s: MeshSharding) -> MeshSharding:
-        return MeshSharding(s.axes[:-1])
+        return MeshSharding(s.axes[1:])
 
     def layout(lay: Layout) -> Layout:
-        return Layout(lay.placements[:-1])
+        return Layout(lay.placements[1:])
 
     return Annotation(
         mesh,
@@ -459,7 +503,7 @@ def manifest_micro(manifest: dict, graph: ir.Graph, layouts: Mapping, cut: Micro
     """Add the cut to ``manifest`` and, on each input split into micro-batches, the
     dim of its rank-local piece that the micro-batches split (``micro_dim``)."""
     for value in graph.inputs:
-        last = layouts[value].placements[-1]
-        if isinstance(last, Shard):
-            manifest["inputs"][value.name]["micro_dim"] = last.dim
+        first = layouts[value].placements[MICRO_INDEX]
+        if isinstance(first, Shard):
+            manifest["inputs"][value.name]["micro_dim"] = first.dim
     manifest["micro"] = cut.to_json()

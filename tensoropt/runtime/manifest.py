@@ -257,10 +257,18 @@ def block_of(
 
 
 def shard(array: np.ndarray, info: InputInfo, manifest: Manifest, rank: int) -> np.ndarray:
-    """This rank's piece of a global array (a contiguous copy)."""
+    """This rank's piece of a global array (a contiguous copy).
+
+    An input split into micro-batches (``micro_dim``): dim ``micro_dim`` of the global
+    array splits into one chunk per micro-batch, and the rank's piece is its piece of
+    each chunk, in micro-batch order (``runtime.micro`` splits it back)."""
     coords = manifest.ranks[rank].coords
-    block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
-    return np.ascontiguousarray(array[block])
+    if info.micro_dim is None or manifest.micro is None:
+        block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
+        return np.ascontiguousarray(array[block])
+    chunks = np.split(array, manifest.micro.batches, axis=info.micro_dim)
+    block = block_of(chunks[0].shape, info.placements, manifest.mesh_shape, coords)
+    return np.concatenate([c[block] for c in chunks], axis=info.micro_dim)
 
 
 def assemble(pieces: Mapping[int, np.ndarray], info: InputInfo, manifest: Manifest) -> np.ndarray:
