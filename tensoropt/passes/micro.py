@@ -47,13 +47,13 @@ import onnx.numpy_helper
 import onnx_ir as ir
 
 from tensoropt.errors import PlanError, ShardingError
-from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
+from tensoropt.ir.builder import UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import SEQUENTIAL_AXIS, Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation, annotate, annotate_roots, complete_plan
-from tensoropt.passes.insert_redistribution import COLLECTIVES, DOMAIN, TEMPLATE_LOCAL
+from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL
 from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
 from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
@@ -188,7 +188,7 @@ def _combine(
     legal on the op as the axes before it localized it."""
     view = sa.op_view(node)
     axes = []
-    for axis, (s, n) in enumerate(zip((along.axes[0], *real.axes), (k, *mesh.shape))):
+    for axis, (s, n) in enumerate(zip((along.axes[0], *real.axes), (k, *mesh.shape), strict=True)):
         if s not in SHARDING_RULES.strategies(view, n):
             what = "micro-batches" if axis == 0 else f"mesh axis {axis - 1}"
             raise MicroError(
