@@ -56,6 +56,7 @@ from tensoropt.passes.annotate import Annotation, annotate, annotate_roots, comp
 from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL
 from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
+from tensoropt.passes.units import StepUnits
 from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
 from tensoropt.rules.sharding.registry import local_view
 
@@ -166,6 +167,21 @@ def annotate_micro(
 ) -> Annotation:
     """Annotate the step on the micro mesh: the data-parallel strategy on the micro
     axis, the plan's strategies on the plan's axes."""
+    roots, su = micro_roots(graph, sig, plan, data_axes)
+    return annotate_roots(graph, su, roots, micro_mesh(plan.mesh, plan.micro_batches))
+
+
+def micro_roots(
+    graph: ir.Graph,
+    sig: StepSignature,
+    plan: Plan,
+    data_axes: Sequence[int] | None,
+) -> tuple[dict[str, MeshSharding], StepUnits]:
+    """Every unit's root strategy on the micro mesh, and the step's units.
+
+    The plan completes on its own mesh (``annotate``); on a one-axis mesh of the micro
+    axis alone every unit completes data-parallel; each root takes the second on the
+    micro axis and the first on the plan's axes."""
     k = plan.micro_batches
     check_no_coupling(graph, k)
     real = annotate(graph, sig, plan, data_axes)
@@ -178,7 +194,7 @@ def annotate_micro(
     for unit in su.units:
         name = unit.root.name
         roots[name] = _combine(unit.root, real.roots[name], along[name], plan.mesh, k)
-    return annotate_roots(graph, su, roots, micro_mesh(plan.mesh, k))
+    return roots, su
 
 
 def _combine(
