@@ -36,6 +36,7 @@ that couples the samples of a batch) are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ import onnx_ir as ir
 
 from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import UNIT_KEY, static_shape
-from tensoropt.ir.layout import Layout, Replicate, Shard, local_shape
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import SEQUENTIAL_AXIS, Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan
 from tensoropt.passes import sharding_adapter as sa
@@ -88,13 +89,17 @@ class MicroCut:
     batches: int
     accumulate: tuple[str, ...]  # micro values summed over the micro-batches
     keep: tuple[str, ...]  # batch-independent micro values the step phase reads
+    index: str | None = None  # the graph input fed the micro-batch index, if any
 
     def to_json(self) -> dict:
-        return {
+        out: dict = {
             "batches": self.batches,
             "accumulate": list(self.accumulate),
             "keep": list(self.keep),
         }
+        if self.index is not None:
+            out["index"] = self.index
+        return out
 
     @staticmethod
     def from_json(data: Mapping) -> MicroCut:
@@ -102,6 +107,7 @@ class MicroCut:
             int(data["batches"]),
             tuple(str(n) for n in data["accumulate"]),
             tuple(str(n) for n in data.get("keep", ())),
+            None if data.get("index") is None else str(data["index"]),
         )
 
 
@@ -168,7 +174,18 @@ def annotate_micro(
     """Annotate the step on the micro mesh: the data-parallel strategy on the micro
     axis, the plan's strategies on the plan's axes."""
     roots, su = micro_roots(graph, sig, plan, data_axes)
-    return annotate_roots(graph, su, roots, micro_mesh(plan.mesh, plan.micro_batches))
+    ann = annotate_roots(graph, su, roots, micro_mesh(plan.mesh, plan.micro_batches))
+    stored = set(sig.params) | set(sig.states)
+    for value in graph.inputs:
+        first = ann.layouts[value].placements[MICRO_INDEX]
+        if value.name in stored and not isinstance(first, Replicate):
+            raise MicroError(
+                f"--micro-batches {plan.micro_batches}: parameter {value.name!r} (shape "
+                f"{list(static_shape(value))}) is split with the batch ({first} over the "
+                "micro-batches), but each micro-batch updates the whole parameter; "
+                "compile with --micro-batches 1"
+            )
+    return ann
 
 
 def micro_roots(
@@ -264,10 +281,8 @@ def cut_phases(
         axes = _mesh_axes(node)
         if micro not in axes:
             continue
-        if node.op_type == "ShardSlice" and _uniform(node.inputs[0]):
-            continue  # every micro-batch's slice of a uniform value is the same
-        if node.op_type == "ZeroUnlessFirst" and _uniform(node.inputs[0], zero=True):
-            continue  # zeros are zeros on every micro-batch
+        if node.op_type in TEMPLATE_LOCAL:
+            continue  # local: by the micro-batch index (``to_plan_mesh``)
         reader = next((u.node for u in node.outputs[0].uses()), node)
         if node.op_type in TEMPLATE_LOCAL or node.op_type != "AllReduce":
             raise MicroError(
@@ -310,23 +325,6 @@ def cut_phases(
         _rewrite_sync(graph, node, mesh, layouts)
     cut = MicroCut(k, tuple(accumulate), tuple(keep))
     return cut
-
-
-def _uniform(value: ir.Value | None, zero: bool = False) -> bool:
-    """Whether every element of ``value`` is the same constant (``zero``: the constant
-    0): a ConstantOfShape, or a local conversion of one. Any slice of such a value is
-    equal to any other slice of its shape."""
-    producer = None if value is None else value.producer()
-    if producer is None:
-        return False
-    if producer.op_type == "ConstantOfShape" and producer.domain in ("", "ai.onnx"):
-        attr = producer.attributes.get("value")
-        return not zero or attr is None or not attr.as_tensor().numpy().any()
-    return (
-        producer.domain == DOMAIN
-        and producer.op_type in TEMPLATE_LOCAL
-        and _uniform(producer.inputs[0], zero)
-    )
 
 
 def _phases(graph: ir.Graph, syncs: set[ir.Node], batch: set[ir.Value]) -> dict[ir.Node, Phase]:
@@ -385,32 +383,61 @@ def _rewrite_sync(graph: ir.Graph, node: ir.Node, mesh: Mesh, layouts: dict) -> 
 # -- back to the plan's mesh ---------------------------------------------------------
 
 
-def real_layout(layout: Layout, what: str, k: int) -> Layout:
-    """``layout`` on the micro mesh without its micro placement, which must be ``R``."""
-    last, *rest = layout.placements
-    if not isinstance(last, Replicate):
+def _split(layout: Layout, what: str, k: int) -> tuple[int | None, Layout]:
+    """(the dim ``layout`` splits over the micro axis or None, the plan-mesh layout)."""
+    first, *rest = layout.placements
+    if isinstance(first, Partial):
         raise MicroError(
-            f"--micro-batches {k}: {what} is {last} over the micro-batches, so each "
-            "micro-batch would need its own copy; compile with --micro-batches 1"
+            f"--micro-batches {k}: {what} is partial over the micro-batches, which no "
+            "micro-batch can hold alone; compile with --micro-batches 1"
         )
-    return Layout(tuple(rest))
+    return (first.dim if isinstance(first, Shard) else None), Layout(tuple(rest))
 
 
 def to_plan_mesh(template: LocalTemplate, mesh: Mesh, k: int) -> LocalTemplate:
-    """The micro-mesh template as every rank of ``mesh`` runs it (micro index 0)."""
-    inits = {
-        name: real_layout(lay, f"initializer {name!r}", k)
-        for name, lay in template.initializer_layouts.items()
-    }
-    consts = {
-        name: real_layout(lay, f"constant {name!r}", k)
-        for name, lay in template.constant_layouts.items()
-    }
-    inits = {n: lay for n, lay in inits.items() if _sliced(lay)}
-    consts = {n: lay for n, lay in consts.items() if _sliced(lay)}
-    _lower_micro_slices(template)
+    """The micro-mesh template as every rank of ``mesh`` runs it.
+
+    What depends on the micro-batch index takes it from the graph input
+    :data:`MICRO_INDEX_INPUT` (int64 [1], fed per micro-step): a local conversion along
+    the micro axis slices (or zeroes unless first) by it, and an initializer or constant
+    split over the micro axis keeps every micro-batch's piece and is sliced by it."""
+    inits: dict[str, Layout] = {}
+    split_inits: dict[str, tuple[int, list[int]]] = {}  # name -> (dim, micro-batch shape)
+    dims = {t.name: list(t.dims) for t in template.proto.graph.initializer}
+    for name, lay in template.initializer_layouts.items():
+        dim, rest = _split(lay, f"initializer {name!r}", k)
+        if dim is not None:
+            split_inits[name] = (dim, local_shape(dims[name], lay, template.mesh, name))
+        if _sliced(rest):
+            inits[name] = rest
+    consts: dict[str, Layout] = {}
+    split_consts: dict[str, int] = {}
+    for name, lay in template.constant_layouts.items():
+        dim, rest = _split(lay, f"constant {name!r}", k)
+        if dim is not None:
+            split_consts[name] = dim
+        if _sliced(rest):
+            consts[name] = rest
+    lowered = _Lowering(template.proto.graph)
+    lowered.run(split_inits, split_consts)
     _tag_by_readers(template.proto.graph)
+    if lowered.used:
+        _record_index(template.proto)
     return LocalTemplate(template.proto, mesh, inits, consts)
+
+
+MICRO_INDEX_INPUT = "__micro_index__"
+"""The graph input that holds the micro-batch index (int64, shape [1]), when used."""
+
+
+def _record_index(model: onnx.ModelProto) -> None:
+    graph = model.graph
+    graph.input.append(
+        onnx.helper.make_tensor_value_info(MICRO_INDEX_INPUT, onnx.TensorProto.INT64, [1])
+    )
+    entry = next(p for p in model.metadata_props if p.key == MICRO_KEY)
+    cut = MicroCut.from_json(json.loads(entry.value))
+    entry.value = json.dumps(dataclasses.replace(cut, index=MICRO_INDEX_INPUT).to_json())
 
 
 def _tag_by_readers(graph: onnx.GraphProto) -> None:
@@ -431,55 +458,98 @@ def _tag_by_readers(graph: onnx.GraphProto) -> None:
                 phase[name] = own
 
 
-def _lower_micro_slices(template: LocalTemplate) -> None:
-    """Local conversions along the micro axis (of uniform values, see
-    :func:`cut_phases`) become those of micro index 0, and every other node's
-    ``mesh_axis`` becomes the plan mesh's axis, in place."""
-    graph = template.proto.graph
-    shapes = {
-        vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
-        for vi in [*graph.input, *graph.output, *graph.value_info]
-    }
-    nodes = []
-    for node in graph.node:
-        axis = next((a.i for a in node.attribute if a.name == "mesh_axis"), None)
-        if node.domain == DOMAIN and node.op_type in TEMPLATE_LOCAL and axis == MICRO_INDEX:
-            nodes.extend(_slice_of_first(node, shapes))
-            continue
-        for attr in node.attribute if node.domain == DOMAIN else ():
-            if attr.name == "mesh_axis" and attr.type == onnx.AttributeProto.INT:
-                attr.i -= 1
-            elif attr.name == "mesh_axis":
-                attr.ints[:] = [a - 1 for a in attr.ints]
-        nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+class _Lowering:
+    """The micro axis out of a template graph, in place (see :func:`to_plan_mesh`)."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.shapes = {
+            vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            for vi in [*graph.input, *graph.output, *graph.value_info]
+        }
+        self.used = False
+
+    def run(self, split_inits: Mapping[str, tuple], split_consts: Mapping[str, int]) -> None:
+        graph = self.graph
+        renamed = {name: f"{name}__micro" for name in split_inits}
+        kept = [vi for vi in graph.value_info if vi.name not in renamed]
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
+        nodes: list[onnx.NodeProto] = []
+        for name, (dim, shape) in split_inits.items():  # the micro-batch's piece
+            self.shapes[renamed[name]] = list(shape)
+            nodes += self._slice(name, renamed[name], dim, renamed[name])
+        for node in graph.node:
+            for i, name in enumerate(node.input):
+                if name in renamed:
+                    node.input[i] = renamed[name]
+            axis = next((a.i for a in node.attribute if a.name == "mesh_axis"), None)
+            if node.domain == DOMAIN and node.op_type in TEMPLATE_LOCAL and axis == MICRO_INDEX:
+                nodes += self._local(node)
+                continue
+            for attr in node.attribute if node.domain == DOMAIN else ():
+                if attr.name == "mesh_axis" and attr.type == onnx.AttributeProto.INT:
+                    attr.i -= 1  # the plan mesh's axes are the micro mesh's, less one
+                elif attr.name == "mesh_axis":
+                    attr.ints[:] = [a - 1 for a in attr.ints]
+            if node.op_type == "Constant" and node.name in split_consts:
+                out = node.output[0]
+                node.output[0] = f"{out}__micro_all"
+                nodes.append(node)
+                nodes += self._slice(node.output[0], out, split_consts[node.name], node.name)
+                continue
+            nodes.append(node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+    def _local(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        if node.op_type == "ShardSlice":
+            dim = next(a.i for a in node.attribute if a.name == "axis")
+            return self._slice(node.input[0], node.output[0], dim, node.name, node)
+        # ZeroUnlessFirst: the value on micro-batch 0, zeros on the others
+        self.used = True
+        name = node.name
+        made = [
+            _node("Constant", [], [f"{name}__zero"], f"{name}__zero",
+                  value=onnx.numpy_helper.from_array(np.zeros([1], np.int64))),
+            _node("Equal", [MICRO_INDEX_INPUT, f"{name}__zero"], [f"{name}__first"],
+                  f"{name}__first"),
+            _node("Sub", [node.input[0], node.input[0]], [f"{name}__zeros"], f"{name}__zeros"),
+            _node("Where", [f"{name}__first", node.input[0], f"{name}__zeros"],
+                  [node.output[0]], name),
+        ]  # fmt: skip
+        return _tagged(made, node)
+
+    def _slice(self, src: str, out: str, dim: int, name: str, like=None) -> list:
+        """``out``: the micro-batch's piece of ``src`` along ``dim`` (its size: ``out``'s)."""
+        self.used = True
+        size = self.shapes[out][dim]
+        made = [
+            _node("Constant", [], [f"{name}__size"], f"{name}__size",
+                  value=onnx.numpy_helper.from_array(np.asarray([size], np.int64))),
+            _node("Constant", [], [f"{name}__axis"], f"{name}__axis",
+                  value=onnx.numpy_helper.from_array(np.asarray([dim], np.int64))),
+            _node("Mul", [MICRO_INDEX_INPUT, f"{name}__size"], [f"{name}__start"],
+                  f"{name}__start"),
+            _node("Add", [f"{name}__start", f"{name}__size"], [f"{name}__end"], f"{name}__end"),
+            _node("Slice", [src, f"{name}__start", f"{name}__end", f"{name}__axis"], [out],
+                  name),
+        ]  # fmt: skip
+        return _tagged(made, like)
 
 
-def _slice_of_first(node: onnx.NodeProto, shapes: Mapping) -> list[onnx.NodeProto]:
-    """A ShardSlice or ZeroUnlessFirst of micro index 0: the first piece, or the value."""
-    out = node.output[0]
-    if node.op_type == "ZeroUnlessFirst":
-        ident = onnx.helper.make_node("Identity", [node.input[0]], [out], name=node.name)
-        ident.metadata_props.extend(node.metadata_props)
-        return [ident]
-    dim = next(a.i for a in node.attribute if a.name == "axis")
-    consts = [
-        onnx.helper.make_node(
-            "Constant",
-            [],
-            [f"{node.name}__{key}"],
-            name=f"{node.name}__{key}",
-            value=onnx.numpy_helper.from_array(np.asarray([v], dtype=np.int64)),
-        )
-        for key, v in (("s", 0), ("e", shapes[out][dim]), ("a", dim))
-    ]
-    cut = onnx.helper.make_node(
-        "Slice", [node.input[0], *(c.output[0] for c in consts)], [out], name=node.name
-    )
-    for n in (*consts, cut):
-        n.metadata_props.extend(node.metadata_props)
-    return [*consts, cut]
+def _node(op: str, inputs: list[str], outputs: list[str], name: str, **attrs):
+    return onnx.helper.make_node(op, inputs, outputs, name=name, **attrs)
+
+
+def _tagged(nodes: list[onnx.NodeProto], like: onnx.NodeProto | None) -> list[onnx.NodeProto]:
+    """Every node in the micro phase, with ``like``'s role and unit."""
+    for node in nodes:
+        if like is not None:
+            node.metadata_props.extend(p for p in like.metadata_props if p.key != PHASE_KEY)
+        entry = node.metadata_props.add()
+        entry.key, entry.value = PHASE_KEY, Phase.MICRO.value
+    return nodes
 
 
 def _sliced(layout: Layout) -> bool:

@@ -139,7 +139,7 @@ class LocalEngine:
         cut, dims = first.cut, first.micro_dims
         totals: dict[int, dict[str, np.ndarray]] = {r: {} for r in self._programs}
         for m in range(cut.batches):
-            parts = {r: micro_feeds(feeds[r], dims, cut.batches, m) for r in self._programs}
+            parts = {r: micro_feeds(feeds[r], cut, dims, m) for r in self._programs}
             outs = self._lockstep(self._micro, parts)
             for r in self._programs:
                 accumulate(totals[r], outs[r], cut)
@@ -247,7 +247,7 @@ class MpiEngine:
         cut, dims = self._phased.cut, self._phased.micro_dims
         total: dict[str, np.ndarray] = {}
         for m in range(cut.batches):
-            outs = self._micro.run(micro_feeds(mine, dims, cut.batches, m), self.comm)
+            outs = self._micro.run(micro_feeds(mine, cut, dims, m), self.comm)
             accumulate(total, outs, cut)
             del outs
         rest = {n: v for n, v in mine.items() if n not in dims}

@@ -150,7 +150,7 @@ def split_phases(
 ) -> PhasedPlan:
     """Split each phase of one rank's graph (``runtime.split``); ``weights`` are the
     rank's shared constants, read once for both phases."""
-    fed = set(fed)
+    fed = set(fed) | ({cut.index} if cut.index else set())
     micro, step = phase_models(model, cut, rank)
     micro_plan = split_graph(micro, rank, world_size, fed, weights)
     step_fed = fed | set(cut.accumulate) | set(cut.keep)
@@ -158,9 +158,12 @@ def split_phases(
     return PhasedPlan(micro_plan, step_plan, cut, dict(micro_dims))
 
 
-def micro_feeds(feeds: Feeds, dims: Mapping[str, int], k: int, m: int) -> dict[str, np.ndarray]:
-    """The feeds of micro-step ``m``: chunk ``m`` of ``k`` of each split input."""
+def micro_feeds(feeds: Feeds, cut: MicroCut, dims: Mapping[str, int], m: int) -> dict:
+    """The feeds of micro-step ``m``: chunk ``m`` of each split input, and the index."""
+    k = cut.batches
     out = dict(feeds)
+    if cut.index is not None:
+        out[cut.index] = np.asarray([m], dtype=np.int64)
     for name, dim in dims.items():
         array = feeds[name]
         size = array.shape[dim] // k
