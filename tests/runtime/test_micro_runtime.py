@@ -130,3 +130,20 @@ def test_op_that_needs_the_whole_batch_exits_2_naming_it(tmp_path, capsys):
     assert result.code == 2
     lines = result.err.strip().splitlines()
     assert len(lines) == 1 and "(MaxPool) needs the whole batch" in lines[0], result.err
+
+
+def test_inspect_shows_micro_batches_and_per_step_collectives(gpt, tmp_path, capsys):
+    out = _compile(
+        capsys, gpt, tmp_path / "out", "--devices", 2, "--plan", "megatron",
+        "--micro-batches", 2,
+    )  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    result = cli(capsys, "inspect", out)
+    assert result.code == 0, result.err
+    assert result.out.count("micro-batches: 2 per step") == 2  # one line per device
+    result = cli(capsys, "inspect", out, "--json")
+    devices = json.loads(result.out)["devices"]
+    per_step = manifest["estimate"]["collectives_per_device"]
+    for device in devices:
+        assert device["micro_batches"] == 2
+        assert sum(c["count"] for c in device["collectives"]) == per_step
