@@ -54,7 +54,7 @@ from tensoropt.ir.mesh import SEQUENTIAL_AXIS, Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation, annotate, annotate_roots, complete_plan
-from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL
+from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL, planned_conversions
 from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
 from tensoropt.passes.units import StepUnits
@@ -211,7 +211,80 @@ def micro_roots(
     for unit in su.units:
         name = unit.root.name
         roots[name] = _combine(unit.root, real.roots[name], along[name], plan.mesh, k)
+    _split_where_gathered(graph, sig, su, roots, plan.mesh, k)
     return roots, su
+
+
+def _split_where_gathered(
+    graph: ir.Graph,
+    sig: StepSignature,
+    su: StepUnits,
+    roots: dict[str, MeshSharding],
+    mesh: Mesh,
+    k: int,
+) -> None:
+    """Units that would gather a value over the micro axis split their batch instead
+    (``roots`` in place), while another strategy can.
+
+    Completing the data-parallel plan unit by unit leaves a unit whose inputs are all
+    replicated (an LSTM's first step reads a constant initial state) replicated over the
+    micro axis, which is free there; its backward then needs the gradient of every
+    micro-batch at once. The conversions the inserter would make (a dry run) show where."""
+    micro_mesh_ = micro_mesh(mesh, k)
+    by_name = {n.name: n for n in graph}
+    params = set(sig.params)
+    first = dict(roots)
+    for _ in range(len(su.units)):
+        ann = annotate_roots(graph, su, roots, micro_mesh_)
+        gathering = _gathering_units(graph, ann, su, by_name)
+        if not gathering:
+            return
+        changed = False
+        for root in gathering:
+            alt = _batch_split(root, roots[root.name], params, mesh, k)
+            if alt is not None:
+                roots[root.name] = alt
+                changed = True
+        if not changed:
+            break
+    roots.update(first)  # no repair: the cut names the unit that needs the whole batch
+
+
+def _gathering_units(graph: ir.Graph, ann: Annotation, su: StepUnits, by_name) -> list[ir.Node]:
+    """Roots of the units whose conversions move data along the micro axis."""
+    found: dict[ir.Node, None] = {}
+    for planned in planned_conversions(graph, ann):
+        have = planned.have.placements[MICRO_INDEX]
+        need = planned.need.placements[MICRO_INDEX]
+        moves = (isinstance(have, Shard) and have != need) or (
+            isinstance(have, Partial) and isinstance(need, Shard)
+        )
+        node = by_name.get(planned.unit)
+        if moves and node is not None and node in su.unit_of:
+            found[su.units[su.unit_of[node]].root] = None
+    return list(found)
+
+
+def _batch_split(
+    root: ir.Node, current: MeshSharding, params: set[str], mesh: Mesh, k: int
+) -> MeshSharding | None:
+    """The first other strategy of ``root`` that splits an output over the micro axis,
+    keeps its parameters whole there and keeps its strategy on the plan's axes."""
+    real = MeshSharding(current.axes[1:])
+    for s in SHARDING_RULES.strategies(sa.op_view(root), k):
+        if s == current.axes[0] or not any(isinstance(o, Shard) for o in s.outputs):
+            continue
+        whole = all(
+            value is None or value.name not in params or isinstance(p, Replicate)
+            for value, p in zip(root.inputs, s.inputs, strict=False)
+        )
+        if not whole:
+            continue
+        try:
+            return _combine(root, real, MeshSharding((s,)), mesh, k)
+        except MicroError:
+            continue
+    return None
 
 
 def _combine(

@@ -19,6 +19,7 @@ from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import build_problem, priced_collectives, search_graph_of
 from tensoropt.errors import PlanError
 from tensoropt.ir.builder import ROLE_KEY
+from tensoropt.ir.layout import Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.models import build_model
 from tensoropt.passes.compile import compile_step
@@ -34,7 +35,7 @@ from tests.helpers.steps import import_proto
 
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
 MODELS = {"mlp": ("data-parallel", "megatron"), "gpt": ("data-parallel", "megatron"),
-          "bert": ("data-parallel", "megatron")}  # fmt: skip
+          "bert": ("data-parallel", "megatron"), "rnnlm": ("data-parallel",)}  # fmt: skip
 QUICK = {("mlp", "data-parallel", "2", 2), ("gpt", "megatron", "2x2", 2),
          ("bert", "data-parallel", "4", 2)}  # fmt: skip
 
@@ -129,11 +130,28 @@ def test_k_that_does_not_divide_the_batch_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_op_that_needs_the_whole_batch_is_refused_naming_it(tmp_path):
-    step, plan, axes = _step("vgg16", "data-parallel", "2", 2)
+@pytest.mark.parametrize(
+    "name",
+    ["vgg16", *(pytest.param(n, marks=pytest.mark.slow) for n in ("resnet50", "inception_v3"))],
+)
+def test_op_that_needs_the_whole_batch_is_refused_naming_it(name, tmp_path):
+    step, plan, axes = _step(name, "data-parallel", "2", 2)
     with pytest.raises(MicroError, match=r"unit '.*MaxPool' \(MaxPool\) needs the whole batch"):
         compile_step(step, plan, axes, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_unit_left_replicated_over_the_micro_axis_splits_its_batch(tmp_path):
+    """rnnlm's first LSTM step reads a constant initial state of batch size: completed
+    alone it stays replicated over the micro axis and its weight gradient would need
+    every micro-batch; the unit splits its batch instead (a slice by micro index)."""
+    step, plan, axes = _step("rnnlm", "data-parallel", "2", 2)
+    roots, _ = micro_roots(step.model.graph, step.signature, plan, axes)
+    split = roots["lstm1/t0/MatMul"].outputs[0].placements[0]
+    assert split == Shard(0)
+    out = tmp_path / "out"
+    compile_step(step, plan, axes, str(out))
+    assert json.loads((out / "manifest.json").read_text())["micro"]["index"] == "__micro_index__"
 
 
 # -- the plan is the program, per step ------------------------------------------------
