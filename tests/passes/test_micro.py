@@ -20,17 +20,15 @@ from tensoropt.cost.model import build_problem, priced_collectives, search_graph
 from tensoropt.errors import PlanError
 from tensoropt.ir.builder import ROLE_KEY
 from tensoropt.ir.layout import Shard
-from tensoropt.ir.mesh import Mesh
 from tensoropt.models import build_model
 from tensoropt.passes.compile import compile_step
 from tensoropt.passes.micro import PHASE_KEY, MicroError, micro_roots
 from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
-from tensoropt.passes.partition import group_over
 from tensoropt.passes.plans import builtin_plan, prepare_model
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.runtime.run import run_steps
 from tests.helpers.compile import make_mesh
-from tests.helpers.program import COLLECTIVES
+from tests.helpers.program import emitted_per_step, priced_per_step
 from tests.helpers.steps import import_proto
 
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
@@ -157,36 +155,6 @@ def test_unit_left_replicated_over_the_micro_axis_splits_its_batch(tmp_path):
 # -- the plan is the program, per step ------------------------------------------------
 
 
-def _emitted_per_step(device: onnx.ModelProto, k: int, mesh: Mesh) -> Counter:
-    """(kind, group, input bytes) of the collectives a rank issues in one step: those
-    of the micro phase once per micro-batch, those of the step phase once."""
-    from tests.helpers.program import emitted
-
-    found = Counter()
-    step_only = onnx.ModelProto()
-    step_only.CopyFrom(device)
-    for phase, times in (("micro", k), ("step", 1)):
-        del step_only.graph.node[:]
-        step_only.graph.node.extend(
-            n
-            for n in device.graph.node
-            if n.domain == "ai.tensoropt"
-            and n.op_type in COLLECTIVES
-            and any(p.key == PHASE_KEY and p.value == phase for p in n.metadata_props)
-        )
-        for key, count in emitted(step_only).items():
-            found[key] += count * times
-    return found
-
-
-def _priced_per_step(mp, rank: int) -> Counter:
-    found = Counter()
-    for c in priced_collectives(mp, (0,) * len(mp.units)):
-        group = tuple(group_over(mp.mesh, rank, list(c.axes)))  # micro index 0: plan ranks
-        found[(c.kind, group, c.in_bytes)] += c.times
-    return found
-
-
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "k"),
     [("gpt", "data-parallel", "2", 2), ("gpt", "megatron", "2x2", 2),
@@ -198,13 +166,14 @@ def test_priced_collectives_per_step_equal_the_issued_ones(name, plan, mesh, k, 
     sg = search_graph_of(step)
     roots, _ = micro_roots(sg.graph, sg.signature, p, axes)
     mp = build_problem(sg, p.mesh, builtin("h100"), only=roots, micro_batches=k)
-    priced = {r: _priced_per_step(mp, r) for r in (0, p.mesh.size - 1)}
+    choice = (0,) * len(mp.units)
+    priced = {r: priced_per_step(mp, choice, r) for r in (0, p.mesh.size - 1)}
     micro_only = [c for c in priced_collectives(mp, (0,) * len(mp.units)) if c.times == k]
     out = tmp_path / "out"  # (compile localizes the step: price it first)
     compile_step(step, p, axes, str(out))
     for rank, want in priced.items():
         device = onnx.load(str(out / f"device_{rank}.onnx"), load_external_data=False)
-        assert _emitted_per_step(device, k, p.mesh) == want, (name, plan, mesh, rank)
+        assert emitted_per_step(device, k) == want, (name, plan, mesh, rank)
     assert micro_only or plan == "data-parallel"  # megatron reduces inside each micro-batch
 
 
