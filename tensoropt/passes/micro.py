@@ -12,12 +12,14 @@ Annotation, conversions and localization then run unchanged on that *micro mesh*
 local shapes and constants they produce are those of one micro-batch on one rank.
 
 A micro-mesh device is (micro-batch index, real rank). Ranks run the device graph of
-micro index 0 for every micro-batch, which is exact because nothing a rank holds depends
-on the micro index except the data it is fed (checked here: no initializer, constant or
-local conversion is sliced or zeroed along the micro axis). The only collectives over the
-micro axis are the all-reduces that turn partial values (parameter gradients, the loss)
-into replicated ones; a sum over micro-batches is the runtime's accumulation, so each is
-rewritten to an all-reduce over its other axes (or an Identity when none remain).
+micro index 0 for every micro-batch; what depends on the index besides the data fed
+(a slice or a zeroing along the micro axis, an initializer or constant split with the
+batch) reads it from the input :data:`MICRO_INDEX_INPUT`, fed per micro-step. The only
+collectives over the micro axis are the all-reduces that turn partial values (parameter
+gradients, the loss) into replicated ones; a sum over micro-batches is the runtime's
+accumulation, so each is rewritten to an all-reduce over its other axes (or an Identity
+when none remain). Any other collective over the micro axis needs every micro-batch at
+once and is refused, naming the unit; parameters split with the batch are refused too.
 
 The graph is then cut into two phases (node metadata :data:`PHASE_KEY`):
 
