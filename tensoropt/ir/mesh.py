@@ -76,9 +76,9 @@ class Mesh:
 
     @property
     def sequential_axis(self) -> int | None:
-        """The index of the :data:`SEQUENTIAL_AXIS`, if the mesh has one."""
-        names = self.axis_names
-        return names.index(SEQUENTIAL_AXIS) if SEQUENTIAL_AXIS in names else None
+        """0 when the first axis is the :data:`SEQUENTIAL_AXIS` (the only place
+        ``passes.micro`` puts it), else None."""
+        return 0 if self.axis_names[0] == SEQUENTIAL_AXIS else None
 
     @property
     def size(self) -> int:
