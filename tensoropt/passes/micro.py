@@ -49,7 +49,7 @@ import onnx
 import onnx.numpy_helper
 import onnx_ir as ir
 
-from tensoropt.errors import PlanError, ShardingError
+from tensoropt.errors import PlanError
 from tensoropt.ir.builder import UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import SEQUENTIAL_AXIS, Mesh
@@ -359,7 +359,7 @@ def cut_phases(
         if node.op_type in TEMPLATE_LOCAL:
             continue  # local: by the micro-batch index (``to_plan_mesh``)
         reader = next((u.node for u in node.outputs[0].uses()), node)
-        if node.op_type in TEMPLATE_LOCAL or node.op_type != "AllReduce":
+        if node.op_type != "AllReduce":
             raise MicroError(
                 f"--micro-batches {k}: unit {_describe(by_name, reader)} needs the whole batch "
                 f"(a {node.op_type} over the micro-batches, node {node.name!r}); compile with "
@@ -387,12 +387,21 @@ def cut_phases(
                 )
             else:
                 keep[value.name] = None  # type: ignore[union-attr]
+    for value in graph.outputs:  # a graph output the micro phase makes passes the cut
+        producer = value.producer()
+        if producer is not None and phase[producer] is Phase.MICRO:
+            if value in batch:
+                raise MicroError(
+                    f"--micro-batches {k}: output {value.name!r} is made per micro-batch "
+                    "but returned once per step; compile with --micro-batches 1"
+                )
+            keep[value.name] = None
     for node in syncs:
         producer = node.inputs[0].producer() if node.inputs[0] is not None else None
         if producer is None or phase[producer] is not Phase.MICRO:
-            raise ShardingError(
-                f"micro-batching: all-reduce {node.name!r} over the micro axis reads a value "
-                "made once per step; this plan cannot be micro-batched"
+            raise MicroError(
+                f"--micro-batches {k}: all-reduce {node.name!r} over the micro-batches reads "
+                "a value made once per step; compile with --micro-batches 1"
             )
     for node, p in phase.items():
         node.metadata_props[PHASE_KEY] = p.value
@@ -419,9 +428,8 @@ def _phases(graph: ir.Graph, syncs: set[ir.Node], batch: set[ir.Value]) -> dict[
         if phase[node] is Phase.STEP or any(v in batch for v in node.outputs):
             continue
         readers = [u.node for v in node.outputs for u in v.uses()]
-        if any(v in outputs for v in node.outputs):
-            continue
-        if readers and all(phase[r] is Phase.STEP for r in readers):
+        returned = any(v in outputs for v in node.outputs)  # read after the step
+        if (readers or returned) and all(phase[r] is Phase.STEP for r in readers):
             phase[node] = Phase.STEP
     return phase
 
