@@ -20,6 +20,7 @@ from tensoropt.cost.model import build_problem, priced_collectives, search_graph
 from tensoropt.errors import PlanError
 from tensoropt.ir.builder import ROLE_KEY
 from tensoropt.ir.layout import Shard
+from tensoropt.ir.mesh import Mesh
 from tensoropt.models import build_model
 from tensoropt.passes.compile import compile_step
 from tensoropt.passes.micro import PHASE_KEY, MicroError, micro_roots
@@ -188,3 +189,25 @@ def test_estimate_accounts_for_micro_batches(tmp_path):
         times[k] = estimate_of(step, p, axes, "h100")
     assert times[1].time_s < times[2].time_s < times[4].time_s
     assert times[1].collectives < times[2].collectives < times[4].collectives
+
+
+def test_search_problem_per_micro_batch_count(tmp_path):
+    """``build_problem(..., micro_batches=k)`` is one searchable problem per (mesh, k):
+    its frontier's least memory falls with k (activations of a micro-batch) and its
+    fastest time grows (k forward and backward passes of a smaller batch)."""
+    from tensoropt.models.io import save_model
+    from tensoropt.search.solver import solve
+    from tests.helpers.program import graph_of
+
+    save_model(build_model("gpt", "tiny"), str(tmp_path / "gpt.onnx"))
+    sg = graph_of(tmp_path / "gpt.onnx")
+    least, fastest = {}, {}
+    for k in (1, 2, 4):
+        mp = build_problem(sg, Mesh((2,), ("dp",)), builtin("h100"), micro_batches=k)
+        assert mp.problem.devices == 2  # the plan's devices; the micro mesh has k x 2
+        assert mp.mesh.shape == ((k, 2) if k > 1 else (2,))
+        points = solve(mp.problem).points
+        least[k] = min(p.memory_bytes for p in points)
+        fastest[k] = min(p.time_s for p in points)
+    assert least[1] > least[2] > least[4]
+    assert fastest[1] < fastest[2] < fastest[4]
