@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -100,6 +101,12 @@ def add_parser(sub) -> None:
         "fewest-devices-under:MEM | INDEX (searches first; see below)",
     )
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
+    p.add_argument(
+        "--micro-batches",
+        metavar="K",
+        help="run each step's batch as K micro-batches whose gradients are accumulated "
+        "(synchronised and applied once per step); overrides a plan file's value",
+    )
     add_training_options(p)
     p.add_argument(
         "--cluster",
@@ -192,6 +199,20 @@ def parse_mesh(devices: int, text: str | None, plan: str):
     return Mesh(dims, names)
 
 
+def with_micro_batches(plan, args: argparse.Namespace):
+    """``plan`` with ``--micro-batches`` applied (when given)."""
+    text = getattr(args, "micro_batches", None)
+    if text is None:
+        return plan
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise PlanError(f"--micro-batches {text!r}: expected an integer >= 1")
+    return dataclasses.replace(plan, micro_batches=k)
+
+
 def _load_plan_file(path: str, mesh):
     from tensoropt.ir.plan import Plan
 
@@ -221,7 +242,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     chosen = pick(exp, max(counts), args.pick, parse_bytes)
     search, point = chosen.search, chosen.point
     source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
-    plan = plan_from_choice(search, point.choice, source)
+    plan = with_micro_batches(plan_from_choice(search, point.choice, source), args)
     picked = (
         f"picked {args.pick}: point {chosen.index} at {search.mesh.size} devices, mesh "
         f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
@@ -268,7 +289,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         f"search --pick {args.pick} ({args.search}): point {chosen.index} at "
         f"{chosen.devices} devices"
     )
-    plan = plan_of(sf, chosen, source)
+    plan = with_micro_batches(plan_of(sf, chosen, source), args)
     step = build_step(args, load_weights=False)  # compile streams the weights itself
     summary = step.selection.summary(step.model.graph)  # the whole model: before compile
     estimate = estimate_of(step, plan, None, args.cluster)
@@ -295,8 +316,13 @@ def estimate_of(step, plan, data_axes, cluster: str):
 
     check_plan(step.model.graph, plan)  # names the unit, tensor, dim and sizes
     sg = search_graph_of(step)
-    roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
-    return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster))
+    if plan.micro_batches > 1:
+        from tensoropt.passes.micro import micro_roots
+
+        roots, _ = micro_roots(sg.graph, sg.signature, plan, data_axes)
+    else:
+        roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
+    return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster), plan.micro_batches)
 
 
 REPLICATED_NOTE = "every device computes the whole step: no faster than 1 device"
@@ -365,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_file:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)
         plan, data_axes, notes = built.plan, built.data_axes, built.notes
+    plan = with_micro_batches(plan, args)
     # Everything that can fail runs before anything is printed: an error stays one line.
     estimate = estimate_of(step, plan, data_axes, args.cluster)
     result = compile_step(

@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
                     "param_shapes": {k: list(v) for k, v in s.param_shapes.items()},
                     "param_and_state_bytes": s.state_bytes,
                     "liveness_peak_bytes": s.peak_bytes,
+                    "micro_batches": s.micro_batches,
                 }
                 for name, s in report
             ],
@@ -180,6 +181,11 @@ def run(args: argparse.Namespace) -> int:
             f"liveness peak {_fmt_bytes(s.peak_bytes)}"
             + (_relation(s.peak_bytes, estimate) if estimate else "")
         )
+        if s.micro_batches > 1:
+            print(
+                f"  micro-batches: {s.micro_batches} per step, {s.accumulated} values "
+                "accumulated (counts and bytes below are per step)"
+            )
         if s.collectives:
             print(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")
             for c in s.collectives:

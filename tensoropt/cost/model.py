@@ -17,6 +17,15 @@ emits for those programs:
   layout. Memory: the converted buffer of forward values.
 
 Every total is a plain sum of unit and edge entries, as the frontier DP needs.
+
+Micro-batching (``micro_batches`` k > 1, ``passes.micro``): the problem is built on the
+micro mesh (the plan's mesh with the sequential micro axis in front), so that local
+shapes are those of one micro-batch. Compute and every conversion of the micro phase
+count k times; an all-reduce over the micro axis is the runtime's accumulation: it
+counts once per step, over its other axes (nothing when none remain), and so do the
+conversion steps after it. Activations are held at the micro-batch size; each placed
+parameter adds one accumulation buffer of its gradient and k - 1 accumulating adds; the
+update runs once.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.micro import micro_axes, micro_mesh
 from tensoropt.passes.units import (
     Crossing,
     Entry,
@@ -91,6 +101,7 @@ class MeshProblem:
     programs: tuple[tuple[Program, ...], ...]  # per unit, per strategy
     crossings: tuple[Crossing, ...]
     sg: SearchGraph
+    micro_batches: int = 1  # > 1: ``mesh`` is the micro mesh (see the module doc)
 
 
 # the runtime op type of each communicating redistribution step (profile.link_for keys)
@@ -116,17 +127,19 @@ class PricedCollective:
     """One collective a plan emits on every rank: kind, mesh axes, local input bytes."""
 
     kind: str  # the runtime op type (AllReduce, AllGather, ReduceScatter, AllToAll)
-    axes: tuple[int, ...]
+    axes: tuple[int, ...]  # of the problem's mesh (the micro mesh when micro-batched)
     in_bytes: int
+    times: int = 1  # issued per step: the micro-batch count in the micro phase
 
 
 class _Pricer:
     """Prices conversions and unit computations (memoised per distinct input)."""
 
-    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile):
+    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile, micro: int = 1):
         self.sg = sg
         self.mesh = mesh
         self.profile = profile
+        self.micro = micro  # micro-batches per step (mesh is the micro mesh when > 1)
         self.conv_cache: dict = {}
         self.node_cache: dict = {}
 
@@ -147,15 +160,14 @@ class _Pricer:
             return 0.0, 0.0
         dtype = np.dtype(f"V{isz}")
         seconds = 0.0
-        for cs in steps:
-            if not cs.communicates:
-                continue
-            n = int(np.prod([self.mesh.shape[a] for a in cs.axes]))
+        for cs, axes, times in issued(steps, self.mesh, self.micro):
+            n = int(np.prod([self.mesh.shape[a] for a in axes]))
             link = self.profile.link_for(
-                OP_TYPE[cs.step.kind], axis_link(self.mesh, cs.axes, self.profile)
+                OP_TYPE[cs.step.kind], axis_link(self.mesh, axes, self.profile)
             )
             volume = comm_bytes(cs.step, cs.in_shape, dtype, n)
-            seconds += latency_terms(cs.step.kind) * link.alpha_s + volume / link.bandwidth
+            once = latency_terms(cs.step.kind) * link.alpha_s + volume / link.bandwidth
+            seconds += times * once
         buffer = float(np.prod(steps[-1].out_shape, dtype=np.float64)) * isz if steps else 0.0
         return seconds, buffer
 
@@ -165,13 +177,16 @@ class _Pricer:
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            seconds = op_time(
-                node.op_type,
-                sa.op_view(node).attributes,
-                local.input_shapes,
-                local.output_shapes,
-                itemsize(node.outputs[0]),
-                self.profile,
+            seconds = (
+                op_time(
+                    node.op_type,
+                    sa.op_view(node).attributes,
+                    local.input_shapes,
+                    local.output_shapes,
+                    itemsize(node.outputs[0]),
+                    self.profile,
+                )
+                * self.micro
             )
             memory = 0.0
             if node.op_type not in _VIEWS:  # a view of its input holds nothing new
@@ -246,7 +261,8 @@ class _Builder:
         self.sg = sg
         self.su = sg.units
         self.mesh = mesh
-        self.pricer = _Pricer(sg, mesh, profile)
+        self.micro = mesh.shape[0] if mesh.sequential_axis == 0 else 1
+        self.pricer = _Pricer(sg, mesh, profile, self.micro)
         self.programs = ProgramCache(self.su, mesh)
         self.only = only
         self.update_cache: dict = {}
@@ -328,6 +344,9 @@ class _Builder:
             # in-place update (measured: docs/design/measured.md).
             memory += elements * isz * (3 + 2 * states)
             update = update_time(elements, states, isz, self.pricer.profile)
+            if self.micro > 1:  # the gradient's accumulation buffer and its adds
+                memory += elements * isz
+                seconds += (self.micro - 1) * update_time(elements, 0, isz, self.pricer.profile)
             if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
                 held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
                 update = max(update - held, 0.0)
@@ -407,12 +426,18 @@ def build_problem(
     mesh: Mesh,
     profile: ClusterProfile,
     only: Mapping[str, MeshSharding] | None = None,
+    micro_batches: int = 1,
 ) -> MeshProblem:
     """The cost problem of ``sg`` on ``mesh`` (see the module doc).
 
     ``only``: price just these root strategies (unit name -> strategy), one per unit: the
-    problem of one plan, whose single choice is all zeros.
+    problem of one plan, whose single choice is all zeros. ``micro_batches``: micro-batches
+    per step; above 1 the strategies (and ``only``) are those of the micro mesh
+    (``passes.micro.micro_mesh(mesh, micro_batches)``), one problem per (mesh, k).
     """
+    plan_mesh = mesh
+    if micro_batches > 1:
+        mesh = micro_mesh(mesh, micro_batches)
     builder = _Builder(sg, mesh, profile, only)
     infos = builder.infos()
     programs = [
@@ -427,21 +452,40 @@ def build_problem(
             strategies.append(Strategy(str(s), t, m))
         units.append(Unit(info.node.name, tuple(strategies)))
     edges, found = builder.edges(infos, programs)
-    problem = CostProblem(tuple(units), tuple(edges), mesh.size, tuple(mesh.shape))
-    return MeshProblem(problem, mesh, tuple(infos), tuple(programs), tuple(found), sg)
+    problem = CostProblem(tuple(units), tuple(edges), plan_mesh.size, tuple(plan_mesh.shape))
+    return MeshProblem(
+        problem, mesh, tuple(infos), tuple(programs), tuple(found), sg, micro_batches
+    )
+
+
+def issued(steps, mesh: Mesh, micro: int):
+    """The communicating steps of one conversion as ranks issue them per step:
+    (step, mesh axes, times per step). On a micro mesh (``micro`` > 1) an all-reduce over
+    the micro axis is issued once per step over its other axes (not at all when none
+    remain), the steps after it once per step, the steps before it once per micro-batch.
+    """
+    once = False
+    for cs in steps:
+        axes = cs.axes
+        if micro > 1 and cs.step.kind is CollectiveKind.ALL_REDUCE:
+            axes, summed = micro_axes(axes, mesh)
+            once = once or summed
+        if cs.communicates and axes:
+            yield cs, axes, 1 if once else micro
 
 
 def priced_collectives(mp: MeshProblem, choice: Sequence[int]) -> list[PricedCollective]:
-    """The collectives a choice's programs emit on each rank, as the cost model priced them."""
+    """The collectives a choice's programs emit on each rank, as the cost model priced them
+    (one entry per collective of the device graph; ``times``: issued per step)."""
     su = mp.sg.units
     out: list[PricedCollective] = []
 
     def add(value: ir.Value, have: Layout, need: Layout) -> None:
         isz = itemsize(value)
-        for cs in conversion_steps(have, need, static_shape(value), mp.mesh):
-            if cs.communicates:
-                nbytes = int(_numel(cs.in_shape)) * isz
-                out.append(PricedCollective(OP_TYPE[cs.step.kind], cs.axes, nbytes))
+        steps = conversion_steps(have, need, static_shape(value), mp.mesh)
+        for cs, axes, times in issued(steps, mp.mesh, mp.micro_batches):
+            nbytes = int(_numel(cs.in_shape)) * isz
+            out.append(PricedCollective(OP_TYPE[cs.step.kind], axes, nbytes, times))
 
     for k, unit in enumerate(su.units):
         program = mp.programs[k][choice[k]]
@@ -479,13 +523,20 @@ class Estimate:
 
 
 def estimate_plan(
-    sg: SearchGraph, roots: Mapping[str, MeshSharding], mesh: Mesh, profile: ClusterProfile
+    sg: SearchGraph,
+    roots: Mapping[str, MeshSharding],
+    mesh: Mesh,
+    profile: ClusterProfile,
+    micro_batches: int = 1,
 ) -> Estimate:
-    """Price one plan (a root strategy per unit) exactly as the search prices its points."""
-    mp = build_problem(sg, mesh, profile, only=roots)
+    """Price one plan (a root strategy per unit) exactly as the search prices its points.
+
+    ``micro_batches`` > 1: ``roots`` are strategies of the micro mesh
+    (``passes.micro.micro_roots``)."""
+    mp = build_problem(sg, mesh, profile, only=roots, micro_batches=micro_batches)
     choice = (0,) * len(mp.units)
     time_s, memory = mp.problem.evaluate(choice)
-    count = len(priced_collectives(mp, choice))
+    count = sum(c.times for c in priced_collectives(mp, choice))
     return Estimate(time_s, memory, count, profile.name)
 
 

@@ -19,6 +19,11 @@ _MESH_TEXT = re.compile(r"^\s*\d+(\s*x\s*\d+)*\s*$")
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+SEQUENTIAL_AXIS = "__micro__"
+"""The name of a mesh axis whose coordinates run one after another on each device (the
+micro-batches of a step, ``passes.micro``), never side by side: no data moves along it."""
+
+
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     """Axis names used when none are given: ``dp`` / ``dp, tp`` / ``m0, m1, ...``."""
     return _DEFAULT_NAMES.get(ndim, tuple(f"m{i}" for i in range(ndim)))
@@ -68,6 +73,12 @@ class Mesh:
     def ndim(self) -> int:
         """Number of mesh axes."""
         return len(self.shape)
+
+    @property
+    def sequential_axis(self) -> int | None:
+        """0 when the first axis is the :data:`SEQUENTIAL_AXIS` (the only place
+        ``passes.micro`` puts it), else None."""
+        return 0 if self.axis_names[0] == SEQUENTIAL_AXIS else None
 
     @property
     def size(self) -> int:

@@ -42,7 +42,7 @@ from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan, UnitStrategy
 from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
-from tensoropt.passes import pipeline
+from tensoropt.passes import micro, pipeline
 from tensoropt.passes.annotate import Annotation
 from tensoropt.passes.infra import CompileState
 from tensoropt.passes.partition import lower_for_rank
@@ -220,10 +220,18 @@ def compile_step(
     to_layouts, to_template = passes.split_after(pipeline.InsertRedistribution.name)
     state = to_layouts(CompileState.of_step(step, plan, data_axes)).state
     ann, annotated, layouts = state.annotation, state.annotated, state.layouts
+    if plan.micro_batches > 1:  # the files describe the plan's mesh, not the micro mesh
+        ann = micro.plan_mesh_view(ann, mesh)
+        layouts = {v: Layout(lay.placements[1:]) for v, lay in state.layouts.items()}
     completed = completed_plan(plan, ann)
     _sharding_annotations(annotated, ann, {})
     manifest = _manifest(step, ann, graph, layouts, {})  # global shapes: before localize
+    if plan.micro_batches > 1:
+        micro_layouts = {v: state.layouts[v] for v in graph.inputs}
     template = to_template(state).state.template
+    if plan.micro_batches > 1:
+        cut = micro.cut_of(template.proto)
+        micro.manifest_micro(manifest, graph, micro_layouts, cut)
     # Optimizer states start as zeros that the runtime makes (manifest "init": "zeros");
     # the reference step gets parameters and states fed, so it stores neither.
     _drop_initializers(template.proto.graph, set(sig.states))

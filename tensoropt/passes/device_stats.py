@@ -7,6 +7,7 @@ for the whole step, every other value from its producer to its last consumer.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import onnx
 from onnx import helper
 
 from tensoropt.ir.vocab import COLLECTIVE_DOMAIN, COMMUNICATING_KINDS
+from tensoropt.passes.micro import MICRO_KEY, PHASE_KEY, MicroCut, Phase
 
 _COLLECTIVE_OPS = frozenset(k.value for k in COMMUNICATING_KINDS)
 
@@ -36,6 +38,8 @@ class DeviceStats:
     param_shapes: dict[str, tuple[int, ...]]
     state_bytes: int
     peak_bytes: int
+    micro_batches: int = 1  # micro-batches per step (collectives of that phase count k x)
+    accumulated: int = 0  # values summed over the micro-batches
 
 
 def _value_info(graph: onnx.GraphProto) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -104,19 +108,22 @@ def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -
     info = _value_info(graph)
     groups: Counter = Counter()
     traffic: dict[tuple[str, tuple[int, ...]], float] = {}
+    cut = _micro_cut(model)
+    k = cut.batches if cut is not None else 1
     for node in graph.node:
         if node.domain != COLLECTIVE_DOMAIN or node.op_type not in _COLLECTIVE_OPS:
             continue
         group = tuple(_attr(node, "group", []))
         key = (node.op_type, group)
-        groups[key] += 1
+        times = k if _phase(node) == Phase.MICRO.value else 1  # issued per step
+        groups[key] += times
         sent = collective_bytes(
             node.op_type,
             _nbytes(info.get(node.input[0])),
             _nbytes(info.get(node.output[0])),
             len(group),
         )
-        traffic[key] = traffic.get(key, 0.0) + sent
+        traffic[key] = traffic.get(key, 0.0) + sent * times
     collectives = tuple(
         CollectiveStat(kind, group, count, traffic[(kind, group)])
         for (kind, group), count in sorted(groups.items())
@@ -129,4 +136,15 @@ def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -
         param_shapes={p: info[p][0] for p in params if p in info},
         state_bytes=sum(_nbytes(info.get(n)) for n in [*params, *states]),
         peak_bytes=_peak(graph, info),
+        micro_batches=k,
+        accumulated=len(cut.accumulate) if cut is not None else 0,
     )
+
+
+def _micro_cut(model: onnx.ModelProto) -> MicroCut | None:
+    raw = next((p.value for p in model.metadata_props if p.key == MICRO_KEY), None)
+    return None if raw is None else MicroCut.from_json(json.loads(raw))
+
+
+def _phase(node: onnx.NodeProto) -> str | None:
+    return next((p.value for p in node.metadata_props if p.key == PHASE_KEY), None)

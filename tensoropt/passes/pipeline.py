@@ -1,6 +1,8 @@
 """The compile pipeline's steps as passes (:mod:`tensoropt.passes.infra`).
 
-``build-training-step -> check-plan -> annotate -> insert-redistribution -> localize``.
+``build-training-step -> check-plan -> annotate -> insert-redistribution ->
+cut-micro-batches -> localize -> micro-template`` (the two micro passes change nothing
+when the plan has one micro-batch).
 Each pass wraps the existing function of that step; its ``requires`` / ``ensures``
 state what the step needs and promises. Lowering per rank is not a pass: it is a loop
 over ranks in :func:`tensoropt.passes.compile.compile_step`, cheap per rank, on the
@@ -14,6 +16,7 @@ test suite turns it on for every test by replacing :data:`DEFAULT_OPTIONS` (the 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,6 +26,7 @@ from tensoropt.ir.layout import Layout
 from tensoropt.passes.annotate import annotate
 from tensoropt.passes.infra import CompileState, Pass, PassManager, PassResult, Violation
 from tensoropt.passes.insert_redistribution import insert_redistribution
+from tensoropt.passes.micro import MICRO_KEY, annotate_micro, cut_phases, to_plan_mesh
 from tensoropt.passes.partition import localize
 from tensoropt.passes.plans import check_plan
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
@@ -88,7 +92,8 @@ class Annotate(Pass):
     def call(self, state: CompileState) -> PassResult:
         step = state.step
         assert step is not None and state.plan is not None
-        ann = annotate(state.model.graph, step.signature, state.plan, state.data_axes)
+        how = annotate if state.plan.micro_batches == 1 else annotate_micro
+        ann = how(state.model.graph, step.signature, state.plan, state.data_axes)
         annotated = ir.serde.serialize_model(state.model)  # before any conversion
         return PassResult(state.replace(annotation=ann, annotated=annotated), True)
 
@@ -136,6 +141,52 @@ class InsertRedistribution(Pass):
                         f"node {node.name!r} ({node.op_type}) input {i} ({value.name!r}) is "
                         f"{have} but its strategy needs {need}",
                     )
+
+
+@dataclass(frozen=True, slots=True)
+class CutMicroBatches(Pass):
+    """Micro-batched plans: every node tagged with its phase, all-reduces over the
+    micro axis rewritten for accumulation, the cut in the model's metadata."""
+
+    name: ClassVar[str] = "cut-micro-batches"
+
+    def requires(self, state: CompileState) -> None:
+        _need(state, "annotation", "layouts", "plan")
+        _absent(state, "template")
+
+    def call(self, state: CompileState) -> PassResult:
+        assert state.plan is not None and state.step is not None
+        k = state.plan.micro_batches
+        if k == 1:
+            return PassResult(state, False)
+        assert state.annotation is not None and state.layouts is not None
+        layouts = dict(state.layouts)
+        graph = state.model.graph
+        cut = cut_phases(graph, state.step.signature, state.annotation.mesh, layouts, k)
+        state.model.metadata_props[MICRO_KEY] = json.dumps(cut.to_json())
+        return PassResult(state.replace(layouts=layouts), True)
+
+
+@dataclass(frozen=True, slots=True)
+class MicroTemplate(Pass):
+    """Micro-batched plans: the micro-mesh template as the plan's ranks run it."""
+
+    name: ClassVar[str] = "micro-template"
+
+    def requires(self, state: CompileState) -> None:
+        _need(state, "template", "plan")
+
+    def call(self, state: CompileState) -> PassResult:
+        assert state.plan is not None and state.template is not None
+        if state.plan.micro_batches == 1:
+            return PassResult(state, False)
+        template = to_plan_mesh(state.template, state.plan.mesh, state.plan.micro_batches)
+        return PassResult(state.replace(template=template), True)
+
+    def ensures(self, state: CompileState) -> None:
+        assert state.plan is not None and state.template is not None
+        if state.template.mesh != state.plan.mesh:
+            raise Violation("ensures", "the template is not on the plan's mesh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,11 +241,19 @@ class PipelineOptions:
 # The options compile_step uses when its caller gives none (tests replace it to verify).
 DEFAULT_OPTIONS = PipelineOptions()
 
-FRONT_HALF = (CheckPlan(), Annotate(), InsertRedistribution(), Localize())
+FRONT_HALF = (
+    CheckPlan(),
+    Annotate(),
+    InsertRedistribution(),
+    CutMicroBatches(),
+    Localize(),
+    MicroTemplate(),
+)
 
 
 def front_half(options: PipelineOptions) -> PassManager:
-    """check-plan -> annotate -> insert-redistribution -> localize."""
+    """check-plan -> annotate -> insert-redistribution -> cut-micro-batches -> localize
+    -> micro-template."""
     return PassManager(FRONT_HALF, options.verifier())
 
 

@@ -188,7 +188,7 @@ def shaped_conversion_bytes(
     have: Layout, need: Layout, shape: tuple[int, ...], dtype: ir.DataType, mesh: Mesh
 ) -> float:
     """:func:`conversion_bytes` of a value of ``shape`` and ``dtype``."""
-    return _conversion_bytes(have, need, shape, dtype, mesh.shape)
+    return _conversion_bytes(have, need, shape, dtype, mesh.shape, mesh.sequential_axis)
 
 
 # Every candidate's scoring asks for these: functools' LRU (in C) is bounded like the
@@ -197,7 +197,12 @@ def shaped_conversion_bytes(
 # more CPU on GPT-2-medium).
 @functools.lru_cache(maxsize=200_000)
 def _conversion_bytes(
-    have: Layout, need: Layout, shape: tuple[int, ...], dtype: ir.DataType, mesh_shape
+    have: Layout,
+    need: Layout,
+    shape: tuple[int, ...],
+    dtype: ir.DataType,
+    mesh_shape,
+    sequential: int | None = None,
 ) -> float:
     itemsize = max(1, int(np.ceil(dtype.itemsize)))
     size = float(math.prod(shape)) * itemsize
@@ -210,6 +215,8 @@ def _conversion_bytes(
         frac = (n - 1) / n
         if a == b or (isinstance(a, Replicate) and not isinstance(b, Partial)):
             continue
+        if axis == sequential and (isinstance(a, Shard) or isinstance(b, Shard)):
+            return math.inf  # the pieces of a sequential axis never coexist: no exchange
         if isinstance(a, Replicate):
             # R->P is free locally, but it only defers an all-reduce; charge one so that
             # propagation reduces where the partial sums meet replicated values.

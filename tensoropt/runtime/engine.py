@@ -21,11 +21,13 @@ from tensoropt.errors import OutputDirError, TensorOptError
 from tensoropt.runtime.comm import LocalWorld
 from tensoropt.runtime.external import load_graph, read_initializer
 from tensoropt.runtime.manifest import InputInfo, InputInit, Manifest, block_of
+from tensoropt.runtime.micro import PhasedPlan, accumulate, micro_feeds, split_phases
 from tensoropt.runtime.profiling import StepClock, now
 from tensoropt.runtime.program import RankProgram, SessionConfig, check_collective_order
 from tensoropt.runtime.split import SplitPlan, shared_weights, split_graph
 
 Feeds = Mapping[str, np.ndarray]
+RankPlan = SplitPlan | PhasedPlan  # a plain step, or a micro-batched one
 
 
 class Engine(Protocol):
@@ -52,14 +54,19 @@ def fed_names(manifest: Manifest) -> set[str]:
     return set(manifest.inputs)
 
 
-def split_rank(manifest: Manifest, model: onnx.ModelProto, rank: int) -> SplitPlan:
-    """Split one rank's graph; its shared constants are read once from OUTDIR."""
+def split_rank(manifest: Manifest, model: onnx.ModelProto, rank: int) -> RankPlan:
+    """Split one rank's graph; its shared constants are read once from OUTDIR.
+
+    A micro-batched step splits into its two phases (``runtime.micro``)."""
     fed = fed_names(manifest)
     weights = shared_weights(model, fed, manifest.outdir)
+    if manifest.micro is not None:
+        dims = {i.name: i.micro_dim for i in manifest.inputs.values() if i.micro_dim is not None}
+        return split_phases(model, rank, manifest.world_size, fed, weights, manifest.micro, dims)
     return split_graph(model, rank, manifest.world_size, fed, weights)
 
 
-def split_all(manifest: Manifest, models: Mapping[int, onnx.ModelProto]) -> dict[int, SplitPlan]:
+def split_all(manifest: Manifest, models: Mapping[int, onnx.ModelProto]) -> dict[int, RankPlan]:
     """Split every given rank's graph and run the cross-rank pre-check."""
     plans = {r: split_rank(manifest, m, r) for r, m in models.items()}
     check_collective_order({r: p.collectives for r, p in plans.items()})
@@ -101,12 +108,21 @@ def local_shape(info: InputInfo, manifest: Manifest, rank: int) -> tuple[int, ..
 class LocalEngine:
     """Every rank in this process, run in lockstep; deterministic."""
 
-    def __init__(self, plans: Mapping[int, SplitPlan], config: SessionConfig | None = None):
+    def __init__(self, plans: Mapping[int, RankPlan], config: SessionConfig | None = None):
         sessions = sum(p.num_segments for p in plans.values())
         config = (config or SessionConfig()).for_sessions(sessions)
-        self._programs = {r: RankProgram(plans[r], config) for r in sorted(plans)}
         self._world = LocalWorld(len(plans))
-        _check_lockstep(plans)
+        self._phased = _phased(plans)
+        if self._phased is None:
+            self._programs = {r: RankProgram(plans[r], config) for r in sorted(plans)}  # type: ignore[arg-type]
+            _check_lockstep(plans)  # type: ignore[arg-type]
+        else:
+            micro = {r: p.micro for r, p in self._phased.items()}  # type: ignore[union-attr]
+            step = {r: p.step for r, p in self._phased.items()}  # type: ignore[union-attr]
+            _check_lockstep(micro)
+            _check_lockstep(step)
+            self._micro = {r: RankProgram(micro[r], config) for r in sorted(plans)}
+            self._programs = {r: RankProgram(step[r], config) for r in sorted(plans)}
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -117,13 +133,31 @@ class LocalEngine:
         return True
 
     def step(self, feeds: Mapping[int, Feeds]) -> dict[int, dict[str, np.ndarray]]:
-        envs = {r: p.begin(feeds[r]) for r, p in self._programs.items()}
-        first = next(iter(self._programs.values()))
+        if self._phased is None:
+            return self._lockstep(self._programs, feeds)
+        first = self._phased[min(self._phased)]
+        cut, dims = first.cut, first.micro_dims
+        totals: dict[int, dict[str, np.ndarray]] = {r: {} for r in self._programs}
+        for m in range(cut.batches):
+            parts = {r: micro_feeds(feeds[r], cut, dims, m) for r in self._programs}
+            outs = self._lockstep(self._micro, parts)
+            for r in self._programs:
+                accumulate(totals[r], outs[r], cut)
+            del parts, outs
+        rest = {r: {n: v for n, v in feeds[r].items() if n not in dims} for r in feeds}
+        return self._lockstep(self._programs, {r: {**rest[r], **totals[r]} for r in rest})
+
+    def _lockstep(
+        self, programs: Mapping[int, RankProgram], feeds: Mapping[int, Feeds]
+    ) -> dict[int, dict[str, np.ndarray]]:
+        """One run of ``programs`` (one per rank), stage by stage on every rank."""
+        envs = {r: p.begin(feeds[r]) for r, p in programs.items()}
+        first = next(iter(programs.values()))
         for i in range(first.num_stages):
-            for r, p in self._programs.items():
+            for r, p in programs.items():
                 p.run_segment(i, envs[r])
             for j in range(len(first.plan.stages[i].collectives)):
-                calls = {r: p.plan.stages[i].collectives[j] for r, p in self._programs.items()}
+                calls = {r: p.plan.stages[i].collectives[j] for r, p in programs.items()}
                 t0 = now()
                 outs = self._world.run_batched(
                     calls, {r: envs[r][c.input] for r, c in calls.items()}
@@ -131,25 +165,37 @@ class LocalEngine:
                 for r, c in calls.items():
                     envs[r][c.output] = outs[r]
                 self._add_comm(now() - t0)
-                for r, p in self._programs.items():
+                for r, p in programs.items():
                     p.release_input(i, j, envs[r])
-            for r, p in self._programs.items():
+            for r, p in programs.items():
                 p.release(i, envs[r])
-        return {r: p.finish(envs[r]) for r, p in self._programs.items()}
+        return {r: p.finish(envs[r]) for r, p in programs.items()}
 
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         return dict(per_rank)
 
     def enable_profiling(self) -> dict[int, StepClock]:
         """One clock per rank; a batched collective counts for every rank (lockstep)."""
-        for p in self._programs.values():
+        for r, p in self._programs.items():
             p.clock = StepClock()
-        return {r: p.clock for r, p in self._programs.items()}
+            if self._phased is not None:
+                self._micro[r].clock = p.clock
+        return {r: p.clock for r, p in self._programs.items()}  # type: ignore[misc]
 
     def _add_comm(self, seconds: float) -> None:
         for p in self._programs.values():
             if p.clock is not None:
                 p.clock.add_comm(seconds)
+
+
+def _phased(plans: Mapping[int, RankPlan]) -> dict[int, PhasedPlan] | None:
+    """The plans if every rank's step is micro-batched, None if none is."""
+    phased = {r: p for r, p in plans.items() if isinstance(p, PhasedPlan)}
+    if not phased:
+        return None
+    if len(phased) != len(plans):
+        raise TensorOptError("some ranks' steps are micro-batched and some not; recompile")
+    return phased
 
 
 def _check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
@@ -168,7 +214,7 @@ def _check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
 class MpiEngine:
     """This process's single MPI rank."""
 
-    def __init__(self, plan: SplitPlan, comm: Any = None, config: SessionConfig | None = None):
+    def __init__(self, plan: RankPlan, comm: Any = None, config: SessionConfig | None = None):
         from tensoropt.runtime.mpi_comm import MpiCommunicator
 
         self.comm = MpiCommunicator(comm)
@@ -178,7 +224,12 @@ class MpiEngine:
         check_collective_order(dict(enumerate(orders)))
         self.comm.prepare({c.group for calls in orders for c in calls})
         config = (config or SessionConfig()).for_sessions(plan.num_segments)
-        self._program = RankProgram(plan, config)
+        self._phased = plan if isinstance(plan, PhasedPlan) else None
+        if isinstance(plan, PhasedPlan):
+            self._micro = RankProgram(plan.micro, config)
+            self._program = RankProgram(plan.step, config)
+        else:
+            self._program = RankProgram(plan, config)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -190,10 +241,22 @@ class MpiEngine:
 
     def step(self, feeds: Mapping[int, Feeds]) -> dict[int, dict[str, np.ndarray]]:
         rank = self.comm.rank
-        return {rank: self._program.run(feeds[rank], self.comm)}
+        mine = feeds[rank]
+        if self._phased is None:
+            return {rank: self._program.run(mine, self.comm)}
+        cut, dims = self._phased.cut, self._phased.micro_dims
+        total: dict[str, np.ndarray] = {}
+        for m in range(cut.batches):
+            outs = self._micro.run(micro_feeds(mine, cut, dims, m), self.comm)
+            accumulate(total, outs, cut)
+            del outs
+        rest = {n: v for n, v in mine.items() if n not in dims}
+        return {rank: self._program.run({**rest, **total}, self.comm)}
 
     def enable_profiling(self) -> dict[int, StepClock]:
         self._program.clock = StepClock()
+        if self._phased is not None:
+            self._micro.clock = self._program.clock
         return {self.comm.rank: self._program.clock}
 
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:

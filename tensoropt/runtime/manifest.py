@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from tensoropt.errors import OutputDirError
+from tensoropt.passes.micro import MicroCut
 
 MANIFEST_SCHEMA = "tensoropt.manifest/1"
 _RECOMPILE = "recompile it with `tensoropt compile`"
@@ -54,6 +55,7 @@ class InputInfo:
     placements: tuple[str, ...]
     high: int | None = None  # exclusive upper bound for synthetic integer data
     init: InputInit | None = None  # set: no initializer in the device graphs
+    micro_dim: int | None = None  # the dim of the rank's piece split into micro-batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ class Manifest:
     step: Mapping[str, Any]
     inputs: Mapping[str, InputInfo]
     sha256: str  # of manifest.json itself (ties checkpoints to this compile)
+    micro: MicroCut | None = None  # micro-batched steps: the phase cut (passes.micro)
 
     def inputs_of(self, *kinds: InputKind) -> list[InputInfo]:
         return [info for info in self.inputs.values() if info.kind in kinds]
@@ -194,6 +197,7 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
             placements=tuple(e.get("placements", ["R"] * len(mesh["shape"]))),
             high=None if high is None else int(high),
             init=None if e.get("init") is None else InputInit(e["init"]),
+            micro_dim=None if e.get("micro_dim") is None else int(e["micro_dim"]),
         )
     return Manifest(
         outdir=outdir,
@@ -204,6 +208,7 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
         step=raw.get("step", {}),
         inputs=inputs,
         sha256=digest,
+        micro=None if raw.get("micro") is None else MicroCut.from_json(raw["micro"]),
     )
 
 
@@ -252,10 +257,18 @@ def block_of(
 
 
 def shard(array: np.ndarray, info: InputInfo, manifest: Manifest, rank: int) -> np.ndarray:
-    """This rank's piece of a global array (a contiguous copy)."""
+    """This rank's piece of a global array (a contiguous copy).
+
+    An input split into micro-batches (``micro_dim``): dim ``micro_dim`` of the global
+    array splits into one chunk per micro-batch, and the rank's piece is its piece of
+    each chunk, in micro-batch order (``runtime.micro`` splits it back)."""
     coords = manifest.ranks[rank].coords
-    block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
-    return np.ascontiguousarray(array[block])
+    if info.micro_dim is None or manifest.micro is None:
+        block = block_of(info.global_shape, info.placements, manifest.mesh_shape, coords)
+        return np.ascontiguousarray(array[block])
+    chunks = np.split(array, manifest.micro.batches, axis=info.micro_dim)
+    block = block_of(chunks[0].shape, info.placements, manifest.mesh_shape, coords)
+    return np.concatenate([c[block] for c in chunks], axis=info.micro_dim)
 
 
 def assemble(pieces: Mapping[int, np.ndarray], info: InputInfo, manifest: Manifest) -> np.ndarray:

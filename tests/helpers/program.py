@@ -33,8 +33,7 @@ def graph_of(path: str | Path, optimizer: str = "sgd"):
     return search_graph(search_args(path, optimizer))
 
 
-def emitted(model: onnx.ModelProto) -> Counter:
-    """(kind, group, input bytes) of every collective of one device graph."""
+def _sizes(model: onnx.ModelProto) -> dict[str, int]:
     shapes = {}
     for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
         tt = vi.type.tensor_type
@@ -48,12 +47,25 @@ def emitted(model: onnx.ModelProto) -> Counter:
         for d in t.dims:
             size *= d
         shapes[t.name] = size * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return shapes
+
+
+def emitted(model: onnx.ModelProto) -> Counter:
+    """(kind, group, input bytes) of every collective of one device graph."""
+    return emitted_per_step(model, 1)
+
+
+def emitted_per_step(model: onnx.ModelProto, k: int) -> Counter:
+    """:func:`emitted` counted as a rank issues them in one step: on a micro-batched
+    device graph, those of the micro phase once per micro-batch (``k``)."""
+    shapes = _sizes(model)
     found = Counter()
     for node in model.graph.node:
         if node.domain != "ai.tensoropt" or node.op_type not in COLLECTIVES:
             continue
         group = next(tuple(a.ints) for a in node.attribute if a.name == "group")
-        found[(node.op_type, group, shapes[node.input[0]])] += 1
+        phase = next((p.value for p in node.metadata_props if p.key == "tensoropt.phase"), None)
+        found[(node.op_type, group, shapes[node.input[0]])] += k if phase == "micro" else 1
     return found
 
 
@@ -63,3 +75,12 @@ def priced(mp: MeshProblem, choice, rank: int = 0) -> Counter:
         (c.kind, tuple(group_over(mp.mesh, rank, list(c.axes))), c.in_bytes)
         for c in priced_collectives(mp, choice)
     )
+
+
+def priced_per_step(mp: MeshProblem, choice, rank: int = 0) -> Counter:
+    """:func:`priced` counted per step (``PricedCollective.times``). On a micro mesh the
+    groups are those of micro index 0, whose ranks are the plan mesh's."""
+    found = Counter()
+    for c in priced_collectives(mp, choice):
+        found[(c.kind, tuple(group_over(mp.mesh, rank, list(c.axes))), c.in_bytes)] += c.times
+    return found

@@ -159,7 +159,9 @@ def test_the_full_pipeline_fills_the_state_in_order():
         "check-plan",
         "annotate",
         "insert-redistribution",
+        "cut-micro-batches",
         "localize",
+        "micro-template",
     )
 
 

@@ -10,7 +10,10 @@ torch.onnx export of GPT-2) on meshes 2, 4 and 2x2:
 - for the fastest, a middle and the least-memory point, the plan is compiled for real
   and the collectives found in the device files of the first and the last rank
   (kind, group of ranks, input bytes) equal the priced ones for that rank;
-- the estimate that ``tensoropt compile --pick`` reports equals the search point's.
+- the estimate that ``tensoropt compile --pick`` reports equals the search point's;
+- micro-batched (k = 2, zoo models): for the same points compiled with
+  ``micro_batches`` 2, the collectives priced per step (k x those of the micro phase,
+  once those of the step phase) equal those the device files issue per step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 
 from tensoropt.cli.common import build_step
 from tensoropt.cost.cluster import builtin
-from tensoropt.cost.model import build_problem, priced_collectives
+from tensoropt.cost.model import build_problem, priced_collectives, search_graph_of
 from tensoropt.ir.builder import static_shape
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
@@ -149,3 +152,30 @@ def test_compile_reports_the_estimate_of_the_picked_point(models, spec, tmp_path
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["estimate"] == estimate
         assert os.path.exists(out / "plan.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["2", "2x2"])
+@pytest.mark.parametrize("name", ["gpt", "bert"])  # the export's batch of 2 splits once
+def test_micro_batched_points_issue_what_was_priced_per_step(models, name, spec, tmp_path):
+    import dataclasses
+
+    from tensoropt.passes.micro import micro_roots
+    from tests.helpers.program import emitted_per_step, priced_per_step
+
+    sg, mp, points = _problem(models[name], spec)
+    last = mp.mesh.size - 1
+    for k in sorted({0, len(points) // 2, len(points) - 1}):
+        plan = plan_from_choice(_search_of(mp), points[k].choice, "test")
+        plan = dataclasses.replace(plan, micro_batches=2)
+        step = build_step(search_args(models[name]))
+        micro_sg = search_graph_of(step)
+        roots, _ = micro_roots(micro_sg.graph, micro_sg.signature, plan, None)
+        micro = build_problem(micro_sg, mp.mesh, builtin("h100"), roots, micro_batches=2)
+        choice = (0,) * len(micro.units)
+        want = {r: priced_per_step(micro, choice, r) for r in (0, last)}
+        out = tmp_path / f"p{k}"
+        compile_step(step, plan, None, str(out))
+        for rank in (0, last):
+            device = onnx.load(str(out / f"device_{rank}.onnx"), load_external_data=False)
+            assert emitted_per_step(device, 2) == want[rank], (name, spec, k, rank)

@@ -8,7 +8,9 @@ last dim) are never sharded. A data dim and an indices dim share a factor only w
 sizes are equal (then position p means the same thing on both).
 
 All five are linear in their data operands: Gather* with data ``P`` and indices ``R``;
-Scatter* (reduction none/add) with data and updates both ``P``.
+Scatter* (reduction none/add) with data and updates both ``P``. ScatterND with reduction
+``add`` may also split its updates' leading dims with the matching indices dims: the
+output is then ``P`` (each shard adds its updates) and the data ``P``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tensoropt.rules.sharding.base import (
     FactorSpec,
     Labels,
     OpView,
+    Reduction,
     ShardingRule,
     norm_axis,
     partial_strategy,
@@ -69,6 +72,17 @@ def _scatter_nd_spec(op: OpView) -> FactorSpec:
     k = idx[-1]
     trailing = tuple(f"d{d}" for d in range(k, len(data)))
     ldata = (None,) * k + trailing
+    if op.attr("reduction", "none") == "add":
+        # Each update adds into the output on its own, so the updates (and their
+        # indices) may be split: every shard scatters its part, the sum is the whole.
+        lead = tuple(f"n{d}" for d in range(len(idx) - 1))
+        return FactorSpec(
+            (ldata, (*lead, None), lead + trailing),
+            (ldata,),
+            reduce={f: Reduction.SUM for f in lead},
+            additive=frozenset({0}),
+            partial=_scatter_linear(op),
+        )
     lupd = (None,) * (len(idx) - 1) + trailing
     lidx = (None,) * len(idx)
     return FactorSpec((ldata, lidx, lupd), (ldata,), partial=_scatter_linear(op))

@@ -1,0 +1,149 @@
+"""Micro-batched steps on both backends, with checkpoints and the CLI.
+
+The MPI backend runs the same k micro-steps per step as the local one (real mpirun
+processes) and gives bit-identical losses and parameters; a checkpoint is taken between
+steps, so resuming equals an uninterrupted run; ``compile --micro-batches`` applies to
+built-in plans and plan files and refuses what it cannot compile in one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tensoropt.models import build_model
+from tensoropt.models.io import save_model
+from tensoropt.runtime import checkpoint as ckpt
+from tensoropt.runtime.run import run_steps
+from tests.cli.cli_run import cli
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro") / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    return path
+
+
+def _compile(capsys, model, out, *extra):
+    result = cli(capsys, "compile", model, "-o", out, *extra)
+    assert result.code == 0, result.err
+    return out
+
+
+def _same(a, b):
+    assert a.losses == b.losses
+    assert a.params.keys() == b.params.keys()
+    for name, value in a.params.items():
+        np.testing.assert_array_equal(b.params[name], value, err_msg=name)
+    for name, value in a.states.items():
+        np.testing.assert_array_equal(b.states[name], value, err_msg=name)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("mesh", "plan", "k"),
+    [("2", "megatron", 2), pytest.param("2x2", "data-parallel", 2, marks=pytest.mark.slow)],
+)
+def test_mpi_runs_the_micro_steps_like_local(gpt, mesh, plan, k, tmp_path, capsys):
+    devices = 4 if "x" in mesh else 2
+    out = _compile(
+        capsys, gpt, tmp_path / "out", "--devices", devices, "--mesh", mesh, "--plan", plan,
+        "--micro-batches", k,
+    )  # fmt: skip
+    mpi = run_steps(out, 3, backend="mpi", verify=True)
+    local = run_steps(out, 3, backend="local")
+    assert mpi.verify is not None and mpi.verify.ok, mpi.verify.to_json()
+    _same(local, mpi)
+
+
+def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
+    out = _compile(capsys, gpt, tmp_path / "out", "--devices", 2, "--micro-batches", 2)
+    full = run_steps(out, 4)
+    run_steps(out, 2, checkpoint=tmp_path / "ck")
+    assert ckpt.latest_common_step(tmp_path / "ck", 2) == 2
+    resumed = run_steps(out, 4, checkpoint=tmp_path / "ck", resume=True)
+    assert resumed.start_step == 2
+    _same(full, resumed)
+
+
+def test_save_params_are_full_and_keyed_as_without_micro_batches(gpt, tmp_path, capsys):
+    plain = _compile(capsys, gpt, tmp_path / "plain", "--devices", 2, "--plan", "megatron")
+    micro = _compile(
+        capsys, gpt, tmp_path / "micro", "--devices", 2, "--plan", "megatron",
+        "--micro-batches", 4,
+    )  # fmt: skip
+    for out, npz in ((plain, "plain.npz"), (micro, "micro.npz")):
+        result = cli(capsys, "run", out, "--steps", 2, "--save-params", tmp_path / npz)
+        assert result.code == 0, result.err
+    a, b = np.load(tmp_path / "plain.npz"), np.load(tmp_path / "micro.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+        assert a[key].shape == b[key].shape
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_plan_file_value_is_overridden_and_recorded(gpt, tmp_path, capsys):
+    first = _compile(capsys, gpt, tmp_path / "a", "--devices", 2, "--micro-batches", 2)
+    plan = json.loads((first / "plan.json").read_text())
+    assert plan["micro_batches"] == 2
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    again = _compile(capsys, gpt, tmp_path / "b", "--devices", 2, "--plan", tmp_path / "plan.json")
+    assert json.loads((again / "manifest.json").read_text())["micro"]["batches"] == 2
+    over = _compile(
+        capsys, gpt, tmp_path / "c", "--devices", 2, "--plan", tmp_path / "plan.json",
+        "--micro-batches", 4,
+    )  # fmt: skip
+    assert json.loads((over / "plan.json").read_text())["micro_batches"] == 4
+    one = _compile(
+        capsys, gpt, tmp_path / "d", "--devices", 2, "--plan", tmp_path / "plan.json",
+        "--micro-batches", 1,
+    )  # fmt: skip
+    assert "micro" not in json.loads((one / "manifest.json").read_text())
+    assert "micro_batches" not in json.loads((one / "plan.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--micro-batches", 3), "--micro-batches 3 does not divide the batch: input "),
+        (("--micro-batches", 0), "--micro-batches '0': expected an integer >= 1"),
+        (("--micro-batches", "two"), "--micro-batches 'two': expected an integer >= 1"),
+    ],
+)
+def test_bad_micro_batches_exit_2_with_one_line(gpt, tmp_path, capsys, args, message):
+    result = cli(capsys, "compile", gpt, "--devices", 2, "-o", tmp_path / "out", *args)
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_op_that_needs_the_whole_batch_exits_2_naming_it(tmp_path, capsys):
+    model = tmp_path / "vgg.onnx"
+    save_model(build_model("vgg16", "tiny"), str(model))
+    result = cli(
+        capsys, "compile", model, "--devices", 2, "--micro-batches", 2, "-o", tmp_path / "out"
+    )
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and "(MaxPool) needs the whole batch" in lines[0], result.err
+
+
+def test_inspect_shows_micro_batches_and_per_step_collectives(gpt, tmp_path, capsys):
+    out = _compile(
+        capsys, gpt, tmp_path / "out", "--devices", 2, "--plan", "megatron",
+        "--micro-batches", 2,
+    )  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    result = cli(capsys, "inspect", out)
+    assert result.code == 0, result.err
+    assert result.out.count("micro-batches: 2 per step") == 2  # one line per device
+    result = cli(capsys, "inspect", out, "--json")
+    devices = json.loads(result.out)["devices"]
+    per_step = manifest["estimate"]["collectives_per_device"]
+    for device in devices:
+        assert device["micro_batches"] == 2
+        assert sum(c["count"] for c in device["collectives"]) == per_step
