@@ -25,7 +25,7 @@ from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation
-from tensoropt.passes.units import conversion_steps
+from tensoropt.passes.units import Phase, conversion_steps, read_phase
 
 DOMAIN = "ai.tensoropt"
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
@@ -173,7 +173,9 @@ class _Inserter:
                 made = value.producer() is not None and self.su.unit_of.get(value.producer()) == k
                 src = value if made else self.view(value, k, node)
                 if self.layouts[src] != need:
-                    key = (value, k, need)
+                    # a ZeRO-3 parameter is gathered for its forward and its backward reads
+                    regather = (value, k) in self.ann.regather
+                    key = (value, k, need, read_phase(node) if regather else Phase.ANY)
                     if key not in self.cache:
                         self.cache[key] = self.convert(src, need, node, unit)
                     src = self.cache[key]
@@ -189,7 +191,7 @@ class _Inserter:
                 continue
             producer = value.producer()
             k = self.su.unit_of.get(producer) if producer is not None else None
-            key = (value, k, need)
+            key = (value, k, need, Phase.ANY)
             converted = self.cache.get(key)
             if converted is None:
                 unit = self.su.units[k].root.name if k is not None else "outputs"
