@@ -40,6 +40,7 @@ from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.units import (
@@ -183,6 +184,23 @@ class _Pricer:
         return found
 
 
+def param_bytes(elements: float, shard: float, states: int, isz: int, zero: ZeroStage) -> float:
+    """Resident bytes of one parameter of ``elements`` local elements (``shard`` of them
+    in its ZeRO shard) with ``states`` optimizer states each.
+
+    The step holds the parameter and its gradient, the new parameter it returns, and
+    each optimizer state twice (in and out): the emitted graph has no in-place update
+    (measured: docs/design/measured.md). ZeRO 1 and 2 keep the states as shards; ZeRO 3
+    also the parameter in and out, and one full-size buffer stands for the gradient and
+    the gathered copies of the parameter (transients of the unit's own forward and
+    backward; docs/design/memory-axes.md states the bound)."""
+    if zero is ZeroStage.NONE:
+        return elements * isz * (3 + 2 * states)
+    if zero is ZeroStage.PARAMETERS:
+        return (elements + shard * (2 + 2 * states)) * isz
+    return (elements * 3 + shard * 2 * states) * isz
+
+
 def _numel(shape) -> float:
     return float(np.prod(shape, dtype=np.float64)) if shape is not None else 0.0
 
@@ -227,7 +245,15 @@ def unit_strategies(sg: SearchGraph, mesh: Mesh, k: int) -> tuple[MeshSharding, 
 
 
 class _Builder:
-    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile, only):
+    def __init__(
+        self,
+        sg: SearchGraph,
+        mesh: Mesh,
+        profile: ClusterProfile,
+        only,
+        zero: Mapping[str, ZeroStage] | None = None,
+    ):
+        self.zero = dict(zero or {})
         self.sg = sg
         self.su = sg.units
         self.mesh = mesh
@@ -257,7 +283,7 @@ class _Builder:
 
     def unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
         unit = self.su.units[k]
-        key = (unit.key, strategy, self._signature(k))
+        key = (unit.key, strategy, self._signature(k), program.zero)
         found = self.unit_cache.get(key)
         if found is None:
             found = self.unit_cache[key] = self._unit(k, strategy, program)
@@ -301,20 +327,25 @@ class _Builder:
         in_grid = grid_update_slots(unit.root.op_type, self.pricer.profile)
         grid_slots = {unit.root.inputs[i] for i in in_grid if i < len(unit.root.inputs)} - {None}
         states = self.sg.optimizer_states
+        sharded = {z.index: z for z in program.shards}
         for x, value in enumerate(unit.externals):
             if unit.kinds[x] is not Entry.PARAM or self.su.owner.get(value.name) != k:
                 continue
-            shard = local_shape(static_shape(value), program.entries[x], self.mesh, value.name)
-            elements = _numel(shard)
             isz = itemsize(value)
-            # The step holds the parameter and its gradient, the new parameter it returns,
-            # and each optimizer state twice (in and out): the emitted graph has no
-            # in-place update (measured: docs/design/measured.md).
-            memory += elements * isz * (3 + 2 * states)
-            update = update_time(elements, states, isz, self.pricer.profile)
+            z = sharded.get(x)
+            use = program.entries[x] if z is None else z.use
+            elements = _numel(local_shape(static_shape(value), use, self.mesh, value.name))
+            updated = elements
+            if z is None:
+                memory += param_bytes(elements, elements, states, isz, ZeroStage.NONE)
+            else:
+                updated = _numel(local_shape(static_shape(value), z.shard, self.mesh))
+                memory += param_bytes(elements, updated, states, isz, program.zero)
+            update = update_time(updated, states, isz, self.pricer.profile)
             if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
                 held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
-                update = max(update - held, 0.0)
+                # ZeRO: the update runs on the shard, the grid entry held the whole one
+                update = update - held if z is not None else max(update - held, 0.0)
             seconds += update
         return seconds, memory
 
@@ -391,16 +422,22 @@ def build_problem(
     mesh: Mesh,
     profile: ClusterProfile,
     only: Mapping[str, MeshSharding] | None = None,
+    zero: Mapping[str, ZeroStage] | None = None,
 ) -> MeshProblem:
     """The cost problem of ``sg`` on ``mesh`` (see the module doc).
 
     ``only``: price just these root strategies (unit name -> strategy), one per unit: the
-    problem of one plan, whose single choice is all zeros.
+    problem of one plan, whose single choice is all zeros. ``zero``: the ZeRO stage of
+    units (unit name -> stage; absent: none), applied to each of their strategies.
     """
-    builder = _Builder(sg, mesh, profile, only)
+    builder = _Builder(sg, mesh, profile, only, zero)
     infos = builder.infos()
+    stage = builder.zero
     programs = [
-        tuple(builder.programs.program(k, s) for s in info.strategies)
+        tuple(
+            builder.programs.program(k, s, stage.get(info.node.name, ZeroStage.NONE))
+            for s in info.strategies
+        )
         for k, info in enumerate(infos)
     ]
     units = []
@@ -463,10 +500,15 @@ class Estimate:
 
 
 def estimate_plan(
-    sg: SearchGraph, roots: Mapping[str, MeshSharding], mesh: Mesh, profile: ClusterProfile
+    sg: SearchGraph,
+    roots: Mapping[str, MeshSharding],
+    mesh: Mesh,
+    profile: ClusterProfile,
+    zero: Mapping[str, ZeroStage] | None = None,
 ) -> Estimate:
-    """Price one plan (a root strategy per unit) exactly as the search prices its points."""
-    mp = build_problem(sg, mesh, profile, only=roots)
+    """Price one plan (a root strategy per unit, ``zero``: the ZeRO stage of the units that
+    use it) exactly as the search prices its points."""
+    mp = build_problem(sg, mesh, profile, only=roots, zero=zero)
     choice = (0,) * len(mp.units)
     time_s, memory = mp.problem.evaluate(choice)
     count = len(priced_collectives(mp, choice))
