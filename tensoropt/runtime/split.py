@@ -20,7 +20,8 @@ ASAP batch (communication is not delayed), except a ZeRO-3 parameter's all-gathe
 (tagged ``ZERO_GATHER_KEY``): each runs after the segment of the compute nodes before
 it in graph order (the compiler places it just before its first reader), so that a
 gathered parameter lives from just before its reads to its last reader, not from the
-step's start, at the price of a segment boundary per gather. Compute nodes are then
+step's start, at the price of a segment boundary per gather; the readers of a gather
+stay in the segment right after it. Compute nodes are then
 moved as late as their consumers allow (the smallest level of any consumer; nodes
 that only feed graph outputs stay put), which keeps the segment count: a node that
 does not feed a
@@ -183,15 +184,18 @@ def zero_gather(node: NodeProto) -> bool:
 
 
 def _as_late_as_possible(graph: GraphProto, level: list[int]) -> None:
-    """Move compute nodes to the smallest level of their consumers (in place).
+    """Move compute nodes to the smallest level of their consumers (in place), except the
+    readers of a ZeRO-3 parameter's gather.
 
     A compute consumer at segment L needs its input made in a segment <= L; a
     collective of batch L needs it made in a segment <= L. Visiting nodes in reverse
     graph order sees every consumer's final level first."""
     first_use: dict[str, int] = {}
+    # a reader of a gathered ZeRO-3 parameter stays right after its gather
+    gathered = {o for node in graph.node if zero_gather(node) for o in node.output}
     for i in range(len(graph.node) - 1, -1, -1):
         node = graph.node[i]
-        if not is_collective(node):
+        if not is_collective(node) and not gathered.intersection(node.input):
             uses = [first_use[o] for o in node.output if o in first_use]
             if uses:
                 level[i] = max(level[i], min(uses))
