@@ -119,3 +119,45 @@ def test_zero3_gathers_run_just_before_their_readers(tmp_path):
             freed = [j for j, s in enumerate(plan.stages) if call.output in s.release]
             assert freed == [max(readers)], call.node_name
     assert len(batches) > len(tagged) // 4  # spread over the step, not in one batch
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_zero3_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
+    """A real kill: mpirun with ZeRO-3 shards is SIGKILLed once every rank has
+    checkpointed step 2; ``--resume`` then ends three steps later with the losses and
+    parameters of a run that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tensoropt.runtime.checkpoint import latest_common_step
+
+    out = tmp_path / "out"
+    compile_zero(build_model("mlp", "tiny"), "data-parallel", "2", 3, out, ADAM)
+    ck = tmp_path / "ck"
+    argv = [sys.executable, "-m", "tensoropt", "run", str(out), "--steps", "100000",
+            "--backend", "mpi", "--checkpoint", str(ck)]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (latest_common_step(ck, 2) or 0) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint of step 2 within 120 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # the ranks die with their launcher, a moment after it: wait for the files to settle
+    seen = None
+    while seen != (seen := sorted(os.listdir(ck))):
+        time.sleep(1.0)
+    done = latest_common_step(ck, 2)
+    assert done is not None and done >= 2
+    full = run_steps(out, done + 3, "mpi")
+    resumed = run_steps(out, done + 3, "mpi", checkpoint=ck, resume=True)
+    assert resumed.start_step == done
+    _same(full, resumed)
