@@ -23,7 +23,7 @@ from tensoropt.cli.common import build_step
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import build_problem, estimate_plan, priced_collectives, search_graph_of
 from tensoropt.ir.builder import static_shape
-from tensoropt.ir.layout import Shard, local_shape
+from tensoropt.ir.layout import Layout, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.models import build_model
@@ -32,7 +32,7 @@ from tensoropt.passes.annotate import annotate_roots, complete_plan, plan_zero
 from tensoropt.passes.compile import compile_step
 from tensoropt.passes.insert_redistribution import planned_conversions
 from tensoropt.passes.plans import builtin_plan, with_zero
-from tensoropt.passes.units import conversion_steps, itemsize, zero_shards
+from tensoropt.passes.units import conversion_steps, itemsize, shard_layout, zero_shards
 from tests.helpers.program import emitted, priced, search_args
 
 OP = {"ALL_REDUCE": "AllReduce", "ALL_GATHER": "AllGather", "REDUCE_SCATTER": "ReduceScatter",
@@ -225,3 +225,19 @@ def test_zero_memory_is_the_sharded_states_parameters_and_one_full_buffer(models
     assert mem[ZeroStage.OPTIMIZER] - mem[ZeroStage.PARAMETERS] == pytest.approx(
         2 * (full - sharded)
     )
+
+
+def test_shard_layout_splits_the_largest_dimension_the_zero_axes_divide():
+    one = Mesh((2,), ("dp",))
+    two = Mesh((2, 2), ("dp", "tp"))
+    rep = Layout.parse("R")
+    assert shard_layout(rep, (0,), (6, 4), one) == Layout.parse("S(0)")
+    assert shard_layout(rep, (0,), (4, 6), one) == Layout.parse("S(1)")
+    assert shard_layout(rep, (0,), (4, 4), one) == Layout.parse("S(0)")  # ties: first
+    assert shard_layout(rep, (0,), (3, 5), one) is None  # nothing divides: refused
+    # a dimension the root layout does not split is preferred, even a smaller one
+    assert shard_layout(Layout.parse("RS(0)"), (0,), (8, 2), two) == Layout.parse("S(1)S(0)")
+    # the only one left is split already: still correct, gathered on tp to convert
+    assert shard_layout(Layout.parse("RS(0)"), (0,), (8,), two) == Layout.parse("S(0)S(0)")
+    # several ZeRO axes split one dimension over all of them
+    assert shard_layout(Layout.parse("RR"), (0, 1), (6, 8), two) == Layout.parse("S(1)S(1)")
