@@ -152,3 +152,23 @@ def test_zero_with_pick_is_refused(models, tmp_path, capsys):
     result = cli(capsys, "compile", models["gpt"], "--devices", 2, "--pick", "fastest",
                  "--zero", 1, "-o", tmp_path / "o")  # fmt: skip
     _one_line_error(result, "--zero 1", "--pick")
+
+
+def test_compile_reports_the_zero_estimate(models, tmp_path, capsys):
+    """The estimate compile prints and keeps in manifest.json prices the plan's ZeRO
+    stages: less memory than data-parallel, and as many collectives as it emits."""
+    import onnx
+
+    estimates = {}
+    for plan in ("data-parallel", "fsdp"):
+        out = tmp_path / plan
+        result = cli(capsys, "compile", models["gpt"], "--devices", 2, "--plan", plan,
+                     "--json", "-o", out)  # fmt: skip
+        assert result.code == 0, result.err
+        estimates[plan] = json.loads(result.out)["estimate"]
+        assert json.loads((out / "manifest.json").read_text())["estimate"] == estimates[plan]
+        device = onnx.load(str(out / "device_0.onnx"), load_external_data=False)
+        kinds = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
+        emitted = sum(n.op_type in kinds for n in device.graph.node)
+        assert estimates[plan]["collectives_per_device"] == emitted
+    assert estimates["fsdp"]["memory_bytes"] < estimates["data-parallel"]["memory_bytes"]
