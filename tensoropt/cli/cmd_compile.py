@@ -30,7 +30,14 @@ plans:
   data-parallel   every mesh axis shards the batch; parameters are replicated
   megatron        Megatron-LM tensor parallelism of attention and MLP blocks (found by
                   structure) on the last mesh axis, data parallelism on the others
+  fsdp            fully sharded data parallelism: data-parallel on every mesh axis and
+                  ZeRO-3 on every unit that places parameters
   PLAN.json       a plan file (schema tensoropt.plan/1), e.g. one written by compile
+  --zero N        with --plan: ZeRO stage N (0-3) on every unit whose parameters are
+                  replicated over a mesh axis that splits the batch: 1 optimizer states
+                  sharded (gradients reduce-scattered, new parameters all-gathered), 2 also
+                  the accumulated gradient, 3 also the parameters (gathered for use); a
+                  plan file's per-unit stages are replaced
   --pick POLICY   a point of the searched frontier at --devices (see `tensoropt search`):
                     fastest                   the fastest plan
                     min-memory                the plan with the least memory per device
@@ -93,12 +100,22 @@ def add_parser(sub) -> None:
     )
     how = p.add_mutually_exclusive_group()
     how.add_argument(
-        "--plan", default=None, help="data-parallel | megatron | PLAN.json (default: data-parallel)"
+        "--plan",
+        default=None,
+        help="data-parallel | megatron | fsdp | PLAN.json (default: data-parallel)",
     )
     how.add_argument(
         "--pick",
         help="fastest | min-memory | fastest-under:MEM | "
         "fewest-devices-under:MEM | INDEX (searches first; see below)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=None,
+        metavar="N",
+        help="ZeRO stage 0-3 on every unit with a data-parallel axis (with --plan; see below)",
     )
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
     p.add_argument(
@@ -306,12 +323,23 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_zero(stage: int, step, plan, data_axes, notes):
+    """``--zero N``: the plan with stage N on every unit that has a ZeRO axis."""
+    from tensoropt.ir.plan import ZeroStage
+    from tensoropt.passes.plans import check_plan, with_zero
+
+    check_plan(step.model.graph, plan)  # a plan file's errors first, naming its units
+    graph, sig = step.model.graph, step.signature
+    zeroed = with_zero(plan, graph, sig, data_axes, ZeroStage(stage), f"--zero {stage}")
+    return zeroed.plan, (*notes, *zeroed.notes)
+
+
 def estimate_of(step, plan, data_axes, cluster: str):
     """The cost model's estimate of ``plan`` on ``step`` (before compile mutates it): the
     same pricing as the search's, so a picked point's figures come back unchanged."""
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.cost.model import estimate_plan, search_graph_of
-    from tensoropt.passes.annotate import complete_plan
+    from tensoropt.passes.annotate import complete_plan, plan_zero
     from tensoropt.passes.plans import check_plan
 
     check_plan(step.model.graph, plan)  # names the unit, tensor, dim and sizes
@@ -322,7 +350,10 @@ def estimate_of(step, plan, data_axes, cluster: str):
         roots, _ = micro_roots(sg.graph, sg.signature, plan, data_axes)
     else:
         roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
-    return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster), plan.micro_batches)
+    zero = plan_zero(plan, sg.units)
+    return estimate_plan(
+        sg, roots, plan.mesh, load_cluster(cluster), plan.micro_batches, zero=zero
+    )
 
 
 REPLICATED_NOTE = "every device computes the whole step: no faster than 1 device"
@@ -371,6 +402,11 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.output, "-o")
     if args.search and not args.pick:
         raise TensorOptError("--search FILE: give --pick POLICY to choose one of its points")
+    if args.pick and args.zero is not None:
+        raise TensorOptError(
+            f"--zero {args.zero} applies to --plan (data-parallel, megatron, fsdp or a "
+            "PLAN.json); a --pick point carries its own choices: drop --zero"
+        )
     if args.pick and args.search:
         return _compile_from_search(args)
     if args.pick:
@@ -378,8 +414,10 @@ def run(args: argparse.Namespace) -> int:
     plan_name = args.plan or "data-parallel"
     devices = one_count(args.devices)
     is_file = plan_name.endswith(".json") or os.path.sep in plan_name
-    if not is_file and plan_name not in ("data-parallel", "megatron"):
-        raise PlanError(f"--plan {plan_name!r}: use data-parallel, megatron or a PLAN.json file")
+    if not is_file and plan_name not in ("data-parallel", "megatron", "fsdp"):
+        raise PlanError(
+            f"--plan {plan_name!r}: use data-parallel, megatron, fsdp or a PLAN.json file"
+        )
     mesh = parse_mesh(devices, args.mesh, plan_name)
     if is_file:
         plan, data_axes = _load_plan_file(plan_name, mesh)
@@ -392,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)
         plan, data_axes, notes = built.plan, built.data_axes, built.notes
     plan = with_micro_batches(plan, args)
+    if args.zero is not None:
+        plan, notes = _with_zero(args.zero, step, plan, data_axes, notes)
     # Everything that can fail runs before anything is printed: an error stays one line.
     estimate = estimate_of(step, plan, data_axes, args.cluster)
     result = compile_step(

@@ -98,6 +98,23 @@ def _plan_source(outdir: str) -> str | None:
         return None
 
 
+def _zero_line(target: str) -> str | None:
+    """The plan's ZeRO stages (``zero: stage 3 on 32 units``), from plan.json; None when
+    no unit uses ZeRO or the target is not an output directory."""
+    if not os.path.isdir(target):
+        return None
+    try:
+        with open(os.path.join(target, "plan.json")) as f:
+            units = json.load(f).get("units", {})
+        stages = [u.get("zero", 0) for u in units.values()]
+    except (OSError, ValueError, AttributeError):
+        return None
+    counts = {z: stages.count(z) for z in sorted(set(stages)) if z}
+    if not counts:
+        return None
+    return "zero: " + ", ".join(f"stage {z} on {n} units" for z, n in counts.items())
+
+
 def _load(path: str):
     """The ONNX model at ``path`` (weights left on disk); bad files are bad input."""
     import onnx
@@ -174,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         from tensoropt.cli.cmd_compile import REPLICATED_NOTE
 
         print(f"no collectives on {len(report)} devices: {REPLICATED_NOTE}")
+    zero = _zero_line(args.target)
     for name, s in report:
         print(
             f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
@@ -197,4 +215,6 @@ def run(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in shown[:8])
             + (f" (+{len(shown) - 8} more)" if len(shown) > 8 else "")
         )
+        if zero:
+            print(f"  {zero}")
     return 0

@@ -49,6 +49,7 @@ from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.micro import micro_axes, micro_mesh
@@ -197,6 +198,23 @@ class _Pricer:
         return found
 
 
+def param_bytes(elements: float, shard: float, states: int, isz: int, zero: ZeroStage) -> float:
+    """Resident bytes of one parameter of ``elements`` local elements (``shard`` of them
+    in its ZeRO shard) with ``states`` optimizer states each.
+
+    The step holds the parameter and its gradient, the new parameter it returns, and
+    each optimizer state twice (in and out): the emitted graph has no in-place update
+    (measured: docs/design/measured.md). ZeRO 1 and 2 keep the states as shards; ZeRO 3
+    also the parameter in and out, and one full-size buffer stands for the gradient and
+    the gathered copies of the parameter (transients of the unit's own forward and
+    backward; docs/design/memory-axes.md states the bound)."""
+    if zero is ZeroStage.NONE:
+        return elements * isz * (3 + 2 * states)
+    if zero is ZeroStage.PARAMETERS:
+        return (elements + shard * (2 + 2 * states)) * isz
+    return (elements * 3 + shard * 2 * states) * isz
+
+
 def _numel(shape) -> float:
     return float(np.prod(shape, dtype=np.float64)) if shape is not None else 0.0
 
@@ -257,7 +275,15 @@ def unit_strategies(
 
 
 class _Builder:
-    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile, only):
+    def __init__(
+        self,
+        sg: SearchGraph,
+        mesh: Mesh,
+        profile: ClusterProfile,
+        only,
+        zero: Mapping[str, ZeroStage] | None = None,
+    ):
+        self.zero = dict(zero or {})
         self.sg = sg
         self.su = sg.units
         self.mesh = mesh
@@ -289,7 +315,7 @@ class _Builder:
 
     def unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
         unit = self.su.units[k]
-        key = (unit.key, strategy, self._signature(k))
+        key = (unit.key, strategy, self._signature(k), program.zero)
         found = self.unit_cache.get(key)
         if found is None:
             found = self.unit_cache[key] = self._unit(k, strategy, program)
@@ -333,23 +359,28 @@ class _Builder:
         in_grid = grid_update_slots(unit.root.op_type, self.pricer.profile)
         grid_slots = {unit.root.inputs[i] for i in in_grid if i < len(unit.root.inputs)} - {None}
         states = self.sg.optimizer_states
+        sharded = {z.index: z for z in program.shards}
         for x, value in enumerate(unit.externals):
             if unit.kinds[x] is not Entry.PARAM or self.su.owner.get(value.name) != k:
                 continue
-            shard = local_shape(static_shape(value), program.entries[x], self.mesh, value.name)
-            elements = _numel(shard)
             isz = itemsize(value)
-            # The step holds the parameter and its gradient, the new parameter it returns,
-            # and each optimizer state twice (in and out): the emitted graph has no
-            # in-place update (measured: docs/design/measured.md).
-            memory += elements * isz * (3 + 2 * states)
-            update = update_time(elements, states, isz, self.pricer.profile)
+            z = sharded.get(x)
+            use = program.entries[x] if z is None else z.use
+            elements = _numel(local_shape(static_shape(value), use, self.mesh, value.name))
+            updated = elements
+            if z is None:
+                memory += param_bytes(elements, elements, states, isz, ZeroStage.NONE)
+            else:
+                updated = _numel(local_shape(static_shape(value), z.shard, self.mesh))
+                memory += param_bytes(elements, updated, states, isz, program.zero)
+            update = update_time(updated, states, isz, self.pricer.profile)
             if self.micro > 1:  # the gradient's accumulation buffer and its adds
                 memory += elements * isz
                 seconds += (self.micro - 1) * update_time(elements, 0, isz, self.pricer.profile)
             if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
                 held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
-                update = max(update - held, 0.0)
+                # ZeRO: the update runs on the shard, the grid entry held the whole one
+                update = update - held if z is not None else max(update - held, 0.0)
             seconds += update
         return seconds, memory
 
@@ -427,6 +458,7 @@ def build_problem(
     profile: ClusterProfile,
     only: Mapping[str, MeshSharding] | None = None,
     micro_batches: int = 1,
+    zero: Mapping[str, ZeroStage] | None = None,
 ) -> MeshProblem:
     """The cost problem of ``sg`` on ``mesh`` (see the module doc).
 
@@ -434,14 +466,20 @@ def build_problem(
     problem of one plan, whose single choice is all zeros. ``micro_batches``: micro-batches
     per step; above 1 the strategies (and ``only``) are those of the micro mesh
     (``passes.micro.micro_mesh(mesh, micro_batches)``), one problem per (mesh, k).
+    ``zero``: the ZeRO stage of units (unit name -> stage; absent: none), applied to each
+    of their strategies.
     """
     plan_mesh = mesh
     if micro_batches > 1:
         mesh = micro_mesh(mesh, micro_batches)
-    builder = _Builder(sg, mesh, profile, only)
+    builder = _Builder(sg, mesh, profile, only, zero)
     infos = builder.infos()
+    stage = builder.zero
     programs = [
-        tuple(builder.programs.program(k, s) for s in info.strategies)
+        tuple(
+            builder.programs.program(k, s, stage.get(info.node.name, ZeroStage.NONE))
+            for s in info.strategies
+        )
         for k, info in enumerate(infos)
     ]
     units = []
@@ -528,12 +566,13 @@ def estimate_plan(
     mesh: Mesh,
     profile: ClusterProfile,
     micro_batches: int = 1,
+    zero: Mapping[str, ZeroStage] | None = None,
 ) -> Estimate:
     """Price one plan (a root strategy per unit) exactly as the search prices its points.
 
     ``micro_batches`` > 1: ``roots`` are strategies of the micro mesh
-    (``passes.micro.micro_roots``)."""
-    mp = build_problem(sg, mesh, profile, only=roots, micro_batches=micro_batches)
+    (``passes.micro.micro_roots``). ``zero``: the ZeRO stage of the units that use it."""
+    mp = build_problem(sg, mesh, profile, only=roots, micro_batches=micro_batches, zero=zero)
     choice = (0,) * len(mp.units)
     time_s, memory = mp.problem.evaluate(choice)
     count = sum(c.times for c in priced_collectives(mp, choice))

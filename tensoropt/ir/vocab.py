@@ -16,6 +16,9 @@ import onnx_ir as ir
 ROLE_KEY = "tensoropt.role"  # node metadata: which part of the training step made the node
 UNIT_KEY = "tensoropt.unit"  # node metadata: the forward node (plan unit) it belongs to
 PARAM_KEY = "tensoropt.param"  # optimizer node metadata: the parameter it updates
+# conversion node metadata: the phase ("forward", "backward") of the reads a ZeRO-3
+# parameter's all-gather serves; the runtime runs it just before them
+ZERO_GATHER_KEY = "tensoropt.zero_gather"
 
 COLLECTIVE_DOMAIN = "ai.tensoropt"  # the ONNX domain of collectives and conversions
 

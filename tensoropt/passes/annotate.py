@@ -20,6 +20,7 @@ Two steps:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.layout import Layout, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.training_step import StepSignature
 from tensoropt.passes.units import (
@@ -57,6 +58,10 @@ class Annotation:
     units: StepUnits
     roots: Mapping[str, MeshSharding]  # unit name -> root strategy
     entries: Mapping[tuple[ir.Value, int], Layout]  # (value, unit) -> entry layout
+    # unit name -> ZeRO stage, for the units that use ZeRO
+    zero: Mapping[str, ZeroStage] = dataclasses.field(default_factory=dict)
+    # (parameter, unit) stored as a ZeRO-3 shard: gathered once per phase of its reads
+    regather: frozenset[tuple[ir.Value, int]] = frozenset()
 
     def input_layout(self, node: ir.Node, i: int) -> Layout | None:
         return sa.input_layout(self.strategies[node], i)
@@ -181,18 +186,25 @@ def annotate_roots(
     roots: Mapping[str, MeshSharding],
     mesh: Mesh,
     cache: ProgramCache | None = None,
+    zero: Mapping[str, ZeroStage] | None = None,
 ) -> Annotation:
     """Every layout of the step from one root strategy per unit (step 2). ``cache``: the
-    programs already computed for these units on this mesh (e.g. by the cost model)."""
+    programs already computed for these units on this mesh (e.g. by the cost model).
+    ``zero``: the ZeRO stage of the units that use ZeRO (unit name -> stage)."""
     cache = cache or ProgramCache(su, mesh)
+    zero = {name: z for name, z in (zero or {}).items() if z is not ZeroStage.NONE}
     strategies: dict[ir.Node, MeshSharding] = {}
     layouts: dict[ir.Value, Layout] = {}
     entries: dict[tuple[ir.Value, int], Layout] = {}
+    regather: set[tuple[ir.Value, int]] = set()
     rep = replicated(mesh)
     programs = []
     for k, unit in enumerate(su.units):
-        program = cache.program(k, roots[unit.root.name])
+        stage = zero.get(unit.root.name, ZeroStage.NONE)
+        program = cache.program(k, roots[unit.root.name], stage)
         programs.append(program)
+        if stage is ZeroStage.PARAMETERS:
+            regather.update((unit.externals[z.index], k) for z in program.shards)
         for node, strategy in zip(unit.nodes, program.strategies, strict=True):
             strategies[node] = strategy
             for j, value in enumerate(node.outputs):
@@ -219,7 +231,9 @@ def annotate_roots(
             required[value] = rep
         else:
             required[value] = layouts[graph.initializers[carried]]
-    return Annotation(mesh, strategies, layouts, required, su, dict(roots), entries)
+    return Annotation(
+        mesh, strategies, layouts, required, su, dict(roots), entries, zero, frozenset(regather)
+    )
 
 
 def annotate(
@@ -243,4 +257,21 @@ def annotate(
                 f"its layout follows unit {root!r}; list {root!r} instead"
             )
     roots = complete_plan(graph, sig, plan, data_axes, su)
-    return annotate_roots(graph, su, roots, plan.mesh)
+    return annotate_roots(graph, su, roots, plan.mesh, zero=plan_zero(plan, su))
+
+
+def plan_zero(plan: Plan, su: StepUnits) -> dict[str, ZeroStage]:
+    """The ZeRO stage of each unit the plan asks it for; a stage on a node that is not a
+    decision unit is refused (a follower has no parameters of its own to shard)."""
+    roots = {unit.root.name for unit in su.units}
+    out = {}
+    for name, unit in plan.units.items():
+        if unit.zero is ZeroStage.NONE:
+            continue
+        if name not in roots:
+            raise PlanError(
+                f"plan unit {name!r}: 'zero' is set on a node that is not a decision unit "
+                "of the step; set it on a unit that places parameters"
+            )
+        out[name] = unit.zero
+    return out

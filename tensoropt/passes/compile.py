@@ -40,7 +40,7 @@ from tensoropt.ir.external import (
 from tensoropt.ir.files import mkdtemp_public
 from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.plan import Plan, UnitStrategy
+from tensoropt.ir.plan import Plan, UnitStrategy, ZeroStage
 from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
 from tensoropt.passes import micro, pipeline
 from tensoropt.passes.annotate import Annotation
@@ -269,7 +269,11 @@ def compile_step(
 def completed_plan(plan: Plan, ann: Annotation) -> Plan:
     """``plan`` with every decision unit listed explicitly, as annotate completed it."""
     units = {
-        name: UnitStrategy(inputs=tuple(s.inputs), outputs=tuple(s.outputs))
+        name: UnitStrategy(
+            inputs=tuple(s.inputs),
+            outputs=tuple(s.outputs),
+            zero=ann.zero.get(name, ZeroStage.NONE),
+        )
         for name, s in ann.roots.items()
     }
     return dataclasses.replace(plan, units=units, data_axes=None)

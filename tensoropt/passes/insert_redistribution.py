@@ -23,9 +23,10 @@ import onnx_ir as ir
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.vocab import ZERO_GATHER_KEY
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation
-from tensoropt.passes.units import conversion_steps
+from tensoropt.passes.units import Phase, conversion_steps, read_phase
 
 DOMAIN = "ai.tensoropt"
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
@@ -108,8 +109,11 @@ class _Inserter:
         self.cache: dict = {}
         self.count = 0
 
-    def convert(self, src, need: Layout, anchor: ir.Node | None, unit: str):
-        """``src`` in layout ``need``; new nodes go before ``anchor`` (None: at the end)."""
+    def convert(
+        self, src, need: Layout, anchor: ir.Node | None, unit: str, phase: Phase = Phase.ANY
+    ):
+        """``src`` in layout ``need``; new nodes go before ``anchor`` (None: at the end).
+        ``phase``: the reads a ZeRO-3 parameter's conversion serves (tagged on its nodes)."""
         value = src.source if isinstance(src, _Token) else src
         have = self.layouts[src]
         self.planned.append(Planned(value, have, need, unit))
@@ -119,6 +123,8 @@ class _Inserter:
             return token
         current = value
         tags = {ROLE_KEY: "redistribution", UNIT_KEY: unit}
+        if phase is not Phase.ANY:
+            tags[ZERO_GATHER_KEY] = phase.value
         for cs in conversion_steps(have, need, static_shape(value), self.mesh, value.name):
             for axis in cs.axes:
                 have = _apply(have, dataclasses.replace(cs.step, mesh_axis=axis))
@@ -173,9 +179,12 @@ class _Inserter:
                 made = value.producer() is not None and self.su.unit_of.get(value.producer()) == k
                 src = value if made else self.view(value, k, node)
                 if self.layouts[src] != need:
-                    key = (value, k, need)
+                    # a ZeRO-3 parameter is gathered for its forward and its backward reads
+                    regather = (value, k) in self.ann.regather
+                    phase = read_phase(node) if regather else Phase.ANY
+                    key = (value, k, need, phase)
                     if key not in self.cache:
-                        self.cache[key] = self.convert(src, need, node, unit)
+                        self.cache[key] = self.convert(src, need, node, unit, phase)
                     src = self.cache[key]
                 if src is not value and not self.dry:
                     node.replace_input_with(i, src)
@@ -189,7 +198,7 @@ class _Inserter:
                 continue
             producer = value.producer()
             k = self.su.unit_of.get(producer) if producer is not None else None
-            key = (value, k, need)
+            key = (value, k, need, Phase.ANY)
             converted = self.cache.get(key)
             if converted is None:
                 unit = self.su.units[k].root.name if k is not None else "outputs"

@@ -17,6 +17,7 @@ and the plan notes say so.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.ir.vocab import MegatronSplit, Role, role_of
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.blocks import (
@@ -382,17 +383,98 @@ def builtin_plan(
     name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh, blocks: Blocks | None = None
 ) -> BuiltPlan:
     """A built-in plan by name; refuses a mesh on which it cannot split what it promises.
-    ``blocks``: the graph's ``find_blocks``, if already known (megatron)."""
+    ``blocks``: the graph's ``find_blocks``, if already known (megatron). ``fsdp`` is data
+    parallelism on every mesh axis with ZeRO-3 on every unit that places parameters
+    (:func:`fsdp`)."""
     if name == "data-parallel":
         built = data_parallel(mesh)
     elif name == "megatron":
         built = megatron(graph, sig, mesh, blocks)
+    elif name == "fsdp":
+        _check_batch(graph, sig, mesh, tuple(range(mesh.ndim)), name)
+        return fsdp(graph, sig, mesh)
     else:
         raise PlanError(
-            f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json"
+            f"unknown built-in plan {name!r}; use data-parallel, megatron, fsdp or a PLAN.json"
         )
     _check_batch(graph, sig, mesh, built.data_axes, name)
     return built
+
+
+def fsdp(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
+    """Fully sharded data parallelism: data-parallel on every mesh axis, ZeRO-3 on every
+    unit that places parameters. (Full activation recomputation belongs to FSDP as well;
+    it joins here once the plan's ``recompute`` axis is compiled.)"""
+    built = data_parallel(mesh)
+    zeroed = with_zero(built.plan, graph, sig, built.data_axes, ZeroStage.PARAMETERS, "fsdp")
+    plan = dataclasses.replace(zeroed.plan, source="fsdp")
+    return BuiltPlan(plan, built.data_axes, zeroed.notes)
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroApplied:
+    """A plan with a ZeRO stage on every unit that has a ZeRO axis, and notes on what
+    was left at stage 0."""
+
+    plan: Plan
+    units: int  # units that use ZeRO
+    notes: tuple[str, ...]
+
+
+def with_zero(
+    plan: Plan,
+    graph: ir.Graph,
+    sig: StepSignature,
+    data_axes,
+    stage: ZeroStage,
+    what: str,
+) -> ZeroApplied:
+    """``plan`` with ZeRO ``stage`` on every unit that has a ZeRO axis (see
+    ``passes.units.zero_axes``): those units are listed with the strategy completion
+    gives them, so the rest of the plan completes as before. A unit one of whose
+    parameters no dimension of which the ZeRO axes divide stays at stage 0 (a note says
+    so). Refuses (PlanError naming ``what``) when no unit has a ZeRO axis. Stage 0
+    removes ZeRO from every unit."""
+    from tensoropt.passes.annotate import complete_plan, step_units
+    from tensoropt.passes.units import zero_params, zero_shards
+
+    units = {name: dataclasses.replace(u, zero=ZeroStage.NONE) for name, u in plan.units.items()}
+    if stage is ZeroStage.NONE:
+        return ZeroApplied(dataclasses.replace(plan, units=units), 0, ())
+    su = step_units(graph, sig)
+    roots = complete_plan(graph, sig, plan, data_axes, su)
+    count = 0
+    undivided: list[str] = []
+    for k, unit in enumerate(su.units):
+        name = unit.root.name
+        if not zero_params(su, k):
+            continue
+        strategy = roots[name]
+        try:
+            shards = zero_shards(su, k, strategy, plan.mesh)
+        except PlanError:
+            undivided.append(name)
+            continue
+        if not shards:
+            continue
+        listed = units.get(name)
+        if listed is None or not listed.explicit:
+            listed = UnitStrategy(tuple(strategy.inputs), tuple(strategy.outputs), None)
+        units[name] = dataclasses.replace(listed, zero=stage)
+        count += 1
+    if not count:
+        raise PlanError(
+            f"{what}: no unit of the plan on mesh {plan.mesh} has a data-parallel axis (a "
+            "parameter read replicated while its op splits the batch); use a mesh axis "
+            "that splits the batch, or leave ZeRO off"
+        )
+    notes = [f"{what}: ZeRO stage {int(stage)} on {count} units"]
+    if undivided:
+        notes.append(
+            f"{what}: {len(undivided)} units keep ZeRO 0, a parameter of theirs has no "
+            f"dimension the data-parallel axes divide (first: {undivided[0]})"
+        )
+    return ZeroApplied(dataclasses.replace(plan, units=units), count, tuple(notes))
 
 
 def check_plan(graph: ir.Graph, plan: Plan) -> None:

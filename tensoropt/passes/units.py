@@ -32,6 +32,19 @@ primal ``R``, ``R`` for a primal ``P``. Optimizer nodes neither take nor make pa
 values and keep their parameter's layout. A gradient made by another unit enters as its
 primal's layout with partial axes replicated. A value the root does not read enters in
 the layout its first reader in the unit needs.
+
+ZeRO (a unit's :class:`~tensoropt.ir.plan.ZeroStage`) is a layout choice of the same
+program. The ZeRO axes of a parameter the unit places are the mesh axes (of size > 1)
+where the root reads it replicated while an output of the root is split (the unit's op
+splits the batch: its gradient is partial there). Its *shard* layout is its root layout
+with one dimension split over all ZeRO axes (:func:`zero_shards`). From stage 1 the
+optimizer nodes and states take the shard layout, so the gradient is reduce-scattered
+(P -> S) where the update reads it and the new parameter is all-gathered (S -> R) where it
+leaves as a graph output. At stage 3 the parameter itself is stored as the shard: the
+unit's nodes see it, for their choices, in its root layout, and it is gathered once for
+the forward reads and once more for the backward reads (two conversions, so the first
+gathered buffer dies after the last forward read). Stage 2 is stage 1 within one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -44,10 +57,11 @@ from enum import Enum
 import numpy as np
 import onnx_ir as ir
 
-from tensoropt.errors import ShardingError
+from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, Step, plan_redistribution, step_output_shape
 from tensoropt.ir.vocab import PARAM_KEY
 from tensoropt.passes import sharding_adapter as sa
@@ -334,6 +348,21 @@ def _describe(su: StepUnits, unit: UnitNodes) -> tuple:
 # -- programs ------------------------------------------------------------------------
 
 
+class Phase(Enum):
+    """Which reads of a value a conversion serves. Only a ZeRO-3 parameter is converted
+    per phase (gathered for the forward, and again for the backward); every other
+    conversion serves all reads (``ANY``)."""
+
+    ANY = "any"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def read_phase(node: ir.Node) -> Phase:
+    """The phase of a read of a ZeRO-3 parameter by ``node``."""
+    return Phase.BACKWARD if _role(node) == "backward" else Phase.FORWARD
+
+
 @dataclass(frozen=True, slots=True)
 class Conversion:
     """A conversion inside a unit: the value at ``ref`` from ``have`` to ``need``."""
@@ -341,6 +370,7 @@ class Conversion:
     ref: Ref
     have: Layout
     need: Layout
+    phase: Phase = Phase.ANY
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +380,8 @@ class Program:
     strategies: tuple[MeshSharding, ...]  # per node of the unit
     entries: tuple[Layout, ...]  # per external
     conversions: tuple[Conversion, ...]  # inside the unit, in emission order
+    zero: ZeroStage = ZeroStage.NONE
+    shards: tuple[ZeroShard, ...] = ()  # the parameters ZeRO shards (empty at stage 0)
 
     def layout(self, ref: Ref) -> Layout:
         if ref[0] == "x":
@@ -357,8 +389,21 @@ class Program:
         return self.strategies[ref[1]].outputs[ref[2]]
 
 
+@dataclass(frozen=True, slots=True)
+class ZeroShard:
+    """A parameter that ZeRO shards in a unit: external ``index``, the layout its root
+    reads (``use``), its ``shard`` layout, and the ZeRO mesh ``axes``."""
+
+    param: str
+    index: int
+    use: Layout
+    shard: Layout
+    axes: tuple[int, ...]
+
+
 class ProgramCache:
-    """Programs per (unit structure, root strategy), shared by repeated layers."""
+    """Programs per (unit structure, root strategy, ZeRO stage), shared by repeated
+    layers."""
 
     def __init__(self, su: StepUnits, mesh: Mesh) -> None:
         self.su = su
@@ -366,14 +411,100 @@ class ProgramCache:
         self._cache: dict[tuple, Program] = {}
         self._out_terms: dict = {}  # candidate -> its scoring tie-breakers on this mesh
 
-    def program(self, k: int, strategy: MeshSharding) -> Program:
+    def program(self, k: int, strategy: MeshSharding, zero: ZeroStage = ZeroStage.NONE) -> Program:
         unit = self.su.units[k]
-        key = (unit.key, strategy)
+        key: tuple = (unit.key, strategy)
+        if zero is not ZeroStage.NONE:  # which parameters it places matters then
+            placed = tuple(self.su.owner.get(v.name) == k for v in unit.externals)
+            key = (*key, zero, placed)
         found = self._cache.get(key)
         if found is None:
-            chooser = _Chooser(self.su, unit, self.mesh, self._out_terms)
+            shards = zero_shards(self.su, k, strategy, self.mesh) if zero else ()
+            if zero and not shards:
+                raise PlanError(
+                    f"plan unit {unit.root.name!r}: ZeRO stage {int(zero)} needs a "
+                    "data-parallel mesh axis (a parameter it places read replicated while "
+                    f"its op splits the batch) and strategy {strategy} has none; drop "
+                    "'zero' for this unit"
+                )
+            chooser = _Chooser(self.su, unit, self.mesh, self._out_terms, zero, shards)
             found = self._cache[key] = chooser.run(strategy)
         return found
+
+
+def zero_params(su: StepUnits, k: int) -> list[tuple[int, int, ir.Value]]:
+    """(external index, root input index, value) of each parameter unit ``k`` places
+    and updates (read by its root, updated by its optimizer nodes)."""
+    unit = su.units[k]
+    updated = {
+        node.metadata_props.get(PARAM_KEY)
+        for node in unit.nodes
+        if _role(node) == "optimizer" and node.metadata_props.get(PARAM_KEY)
+    }
+    out = []
+    seen = set()
+    for i, v in enumerate(unit.root.inputs):
+        if v is None or v.name in seen or v.name not in updated or su.owner.get(v.name) != k:
+            continue
+        seen.add(v.name)
+        out.append((unit.externals.index(v), i, v))
+    return out
+
+
+def zero_axes(strategy: MeshSharding, use: Layout, mesh: Mesh) -> tuple[int, ...]:
+    """Mesh axes (size > 1) where ``use`` is replicated while an output of the root is
+    split: the parameter's gradient is a partial sum over them."""
+    return tuple(
+        a
+        for a, p in enumerate(use.placements)
+        if isinstance(p, Replicate)
+        and mesh.shape[a] > 1
+        and any(isinstance(o.placements[a], Shard) for o in strategy.outputs)
+    )
+
+
+def zero_shards(su: StepUnits, k: int, strategy: MeshSharding, mesh: Mesh) -> tuple[ZeroShard, ...]:
+    """The parameters of unit ``k`` that ZeRO shards under ``strategy``, with their shard
+    layouts; empty when the unit has no ZeRO axis. A parameter with no dimension that the
+    ZeRO axes divide is refused (PlanError naming it)."""
+    unit = su.units[k]
+    out = []
+    for x, i, value in zero_params(su, k):
+        use = strategy.inputs[i]
+        if use is None:
+            continue
+        axes = zero_axes(strategy, use, mesh)
+        if not axes:
+            continue
+        shard = shard_layout(use, axes, static_shape(value), mesh)
+        if shard is None:
+            n = math.prod(mesh.shape[a] for a in axes)
+            raise PlanError(
+                f"plan unit {unit.root.name!r}: ZeRO cannot shard parameter {value.name!r} "
+                f"(shape {list(static_shape(value))}, layout {use}) over mesh axes "
+                f"{list(axes)} ({n} devices): no dimension divides; drop 'zero' for this unit"
+            )
+        out.append(ZeroShard(value.name, x, use, shard, axes))
+    return tuple(out)
+
+
+def shard_layout(
+    use: Layout, axes: Sequence[int], shape: Sequence[int], mesh: Mesh
+) -> Layout | None:
+    """``use`` with one dimension also split over ``axes``: the largest local dimension
+    that their size divides, preferring one that ``use`` does not split already (then the
+    conversions from ``use`` need no gather); None when none divides."""
+    local = local_shape(shape, use, mesh)
+    n = math.prod(mesh.shape[a] for a in axes)
+    split = {p.dim for p in use.placements if isinstance(p, Shard)}
+    dims = [d for d in range(len(local)) if local[d] % n == 0 and local[d] >= n]
+    if not dims:
+        return None
+    d = min(dims, key=lambda d: (d in split, -local[d], d))
+    placements = list(use.placements)
+    for a in axes:
+        placements[a] = Shard(d)
+    return Layout(tuple(placements))
 
 
 def replicated(mesh: Mesh) -> Layout:
@@ -384,11 +515,23 @@ class _Chooser:
     """Runs the propagation over one unit for one root strategy."""
 
     def __init__(
-        self, su: StepUnits, unit: UnitNodes, mesh: Mesh, out_terms: dict | None = None
+        self,
+        su: StepUnits,
+        unit: UnitNodes,
+        mesh: Mesh,
+        out_terms: dict | None = None,
+        zero: ZeroStage = ZeroStage.NONE,
+        shards: Sequence[ZeroShard] = (),
     ) -> None:
         self.su = su
         self.unit = unit
         self.mesh = mesh
+        self.zero = zero
+        self.shards = tuple(shards)
+        self.sharded = {z.param: z for z in shards}  # parameter -> its ZeRO shard
+        # ZeRO-3: the parameter is stored as its shard; the unit's nodes choose as if
+        # they held it in its root layout (``use``)
+        self.stored_shard = {("x", z.index): z for z in shards if zero is ZeroStage.PARAMETERS}
         self.refs: dict[ir.Value, Ref] = {}
         self.by_name: dict[str, Ref] = {}
         for i, node in enumerate(unit.nodes):
@@ -416,7 +559,13 @@ class _Chooser:
             if layout is None:  # read only by nodes that take any layout
                 layout = replicated(self.mesh)
             entries.append(layout)
-        return Program(tuple(strategies), tuple(entries), tuple(self.conversions.values()))
+        return Program(
+            tuple(strategies),
+            tuple(entries),
+            tuple(self.conversions.values()),
+            self.zero,
+            self.shards,
+        )
 
     # -- entries -------------------------------------------------------------------
     def _have(self, value: ir.Value) -> Layout | None:
@@ -430,8 +579,12 @@ class _Chooser:
         layout = None
         if kind is Entry.FIXED:
             layout = replicated(self.mesh)
+        elif kind is Entry.PARAM and ref in self.stored_shard:
+            layout = self.stored_shard[ref].shard
         elif kind is Entry.STATE:
-            layout = self._layout_of_name(self.su.state_param[value.name])
+            param = self.su.state_param[value.name]
+            z = self.sharded.get(param)
+            layout = z.shard if z is not None else self._layout_of_name(param)
         elif kind is Entry.GRAD:
             primal = self._primal_layout(value)
             if primal is not None:
@@ -441,12 +594,21 @@ class _Chooser:
         return layout
 
     def _primal_layout(self, grad: ir.Value) -> Layout | None:
-        """The layout of the first primal of ``grad`` that this unit holds or reads."""
+        """The layout of the first primal of ``grad`` that this unit holds or reads (a
+        ZeRO-3 parameter: the layout its nodes read it in)."""
         for name in grad_of(grad):
+            z = self.sharded.get(name)
+            if z is not None and self.zero is ZeroStage.PARAMETERS:
+                return z.use
             found = self._layout_of_name(name)
             if found is not None:
                 return found
         return None
+
+    def _seen(self, value: ir.Value) -> Layout | None:
+        """The layout the unit's choices see ``value`` in (a ZeRO-3 parameter: ``use``)."""
+        z = self.stored_shard.get(self.refs[value])
+        return z.use if z is not None else self._have(value)
 
     def _layout_of_name(self, name: str) -> Layout | None:
         ref = self.by_name.get(name)
@@ -466,13 +628,15 @@ class _Chooser:
             cands = self._optimizer_candidates(node, cands)
         elif role == "backward":
             cands = self._mirror_candidates(node, cands)
-        haves = [None if v is None else self._have(v) for v in node.inputs]
+        haves = [None if v is None else self._seen(v) for v in node.inputs]
         return cheapest(node, cands, haves, self.mesh, self.out_terms, self._stored)
 
     def _optimizer_candidates(self, node: ir.Node, cands):
         no_partial = [c for c in cands if not sa.has_partial(c)]
         param = node.metadata_props.get(PARAM_KEY)
         want = self._layout_of_name(param) if param else None
+        if param in self.sharded:  # ZeRO: the update runs on the shard
+            want = self.sharded[param].shard
         if want is None:
             return no_partial or cands
         pshape = tuple(static_shape(self.unit.externals[self.by_name[param][1]]))
@@ -514,7 +678,8 @@ class _Chooser:
                 self.layouts[ref] = need
                 continue
             if have != need:
-                self.conversions.setdefault((ref, need), Conversion(ref, have, need))
+                phase = read_phase(node) if ref in self.stored_shard else Phase.ANY
+                self.conversions.setdefault((ref, need, phase), Conversion(ref, have, need, phase))
         for j in range(len(node.outputs)):
             self.layouts[("n", self._index(node), j)] = strategy.outputs[j]
 
@@ -535,7 +700,7 @@ class _Chooser:
                 if found is not None:
                     need = found
             if have != need:
-                self.conversions.setdefault((ref, need), Conversion(ref, have, need))
+                self.conversions.setdefault((ref, need, Phase.ANY), Conversion(ref, have, need))
 
 
 def cheapest(

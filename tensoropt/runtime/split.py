@@ -16,9 +16,15 @@ Schedule (as-soon-as-possible levels, which gives the fewest segments):
 
 No schedule can have fewer segments: segment count is the longest chain of
 "collective then compute" on any path, and ASAP meets it. Collectives keep their
-ASAP batch (communication is not delayed). Compute nodes are then moved as late as
-their consumers allow (the smallest level of any consumer; nodes that only feed
-graph outputs stay put), which keeps the segment count: a node that does not feed a
+ASAP batch (communication is not delayed), except a ZeRO-3 parameter's all-gathers
+(tagged ``ZERO_GATHER_KEY``): each runs after the segment of the compute nodes before
+it in graph order (the compiler places it just before its first reader), so that a
+gathered parameter lives from just before its reads to its last reader, not from the
+step's start, at the price of a segment boundary per gather; the readers of a gather
+stay in the segment right after it. Compute nodes are then
+moved as late as their consumers allow (the smallest level of any consumer; nodes
+that only feed graph outputs stay put), which keeps the segment count: a node that
+does not feed a
 collective runs in the segment of its first consumer, not at the start. Reason,
 measured: with ASAP, the backward's ``Transpose(W)`` of a sharded MatMul ran in
 segment 0 while its MatMul ran after a collective, so the transposed weight was
@@ -50,6 +56,7 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TypeProto, helper, numpy_helper
 
 from tensoropt.errors import TensorOptError
+from tensoropt.ir.vocab import ZERO_GATHER_KEY
 from tensoropt.runtime.collectives import (
     DOMAIN,
     CollectiveCall,
@@ -145,6 +152,7 @@ def _schedule(graph: GraphProto, rank: int) -> _Schedule:
     ready_seg: dict[str, int] = {}
     ready_coll: dict[str, int] = {}
     level: list[int] = []
+    frontier = 0  # the highest segment of the compute nodes so far, in graph order
     for node in graph.node:
         reads = _reads(node)
         for name in reads:
@@ -155,10 +163,13 @@ def _schedule(graph: GraphProto, rank: int) -> _Schedule:
                 )
         if is_collective(node):
             lvl = max((ready_coll.get(n, 0) for n in reads), default=0)
+            if zero_gather(node):
+                lvl = max(lvl, frontier)
             for out in node.output:
                 ready_seg[out], ready_coll[out] = lvl + 1, lvl
         else:
             lvl = max((ready_seg.get(n, 0) for n in reads), default=0)
+            frontier = max(frontier, lvl)
             for out in node.output:
                 ready_seg[out], ready_coll[out] = lvl, lvl
         level.append(lvl)
@@ -167,16 +178,24 @@ def _schedule(graph: GraphProto, rank: int) -> _Schedule:
     return _Schedule(level, ready_seg, ready_coll, num_stages)
 
 
+def zero_gather(node: NodeProto) -> bool:
+    """Is ``node`` the all-gather of a ZeRO-3 parameter (``ZERO_GATHER_KEY``)?"""
+    return any(p.key == ZERO_GATHER_KEY for p in node.metadata_props)
+
+
 def _as_late_as_possible(graph: GraphProto, level: list[int]) -> None:
-    """Move compute nodes to the smallest level of their consumers (in place).
+    """Move compute nodes to the smallest level of their consumers (in place), except the
+    readers of a ZeRO-3 parameter's gather.
 
     A compute consumer at segment L needs its input made in a segment <= L; a
     collective of batch L needs it made in a segment <= L. Visiting nodes in reverse
     graph order sees every consumer's final level first."""
     first_use: dict[str, int] = {}
+    # a reader of a gathered ZeRO-3 parameter stays right after its gather
+    gathered = {o for node in graph.node if zero_gather(node) for o in node.output}
     for i in range(len(graph.node) - 1, -1, -1):
         node = graph.node[i]
-        if not is_collective(node):
+        if not is_collective(node) and not gathered.intersection(node.input):
             uses = [first_use[o] for o in node.output if o in first_use]
             if uses:
                 level[i] = max(level[i], min(uses))
