@@ -453,12 +453,14 @@ def zero_params(su: StepUnits, k: int) -> list[tuple[int, int, ir.Value]]:
 
 def zero_axes(strategy: MeshSharding, use: Layout, mesh: Mesh) -> tuple[int, ...]:
     """Mesh axes (size > 1) where ``use`` is replicated while an output of the root is
-    split: the parameter's gradient is a partial sum over them."""
+    split: the parameter's gradient is a partial sum over them. The sequential micro-batch
+    axis is never one: its micro-batches run on the same device, one after the other."""
     return tuple(
         a
         for a, p in enumerate(use.placements)
         if isinstance(p, Replicate)
         and mesh.shape[a] > 1
+        and a != mesh.sequential_axis
         and any(isinstance(o.placements[a], Shard) for o in strategy.outputs)
     )
 
