@@ -188,7 +188,7 @@ def shaped_conversion_bytes(
     have: Layout, need: Layout, shape: tuple[int, ...], dtype: ir.DataType, mesh: Mesh
 ) -> float:
     """:func:`conversion_bytes` of a value of ``shape`` and ``dtype``."""
-    return _conversion_bytes(have, need, shape, dtype, mesh.shape, mesh.sequential_axis)
+    return conversion_volume(have, need, shape, dtype, mesh.shape, mesh.sequential_axis)
 
 
 # Every candidate's scoring asks for these: functools' LRU (in C) is bounded like the
@@ -196,7 +196,7 @@ def shaped_conversion_bytes(
 # choice; with the memo and a per-chooser tie-breaker table, program building took 7%
 # more CPU on GPT-2-medium).
 @functools.lru_cache(maxsize=200_000)
-def _conversion_bytes(
+def conversion_volume(
     have: Layout,
     need: Layout,
     shape: tuple[int, ...],

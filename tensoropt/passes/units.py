@@ -731,6 +731,9 @@ def cheapest(
         else:
             held.append((i, haves[i], static_shape(value), value.dtype))
     memo: dict = {}
+    volume = sa.conversion_volume  # (the memoised function itself: called per candidate)
+    mesh_shape = mesh.shape
+    sequential = mesh.sequential_axis
 
     def score(cand: MeshSharding) -> tuple:
         ins = cand.inputs
@@ -745,7 +748,7 @@ def cheapest(
                 continue
             found = memo.get((i, need))
             if found is None:
-                found = memo[(i, need)] = sa.shaped_conversion_bytes(have, need, shape, dtype, mesh)
+                found = memo[(i, need)] = volume(have, need, shape, dtype, mesh_shape, sequential)
             cost += found
         return (cost, *output_terms(cand, mesh, out_terms))
 
