@@ -351,7 +351,9 @@ def estimate_of(step, plan, data_axes, cluster: str):
     else:
         roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
     zero = plan_zero(plan, sg.units)
-    return estimate_plan(sg, roots, plan.mesh, load_cluster(cluster), plan.micro_batches, zero=zero)
+    return estimate_plan(
+        sg, roots, plan.mesh, load_cluster(cluster), micro_batches=plan.micro_batches, zero=zero
+    )
 
 
 REPLICATED_NOTE = "every device computes the whole step: no faster than 1 device"

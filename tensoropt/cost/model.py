@@ -457,6 +457,7 @@ def build_problem(
     mesh: Mesh,
     profile: ClusterProfile,
     only: Mapping[str, MeshSharding] | None = None,
+    *,
     micro_batches: int = 1,
     zero: Mapping[str, ZeroStage] | None = None,
 ) -> MeshProblem:
@@ -565,6 +566,7 @@ def estimate_plan(
     roots: Mapping[str, MeshSharding],
     mesh: Mesh,
     profile: ClusterProfile,
+    *,
     micro_batches: int = 1,
     zero: Mapping[str, ZeroStage] | None = None,
 ) -> Estimate:

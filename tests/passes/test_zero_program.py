@@ -204,7 +204,7 @@ def test_zero_memory_is_the_sharded_states_parameters_and_one_full_buffer(models
     )
     profile = builtin("h100")
     mem = {
-        s: estimate_plan(sg, roots, plan.mesh, profile, {u: s for u in zero}).memory_bytes
+        s: estimate_plan(sg, roots, plan.mesh, profile, zero={u: s for u in zero}).memory_bytes
         for s in (ZeroStage.NONE, *STAGES)
     }
     full = sharded = 0.0
