@@ -270,3 +270,36 @@ def test_recomputed_step_on_mpi_equals_local(name, plan, mesh, tmp_path):
     assert mpi.losses == local.losses
     for key, value in local.params.items():
         np.testing.assert_array_equal(mpi.params[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize(("plan", "mesh"), [("data-parallel", "2"), ("megatron", "2x2")])
+def test_the_runtime_split_runs_each_recompute_after_the_gradient_it_waits_for(
+    plan, mesh, tmp_path
+):
+    """The runtime puts a compute node in the segment of its first consumer; a clone also
+    waits for its block's dependency on the gradient, so it never runs with the forward
+    of its original when a collective separates them."""
+    from tensoropt.runtime.split import split_graph
+
+    _compile(build_model("gpt", "tiny"), plan, mesh, tmp_path / "out", "all")
+    model = onnx.load(str(tmp_path / "out" / "device_0.onnx"))
+    world = 2 if mesh == "2" else 4
+    split = split_graph(model, 0, world, [v.name for v in model.graph.input])
+    segment = {}
+    for stage in split.stages:
+        if stage.segment is not None:
+            for node in stage.segment.model.graph.node:
+                segment[node.name] = stage.segment.index
+    meta = {n.name: {p.key: p.value for p in n.metadata_props} for n in model.graph.node}
+    producer = {o: n.name for n in model.graph.node for o in n.output}
+    later = 0
+    clones = [name for name, m in meta.items() if RECOMPUTE_OF_KEY in m]
+    assert clones
+    for name in clones:
+        block = meta[name][RECOMPUTE_KEY]
+        where = next(n for n in model.graph.node if n.name == f"{block}__after_where")
+        grad_sum = next(n for n in model.graph.node if n.name == f"{block}__after_sum")
+        grad_made = segment.get(producer[grad_sum.input[0]], -1)
+        assert segment[name] >= segment[where.name] >= grad_made, name
+        later += segment[name] > segment[meta[name][RECOMPUTE_OF_KEY]]
+    assert later > 0  # with collectives in the backward, recomputes run in later segments
