@@ -44,7 +44,7 @@ from tensoropt.passes.autodiff import grad_of
 RECOMPUTE_KEY = "tensoropt.recompute"  # node metadata: the block this recompute node serves
 # clone node metadata: the forward node it reruns; clone value metadata: the forward value
 RECOMPUTE_OF_KEY = "tensoropt.recompute_of"
-APPLIED_KEY = "tensoropt.recompute"  # model metadata: JSON list of the recomputed blocks
+APPLIED_KEY = "tensoropt.recomputed_blocks"  # model metadata: JSON list of the blocks
 
 _CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 # Ops that draw random numbers: a rerun draws different ones.
