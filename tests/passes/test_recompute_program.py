@@ -46,16 +46,28 @@ OP = {"ALL_REDUCE": "AllReduce", "ALL_GATHER": "AllGather", "REDUCE_SCATTER": "R
       "ALL_TO_ALL": "AllToAll"}  # fmt: skip
 
 
+class _Models:
+    """Model paths by name, each written on first use (the GPT-2 export takes seconds)."""
+
+    def __init__(self, folder, exported):
+        self.folder = folder
+        self.exported = exported
+        self.paths = {}
+
+    def __getitem__(self, name: str):
+        if name not in self.paths:
+            if name == "gpt2-export":
+                self.paths[name] = self.exported("gpt2")
+            else:
+                path = self.folder / f"{name}.onnx"
+                save_model(build_model(name, "tiny"), str(path))
+                self.paths[name] = path
+        return self.paths[name]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, exported):
-    folder = tmp_path_factory.mktemp("recompute_program")
-    paths = {}
-    for name in ("gpt", "resnet50"):
-        path = folder / f"{name}.onnx"
-        save_model(build_model(name, "tiny"), str(path))
-        paths[name] = path
-    paths["gpt2-export"] = exported("gpt2")
-    return paths
+    return _Models(tmp_path_factory.mktemp("recompute_program"), exported)
 
 
 def _mesh(spec: str):
