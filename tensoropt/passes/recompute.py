@@ -20,8 +20,9 @@ clones are nodes of the same units as their originals (``tensoropt.unit``), role
 shards them alike and their conversions are the forward's again.
 
 The clones read the block input through ``Where(IsNaN(ReduceSum(g)), x, x)``, where
-``g`` is the gradient that reaches the block's output: the same values as ``x`` (both
-branches are ``x``), but a data dependency on the backward. Without it onnxruntime runs a
+``g`` is the gradient that reaches the block's output, summed per sample when ``x`` and
+``g`` share the batch dim: the same values as ``x`` (both branches are ``x``), but a data
+dependency on the backward. Without it onnxruntime runs a
 clone as soon as its inputs exist (in the forward, which saves nothing) and its common
 subexpression elimination merges the clone with its original.
 """
@@ -37,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tensoropt.errors import PlanError
-from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY
+from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.vocab import Role
 from tensoropt.passes.autodiff import grad_of
 
@@ -262,7 +263,9 @@ def _recompute(graph: ir.Graph, block: Block) -> int:
             f"{block.output!r} is complete; recompute another block"
         )
     made: list[ir.Node] = []
-    dep = _dependency(source, grad, block, _unit_for_input(source), made)
+    # the dependency sits in the unit that makes the gradient: it reads it as held there
+    unit = grad.producer().metadata_props.get(UNIT_KEY, "")  # type: ignore[union-attr]
+    dep = _dependency(source, grad, block, unit, made)
     clone: dict[ir.Value, ir.Value] = {source: dep}
     for node in clones_of:
         copy = _clone(node, clone, block.name)
@@ -353,15 +356,6 @@ def _gradient_at(graph: ir.Graph, block: Block) -> ir.Value:
     return found
 
 
-def _unit_for_input(source: ir.Value) -> str:
-    """The unit that holds the block input: its producer's, or its first reader's."""
-    producer = source.producer()
-    if producer is not None:
-        return producer.metadata_props.get(UNIT_KEY, producer.name or "")
-    first = source.uses()[0].node
-    return first.metadata_props.get(UNIT_KEY, first.name or "")
-
-
 def _tags(block: str, unit: str) -> dict[str, str]:
     return {ROLE_KEY: Role.BACKWARD.value, UNIT_KEY: unit, RECOMPUTE_KEY: block}
 
@@ -369,39 +363,69 @@ def _tags(block: str, unit: str) -> dict[str, str]:
 def _dependency(
     source: ir.Value, grad: ir.Value, block: Block, unit: str, made: list[ir.Node]
 ) -> ir.Value:
-    """``Where(IsNaN(ReduceSum(grad)), source, source)``: ``source`` after ``grad``."""
+    """``Where(IsNaN(sum(grad)), source, source)``: ``source``, after ``grad``.
+
+    When the two share dim 0 (the batch) the sum keeps it and the condition broadcasts
+    per sample, so a batch-split gradient needs no collective; otherwise it is a scalar."""
     stem = f"{block.name}__after"
-    rank = len(grad.shape) if grad.shape is not None else 0
-    axes = ir.Value(name=f"{stem}_axes")
-    axes.dtype = ir.DataType.INT64
-    axes.shape = ir.Shape([rank])
-    axes_tensor = ir.tensor(np.arange(rank, dtype=np.int64), name=axes.name)
-    const = ir.Node(
-        "",
-        "Constant",
-        [],
-        [ir.AttrTensor("value", axes_tensor)],
-        outputs=[axes],
-        name=f"{stem}_axes",
-        metadata_props={ROLE_KEY: Role.BACKWARD.value, RECOMPUTE_KEY: block.name},
-    )
-    total = _node("ReduceSum", [grad, axes], f"{stem}_sum", grad.dtype, [], block, unit)
-    total.attributes["keepdims"] = ir.AttrInt64("keepdims", 0)
-    nan = _node("IsNaN", [total.outputs[0]], f"{stem}_nan", ir.DataType.BOOL, [], block, unit)
-    shape = list(source.shape) if source.shape is not None else None
+    gshape, sshape = static_shape(grad), static_shape(source)
+    per_sample = bool(gshape) and bool(sshape) and gshape[0] == sshape[0]
+    axes = list(range(1 if per_sample else 0, len(gshape)))
+    kept = [gshape[0]] if per_sample else []
+    value = grad
+    if axes:
+        axes_node = _ints(f"{stem}_axes", axes, block.name)
+        total = _node(
+            "ReduceSum", [grad, axes_node.outputs[0]], f"{stem}_sum", grad.dtype, kept, block, unit
+        )
+        total.attributes["keepdims"] = ir.AttrInt64("keepdims", 0)
+        made.extend((axes_node, total))
+        value = total.outputs[0]
+    cond = _node("IsNaN", [value], f"{stem}_nan", ir.DataType.BOOL, kept, block, unit)
+    made.append(cond)
+    if per_sample and len(sshape) > 1:
+        rest = list(range(1, len(sshape)))
+        rest_node = _ints(f"{stem}_rest", rest, block.name)
+        cond = _node(
+            "Unsqueeze",
+            [cond.outputs[0], rest_node.outputs[0]],
+            f"{stem}_per_sample",
+            ir.DataType.BOOL,
+            [sshape[0]] + [1] * len(rest),
+            block,
+            unit,
+        )
+        made.extend((rest_node, cond))
     where = _node(
         "Where",
-        [nan.outputs[0], source, source],
+        [cond.outputs[0], source, source],
         f"{stem}_where",
         source.dtype,
-        shape,
+        list(sshape),
         block,
         unit,
     )
     if source.name:
         where.outputs[0].metadata_props[RECOMPUTE_OF_KEY] = source.name
-    made.extend((const, total, nan, where))
+    made.append(where)
     return where.outputs[0]
+
+
+def _ints(name: str, values: list[int], block: str) -> ir.Node:
+    """A Constant node of int64 ``values`` (nodes of no unit are replicated)."""
+    out = ir.Value(name=name)
+    out.dtype = ir.DataType.INT64
+    out.shape = ir.Shape([len(values)])
+    tensor = ir.tensor(np.asarray(values, dtype=np.int64), name=name)
+    return ir.Node(
+        "",
+        "Constant",
+        [],
+        [ir.AttrTensor("value", tensor)],
+        outputs=[out],
+        name=name,
+        metadata_props={ROLE_KEY: Role.BACKWARD.value, RECOMPUTE_KEY: block},
+    )
 
 
 def _node(op, inputs, name, dtype, shape, block: Block, unit: str) -> ir.Node:
