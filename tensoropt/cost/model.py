@@ -184,13 +184,13 @@ class _Pricer:
             found = self.node_cache[key] = (seconds, memory)
         return found
 
-    def recompute(self, node: ir.Node, strategy: MeshSharding) -> tuple[float, float]:
-        """(forward seconds, output bytes) of a recompute node under ``strategy``."""
+    def recompute(self, node: ir.Node, strategy: MeshSharding) -> float:
+        """Forward seconds of a recompute node (``passes.recompute``) under ``strategy``."""
         key = ("recompute", sa.view_key(node), strategy)
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            seconds = forward_time(
+            found = self.node_cache[key] = forward_time(
                 node.op_type,
                 sa.op_view(node).attributes,
                 local.input_shapes,
@@ -198,11 +198,6 @@ class _Pricer:
                 itemsize(node.outputs[0]),
                 self.profile,
             )
-            memory = 0.0
-            if node.op_type not in _VIEWS:
-                for j, shape in enumerate(local.output_shapes):
-                    memory += _numel(shape) * itemsize(node.outputs[j])
-            found = self.node_cache[key] = (seconds, memory)
         return found
 
 
@@ -303,7 +298,7 @@ class _Builder:
         memory = 0.0
         for i, node in enumerate(unit.nodes):
             if RECOMPUTE_KEY in node.metadata_props:  # the forward again, in the backward
-                seconds += self.pricer.recompute(node, program.strategies[i])[0]
+                seconds += self.pricer.recompute(node, program.strategies[i])
                 continue
             if node.metadata_props.get(ROLE_KEY) not in ("forward", "loss"):
                 continue
@@ -544,12 +539,11 @@ class BlockTerms:
 def block_terms(
     recomputed: MeshProblem, plain_saved: frozenset[str], profile: ClusterProfile
 ) -> tuple[BlockTerms, ...]:
-    """Per recomputed block of ``recomputed`` (a problem of a step with blocks
-    recomputed, priced on ``profile``; ``plain_saved``: the saved values of the same
-    step without recompute),
-    attributed node by node, so that a unit touched by two blocks (the unit holding a
-    block's input also makes that block's dependency copy) splits its terms between them.
-    """
+    """The terms of each recomputed block of ``recomputed`` (the problem of a step with
+    blocks recomputed, priced on ``profile``; ``plain_saved``: the saved values of the
+    same step without recompute), attributed node by node: a unit touched by two blocks
+    (the unit that makes the gradient at a block's output holds that block's dependency
+    nodes) splits its terms between them."""
     su = recomputed.sg.units
     pricer = _Pricer(recomputed.sg, recomputed.mesh, profile)
     per_block: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -563,7 +557,7 @@ def block_terms(
                 t_add, m_drop = per_block.setdefault(block, {}).setdefault(
                     k, ([0.0] * n, [0.0] * n)
                 )
-                t_add[s] += pricer.recompute(node, program.strategies[i])[0]
+                t_add[s] += pricer.recompute(node, program.strategies[i])
                 original = _original_index(unit, node)
                 if original is not None:
                     m_drop[s] += _dropped(unit, original, program, recomputed, plain_saved)
