@@ -447,7 +447,7 @@ def _clone(node: ir.Node, clone: dict[ir.Value, ir.Value], block: str) -> ir.Nod
         if v.name:
             out.metadata_props[RECOMPUTE_OF_KEY] = v.name
         outputs.append(out)
-    tags = _tags(block, node.metadata_props.get(UNIT_KEY, node.name or ""))
+    tags = _tags(block, node.name or "")  # a forward node names its own unit (units.by_name)
     tags[RECOMPUTE_OF_KEY] = node.name or ""
     return ir.Node(
         node.domain,
