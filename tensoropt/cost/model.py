@@ -51,7 +51,6 @@ from tensoropt.passes.units import (
     ProgramCache,
     StepUnits,
     conversion_steps,
-    crossings,
     itemsize,
 )
 from tensoropt.rules.sharding import MeshSharding
@@ -234,13 +233,29 @@ _R = Replicate()
 _S0 = Shard(0)
 
 
-def unit_strategies(sg: SearchGraph, mesh: Mesh, k: int) -> tuple[MeshSharding, ...]:
-    """The strategies the search considers for unit ``k`` (see :func:`_allowed`)."""
+def unit_strategies(
+    sg: SearchGraph, mesh: Mesh, k: int, memo: dict | None = None
+) -> tuple[MeshSharding, ...]:
+    """The strategies the search considers for unit ``k`` (see :func:`_allowed`).
+
+    ``memo``: results on this mesh by what they depend on (the root's op and which of its
+    inputs are stored), shared by repeated layers."""
     root = sg.units.units[k].root
-    fixed = set(sg.params) | set(sg.data_inputs)
+    fixed = sg.params | set(sg.data_inputs)
+    key = None
+    if memo is not None:
+        stored = tuple(
+            None if v is None else (v.name in fixed, v.name in sg.params) for v in root.inputs
+        )
+        key = (sa.view_key(root), stored)
+        found = memo.get(key)
+        if found is not None:
+            return found
     found = tuple(s for s in sa.candidates(root, mesh) if _allowed(root, s, fixed, sg.params))
     if not found:
         raise ShardingError(f"node {root.name!r} ({root.op_type}) has no legal strategy")
+    if memo is not None:
+        memo[key] = found
     return found
 
 
@@ -262,11 +277,12 @@ class _Builder:
 
     def infos(self) -> list[UnitInfo]:
         infos = []
+        memo: dict = {}
         for k, unit in enumerate(self.su.units):
             if self.only is not None:
                 strategies: tuple[MeshSharding, ...] = (self.only[unit.root.name],)
             else:
-                strategies = unit_strategies(self.sg, self.mesh, k)
+                strategies = unit_strategies(self.sg, self.mesh, k, memo)
             followers = tuple(
                 n for n in unit.nodes[1:] if n.metadata_props.get(ROLE_KEY) in ("forward", "loss")
             )
@@ -374,7 +390,7 @@ class _Builder:
         return times[rows][:, cols], mems[rows][:, cols]
 
     def edges(self, infos, programs) -> tuple[list[Edge], list[Crossing]]:
-        found = crossings(self.su)
+        found = self.su.crossings
         pairs: dict[tuple[int, int], list[Crossing]] = {}
         for c in found:
             if c.source == c.target:

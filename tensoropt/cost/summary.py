@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+import numpy as np
+
 from tensoropt.cost.model import MeshProblem, SearchGraph
 from tensoropt.ir.layout import Partial, Shard
 
@@ -38,38 +40,74 @@ REPLICATED = "replicated"
 ALL_REPLICATED = "replicated (no faster than 1 device)"
 
 
-class Summarizer:
-    """Summaries of many plans of one problem (unit kinds are computed once each)."""
+def kind_table(mp: MeshProblem, sg: SearchGraph) -> tuple[tuple[str, ...], ...]:
+    """:func:`unit_kind` of every (unit, strategy); repeated layers share their row (the
+    kinds depend on the root's op, which of its inputs are parameters and the strategies).
+    """
+    rows: dict[tuple, tuple[str, ...]] = {}
+    out = []
+    for k, info in enumerate(mp.units):
+        weights = tuple(v is not None and v.name in sg.params for v in info.node.inputs)
+        key = (info.strategies, weights)
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = tuple(unit_kind(mp, sg, k, s) for s in range(len(info.strategies)))
+        out.append(row)
+    return tuple(out)
 
-    def __init__(self, mp: MeshProblem, sg: SearchGraph):
+
+class Summarizer:
+    """Summaries of many plans of one problem.
+
+    Every (weight unit, strategy) is one category (op type, kind); a plan's summary counts
+    the categories its choice picks, in the order of first appearance (one gather and one
+    count per plan, not a loop over units)."""
+
+    def __init__(
+        self,
+        mp: MeshProblem,
+        sg: SearchGraph,
+        kinds: tuple[tuple[str, ...], ...] | None = None,
+    ):
         self.mp = mp
         self.sg = sg
-        self.weighted = [
-            k
-            for k, info in enumerate(mp.units)
-            if any(v is not None and v.name in sg.params for v in info.node.inputs)
-        ]
-        self.kinds: dict[tuple[int, int], str] = {}
+        self.kinds = kinds if kinds is not None else kind_table(mp, sg)
+        self.weighted = np.array(
+            [
+                k
+                for k, info in enumerate(mp.units)
+                if any(v is not None and v.name in sg.params for v in info.node.inputs)
+            ],
+            dtype=np.intp,
+        )
+        categories: dict[tuple[str, str], int] = {}
+        flat: list[int] = []
+        offsets: list[int] = []
+        for k in self.weighted:
+            offsets.append(len(flat))
+            op = mp.units[k].node.op_type
+            flat += [categories.setdefault((op, kind), len(categories)) for kind in self.kinds[k]]
+        self.categories = list(categories)
+        self.flat = np.array(flat, dtype=np.intp)
+        self.offsets = np.array(offsets, dtype=np.intp)
+        self.replicated = np.array([kind == REPLICATED for _, kind in self.categories], dtype=bool)
 
     def __call__(self, choice: Sequence[int]) -> str:
+        picked = self.flat[self.offsets + np.asarray(choice, dtype=np.intp)[self.weighted]]
+        cats, first, counts = np.unique(picked, return_index=True, return_counts=True)
         by_op: dict[str, Counter] = defaultdict(Counter)
-        for k in self.weighted:
-            s = choice[k]
-            kind = self.kinds.get((k, s))
-            if kind is None:
-                kind = self.kinds[(k, s)] = unit_kind(self.mp, self.sg, k, s)
-            by_op[self.mp.units[k].node.op_type][kind] += 1
-        if self.mp.mesh.size > 1 and self._all_replicated(choice, by_op):
+        for i in np.argsort(first, kind="stable"):
+            op, kind = self.categories[cats[i]]
+            by_op[op][kind] = int(counts[i])
+        if self.mp.mesh.size > 1 and self.replicated[cats].all() and self._rest_replicated(choice):
             return ALL_REPLICATED
         return _render(by_op)
 
-    def _all_replicated(self, choice: Sequence[int], by_op: dict[str, Counter]) -> bool:
-        """No unit (weight layers first, then every other one) splits anything."""
-        if any(kind != REPLICATED for kinds in by_op.values() for kind in kinds):
-            return False
-        weighted = set(self.weighted)
+    def _rest_replicated(self, choice: Sequence[int]) -> bool:
+        """No unit other than the weight layers splits anything either."""
+        weighted = set(self.weighted.tolist())
         return all(
-            unit_kind(self.mp, self.sg, k, choice[k]) == REPLICATED
+            self.kinds[k][choice[k]] == REPLICATED
             for k in range(len(self.mp.units))
             if k not in weighted
         )

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tensoropt.errors import PlanError
 
 COSTS_SCHEMA = "tensoropt.costs/1"
@@ -151,6 +153,14 @@ def _check_table(table: Any, rows: int, cols: int, where: str) -> None:
             raise PlanError(
                 f"{where}[{r}]: expected {cols} entries (strategies of dst), found {found}"
             )
+    # Tables run to millions of entries: check them at once, and entry by entry only to
+    # name the first bad one.
+    kinds = {type(v) for row in table for v in row}
+    if kinds <= {float, int}:
+        values = np.asarray(table, dtype=np.float64).reshape(rows, cols)
+        if np.isfinite(values).all() and (values >= 0.0).all():
+            return
+    for r, row in enumerate(table):
         for c, v in enumerate(row):
             _check_cost(v, f"{where}[{r}][{c}]")
 

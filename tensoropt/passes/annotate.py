@@ -92,6 +92,7 @@ class _Completion:
         self.su = su
         self.layouts: dict[ir.Value, Layout] = {}
         self.out_terms: dict = {}
+        self.chosen: dict[tuple, MeshSharding] = {}  # (op view, layouts read) -> choice
         data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
         if axes is not None:
             default_dp = plan.default is DefaultStrategy.DATA_PARALLEL
@@ -124,12 +125,20 @@ class _Completion:
         unit = self.plan.unit(node.name)
         if unit is not None:
             return listed_strategy(node, unit, self.mesh)
+        haves = tuple(None if v is None else self.layouts.get(v) for v in node.inputs)
+        # The choice depends on the op and the layouts it reads alone, so repeated layers
+        # that read the same layouts choose once.
+        key = (sa.view_key(node), haves)
+        found = self.chosen.get(key)
+        if found is not None:
+            return found
         cands = sa.candidates(node, self.mesh)
         if not cands:
             raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
-        haves = [None if v is None else self.layouts.get(v) for v in node.inputs]
         # an input without a layout is a parameter or data input placed by this reader
-        return cheapest(node, cands, haves, self.mesh, self.out_terms, lambda _: True)
+        found = cheapest(node, cands, haves, self.mesh, self.out_terms, lambda _: True)
+        self.chosen[key] = found
+        return found
 
 
 def listed_strategy(node: ir.Node, unit: UnitStrategy, mesh: Mesh) -> MeshSharding:

@@ -31,6 +31,7 @@ from tensoropt.ir.vocab import MegatronSplit, Role, role_of
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.blocks import (
     ELEMENTWISE,
+    Blocks,
     Rewrite,
     find_blocks,
     is_forward,
@@ -76,12 +77,18 @@ def _layouts(
     return Layout(tuple(x)), Layout(tuple(w)), Layout(tuple(out))
 
 
-def megatron(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
-    """Tensor parallelism on the last mesh axis for every block found; dp on the others."""
+def megatron(
+    graph: ir.Graph, sig: StepSignature, mesh: Mesh, blocks: Blocks | None = None
+) -> BuiltPlan:
+    """Tensor parallelism on the last mesh axis for every block found; dp on the others.
+
+    ``blocks``: ``find_blocks`` of this graph, when the caller builds plans for several
+    meshes (the blocks do not depend on the mesh)."""
     tp = mesh.ndim - 1
     dp_axes = tuple(range(mesh.ndim - 1))
     params = set(sig.params)
-    blocks = find_blocks(graph, params)
+    if blocks is None:
+        blocks = find_blocks(graph, params)
     attention = []
     split_heads: list[str] = []
     for column, row in blocks.attention:
@@ -371,12 +378,15 @@ def _axes_text(mesh: Mesh, axes) -> str:
     return f"mesh axes {names} ({math.prod(mesh.shape[a] for a in axes)} devices)"
 
 
-def builtin_plan(name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
-    """A built-in plan by name; refuses a mesh on which it cannot split what it promises."""
+def builtin_plan(
+    name: str, graph: ir.Graph, sig: StepSignature, mesh: Mesh, blocks: Blocks | None = None
+) -> BuiltPlan:
+    """A built-in plan by name; refuses a mesh on which it cannot split what it promises.
+    ``blocks``: the graph's ``find_blocks``, if already known (megatron)."""
     if name == "data-parallel":
         built = data_parallel(mesh)
     elif name == "megatron":
-        built = megatron(graph, sig, mesh)
+        built = megatron(graph, sig, mesh, blocks)
     else:
         raise PlanError(
             f"unknown built-in plan {name!r}; use data-parallel, megatron or a PLAN.json"

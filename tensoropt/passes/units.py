@@ -133,7 +133,7 @@ class UnitNodes:
     externals: list[ir.Value] = field(default_factory=list)
     kinds: list[Entry] = field(default_factory=list)
     outputs: list[tuple[Ref, str | None]] = field(default_factory=list)  # graph outputs made
-    key: tuple = ()
+    key: int = -1  # structure number: units with equal keys have equal programs
 
 
 @dataclass(eq=False, slots=True)
@@ -149,6 +149,8 @@ class StepUnits:
     state_param: dict[str, str]  # optimizer state -> its parameter
     owner: dict[str, int]  # parameter / data input -> unit that places it
     required: dict[ir.Value, str | None]  # graph output -> carried input (None: replicated)
+    # every value one unit holds and another reads (``crossings``): the same on every mesh
+    crossings: tuple[Crossing, ...] = ()
 
     def index(self, name: str) -> int:
         for k, u in enumerate(self.units):
@@ -230,8 +232,11 @@ def group_units(
                 owner.setdefault(v.name, k)
     required = {v: carry.get(v.name) for v in graph.outputs}
     su = StepUnits(graph, units, unit_of, fixed, params, data, dict(states), owner, required)
+    structures: dict[tuple, int] = {}
     for unit in units:
-        _describe(su, unit)
+        # a unit's structure, numbered: programs and prices are memoised by it many times
+        unit.key = structures.setdefault(_describe(su, unit), len(structures))
+    su.crossings = tuple(crossings(su))
     return su
 
 
@@ -285,8 +290,9 @@ def _entry_kind(su: StepUnits, value: ir.Value) -> Entry:
     return Entry.VALUE
 
 
-def _describe(su: StepUnits, unit: UnitNodes) -> None:
-    """Externals of the unit and its structural key (equal keys: equal programs)."""
+def _describe(su: StepUnits, unit: UnitNodes) -> tuple:
+    """Record the unit's externals; return its structure (equal structures: equal
+    programs)."""
     local: dict[ir.Value, tuple] = {}
     ext: dict[ir.Value, int] = {}
     parts: list[tuple] = []
@@ -337,7 +343,7 @@ def _describe(su: StepUnits, unit: UnitNodes) -> None:
         elif RECOMPUTE_OF_KEY in v.metadata_props:
             extra = names.get(v.metadata_props[RECOMPUTE_OF_KEY])
         kinds.append((kind, extra))
-    unit.key = (tuple(parts), tuple(primal), tuple(kinds))
+    return (tuple(parts), tuple(primal), tuple(kinds))
 
 
 # -- programs ------------------------------------------------------------------------
@@ -604,19 +610,22 @@ def cheapest(
 
 
 def output_terms(cand: MeshSharding, mesh: Mesh, memo: dict) -> tuple[int, float]:
-    """(partial outputs, spread of outputs) of a candidate: the scoring's tie-breakers."""
-    found = memo.get(cand)
-    if found is None:
-        partial = 0
-        spread = 0.0
-        for layout in cand.outputs:
-            partial += sum(isinstance(p, Partial) for p in layout.placements)
-            spread += float(
-                math.prod(
-                    mesh.shape[a] for a, p in enumerate(layout.placements) if isinstance(p, Shard)
-                )
-            )
-        found = memo[cand] = (partial, spread)
+    """(partial outputs, spread of outputs) of a candidate: the scoring's tie-breakers.
+
+    ``memo`` is keyed by the candidate's identity (and holds the candidate, so the id
+    stays its own): equal strategies of different ops are distinct objects, and comparing
+    them by value costs more than the terms."""
+    hit = memo.get(id(cand))
+    if hit is not None and hit[0] is cand:
+        return hit[1]
+    partial = 0
+    spread = 0.0
+    for layout in cand.outputs:
+        partial += sum(isinstance(p, Partial) for p in layout.placements)
+        sharded = [mesh.shape[a] for a, p in enumerate(layout.placements) if isinstance(p, Shard)]
+        spread += float(math.prod(sharded))
+    found = (partial, spread)
+    memo[id(cand)] = (cand, found)
     return found
 
 

@@ -23,6 +23,7 @@ from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.passes.blocks import Blocks, find_blocks
 from tensoropt.search.merge import MergedPoint, merge_frontiers
 from tensoropt.search.solver import SearchResult, solve
 
@@ -117,8 +118,16 @@ def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> 
     return Plan(search.mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
 
 
-def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, ...]]:
-    """The data-parallel and Megatron plans as choices of this problem (when expressible)."""
+def megatron_blocks(sg: SearchGraph) -> Blocks:
+    """The Megatron blocks of the search graph: the same for every mesh."""
+    return find_blocks(sg.graph, set(sg.params))
+
+
+def reference_choices(
+    sg: SearchGraph, mp: MeshProblem, blocks: Blocks | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The data-parallel and Megatron plans as choices of this problem (when expressible).
+    ``blocks``: :func:`megatron_blocks` of ``sg``, when already found."""
     from tensoropt.passes.annotate import complete_plan
     from tensoropt.passes.plans import builtin_plan
 
@@ -127,7 +136,7 @@ def reference_choices(sg: SearchGraph, mp: MeshProblem) -> dict[str, tuple[int, 
         if name == "data-parallel" and mp.mesh.ndim > 1:
             continue  # the same plan as on the 1-D mesh of this device count
         try:
-            built = builtin_plan(name, sg.graph, sg.signature, mp.mesh)
+            built = builtin_plan(name, sg.graph, sg.signature, mp.mesh, blocks)
             if name == "megatron" and not built.plan.units:
                 continue
             roots = complete_plan(sg.graph, sg.signature, built.plan, built.data_axes, sg.units)
@@ -149,15 +158,17 @@ def _solve_mesh(
     sg: SearchGraph,
     job: tuple[Mesh, ClusterProfile, float | None, float | None],
     incumbents: tuple[list[float], list[float]] | None = None,
+    blocks: Blocks | None = None,
 ) -> MeshSearch:
-    from tensoropt.cost.summary import Summarizer, unit_kind
+    from tensoropt.cost.summary import Summarizer, kind_table
 
     mesh, profile, budget, epsilon = job
     mp = build_problem(sg, mesh, profile)
     result = solve(mp.problem, memory_budget=budget, epsilon=epsilon, incumbents=incumbents)
-    summarize = Summarizer(mp, sg)
+    kinds = kind_table(mp, sg)
+    summarize = Summarizer(mp, sg, kinds)
     refs, ref_summaries = {}, {}
-    for name, choice in reference_choices(sg, mp).items():
+    for name, choice in reference_choices(sg, mp, blocks).items():
         t, m = mp.problem.evaluate(choice)
         refs[name] = (t, m, choice)
         ref_summaries[name] = summarize(choice)
@@ -172,10 +183,7 @@ def _solve_mesh(
         ),
         summaries=tuple(summarize(p.choice) for p in result.points),
         reference_summaries=ref_summaries,
-        strategy_kinds=tuple(
-            tuple(unit_kind(mp, sg, k, s) for s in range(len(u.strategies)))
-            for k, u in enumerate(mp.units)
-        ),
+        strategy_kinds=kinds,
         unit_ops=tuple(u.node.op_type for u in mp.units),
         unit_weighted=tuple(
             any(v is not None and v.name in sg.params for v in u.node.inputs) for u in mp.units
@@ -218,9 +226,10 @@ def explore(
         work += [(tuple(b), profile, memory_budget, epsilon) for b in batches]
     workers = max(1, min(len(work), jobs or os.cpu_count() or 1))
     found: dict[tuple[int, tuple[int, ...]], MeshSearch] = {}
+    blocks = megatron_blocks(sg)
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         for job in work:
-            for search in _solve_meshes(sg, job):
+            for search in _solve_meshes(sg, job, blocks):
                 found[(search.mesh.size, tuple(search.mesh.shape))] = search
                 if on_problem:
                     on_problem(search.mesh)
@@ -228,7 +237,7 @@ def explore(
         # A forked worker inherits the search graph from this process (initargs are not
         # pickled under fork); only the plain-data results come back.
         ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=(sg,)) as pool:
+        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=(sg, blocks)) as pool:
             for batch in pool.imap_unordered(_solve_in_worker, work):
                 for search in batch:
                     found[(search.mesh.size, tuple(search.mesh.shape))] = search
@@ -248,23 +257,23 @@ def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
     return (-min(mesh.shape) if mesh.ndim > 1 else 0, tuple(mesh.shape))
 
 
-_WORKER_GRAPH: list[SearchGraph] = []  # the search graph of a pool worker process
+_WORKER_GRAPH: list = []  # a pool worker's search graph and its Megatron blocks
 
 
 def _solve_in_worker(job) -> list[MeshSearch]:
-    return _solve_meshes(_WORKER_GRAPH[0], job)
+    return _solve_meshes(_WORKER_GRAPH[0], job, _WORKER_GRAPH[1])
 
 
-def _pool_worker_init(sg: SearchGraph) -> None:
+def _pool_worker_init(sg: SearchGraph, blocks: Blocks) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
     (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
     the pool's task-queue lock and hang the pool for good (seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _WORKER_GRAPH[:] = [sg]
+    _WORKER_GRAPH[:] = [sg, blocks]
 
 
-def _solve_meshes(sg: SearchGraph, job) -> list[MeshSearch]:
+def _solve_meshes(sg: SearchGraph, job, blocks: Blocks | None = None) -> list[MeshSearch]:
     """The meshes of one job in order, each exact search with the points found before it
     in the job as incumbents."""
     meshes, profile, budget, epsilon = job
@@ -276,7 +285,7 @@ def _solve_meshes(sg: SearchGraph, job) -> list[MeshSearch]:
                 [p.time_s for s in out for p in s.result.points],
                 [p.memory_bytes for s in out for p in s.result.points],
             )
-        out.append(_solve_mesh(sg, (mesh, profile, budget, epsilon), incumbents))
+        out.append(_solve_mesh(sg, (mesh, profile, budget, epsilon), incumbents, blocks))
     return out
 
 

@@ -289,6 +289,11 @@ def local_shapes(
 _LAST_LEGAL: list = [None, None, 0, ()]
 
 
+def remember_legal(rule: ShardingRule, op: OpView, n: int, legal: list[OpSharding]) -> None:
+    """Tell :func:`check_member` the legal strategies of ``(rule, op, n)``, just computed."""
+    _LAST_LEGAL[:] = [rule, op, n, legal]
+
+
 def check_member(rule: ShardingRule, op: OpView, s: OpSharding, n: int) -> None:
     """Raise ShardingError unless ``s`` is one of the rule's strategies for ``op``."""
     last = _LAST_LEGAL

@@ -20,7 +20,14 @@ import numpy as np
 from tensoropt.errors import PlanError, ShardingError, UnsupportedOpError
 from tensoropt.ir.layout import Layout
 from tensoropt.rules.sharding import elementwise, gather, matmul, misc, nn, reduce, shape
-from tensoropt.rules.sharding.base import LocalOp, OpSharding, OpView, ShardingRule, replicated
+from tensoropt.rules.sharding.base import (
+    LocalOp,
+    OpSharding,
+    OpView,
+    ShardingRule,
+    remember_legal,
+    replicated,
+)
 
 
 class ShardingRegistry:
@@ -153,7 +160,11 @@ def _compose(
     if not shape:
         return [[]]
     out: list[list[OpSharding]] = []
-    for s in registry.strategies(op, shape[0]):
+    legal = registry.strategies(op, shape[0])
+    if shape[0] > 1:
+        # localize checks that each strategy is legal; these came from the rule itself
+        remember_legal(registry.rule(op.op_type), op, shape[0], legal)
+    for s in legal:
         view = local_view(op, registry.localize(op, s, shape[0]))
         out += [[s, *rest] for rest in _compose(view, shape[1:], registry)]
     return out
