@@ -53,6 +53,13 @@ plans:
   --search FILE   with --pick: a point of that search's JSON (`search --json-out FILE`),
                   not searched again
 
+recompute (activation recomputation, any plan):
+  --recompute all|none|REGEX   blocks of the forward (found by structure: residual
+                  blocks, transformer half-layers, weight layers; named block_0, block_1,
+                  ... in forward order) whose activations are not kept: their forward
+                  runs again in the backward. REGEX matches (whole) block names or the
+                  names of nodes a block covers; `tensoropt inspect OUTDIR` shows them
+
 output (written completely or not at all):
   OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
   OUTDIR/device_<k>.data  its weights above 1 KiB (ONNX external data; optimizer
@@ -135,6 +142,13 @@ def add_parser(sub) -> None:
         metavar="SEARCH.json",
         help="take --pick's frontier from a `search --json-out` file instead of searching "
         "again (same model, training options and --cluster as that search)",
+    )
+    p.add_argument(
+        "--recompute",
+        metavar="all|none|REGEX",
+        help="recompute blocks of the forward in the backward instead of keeping their "
+        "activations: all, none, or a regular expression matching block names (block_0, "
+        "...) or names of nodes they cover; overrides a plan file's choice",
     )
     add_json_flag(p, JSON_SCHEMA)
     p.add_argument(
@@ -266,6 +280,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     )
     step = build_step(args, load_weights=False)  # compile streams the weights itself
     summary = step.selection.summary(step.model.graph)  # the whole model: before compile
+    plan = with_recompute(args, step, plan)
     estimate = estimate_of(step, plan, None, args.cluster)
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
@@ -309,6 +324,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     plan = with_micro_batches(plan_of(sf, chosen, source), args)
     step = build_step(args, load_weights=False)  # compile streams the weights itself
     summary = step.selection.summary(step.model.graph)  # the whole model: before compile
+    plan = with_recompute(args, step, plan)
     estimate = estimate_of(step, plan, None, args.cluster)
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
@@ -334,15 +350,30 @@ def _with_zero(stage: int, step, plan, data_axes, notes):
     return zeroed.plan, (*notes, *zeroed.notes)
 
 
+def with_recompute(args: argparse.Namespace, step, plan):
+    """``plan`` with the blocks ``--recompute`` chooses (unchanged without the flag)."""
+    if args.recompute is None:
+        return plan
+    import dataclasses
+
+    from tensoropt.passes.recompute import find_blocks, select_blocks
+
+    blocks = find_blocks(step.model.graph, step.signature.data_inputs)
+    return dataclasses.replace(plan, recompute=select_blocks(blocks, args.recompute))
+
+
 def estimate_of(step, plan, data_axes, cluster: str):
-    """The cost model's estimate of ``plan`` on ``step`` (before compile mutates it): the
-    same pricing as the search's, so a picked point's figures come back unchanged."""
+    """The cost model's estimate of ``plan`` on ``step`` (before compile partitions it):
+    the same pricing as the search's, so a picked point's figures come back unchanged.
+    The plan's recomputed blocks are cloned into the step first, as compile does."""
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.cost.model import estimate_plan, search_graph_of
     from tensoropt.passes.annotate import complete_plan, plan_zero
     from tensoropt.passes.plans import check_plan
+    from tensoropt.passes.recompute import apply_recompute
 
     check_plan(step.model.graph, plan)  # names the unit, tensor, dim and sizes
+    apply_recompute(step.model, step.signature.data_inputs, plan.recompute)
     sg = search_graph_of(step)
     if plan.micro_batches > 1:
         from tensoropt.passes.micro import micro_roots
@@ -432,6 +463,7 @@ def run(args: argparse.Namespace) -> int:
     plan = with_micro_batches(plan, args)
     if args.zero is not None:
         plan, notes = _with_zero(args.zero, step, plan, data_axes, notes)
+    plan = with_recompute(args, step, plan)
     # Everything that can fail runs before anything is printed: an error stays one line.
     estimate = estimate_of(step, plan, data_axes, args.cluster)
     result = compile_step(

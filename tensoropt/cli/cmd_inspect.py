@@ -16,7 +16,8 @@ shows the plan's estimate (the cost model's step time, memory per device and
 collectives per device: the same figures search, compile and validate report), then
 per device: op count, collectives by kind and group, bytes sent per step (ring
 algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B), parameter shard
-shapes, and memory: parameters + optimizer state, and the *liveness peak*, a second
+shapes, the blocks it recomputes (`compile --recompute`) with the forward nodes each
+reruns, and memory: parameters + optimizer state, and the *liveness peak*, a second
 figure: every tensor alive at once when the graph runs node by node in file order. The
 estimate counts what a step holds (parameters, gradients, optimizer state, activations
 saved for the backward, converted buffers); the liveness peak is what one sequential
@@ -144,11 +145,14 @@ def run(args: argparse.Namespace) -> int:
 
     files, params, states, about = _targets(args.target)
     report = []
+    recomputed = []
     for path in files:
         if not os.path.isfile(path):
             raise OutputDirError(f"{path}: missing; recompile the output directory")
-        stats = device_stats(_load(path), params, states)
+        model = _load(path)
+        stats = device_stats(model, params, states)
         report.append((os.path.basename(path), stats))
+        recomputed.append(_recomputed(model))
     if args.json:
         from tensoropt.cli.json_output import document, emit
 
@@ -174,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
                     "param_and_state_bytes": s.state_bytes,
                     "liveness_peak_bytes": s.peak_bytes,
                     "micro_batches": s.micro_batches,
+                    "recompute": {b: list(nodes) for b, nodes in rc.items()},
                 }
-                for name, s in report
+                for (name, s), rc in zip(report, recomputed, strict=True)
             ],
         }
         emit(args, document(JSON_SCHEMA, body))
@@ -192,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"no collectives on {len(report)} devices: {REPLICATED_NOTE}")
     zero = _zero_line(args.target)
-    for name, s in report:
+    for (name, s), rc in zip(report, recomputed, strict=True):
         print(
             f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
             f"params+state {_fmt_bytes(s.state_bytes)}, "
@@ -217,4 +222,18 @@ def run(args: argparse.Namespace) -> int:
         )
         if zero:
             print(f"  {zero}")
+        for block, nodes in rc.items():
+            print(f"  recompute {block}: reruns {len(nodes)} nodes: {', '.join(nodes)}")
     return 0
+
+
+def _recomputed(model) -> dict[str, list[str]]:
+    """Per recomputed block (``passes.recompute``): the forward nodes its clones rerun."""
+    from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
+
+    out: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        meta = {p.key: p.value for p in node.metadata_props}
+        if RECOMPUTE_KEY in meta and RECOMPUTE_OF_KEY in meta:
+            out.setdefault(meta[RECOMPUTE_KEY], []).append(meta[RECOMPUTE_OF_KEY])
+    return out

@@ -232,6 +232,24 @@ def op_time(
     return 3.0 * fwd
 
 
+def forward_time(
+    op_type: str,
+    attrs,
+    in_shapes: Sequence[Sequence[int] | None],
+    out_shapes: Sequence[Sequence[int]],
+    itemsize: int,
+    profile: ClusterProfile,
+) -> float:
+    """Forward seconds of one op on its local shapes (a recomputed forward node): the
+    forward part of :func:`op_time`, from the forward curves (a training-step grid holds
+    forward and backward together)."""
+    if op_type in _FREE:
+        return 0.0
+    flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
+    traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
+    return max(_kernel_time(family(op_type), flops, traffic, profile, op_type), profile.op_floor_s)
+
+
 # The optimizer update as passes/optimizer.py emits it, one element-wise op at a time
 # (nothing fuses them): (ops, element accesses per parameter element) by state count.
 # Plain SGD: Mul(lr, g), Sub(p, .) -> 2 ops, 2 + 3 accesses. Momentum: Mul(mu, m),

@@ -40,6 +40,7 @@ import onnx_ir as ir
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.cost.compute import (
     GRID_UPDATE_STATES,
+    forward_time,
     grid_update_slots,
     op_time,
     update_time,
@@ -53,6 +54,7 @@ from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.micro import micro_axes, micro_mesh
+from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
 from tensoropt.passes.units import (
     Crossing,
     Entry,
@@ -197,6 +199,22 @@ class _Pricer:
             found = self.node_cache[key] = (seconds, memory)
         return found
 
+    def recompute(self, node: ir.Node, strategy: MeshSharding) -> float:
+        """Forward seconds of a recompute node (``passes.recompute``) under ``strategy``."""
+        key = ("recompute", sa.view_key(node), strategy)
+        found = self.node_cache.get(key)
+        if found is None:
+            local = sa.localize(node, strategy, self.mesh)
+            found = self.node_cache[key] = forward_time(
+                node.op_type,
+                sa.op_view(node).attributes,
+                local.input_shapes,
+                local.output_shapes,
+                itemsize(node.outputs[0]),
+                self.profile,
+            )
+        return found
+
 
 def param_bytes(elements: float, shard: float, states: int, isz: int, zero: ZeroStage) -> float:
     """Resident bytes of one parameter of ``elements`` local elements (``shard`` of them
@@ -337,6 +355,9 @@ class _Builder:
         seconds = 0.0
         memory = 0.0
         for i, node in enumerate(unit.nodes):
+            if RECOMPUTE_KEY in node.metadata_props:  # the forward again, in the backward
+                seconds += self.pricer.recompute(node, program.strategies[i])
+                continue
             if node.metadata_props.get(ROLE_KEY) not in ("forward", "loss"):
                 continue
             t, m = self.pricer.node(node, program.strategies[i])
@@ -570,15 +591,127 @@ def estimate_plan(
     micro_batches: int = 1,
     zero: Mapping[str, ZeroStage] | None = None,
 ) -> Estimate:
-    """Price one plan (a root strategy per unit) exactly as the search prices its points.
+    """Price one plan (a root strategy per unit) exactly as the search prices its points,
+    plus the working set of its largest recomputed block (:func:`recompute_working_set`).
 
     ``micro_batches`` > 1: ``roots`` are strategies of the micro mesh
     (``passes.micro.micro_roots``). ``zero``: the ZeRO stage of the units that use it."""
     mp = build_problem(sg, mesh, profile, only=roots, micro_batches=micro_batches, zero=zero)
     choice = (0,) * len(mp.units)
     time_s, memory = mp.problem.evaluate(choice)
+    memory += max(recompute_working_set(mp, choice).values(), default=0.0)
     count = sum(c.times for c in priced_collectives(mp, choice))
     return Estimate(time_s, memory, count, profile.name)
+
+
+def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, float]:
+    """Per recomputed block: local bytes of everything its recompute makes (the clones'
+    outputs, views aside, and the block input's dependency copy) under ``choice``.
+
+    A block's recompute runs inside the backward and its values are freed by the
+    block's own backward, so one block's working set is live at a time: the step's
+    extra memory is the largest of these, which :func:`estimate_plan` adds once. It is
+    an upper bound of the block's peak: it assumes nothing the recompute makes is freed
+    before the recompute ends."""
+    out: dict[str, float] = {}
+    for k, unit in enumerate(mp.sg.units.units):
+        program = mp.programs[k][choice[k]]
+        for i, node in enumerate(unit.nodes):
+            block = node.metadata_props.get(RECOMPUTE_KEY)
+            if block is None or node.op_type == "Constant":
+                continue
+            local = sa.localize(node, program.strategies[i], mp.mesh)
+            if node.op_type in _VIEWS:
+                continue
+            nbytes = sum(
+                _numel(shape) * itemsize(node.outputs[j])
+                for j, shape in enumerate(local.output_shapes)
+            )
+            out[block] = out.get(block, 0.0) + nbytes
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTerms:
+    """What recomputing one block adds to the unit terms of the units it touches, per
+    strategy of each (indices as in the problem): forward seconds and conversion
+    seconds of its recompute, and bytes of saved activations it drops. The working set
+    is :func:`recompute_working_set`'s."""
+
+    block: str
+    units: tuple[int, ...]
+    seconds_added: tuple[tuple[float, ...], ...]  # per unit in ``units``, per strategy
+    bytes_dropped: tuple[tuple[float, ...], ...]
+
+
+def block_terms(
+    recomputed: MeshProblem, plain_saved: frozenset[str], profile: ClusterProfile
+) -> tuple[BlockTerms, ...]:
+    """The terms of each recomputed block of ``recomputed`` (the problem of a step with
+    blocks recomputed, priced on ``profile``; ``plain_saved``: the saved values of the
+    same step without recompute), attributed node by node: a unit touched by two blocks
+    (the unit that makes the gradient at a block's output holds that block's dependency
+    nodes) splits its terms between them."""
+    su = recomputed.sg.units
+    pricer = _Pricer(recomputed.sg, recomputed.mesh, profile)
+    per_block: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
+    for k, unit in enumerate(su.units):
+        for s, program in enumerate(recomputed.programs[k]):
+            for i, node in enumerate(unit.nodes):
+                block = node.metadata_props.get(RECOMPUTE_KEY)
+                if block is None:
+                    continue
+                n = len(recomputed.programs[k])
+                t_add, m_drop = per_block.setdefault(block, {}).setdefault(
+                    k, ([0.0] * n, [0.0] * n)
+                )
+                t_add[s] += pricer.recompute(node, program.strategies[i])
+                original = _original_index(unit, node)
+                if original is not None:
+                    m_drop[s] += _dropped(unit, original, program, recomputed, plain_saved)
+            for conv in program.conversions:
+                block = _block_of_ref(unit, conv.ref)
+                if block is None or k not in per_block.get(block, {}):
+                    continue
+                value = _value_at(unit, conv.ref)
+                t, _ = pricer.convert(conv.have, conv.need, static_shape(value), itemsize(value))
+                per_block[block][k][0][s] += t
+    return tuple(
+        BlockTerms(
+            block,
+            tuple(units),
+            tuple(tuple(units[k][0]) for k in units),
+            tuple(tuple(units[k][1]) for k in units),
+        )
+        for block, units in per_block.items()
+    )
+
+
+def _original_index(unit, node: ir.Node) -> int | None:
+    name = node.metadata_props.get(RECOMPUTE_OF_KEY)
+    if name is None:
+        return None
+    return next(i for i, n in enumerate(unit.nodes) if n.name == name)
+
+
+def _dropped(unit, i: int, program: Program, mp: MeshProblem, plain_saved) -> float:
+    """Local bytes of node ``i``'s outputs that the backward read before the recompute
+    and no longer reads."""
+    node = unit.nodes[i]
+    if node.op_type in _VIEWS:
+        return 0.0
+    local = sa.localize(node, program.strategies[i], mp.mesh)
+    return sum(
+        _numel(shape) * itemsize(node.outputs[j])
+        for j, shape in enumerate(local.output_shapes)
+        if node.outputs[j].name in plain_saved and node.outputs[j].name not in mp.sg.saved
+    )
+
+
+def _block_of_ref(unit, ref) -> str | None:
+    value = _value_at(unit, ref)
+    producer = value.producer()
+    return None if producer is None else producer.metadata_props.get(RECOMPUTE_KEY)
 
 
 def search_graph_of(step) -> SearchGraph:

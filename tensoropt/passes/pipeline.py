@@ -1,8 +1,8 @@
 """The compile pipeline's steps as passes (:mod:`tensoropt.passes.infra`).
 
-``build-training-step -> check-plan -> annotate -> insert-redistribution ->
+``build-training-step -> check-plan -> recompute -> annotate -> insert-redistribution ->
 cut-micro-batches -> localize -> micro-template`` (the two micro passes change nothing
-when the plan has one micro-batch).
+when the plan has one micro-batch; recompute changes nothing when it recomputes no block).
 Each pass wraps the existing function of that step; its ``requires`` / ``ensures``
 state what the step needs and promises. Lowering per rank is not a pass: it is a loop
 over ranks in :func:`tensoropt.passes.compile.compile_step`, cheap per rank, on the
@@ -29,6 +29,7 @@ from tensoropt.passes.insert_redistribution import insert_redistribution
 from tensoropt.passes.micro import MICRO_KEY, annotate_micro, cut_phases, to_plan_mesh
 from tensoropt.passes.partition import localize
 from tensoropt.passes.plans import check_plan
+from tensoropt.passes.recompute import apply_recompute
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.passes.verify import DeviceCheck, Verifier
 
@@ -77,6 +78,22 @@ class CheckPlan(Pass):
     def call(self, state: CompileState) -> PassResult:
         check_plan(state.model.graph, state.plan)  # type: ignore[arg-type]
         return PassResult(state, False)
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute(Pass):
+    """Clone the plan's recomputed blocks into the backward (``passes.recompute``)."""
+
+    name: ClassVar[str] = "recompute"
+
+    def requires(self, state: CompileState) -> None:
+        _need(state, "step", "plan")
+        _absent(state, "annotation")
+
+    def call(self, state: CompileState) -> PassResult:
+        assert state.step is not None and state.plan is not None
+        added = apply_recompute(state.model, state.step.signature.data_inputs, state.plan.recompute)
+        return PassResult(state, added > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +260,7 @@ DEFAULT_OPTIONS = PipelineOptions()
 
 FRONT_HALF = (
     CheckPlan(),
+    Recompute(),
     Annotate(),
     InsertRedistribution(),
     CutMicroBatches(),
@@ -252,8 +270,8 @@ FRONT_HALF = (
 
 
 def front_half(options: PipelineOptions) -> PassManager:
-    """check-plan -> annotate -> insert-redistribution -> cut-micro-batches -> localize
-    -> micro-template."""
+    """check-plan -> recompute -> annotate -> insert-redistribution -> cut-micro-batches ->
+    localize -> micro-template."""
     return PassManager(FRONT_HALF, options.verifier())
 
 

@@ -66,6 +66,7 @@ from tensoropt.ir.redistribute import CollectiveKind, Step, plan_redistribution,
 from tensoropt.ir.vocab import PARAM_KEY
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.autodiff import GRAD_OF_KEY, grad_of
+from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
 from tensoropt.rules.sharding import MeshSharding
 
 
@@ -274,6 +275,18 @@ def _follows(node: ir.Node, made: Mapping[ir.Value, int], fixed_inputs) -> int |
     return made[acts[0]]
 
 
+def _original(unit: UnitNodes, i: int) -> int | None:
+    """For a recompute clone (``recompute.RECOMPUTE_OF_KEY``): the position in the unit of
+    the forward node it reruns, whose strategy it takes; else None."""
+    name = unit.nodes[i].metadata_props.get(RECOMPUTE_OF_KEY)
+    if name is None:
+        return None
+    for j, node in enumerate(unit.nodes[:i]):
+        if node.name == name:
+            return j
+    raise AssertionError(f"recompute clone {unit.nodes[i].name!r} is not in its original's unit")
+
+
 def _entry_kind(su: StepUnits, value: ir.Value) -> Entry:
     producer = value.producer()
     if producer is None:
@@ -303,7 +316,7 @@ def _describe(su: StepUnits, unit: UnitNodes) -> tuple:
             local[v] = ("n", i, j)
             if v.name:
                 names[v.name] = ("n", i, j)
-    for node in unit.nodes:
+    for i, node in enumerate(unit.nodes):
         refs = []
         for v in node.inputs:
             if v is None:
@@ -319,7 +332,7 @@ def _describe(su: StepUnits, unit: UnitNodes) -> tuple:
         for v in node.inputs:
             if v is not None and v.name:
                 names.setdefault(v.name, local.get(v) or ("x", ext[v]))
-        parts.append((sa.view_key(node), _role(node), tuple(refs)))
+        parts.append((sa.view_key(node), _role(node), tuple(refs), _original(unit, i)))
     # what the unit's choices depend on besides its ops: primal refs, parameters, outputs
     primal = []
     for i, node in enumerate(unit.nodes):
@@ -341,6 +354,8 @@ def _describe(su: StepUnits, unit: UnitNodes) -> tuple:
             extra = names.get(su.state_param[v.name])
         elif kind is Entry.GRAD:
             extra = tuple(names.get(n) for n in grad_of(v))
+        elif RECOMPUTE_OF_KEY in v.metadata_props:
+            extra = names.get(v.metadata_props[RECOMPUTE_OF_KEY])
         kinds.append((kind, extra))
     return (tuple(parts), tuple(primal), tuple(kinds))
 
@@ -549,9 +564,15 @@ class _Chooser:
         self.out_terms: dict = {} if out_terms is None else out_terms
 
     def run(self, root: MeshSharding) -> Program:
-        strategies = []
+        strategies: list[MeshSharding] = []
         for i, node in enumerate(self.unit.nodes):
-            strategy = root if i == 0 else self._choose(node)
+            original = _original(self.unit, i)
+            if i == 0:
+                strategy = root
+            elif original is not None:  # a recomputed forward node reruns as the original
+                strategy = strategies[original]
+            else:
+                strategy = self._choose(node)
             self._apply(node, strategy)
             strategies.append(strategy)
         self._graph_outputs(strategies)
@@ -591,6 +612,9 @@ class _Chooser:
             primal = self._primal_layout(value)
             if primal is not None:
                 layout = _no_partial(primal)
+        elif kind is Entry.VALUE and RECOMPUTE_OF_KEY in value.metadata_props:
+            # a recomputed value enters as the unit holds or reads its original
+            layout = self._layout_of_name(value.metadata_props[RECOMPUTE_OF_KEY])
         if layout is not None:
             self.layouts[ref] = layout
         return layout
@@ -832,8 +856,15 @@ def crossings(su: StepUnits) -> list[Crossing]:
                 out.append(Crossing(v, source, src_ref, k, x, kind is not Entry.STATE))
                 continue
             source, src_ref = refs[v]
-            out.append(Crossing(v, source, src_ref, k, x, kind is Entry.VALUE))
+            # a recomputed value's converted buffer lives only during the recompute
+            held = kind is Entry.VALUE and not _recomputed(v)
+            out.append(Crossing(v, source, src_ref, k, x, held))
     return out
+
+
+def _recomputed(value: ir.Value) -> bool:
+    producer = value.producer()
+    return producer is not None and RECOMPUTE_KEY in producer.metadata_props
 
 
 def _value(su: StepUnits, k: int, name: str) -> ir.Value:

@@ -157,6 +157,7 @@ def test_the_full_pipeline_fills_the_state_in_order():
     assert state.layouts is not None and state.template is not None
     assert front_half(PipelineOptions()).names == (
         "check-plan",
+        "recompute",
         "annotate",
         "insert-redistribution",
         "cut-micro-batches",
