@@ -216,8 +216,7 @@ def op_time(
     """Forward + backward seconds of one op on its local shapes."""
     if op_type in _FREE:
         return 0.0
-    flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
-    traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
+    flops, traffic = _work(op_type, attrs, in_shapes, out_shapes, itemsize)
     fam = family(op_type)
     trained = _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile)
     if trained is not None:
@@ -245,9 +244,15 @@ def forward_time(
     forward and backward together)."""
     if op_type in _FREE:
         return 0.0
+    flops, traffic = _work(op_type, attrs, in_shapes, out_shapes, itemsize)
+    return max(_kernel_time(family(op_type), flops, traffic, profile, op_type), profile.op_floor_s)
+
+
+def _work(op_type: str, attrs, in_shapes, out_shapes, itemsize: int) -> tuple[float, float]:
+    """(forward FLOPs, bytes read and written) of one op on its local shapes."""
     flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
     traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
-    return max(_kernel_time(family(op_type), flops, traffic, profile, op_type), profile.op_floor_s)
+    return flops, traffic
 
 
 # The optimizer update as passes/optimizer.py emits it, one element-wise op at a time

@@ -200,12 +200,13 @@ class _Pricer:
         return found
 
     def recompute(self, node: ir.Node, strategy: MeshSharding) -> float:
-        """Forward seconds of a recompute node (``passes.recompute``) under ``strategy``."""
+        """Forward seconds per step of a recompute node (``passes.recompute``) under
+        ``strategy``: it reruns in the backward of every micro-batch."""
         key = ("recompute", sa.view_key(node), strategy)
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            found = self.node_cache[key] = forward_time(
+            seconds = forward_time(
                 node.op_type,
                 sa.op_view(node).attributes,
                 local.input_shapes,
@@ -213,6 +214,7 @@ class _Pricer:
                 itemsize(node.outputs[0]),
                 self.profile,
             )
+            found = self.node_cache[key] = seconds * self.micro
         return found
 
 

@@ -124,3 +124,20 @@ def test_combined_axes_emit_what_was_priced_and_train_like_one_device(
     assert report is not None and len(report.per_step) == 3
     assert report.max_rel_error_loss <= 1e-4, report.to_json()
     assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+def test_recomputed_forward_is_priced_once_per_micro_batch():
+    """The recomputed forward reruns in the backward of every micro-batch: on the tiny
+    gpt every op costs h100's per-kernel floor, so recomputing everything adds about k
+    times the k = 1 figure (it was priced once per step)."""
+    from tensoropt.cli.cmd_compile import estimate_of
+
+    added = {}
+    for k in (1, 2):
+        times = []
+        for recompute in ("none", "all"):
+            step, plan, axes = _combined_step("data-parallel", "2", 0, k, recompute)
+            times.append(estimate_of(step, plan, axes, "h100").time_s)
+        added[k] = times[1] - times[0]
+    assert added[1] > 0
+    assert added[2] > 1.5 * added[1], added
