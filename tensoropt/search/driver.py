@@ -118,9 +118,13 @@ def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> 
     return Plan(search.mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
 
 
-def megatron_blocks(sg: SearchGraph) -> Blocks:
-    """The Megatron blocks of the search graph: the same for every mesh."""
-    return find_blocks(sg.graph, set(sg.params))
+def megatron_blocks(sg: SearchGraph) -> Blocks | None:
+    """The Megatron blocks of the search graph: the same for every mesh. None when they
+    cannot be found (each mesh's reference plan then reports why, as before)."""
+    try:
+        return find_blocks(sg.graph, set(sg.params))
+    except TensorOptError:
+        return None
 
 
 def reference_choices(
@@ -264,7 +268,7 @@ def _solve_in_worker(job) -> list[MeshSearch]:
     return _solve_meshes(_WORKER_GRAPH[0], job, _WORKER_GRAPH[1])
 
 
-def _pool_worker_init(sg: SearchGraph, blocks: Blocks) -> None:
+def _pool_worker_init(sg: SearchGraph, blocks: Blocks | None) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
     (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
