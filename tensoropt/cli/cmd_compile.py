@@ -259,7 +259,6 @@ def _load_plan_file(path: str, mesh):
 def _compile_picked(args: argparse.Namespace) -> int:
     """Search, pick a point by policy, and compile its plan through the same passes."""
     from tensoropt.cli.cmd_search import explore_from_args
-    from tensoropt.passes.compile import compile_step
     from tensoropt.search.driver import pick, plan_from_choice
 
     check_policy(args.pick)
@@ -278,6 +277,18 @@ def _compile_picked(args: argparse.Namespace) -> int:
         f"picked {args.pick}: point {chosen.index} at {search.mesh.size} devices, mesh "
         f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
     )
+    summary, estimate, result = _compile_searched(args, plan)
+    print(picked, file=sys.stderr)
+    print(summary, file=sys.stderr)
+    _report(args, result, search.mesh, (source,), estimate, source)
+    return 0
+
+
+def _compile_searched(args: argparse.Namespace, plan):
+    """Compile a searched point's plan (with ``--recompute`` applied): the trained-set
+    summary, the estimate and the compile result."""
+    from tensoropt.passes.compile import compile_step
+
     step = build_step(args, load_weights=False)  # compile streams the weights itself
     summary = step.selection.summary(step.model.graph)  # the whole model: before compile
     plan = with_recompute(args, step, plan)
@@ -285,10 +296,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
     )
-    print(picked, file=sys.stderr)
-    print(summary, file=sys.stderr)
-    _report(args, result, search.mesh, (source,), estimate, source)
-    return 0
+    return summary, estimate, result
 
 
 def _compile_from_search(args: argparse.Namespace) -> int:
@@ -302,7 +310,6 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         step_options,
     )
     from tensoropt.cost.cluster import load_cluster
-    from tensoropt.passes.compile import compile_step
 
     check_policy(args.pick)
     if args.mesh is not None:
@@ -322,13 +329,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         f"{chosen.devices} devices"
     )
     plan = with_micro_batches(plan_of(sf, chosen, source), args)
-    step = build_step(args, load_weights=False)  # compile streams the weights itself
-    summary = step.selection.summary(step.model.graph)  # the whole model: before compile
-    plan = with_recompute(args, step, plan)
-    estimate = estimate_of(step, plan, None, args.cluster)
-    result = compile_step(
-        step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
-    )
+    summary, estimate, result = _compile_searched(args, plan)
     print(
         f"picked {args.pick} from {args.search}: point {chosen.index} at {chosen.devices} "
         f"devices, mesh {plan.mesh}; {chosen.row.get('summary', '')}",
