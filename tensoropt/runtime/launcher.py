@@ -161,8 +161,10 @@ def _supervise(proc, watch: _Watch, on_step, stall_timeout: float | None) -> lis
                 tag, line = lines.get_nowait()
                 if line is None:
                     open_streams -= 1
-                elif not (tag == "out" and _on_progress(line, watch, on_step)):
-                    output.append(line.rstrip("\n"))  # mpiexec prints exit codes on stdout
+                else:
+                    rest = _on_progress(line, watch, on_step) if tag == "out" else line
+                    if rest is line or rest.strip():  # mpiexec prints exit codes on stdout
+                        output.append(rest.rstrip("\n"))
         except queue.Empty:
             pass
         if proc.poll() is not None and open_streams == 0:
@@ -183,17 +185,22 @@ def _supervise(proc, watch: _Watch, on_step, stall_timeout: float | None) -> lis
         time.sleep(POLL_S)
 
 
-def _on_progress(line: str, watch: _Watch, on_step) -> bool:
-    """Handle a rank-0 progress line; False for any other line."""
+def _on_progress(line: str, watch: _Watch, on_step) -> str:
+    """Handle a rank-0 progress line; return what of ``line`` is other output (all of it
+    for any other line). mpiexec merges the ranks' stdout, so a rank that dies mid-line
+    leaves its text on the same line as the next progress record, or cuts it."""
     if not line.startswith(PROGRESS):
-        return False
-    data = json.loads(line[len(PROGRESS) :])
+        return line
+    try:
+        data, end = json.JSONDecoder().raw_decode(line, len(PROGRESS))
+    except json.JSONDecodeError:
+        return line
     watch.last_step = int(data["step"])
     watch.last_progress = time.monotonic()
     if on_step is not None:
         v = data.get("verify")
         on_step(data["step"], data["loss"], _verify_step(v) if v else None)
-    return True
+    return line[end:]
 
 
 def _verify_step(d: dict) -> VerifyStep:

@@ -130,3 +130,22 @@ def test_hung_rank_is_stopped_by_the_stall_timeout(outdirs, monkeypatch):
         run_steps(outdirs("dp2"), 3, backend="mpi", stall_timeout=10)
     assert time.monotonic() - t0 < 40
     assert _processes_with(f"TENSOROPT_TEST_MARKER={marker}") == []
+
+
+def test_progress_lines_merged_or_cut_by_mpiexec_are_not_a_traceback(tmp_path):
+    """mpiexec merges the ranks' stdout: a rank that dies mid-line leaves its text on the
+    progress record's line, or a record is cut. The record is read and the rest kept as
+    output (a merged line), or the whole line is kept as output (a cut record)."""
+    from tensoropt.runtime.launcher import _on_progress, _Watch
+    from tensoropt.runtime.worker import PROGRESS
+
+    watch = _Watch(tmp_path, 2)
+    seen = []
+    record = PROGRESS + '{"step": 3, "loss": 1.5}'
+    assert _on_progress(record + "\n", watch, lambda *a: seen.append(a)).strip() == ""
+    assert _on_progress(record + "rank 1 died", watch, lambda *a: seen.append(a)) == ("rank 1 died")
+    cut = PROGRESS + '{"step": 4, "lo'
+    assert _on_progress(cut, watch, lambda *a: seen.append(a)) == cut
+    assert _on_progress("plain output", watch, None) == "plain output"
+    assert [s[:2] for s in seen] == [(3, 1.5), (3, 1.5)]
+    assert watch.last_step == 3
