@@ -6,12 +6,16 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import helper
 
 from tensoropt.cli.common import search_graph
-from tensoropt.cost.model import MeshProblem, priced_collectives
+from tensoropt.cost.model import OP_TYPE, MeshProblem, priced_collectives
+from tensoropt.ir.builder import static_shape
+from tensoropt.passes.insert_redistribution import planned_conversions
 from tensoropt.passes.partition import group_over
+from tensoropt.passes.units import conversion_steps, itemsize
 
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
 
@@ -84,3 +88,24 @@ def priced_per_step(mp: MeshProblem, choice, rank: int = 0) -> Counter:
     for c in priced_collectives(mp, choice):
         found[(c.kind, tuple(group_over(mp.mesh, rank, list(c.axes))), c.in_bytes)] += c.times
     return found
+
+
+def inserted_collectives(sg, ann):
+    """(converted value, (kind, mesh axes, input bytes)) of every collective the
+    partitioner inserts for annotation ``ann`` of the search graph ``sg``."""
+    for p in planned_conversions(sg.graph, ann):
+        isz = itemsize(p.value)
+        for cs in conversion_steps(p.have, p.need, static_shape(p.value), ann.mesh):
+            if cs.communicates:
+                nbytes = int(np.prod(cs.in_shape, dtype=np.int64)) * isz
+                yield p.value, (OP_TYPE[cs.step.kind], cs.axes, nbytes)
+
+
+def inserted(sg, ann) -> Counter:
+    """:func:`inserted_collectives` as a multiset, comparable with :func:`priced_axes`."""
+    return Counter(key for _, key in inserted_collectives(sg, ann))
+
+
+def priced_axes(mp: MeshProblem, choice) -> Counter:
+    """(kind, mesh axes, input bytes) of every collective the cost model priced."""
+    return Counter((c.kind, c.axes, c.in_bytes) for c in priced_collectives(mp, choice))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 
 import numpy as np
 import onnx
@@ -29,21 +28,17 @@ import pytest
 from tensoropt.cli.common import build_step
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import build_problem, priced_collectives, search_graph_of
-from tensoropt.ir.builder import static_shape
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
 from tensoropt.passes.annotate import annotate_roots
 from tensoropt.passes.compile import compile_step
-from tensoropt.passes.insert_redistribution import planned_conversions
-from tensoropt.passes.units import ProgramCache, conversion_steps, itemsize
+from tensoropt.passes.units import ProgramCache
 from tensoropt.search.driver import mesh_shapes, plan_from_choice
 from tensoropt.search.solver import solve
 from tests.cli.cli_run import cli
-from tests.helpers.program import emitted, graph_of, priced, search_args
+from tests.helpers.program import emitted, graph_of, inserted, priced, priced_axes, search_args
 
 MESHES = ("2", "4", "2x2")
-OP = {"ALL_REDUCE": "AllReduce", "ALL_GATHER": "AllGather", "REDUCE_SCATTER": "ReduceScatter",
-      "ALL_TO_ALL": "AllToAll"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -70,23 +65,6 @@ def _problem(path, spec):
     return sg, mp, solve(mp.problem).points
 
 
-def _inserted(sg, mp, choice, cache) -> Counter:
-    roots = {info.node.name: info.strategies[k] for info, k in zip(mp.units, choice, strict=True)}
-    ann = annotate_roots(sg.graph, sg.units, roots, mp.mesh, cache)
-    found = Counter()
-    for p in planned_conversions(sg.graph, ann):
-        isz = itemsize(p.value)
-        for cs in conversion_steps(p.have, p.need, static_shape(p.value), mp.mesh):
-            if cs.communicates:
-                nbytes = int(np.prod(cs.in_shape, dtype=np.int64)) * isz
-                found[(OP[cs.step.kind.name], cs.axes, nbytes)] += 1
-    return found
-
-
-def _priced_axes(mp, choice) -> Counter:
-    return Counter((c.kind, c.axes, c.in_bytes) for c in priced_collectives(mp, choice))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES)
 @pytest.mark.parametrize("name", ["gpt", "bert", "resnet50", "gpt2-export"])
@@ -96,9 +74,10 @@ def test_every_frontier_point_emits_what_was_priced(models, name, spec):
     collectives = 0
     cache = ProgramCache(sg.units, mp.mesh)
     for point in points:
-        inserted = _inserted(sg, mp, point.choice, cache)
-        assert inserted == _priced_axes(mp, point.choice), (name, spec, point)
-        collectives += sum(inserted.values())
+        roots = {u.node.name: u.strategies[k] for u, k in zip(mp.units, point.choice, strict=True)}
+        found = inserted(sg, annotate_roots(sg.graph, sg.units, roots, mp.mesh, cache))
+        assert found == priced_axes(mp, point.choice), (name, spec, point)
+        collectives += sum(found.values())
     assert collectives > 0  # the frontier holds plans that communicate
 
 

@@ -24,27 +24,22 @@ from tensoropt.cost.model import (
     block_terms,
     build_problem,
     estimate_plan,
-    priced_collectives,
     recompute_working_set,
     search_graph_of,
 )
-from tensoropt.ir.builder import static_shape
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
 from tensoropt.passes.annotate import annotate_roots, complete_plan
 from tensoropt.passes.compile import compile_step
-from tensoropt.passes.insert_redistribution import planned_conversions
 from tensoropt.passes.plans import builtin_plan
 from tensoropt.passes.recompute import RECOMPUTE_KEY, apply_recompute, find_blocks
-from tensoropt.passes.units import ProgramCache, conversion_steps, itemsize
+from tensoropt.passes.units import ProgramCache
 from tensoropt.search.driver import mesh_shapes, plan_from_choice
 from tensoropt.search.solver import solve
-from tests.helpers.program import emitted, priced, search_args
+from tests.helpers.program import emitted, inserted_collectives, priced, priced_axes, search_args
 
 MESHES = ("2", "4", "2x2")
 COMPILED = (("gpt", "2"), ("gpt", "4"), ("gpt", "2x2"), ("resnet50", "2"))
-OP = {"ALL_REDUCE": "AllReduce", "ALL_GATHER": "AllGather", "REDUCE_SCATTER": "ReduceScatter",
-      "ALL_TO_ALL": "AllToAll"}  # fmt: skip
 
 
 class _Models:
@@ -91,14 +86,9 @@ def _inserted(sg, mp, choice, cache) -> tuple[Counter, int]:
     ann = annotate_roots(sg.graph, sg.units, roots, mp.mesh, cache)
     found = Counter()
     recomputed = 0
-    for p in planned_conversions(sg.graph, ann):
-        isz = itemsize(p.value)
-        steps = conversion_steps(p.have, p.need, static_shape(p.value), mp.mesh)
-        for cs in steps:
-            if cs.communicates:
-                nbytes = int(np.prod(cs.in_shape, dtype=np.int64)) * isz
-                found[(OP[cs.step.kind.name], cs.axes, nbytes)] += 1
-                recomputed += _touches_recompute(p.value)
+    for value, key in inserted_collectives(sg, ann):
+        found[key] += 1
+        recomputed += _touches_recompute(value)
     return found, recomputed
 
 
@@ -107,10 +97,6 @@ def _touches_recompute(value) -> bool:
     if producer is not None and RECOMPUTE_KEY in producer.metadata_props:
         return True
     return any(RECOMPUTE_KEY in u.node.metadata_props for u in value.uses())
-
-
-def _priced_axes(mp, choice) -> Counter:
-    return Counter((c.kind, c.axes, c.in_bytes) for c in priced_collectives(mp, choice))
 
 
 def _frontier(path, spec):
@@ -128,7 +114,7 @@ def _check_frontier(path, spec):
     recomputed = 0
     for point in points:
         inserted, touching = _inserted(sg, mp, point.choice, cache)
-        assert inserted == _priced_axes(mp, point.choice), (path, spec, point)
+        assert inserted == priced_axes(mp, point.choice), (path, spec, point)
         recomputed += touching
     assert recomputed > 0  # conversions of recomputed values are priced and emitted
     return mp, points
