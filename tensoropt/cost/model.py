@@ -180,17 +180,7 @@ class _Pricer:
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            seconds = (
-                op_time(
-                    node.op_type,
-                    sa.op_view(node).attributes,
-                    local.input_shapes,
-                    local.output_shapes,
-                    itemsize(node.outputs[0]),
-                    self.profile,
-                )
-                * self.micro
-            )
+            seconds = self._seconds(op_time, node, local)
             memory = 0.0
             if node.op_type not in _VIEWS:  # a view of its input holds nothing new
                 for j, shape in enumerate(local.output_shapes):
@@ -206,16 +196,16 @@ class _Pricer:
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            seconds = forward_time(
-                node.op_type,
-                sa.op_view(node).attributes,
-                local.input_shapes,
-                local.output_shapes,
-                itemsize(node.outputs[0]),
-                self.profile,
-            )
-            found = self.node_cache[key] = seconds * self.micro
+            found = self.node_cache[key] = self._seconds(forward_time, node, local)
         return found
+
+    def _seconds(self, timer, node: ir.Node, local) -> float:
+        """``timer`` (op_time or forward_time) of ``node``'s local op, per step: once per
+        micro-batch."""
+        attrs = sa.op_view(node).attributes
+        ins, outs = local.input_shapes, local.output_shapes
+        once = timer(node.op_type, attrs, ins, outs, itemsize(node.outputs[0]), self.profile)
+        return once * self.micro
 
 
 def param_bytes(elements: float, shard: float, states: int, isz: int, zero: ZeroStage) -> float:
