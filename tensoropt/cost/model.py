@@ -30,6 +30,7 @@ update runs once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from tensoropt.cost.compute import (
     op_time,
     update_time,
 )
-from tensoropt.errors import ShardingError
+from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
@@ -63,6 +64,7 @@ from tensoropt.passes.units import (
     StepUnits,
     conversion_steps,
     itemsize,
+    zero_shards,
 )
 from tensoropt.rules.sharding import MeshSharding
 
@@ -314,7 +316,7 @@ class _Builder:
         memo: dict = {}
         for k, unit in enumerate(self.su.units):
             if self.only is not None:
-                strategies: tuple[MeshSharding, ...] = (self.only[unit.root.name],)
+                strategies: tuple[MeshSharding, ...] = tuple(self.only[unit.root.name])
             else:
                 strategies = unit_strategies(self.sg, self.mesh, k, memo)
             followers = tuple(
@@ -483,31 +485,168 @@ def build_problem(
     ``zero``: the ZeRO stage of units (unit name -> stage; absent: none), applied to each
     of their strategies.
     """
-    plan_mesh = mesh
-    if micro_batches > 1:
-        mesh = micro_mesh(mesh, micro_batches)
-    builder = _Builder(sg, mesh, profile, only, zero)
-    infos = builder.infos()
-    stage = builder.zero
-    programs = [
-        tuple(
-            builder.programs.program(k, s, stage.get(info.node.name, ZeroStage.NONE))
-            for s in info.strategies
+    choices = None if only is None else {name: (s,) for name, s in only.items()}
+    family = ProblemFamily(sg, mesh, profile, micro_batches=micro_batches, choices=choices)
+    return family.problem(zero=zero)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSetBound:
+    """A bound of the working set of the largest recomputed block that is a sum of unit
+    terms, so that a problem with recomputed blocks stays a sum of its entries
+    (``--dump-costs`` stays exact).
+
+    w(u, b, s): the bytes unit u's recompute nodes of block b make under strategy s
+    (:func:`recompute_working_set`); r(u, b): their least over the unit's strategies.
+    For every plan s and block b, W_b(s) = sum_u w(u, b, s_u) <= sum_u r(u, b) +
+    sum_u (w(u, b, s_u) - r(u, b)), so
+
+        max_b W_b(s) <= max_b sum_u r(u, b) + sum_(u, b) (w(u, b, s_u) - r(u, b)):
+
+    a constant (``constant``, added to the first unit's memory entries) plus each
+    unit's excess over its floor (added to its own entries). It is exact when every unit
+    takes its smallest strategy (the usual batch split), and counts the excess of every
+    block instead of the largest block's otherwise."""
+
+    constant: float
+    floors: Mapping[tuple[int, str], float]  # (unit index, block) -> r(u, b)
+
+    def excess(self, k: int, unit, program: Program, mesh: Mesh) -> float:
+        """sum_b (w(u, b, s) - r(u, b)) of unit ``k`` under ``program``."""
+        return sum(
+            nbytes - self.floors[(k, block)]
+            for block, nbytes in _unit_working_set(unit, program, mesh).items()
         )
-        for k, info in enumerate(infos)
-    ]
-    units = []
-    for k, info in enumerate(infos):
-        strategies = []
-        for s, program in zip(info.strategies, programs[k], strict=True):
-            t, m = builder.unit(k, s, program)
-            strategies.append(Strategy(str(s), t, m))
-        units.append(Unit(info.node.name, tuple(strategies)))
-    edges, found = builder.edges(infos, programs)
-    problem = CostProblem(tuple(units), tuple(edges), plan_mesh.size, tuple(plan_mesh.shape))
-    return MeshProblem(
-        problem, mesh, tuple(infos), tuple(programs), tuple(found), sg, micro_batches
-    )
+
+    def of(self, mp: MeshProblem, choice: Sequence[int]) -> float:
+        """The bound under ``choice`` of ``mp`` (a problem on the same mesh and step)."""
+        return self.constant + sum(
+            self.excess(k, unit, mp.programs[k][choice[k]], mp.mesh)
+            for k, unit in enumerate(mp.sg.units.units)
+        )
+
+
+class ProblemFamily:
+    """The problems of one search graph on one mesh and micro-batch count that differ in
+    their ZeRO stages: they share the strategy enumeration, the unit programs and every
+    price (the search builds one problem per stage from one family).
+
+    ``choices``: the strategies of each unit (unit name -> strategies; default: every
+    strategy :func:`unit_strategies` allows), on the micro mesh when ``micro_batches`` > 1.
+    """
+
+    def __init__(
+        self,
+        sg: SearchGraph,
+        mesh: Mesh,
+        profile: ClusterProfile,
+        *,
+        micro_batches: int = 1,
+        choices: Mapping[str, Sequence[MeshSharding]] | None = None,
+    ):
+        self.sg = sg
+        self.plan_mesh = mesh
+        self.micro_batches = micro_batches
+        self.mesh = micro_mesh(mesh, micro_batches) if micro_batches > 1 else mesh
+        self.builder = _Builder(sg, self.mesh, profile, choices)
+        self.infos = self.builder.infos()
+        self._bound: WorkingSetBound | None = None
+
+    def zero_stage(self, k: int, strategy: MeshSharding, stage: ZeroStage) -> ZeroStage:
+        """``stage`` where unit ``k`` under ``strategy`` has parameters ZeRO can shard
+        (a data-parallel axis, a dimension it divides), else none: what ``--zero N``
+        gives the unit (``passes.plans.with_zero``)."""
+        if stage is ZeroStage.NONE:
+            return stage
+        try:
+            shards = zero_shards(self.sg.units, k, strategy, self.mesh)
+        except PlanError:
+            return ZeroStage.NONE
+        return stage if shards else ZeroStage.NONE
+
+    def working_set(self) -> WorkingSetBound:
+        """The bound of the recompute working set over the plans of this family
+        (:class:`WorkingSetBound`)."""
+        if self._bound is None:
+            floors: dict[tuple[int, str], float] = {}
+            for k, (unit, info) in enumerate(zip(self.sg.units.units, self.infos, strict=True)):
+                for s in info.strategies:
+                    program = self.builder.programs.program(k, s)
+                    for block, nbytes in _unit_working_set(unit, program, self.mesh).items():
+                        key = (k, block)
+                        floors[key] = min(floors.get(key, nbytes), nbytes)
+            per_block: dict[str, float] = {}
+            for (_, block), nbytes in floors.items():
+                per_block[block] = per_block.get(block, 0.0) + nbytes
+            self._bound = WorkingSetBound(max(per_block.values(), default=0.0), floors)
+        return self._bound
+
+    def problem(
+        self,
+        *,
+        zero: Mapping[str, ZeroStage] | None = None,
+        zero_all: ZeroStage = ZeroStage.NONE,
+        working_set: bool = False,
+    ) -> MeshProblem:
+        """The problem with the ZeRO stages of ``zero`` (unit name -> stage, applied to
+        each strategy of the unit) or ``zero_all`` on every (unit, strategy) that can
+        take it (:meth:`zero_stage`). ``working_set``: add the recompute working set's
+        bound (:meth:`working_set`, :class:`WorkingSetBound`) to the memory entries."""
+        builder, infos, stage = self.builder, self.infos, dict(zero or {})
+        programs = [
+            tuple(
+                builder.programs.program(
+                    k,
+                    s,
+                    stage.get(info.node.name, ZeroStage.NONE)
+                    if zero_all is ZeroStage.NONE
+                    else self.zero_stage(k, s, zero_all),
+                )
+                for s in info.strategies
+            )
+            for k, info in enumerate(infos)
+        ]
+        units = []
+        for k, info in enumerate(infos):
+            strategies = []
+            for s, program in zip(info.strategies, programs[k], strict=True):
+                t, m = builder.unit(k, s, program)
+                strategies.append(Strategy(str(s), t, m))
+            units.append(Unit(info.node.name, tuple(strategies)))
+        edges, found = builder.edges(infos, programs)
+        problem = CostProblem(
+            tuple(units), tuple(edges), self.plan_mesh.size, tuple(self.plan_mesh.shape)
+        )
+        mp = MeshProblem(
+            problem,
+            self.mesh,
+            tuple(infos),
+            tuple(programs),
+            tuple(found),
+            self.sg,
+            self.micro_batches,
+        )
+        if working_set:
+            bound = self.working_set()
+            if bound.floors and units:
+                for k, unit in enumerate(self.sg.units.units):
+                    units[k] = Unit(
+                        units[k].name,
+                        tuple(
+                            Strategy(
+                                s.label,
+                                s.time_s,
+                                s.memory_bytes
+                                + bound.excess(k, unit, program, self.mesh)
+                                + (bound.constant if k == 0 else 0.0),
+                            )
+                            for s, program in zip(units[k].strategies, programs[k], strict=True)
+                        ),
+                    )
+                mp = dataclasses.replace(
+                    mp, problem=dataclasses.replace(mp.problem, units=tuple(units))
+                )
+        return mp
 
 
 def issued(steps, mesh: Mesh, micro: int):
@@ -584,16 +723,61 @@ def estimate_plan(
     zero: Mapping[str, ZeroStage] | None = None,
 ) -> Estimate:
     """Price one plan (a root strategy per unit) exactly as the search prices its points,
-    plus the working set of its largest recomputed block (:func:`recompute_working_set`).
+    plus the search's bound of the working set of its largest recomputed block
+    (:class:`WorkingSetBound`).
 
     ``micro_batches`` > 1: ``roots`` are strategies of the micro mesh
     (``passes.micro.micro_roots``). ``zero``: the ZeRO stage of the units that use it."""
     mp = build_problem(sg, mesh, profile, only=roots, micro_batches=micro_batches, zero=zero)
     choice = (0,) * len(mp.units)
     time_s, memory = mp.problem.evaluate(choice)
-    memory += max(recompute_working_set(mp, choice).values(), default=0.0)
+    if any(RECOMPUTE_KEY in node.metadata_props for node in sg.graph):
+        # the search's bound, over the strategies the search offers on this mesh
+        choices = None
+        if micro_batches > 1:
+            offered = micro_choices(sg, mesh, micro_batches)
+            choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
+        family = ProblemFamily(sg, mesh, profile, micro_batches=micro_batches, choices=choices)
+        memory += family.working_set().of(mp, choice)
     count = sum(c.times for c in priced_collectives(mp, choice))
     return Estimate(time_s, memory, count, profile.name)
+
+
+def micro_choices(
+    sg: SearchGraph, mesh: Mesh, k: int
+) -> dict[str, tuple[tuple[MeshSharding, MeshSharding], ...]]:
+    """The strategies a search offers each unit with ``k`` micro-batches on ``mesh``:
+    (micro-mesh strategy, its strategy on ``mesh``) for every strategy
+    :func:`unit_strategies` allows on ``mesh`` that runs within a micro-batch. On the
+    micro axis each unit takes the data-parallel strategy, as ``passes.micro.micro_roots``
+    gives a plan with ``micro_batches`` k, so a searched point compiles to what it priced.
+    Raises MicroError when the step cannot run in k micro-batches (a unit with no such
+    strategy, or an op that couples the samples of the batch)."""
+    from tensoropt.ir.plan import DefaultStrategy, Plan
+    from tensoropt.passes.annotate import complete_plan
+    from tensoropt.passes.micro import MICRO_AXIS, MicroError, _combine, check_no_coupling
+
+    check_no_coupling(sg.graph, k)
+    seq = Mesh((k,), (MICRO_AXIS,))
+    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
+    along = complete_plan(sg.graph, sg.signature, split, (0,), sg.units)
+    memo: dict = {}
+    out = {}
+    for u, unit in enumerate(sg.units.units):
+        name = unit.root.name
+        found = []
+        for s in unit_strategies(sg, mesh, u, memo):
+            try:
+                found.append((_combine(unit.root, s, along[name], mesh, k), s))
+            except MicroError:
+                continue
+        if not found:
+            raise MicroError(
+                f"--micro-batches {k}: unit {name!r} ({unit.root.op_type}) has no strategy "
+                f"that runs within a micro-batch on mesh {mesh}"
+            )
+        out[name] = tuple(found)
+    return out
 
 
 def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, float]:
@@ -607,19 +791,23 @@ def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, f
     before the recompute ends."""
     out: dict[str, float] = {}
     for k, unit in enumerate(mp.sg.units.units):
-        program = mp.programs[k][choice[k]]
-        for i, node in enumerate(unit.nodes):
-            block = node.metadata_props.get(RECOMPUTE_KEY)
-            if block is None or node.op_type == "Constant":
-                continue
-            local = sa.localize(node, program.strategies[i], mp.mesh)
-            if node.op_type in _VIEWS:
-                continue
-            nbytes = sum(
-                _numel(shape) * itemsize(node.outputs[j])
-                for j, shape in enumerate(local.output_shapes)
-            )
+        for block, nbytes in _unit_working_set(unit, mp.programs[k][choice[k]], mp.mesh).items():
             out[block] = out.get(block, 0.0) + nbytes
+    return out
+
+
+def _unit_working_set(unit, program: Program, mesh: Mesh) -> dict[str, float]:
+    """Per recomputed block: local bytes of the recompute nodes of one unit's program."""
+    out: dict[str, float] = {}
+    for i, node in enumerate(unit.nodes):
+        block = node.metadata_props.get(RECOMPUTE_KEY)
+        if block is None or node.op_type == "Constant" or node.op_type in _VIEWS:
+            continue
+        local = sa.localize(node, program.strategies[i], mesh)
+        nbytes = sum(
+            _numel(shape) * itemsize(node.outputs[j]) for j, shape in enumerate(local.output_shapes)
+        )
+        out[block] = out.get(block, 0.0) + nbytes
     return out
 
 

@@ -21,6 +21,8 @@ import pytest
 from tensoropt.cli.common import build_step
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import (
+    ProblemFamily,
+    _unit_working_set,
     block_terms,
     build_problem,
     estimate_plan,
@@ -186,6 +188,38 @@ def test_the_estimate_drops_saved_activations_and_adds_the_working_set(models, p
     dropped = sum(d[0] for t in terms for d in t.bytes_dropped)
     added = sum(a[0] for t in terms for a in t.seconds_added)
     working = max(recompute_working_set(mp, choice).values())
+    bound = ProblemFamily(sg, mesh, profile).working_set().of(mp, choice)
     assert dropped > working > 0
-    assert before.memory_bytes - after.memory_bytes == pytest.approx(dropped - working, abs=1)
+    assert bound >= working * (1 - 1e-12)
+    assert before.memory_bytes - after.memory_bytes == pytest.approx(dropped - bound, abs=1)
     assert after.time_s - before.time_s >= added * (1 - 1e-9) > 0
+
+
+@pytest.mark.parametrize("spec", ["2", "2x2"])
+def test_the_working_set_bound_holds_for_every_plan_and_is_a_sum(models, spec):
+    """For random plans of the recomputed gpt: the problem's memory with the bound minus
+    without it is WorkingSetBound.of (a sum of entries), at least the largest block's
+    working set, and equal to it when every unit takes its smallest strategy."""
+    import random
+
+    profile = builtin("h100")
+    step, _ = _recomputed_step(models["gpt"])
+    sg = search_graph_of(step)
+    from tests.helpers.compile import make_mesh
+
+    family = ProblemFamily(sg, make_mesh(spec, "megatron"), profile)
+    plain, bounded = family.problem(), family.problem(working_set=True)
+    bound = family.working_set()
+    rng = random.Random(0)
+    sizes = [len(u.strategies) for u in plain.problem.units]
+    floors = []
+    for k, unit in enumerate(sg.units.units):  # each unit's smallest-working-set strategy
+        sets = [sum(_unit_working_set(unit, p, plain.mesh).values()) for p in plain.programs[k]]
+        floors.append(sets.index(min(sets)))
+    for choice in [tuple(floors)] + [tuple(rng.randrange(n) for n in sizes) for _ in range(50)]:
+        extra = bounded.problem.evaluate(choice)[1] - plain.problem.evaluate(choice)[1]
+        working = max(recompute_working_set(plain, choice).values())
+        assert extra == pytest.approx(bound.of(plain, choice), rel=1e-12)
+        assert extra >= working * (1 - 1e-12)
+        if choice == tuple(floors):
+            assert extra == pytest.approx(working, rel=1e-12)
