@@ -61,6 +61,23 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainable", metavar="REGEX")
     p.add_argument("--freeze", metavar="REGEX")
     p.add_argument(
+        "--axes",
+        default=",".join(AXES_ORDER),
+        metavar="LIST",
+        help="what the search explores: split (how each op is split over the mesh; always), "
+        "zero (ZeRO stage 1, 2 or 3 of every unit that can shard its parameters), "
+        "recompute (every block recomputed in the backward), micro (micro-batches with "
+        "gradient accumulation); default all: split,zero,recompute,micro",
+    )
+    p.add_argument(
+        "--micro-batches",
+        dest="micro_batch_counts",
+        default="1,2,4,8",
+        metavar="LIST",
+        help="micro-batch counts the micro axis tries, those that divide the batch "
+        "(default 1,2,4,8)",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         metavar="N",
@@ -110,6 +127,7 @@ def explore_from_args(args, devices):
     budget = parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None
     mesh_spec = getattr(args, "mesh", None) or "auto"
     sg = search_graph(args)
+    space = search_space(args, sg)
     total = len(search_meshes(sg, devices, mesh_spec))
     bar = progress(range(total), total=total, desc="search")
     it = iter(bar)
@@ -129,9 +147,74 @@ def explore_from_args(args, devices):
         on_problem=tick,
         # the dumped problems carry their whole frontiers, for an external solver to check
         whole_frontiers=bool(getattr(args, "dump_costs", None)),
+        space=space,
     )
     bar.close()
     return sg, profile, exp
+
+
+AXES_ORDER = ("split", "zero", "recompute", "micro")
+
+
+def parse_axes(text: str):
+    """``--axes split,zero,recompute,micro`` (any subset; split is always searched)."""
+    from tensoropt.errors import TensorOptError
+    from tensoropt.search.driver import Axis
+
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    known = {a.value: a for a in Axis}
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        what = f"unknown axis {bad[0]!r}" if bad else "no axis"
+        raise TensorOptError(
+            f"--axes {text!r}: {what}; give a comma list of split, zero, recompute, micro "
+            "(e.g. --axes split,zero)"
+        )
+    return frozenset({Axis.SPLIT, *(known[n] for n in names)})
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """``--micro-batches 1,2,4,8``: positive micro-batch counts."""
+    from tensoropt.errors import TensorOptError
+
+    try:
+        counts = tuple(sorted({int(t) for t in str(text).split(",") if t.strip()}))
+    except ValueError:
+        counts = ()
+    if not counts or counts[0] < 1:
+        raise TensorOptError(
+            f"--micro-batches {text!r}: give positive micro-batch counts, e.g. 1,2,4,8"
+        )
+    return counts
+
+
+def search_space(args, sg):
+    """The search space the flags ask for: with recompute, the step is built a second
+    time with every block recomputed (its search graph prices those problems)."""
+    from tensoropt.search.driver import Axis, SearchSpace
+
+    axes = parse_axes(getattr(args, "axes", None) or ",".join(AXES_ORDER))
+    counts = parse_counts(getattr(args, "micro_batch_counts", None) or "1,2,4,8")
+    recomputed, names = None, ()
+    if Axis.RECOMPUTE in axes:
+        recomputed, names = recomputed_graph(args)
+    return SearchSpace(axes, counts, recomputed, names)
+
+
+def recomputed_graph(args):
+    """The search graph of the step with every block recomputed, and the block names
+    (None and () when the model has no block to recompute)."""
+    from tensoropt.cli.common import build_step
+    from tensoropt.cost.model import search_graph_of
+    from tensoropt.passes.recompute import apply_recompute, find_blocks
+
+    step = build_step(args, load_weights=False)
+    blocks = find_blocks(step.model.graph, step.signature.data_inputs)
+    if not blocks:
+        return None, ()
+    names = tuple(b.name for b in blocks)
+    apply_recompute(step.model, step.signature.data_inputs, names)
+    return search_graph_of(step), names
 
 
 def _fmt_time(s: float) -> str:
@@ -165,6 +248,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def print_tables(sg, exp, out=None) -> None:
+    from tensoropt.search.driver import REFERENCE_NAMES
+
     out = out or sys.stdout
     table = per_device_points(exp)
     budget = exp.memory_budget
@@ -195,7 +280,7 @@ def print_tables(sg, exp, out=None) -> None:
     )
     print("\nreference plans on the same cost model (best mesh per device count):", file=out)
     for d in table:
-        for name in ("data-parallel", "megatron"):
+        for name in REFERENCE_NAMES:
             best = None
             for s in exp.searches:
                 if s.mesh.size == d and name in s.references:
@@ -206,7 +291,7 @@ def print_tables(sg, exp, out=None) -> None:
                 over = "  over the memory budget" if budget is not None and best[1] > budget else ""
                 mesh = "x".join(map(str, best[2].shape))
                 print(
-                    f"  {_plural(d, 'device'):>11} {name:<14} mesh {mesh:>5} "
+                    f"  {_plural(d, 'device'):>11} {name:<18} mesh {mesh:>5} "
                     f"{_fmt_time(best[0]):>12} {_fmt_mem(best[1]):>12}{over}",
                     file=out,
                 )

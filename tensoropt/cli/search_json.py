@@ -31,6 +31,13 @@ def mesh_key(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape))
 
 
+def problem_key(search) -> str:
+    """The key of one problem in ``meshes``: the mesh, then its memory axes (e.g.
+    "2x4", "8+zero-3+recompute+micro-4")."""
+    tag = search.variant.tag()
+    return mesh_key(search.mesh.shape) + (f"+{tag}" if tag else "")
+
+
 def step_options(args) -> dict:
     return {name: getattr(args, name, None) for name in STEP_OPTIONS}
 
@@ -56,11 +63,13 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
                 {
                     "index": i,
                     "mesh": list(s.mesh.shape),
+                    "problem": problem_key(s),
+                    "axes": s.variant.to_json(len(s.blocks)),
                     "time_s": p.time_s,
                     "memory_bytes": p.memory_bytes,
                     "samples_per_s": sg.batch / p.time_s,
                     "summary": s.summaries[k],
-                    "replicates_all_work": s.summaries[k] == ALL_REPLICATED,
+                    "replicates_all_work": s.summaries[k].startswith(ALL_REPLICATED),
                     "choice": tables[id(s)].add(p.choice),
                 }
             )
@@ -75,10 +84,12 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
         "memory_budget_bytes": exp.memory_budget,
         "units": list(shared),
         "meshes": {
-            mesh_key(s.mesh.shape): {
+            problem_key(s): {
                 "devices": s.mesh.size,
                 "shape": list(s.mesh.shape),
                 "axis_names": list(s.mesh.axis_names),
+                "axes": s.variant.to_json(len(s.blocks)),
+                "recompute": list(s.blocks),
                 "units": None if s.unit_names == shared else list(s.unit_names),
                 "strategies": tables[id(s)].json(),
             }
@@ -89,9 +100,10 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
             {
                 "devices": p.devices,
                 "mesh": list(p.mesh),
+                "problem": problem_key(exp.source_of(p)),
                 "time_s": p.time_s,
                 "memory_bytes": p.memory_bytes,
-                "row": row_of.get((id(exp.search_of(p.devices, p.mesh)), p.index)),
+                "row": row_of.get((id(exp.source_of(p)), p.index)),
             }
             for p in exp.merged
         ],
@@ -99,6 +111,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
             {
                 "devices": s.mesh.size,
                 "mesh": list(s.mesh.shape),
+                "problem": problem_key(s),
                 "plan": name,
                 "time_s": t,
                 "memory_bytes": m,
@@ -115,6 +128,8 @@ class _StrategyTable:
 
     def __init__(self, search) -> None:
         self._layouts = search.unit_layouts
+        self._zero = search.unit_zero  # per unit, per strategy (empty: no ZeRO)
+        self._stage = search.variant.zero
         self._used: list[dict[int, int]] = [{} for _ in search.unit_names]
 
     def add(self, choice: Sequence[int]) -> list[int]:
@@ -125,7 +140,7 @@ class _StrategyTable:
 
     def json(self) -> list[list[dict]]:
         table = []
-        for layouts, used in zip(self._layouts, self._used, strict=True):
+        for u, (layouts, used) in enumerate(zip(self._layouts, self._used, strict=True)):
             entries = [None] * len(used)
             for s, k in used.items():
                 inputs, outputs = layouts[s]
@@ -133,6 +148,8 @@ class _StrategyTable:
                     "inputs": [None if lay is None else str(lay) for lay in inputs],
                     "outputs": [str(lay) for lay in outputs],
                 }
+                if self._zero and self._zero[u][s]:
+                    entries[k]["zero"] = self._stage
             table.append(entries)
         return table
 
@@ -246,7 +263,7 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
     from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
 
     where = f"{sf.path}: per_device[{picked.devices}][{picked.index}]"
-    key = mesh_key(picked.row.get("mesh", ()))
+    key = picked.row.get("problem") or mesh_key(picked.row.get("mesh", ()))
     entry = sf.doc["meshes"].get(key)
     if not isinstance(entry, dict):
         raise SearchFileError(f"{where}: mesh {key!r} is not in the file's meshes")
@@ -267,4 +284,15 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
             units[name] = UnitStrategy.from_json(options[k], mesh, f"{where} unit {name!r}")
         except PlanError as exc:
             raise SearchFileError(str(exc)) from None
-    return Plan(mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
+    axes = entry.get("axes") or {}
+    try:
+        return Plan(
+            mesh,
+            units,
+            source=source,
+            default=DefaultStrategy.DATA_PARALLEL,
+            micro_batches=axes.get("micro_batches", 1),
+            recompute=tuple(entry.get("recompute") or ()) if axes.get("recompute_blocks") else (),
+        )
+    except PlanError as exc:
+        raise SearchFileError(f"{where}: {exc}") from None

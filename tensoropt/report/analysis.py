@@ -12,11 +12,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tensoropt.search.driver import Exploration, MeshSearch, device_frontier
+from tensoropt.search.driver import REFERENCE_NAMES, Exploration, MeshSearch, device_frontier
 
 GIB = 2**30
 STANDARD_CAPACITIES_GIB = (16, 24, 32, 40, 48, 80, 141)
-REFERENCE_NAMES = ("data-parallel", "megatron")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +101,7 @@ def device_frontiers(exp: Exploration) -> dict[int, list[Point]]:
 
 def merged_points(exp: Exploration) -> list[Point]:
     """The frontier over (devices, time, memory)."""
-    return [_point(exp.search_of(m.devices, m.mesh), m.index) for m in exp.merged]
+    return [_point(exp.source_of(m), m.index) for m in exp.merged]
 
 
 def sample_indices(count: int, limit: int) -> list[int]:

@@ -15,7 +15,12 @@ from tensoropt.report.analysis import GIB, Point, Reference
 from tensoropt.report.strategies import Track, kind_order
 
 DPI = 100
-_MARKERS = {"data-parallel": ("s", "data-parallel"), "megatron": ("^", "Megatron")}
+_MARKERS = {
+    "data-parallel": ("s", "data-parallel"),
+    "megatron": ("^", "Megatron"),
+    "fsdp": ("D", "FSDP (ZeRO-3 + recompute)"),
+    "megatron+recompute": ("v", "Megatron + recompute"),
+}
 
 
 def _pyplot():
@@ -74,7 +79,7 @@ def devices_label(d: int) -> str:
 
 
 # Markers of the device counts' staircases: none of the reference plans' markers.
-_COUNT_MARKERS = ("o", "D", "v", "P", "X", "*", "h", "p", "<", ">")
+_COUNT_MARKERS = ("o", "P", "X", "*", "h", "p", "<", ">", "8", "H")
 
 
 def frontier(

@@ -113,7 +113,7 @@ def track(exp: Exploration, devices: int, rows: Sequence[Point]) -> Track:
     )
     columns = []
     for p in rows:
-        search = exp.search_of(p.devices, p.mesh)
+        search = exp.source_of(p)
         if search.unit_names != first.unit_names:
             raise TensorOptError(f"meshes of {devices} devices disagree on the units")
         choice = search.result.points[p.index].choice

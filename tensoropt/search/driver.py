@@ -7,22 +7,24 @@ Frontier Tracking; the frontiers merge into one over (devices, time, memory).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import multiprocessing
 import os
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.model import MeshProblem, SearchGraph, build_problem
+from tensoropt.cost.model import MeshProblem, ProblemFamily, SearchGraph, micro_choices
 from tensoropt.errors import InfeasibleError, TensorOptError
 from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
-from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes.blocks import Blocks, find_blocks
 from tensoropt.search.merge import MergedPoint, merge_frontiers
 from tensoropt.search.solver import SearchResult, solve
@@ -31,6 +33,96 @@ log = logging.getLogger(__name__)
 
 
 UnitLayouts = tuple[tuple[tuple["Layout | None", ...], tuple["Layout", ...]], ...]
+
+
+class Axis(enum.Enum):
+    """The axes of the search space (``search --axes``). SPLIT, how each op's tensors are
+    split over the mesh, is always searched; the others trade memory for time."""
+
+    SPLIT = "split"
+    ZERO = "zero"
+    RECOMPUTE = "recompute"
+    MICRO = "micro"
+
+
+ALL_AXES = frozenset(Axis)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Variant:
+    """The memory-for-time choices one problem of a mesh makes for the whole step:
+    micro-batches per step, the ZeRO stage of every unit that can shard its parameters
+    (``passes.plans.with_zero``), and whether every block is recomputed."""
+
+    micro_batches: int = 1
+    zero: int = 0  # a ZeroStage value
+    recompute: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return self == PLAIN
+
+    def tag(self) -> str:
+        """A short key: "" for the plain problem, e.g. "zero-3+recompute+micro-4"."""
+        parts = [f"zero-{self.zero}"] if self.zero else []
+        parts += ["recompute"] if self.recompute else []
+        parts += [f"micro-{self.micro_batches}"] if self.micro_batches > 1 else []
+        return "+".join(parts)
+
+    def label(self, blocks: int) -> str:
+        """What a point of this problem does besides its split, for tables:
+        e.g. "zero-3, recompute 24/24 blocks, 4 micro-batches" ("" when plain)."""
+        parts = [f"zero-{self.zero}"] if self.zero else []
+        parts += [f"recompute {blocks}/{blocks} blocks"] if self.recompute else []
+        parts += [f"{self.micro_batches} micro-batches"] if self.micro_batches > 1 else []
+        return ", ".join(parts)
+
+    def to_json(self, blocks: int) -> dict:
+        return {
+            "micro_batches": self.micro_batches,
+            "zero": self.zero,
+            "recompute_blocks": blocks if self.recompute else 0,
+        }
+
+
+PLAIN = Variant()
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """What the search explores besides the split of every op (``search --axes``).
+
+    ``recomputed``: the search graph of the same step with every block of ``blocks``
+    recomputed (``passes.recompute``), when RECOMPUTE is searched and the model has
+    blocks. ``micro_batches``: the counts tried (those that divide the batch)."""
+
+    axes: frozenset[Axis] = ALL_AXES
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    recomputed: SearchGraph | None = field(default=None, compare=False)
+    blocks: tuple[str, ...] = ()
+
+    def variants(self, sg: SearchGraph, mesh: Mesh) -> list[Variant]:
+        """The problems of one mesh, plain first. ZeRO needs more than one device;
+        micro-batch counts must divide the batch."""
+        counts = [1]
+        if Axis.MICRO in self.axes:
+            counts += [k for k in self.micro_batches if k > 1 and sg.batch % k == 0]
+        stages = [0]
+        if Axis.ZERO in self.axes and mesh.size > 1:
+            stages += [int(z) for z in ZeroStage if z is not ZeroStage.NONE]
+        recompute = [False]
+        if Axis.RECOMPUTE in self.axes and self.recomputed is not None and self.blocks:
+            recompute.append(True)
+        return [
+            Variant(k, z, r)
+            for k in counts
+            for r in recompute
+            for z in stages
+            if not (k > 1 and z)  # compile refuses ZeRO with micro-batches
+        ]
+
+
+PLAIN_SPACE = SearchSpace(axes=frozenset({Axis.SPLIT}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +148,14 @@ class MeshSearch:
     strategy_kinds: tuple[tuple[str, ...], ...] = ()
     unit_ops: tuple[str, ...] = ()  # op type of each unit's root node
     unit_weighted: tuple[bool, ...] = ()  # whether the unit reads a trained parameter
+    variant: Variant = PLAIN
+    # per unit, per strategy: whether the variant's ZeRO stage applies to it
+    unit_zero: tuple[tuple[bool, ...], ...] = ()
+    blocks: tuple[str, ...] = ()  # the recomputed blocks when variant.recompute
+
+    @property
+    def key(self) -> tuple[int, tuple[int, ...], Variant]:
+        return (self.mesh.size, tuple(self.mesh.shape), self.variant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +165,17 @@ class Exploration:
     epsilon: float | None
     memory_budget: float | None
 
-    def search_of(self, devices: int, mesh: tuple[int, ...]) -> MeshSearch:
+    def search_of(
+        self, devices: int, mesh: tuple[int, ...], variant: Variant = PLAIN
+    ) -> MeshSearch:
         for s in self.searches:
-            if s.mesh.size == devices and tuple(s.mesh.shape) == tuple(mesh):
+            if s.key == (devices, tuple(mesh), variant):
                 return s
-        raise KeyError((devices, mesh))
+        raise KeyError((devices, mesh, variant))
+
+    def source_of(self, point: MergedPoint) -> MeshSearch:
+        """The search a merged point comes from."""
+        return self.search_of(point.devices, point.mesh, point.variant or PLAIN)
 
 
 def mesh_shapes(devices: int, spec: str) -> list[Mesh]:
@@ -110,12 +216,25 @@ def search_meshes(sg: SearchGraph, devices: Sequence[int], mesh_spec: str) -> li
 
 
 def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> Plan:
-    """The plan of one frontier point: explicit layouts for every unit."""
+    """The plan of one frontier point: explicit layouts for every unit, and the
+    variant's ZeRO stage, micro-batches and recomputed blocks."""
     units = {}
-    for name, layouts, k in zip(search.unit_names, search.unit_layouts, choice, strict=True):
+    variant = search.variant
+    for u, (name, layouts, k) in enumerate(
+        zip(search.unit_names, search.unit_layouts, choice, strict=True)
+    ):
         inputs, outputs = layouts[k]
-        units[name] = UnitStrategy(inputs=inputs, outputs=outputs)
-    return Plan(search.mesh, units, source=source, default=DefaultStrategy.DATA_PARALLEL)
+        zeroed = bool(search.unit_zero) and search.unit_zero[u][k]
+        stage = ZeroStage(variant.zero) if zeroed else ZeroStage.NONE
+        units[name] = UnitStrategy(inputs=inputs, outputs=outputs, zero=stage)
+    return Plan(
+        search.mesh,
+        units,
+        source=source,
+        default=DefaultStrategy.DATA_PARALLEL,
+        micro_batches=variant.micro_batches,
+        recompute=search.blocks if variant.recompute else (),
+    )
 
 
 def megatron_blocks(sg: SearchGraph) -> Blocks | None:
@@ -158,41 +277,180 @@ def reference_choices(
     return out
 
 
-def _solve_mesh(
+@dataclass(frozen=True, slots=True)
+class _Built:
+    variant: Variant
+    mp: MeshProblem
+    graph: SearchGraph  # the step it prices (recomputed blocks or not)
+    reals: tuple[tuple[object, ...], ...] | None  # per unit, per strategy: on the plan's mesh
+
+
+def _build_variants(
+    sg: SearchGraph, space: SearchSpace, mesh: Mesh, profile: ClusterProfile
+) -> list[_Built]:
+    """The problems of one mesh, one per variant the step allows, less those whose
+    every entry is at least another's (same units, strategies and edges): each of their
+    plans is matched or beaten by the same choice of the other, so the merged frontier
+    does not change (ZeRO-2 is ZeRO-1 without micro-batches; a stage no unit can take
+    is the plain problem)."""
+    from tensoropt.passes.micro import MicroError
+
+    families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
+    built: list[_Built] = []
+    for v in space.variants(sg, mesh):
+        key = (v.recompute, v.micro_batches)
+        graph = space.recomputed if v.recompute else sg
+        assert graph is not None
+        if key not in families:
+            choices, reals = None, None
+            try:
+                if v.micro_batches > 1:
+                    offered = micro_choices(graph, mesh, v.micro_batches)
+                    choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
+                    reals = tuple(
+                        tuple(r for _, r in offered[unit.root.name]) for unit in graph.units.units
+                    )
+                family = ProblemFamily(
+                    graph, mesh, profile, micro_batches=v.micro_batches, choices=choices
+                )
+                families[key] = (family, reals)
+            except MicroError as exc:
+                log.info("%s on %s: not searched: %s", v.tag(), mesh, exc)
+                families[key] = None
+        found = families[key]
+        if found is None:
+            continue
+        family, reals = found
+        mp = family.problem(zero_all=ZeroStage(v.zero), working_set=v.recompute)
+        same = [b for b in built if (b.variant.recompute, b.variant.micro_batches) == key]
+        if not any(_covers(b.mp, mp) for b in same):
+            built.append(_Built(v, mp, graph, reals))
+    return built
+
+
+def _covers(a: MeshProblem, b: MeshProblem) -> bool:
+    """Whether every entry of ``a`` is at most the same entry of ``b`` (same shapes)."""
+    pa, pb = a.problem, b.problem
+    if len(pa.units) != len(pb.units) or pa.edges != pb.edges:
+        return False
+    for ua, ub in zip(pa.units, pb.units, strict=True):
+        if len(ua.strategies) != len(ub.strategies):
+            return False
+        for sa_, sb in zip(ua.strategies, ub.strategies, strict=True):
+            if sa_.time_s > sb.time_s or sa_.memory_bytes > sb.memory_bytes:
+                return False
+    return True
+
+
+# the reference plans, in table order: the built-in plans on the plain problems, and
+# two of them with memory axes on the variant problems below
+REFERENCE_NAMES = ("data-parallel", "megatron", "fsdp", "megatron+recompute")
+# the reference plans of a variant problem: (variant, name in the variant, plain reference)
+_VARIANT_REFERENCES = (
+    (Variant(1, int(ZeroStage.PARAMETERS), True), "fsdp", "data-parallel"),
+    (Variant(1, 0, True), "megatron+recompute", "megatron"),
+)
+
+
+def _solve_variants(
     sg: SearchGraph,
+    space: SearchSpace,
     job: tuple[Mesh, ClusterProfile, float | None, float | None],
-    incumbents: tuple[list[float], list[float]] | None = None,
-    blocks: Blocks | None = None,
-) -> MeshSearch:
+    blocks: Blocks | None,
+    chained: bool,
+    before: Sequence[MeshSearch] = (),
+) -> list[MeshSearch]:
+    """Every problem of one mesh, solved in order; with ``chained``, each exact search
+    gets the points found before it (``before``, then this mesh's) as incumbents."""
     from tensoropt.cost.summary import Summarizer, kind_table
 
     mesh, profile, budget, epsilon = job
-    mp = build_problem(sg, mesh, profile)
-    result = solve(mp.problem, memory_budget=budget, epsilon=epsilon, incumbents=incumbents)
-    kinds = kind_table(mp, sg)
-    summarize = Summarizer(mp, sg, kinds)
-    refs, ref_summaries = {}, {}
-    for name, choice in reference_choices(sg, mp, blocks).items():
-        t, m = mp.problem.evaluate(choice)
-        refs[name] = (t, m, choice)
-        ref_summaries[name] = summarize(choice)
-    return MeshSearch(
-        mesh=mesh,
-        problem=mp.problem,
-        result=result,
-        references=refs,
-        unit_names=tuple(u.node.name for u in mp.units),
-        unit_layouts=tuple(
-            tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
-        ),
-        summaries=tuple(summarize(p.choice) for p in result.points),
-        reference_summaries=ref_summaries,
-        strategy_kinds=kinds,
-        unit_ops=tuple(u.node.op_type for u in mp.units),
-        unit_weighted=tuple(
-            any(v is not None and v.name in sg.params for v in u.node.inputs) for u in mp.units
-        ),
-    )
+    out: list[MeshSearch] = []
+    plain_refs: dict[str, tuple] = {}
+    plain_infos = None
+    for b in _build_variants(sg, space, mesh, profile):
+        mp, v = b.mp, b.variant
+        incumbents = None
+        done = [*before, *out]
+        if chained and epsilon is None and done:
+            incumbents = (
+                [p.time_s for s in done for p in s.result.points],
+                [p.memory_bytes for s in done for p in s.result.points],
+            )
+        result = solve(mp.problem, memory_budget=budget, epsilon=epsilon, incumbents=incumbents)
+        shown = mp  # summaries name the strategies on the plan's mesh
+        if b.reals is not None:
+            shown = dataclasses.replace(
+                mp,
+                mesh=mesh,
+                units=tuple(
+                    dataclasses.replace(u, strategies=r)
+                    for u, r in zip(mp.units, b.reals, strict=True)
+                ),
+            )
+        kinds = kind_table(shown, b.graph)
+        summarize = Summarizer(shown, b.graph, kinds)
+        label = v.label(len(space.blocks))
+        suffix = f", {label}" if label else ""
+        refs, ref_summaries = {}, {}
+        if v.plain:
+            plain_infos = mp.units
+            plain_refs = reference_choices(sg, mp, blocks)
+            named = dict(plain_refs)
+        else:
+            named = {
+                name: _mapped(plain_refs[base], plain_infos, mp)
+                for want, name, base in _VARIANT_REFERENCES
+                if want == v and base in plain_refs and plain_infos is not None
+            }
+        for name, choice in named.items():
+            if choice is None:
+                continue
+            t, m = mp.problem.evaluate(choice)
+            refs[name] = (t, m, choice)
+            ref_summaries[name] = summarize(choice) + suffix
+        strategies = b.reals or tuple(u.strategies for u in mp.units)
+        out.append(
+            MeshSearch(
+                mesh=mesh,
+                problem=mp.problem,
+                result=result,
+                references=refs,
+                unit_names=tuple(u.node.name for u in mp.units),
+                unit_layouts=tuple(
+                    tuple((tuple(s.inputs), tuple(s.outputs)) for s in unit) for unit in strategies
+                ),
+                summaries=tuple(summarize(p.choice) + suffix for p in result.points),
+                reference_summaries=ref_summaries,
+                strategy_kinds=kinds,
+                unit_ops=tuple(u.node.op_type for u in mp.units),
+                unit_weighted=tuple(
+                    any(x is not None and x.name in b.graph.params for x in u.node.inputs)
+                    for u in mp.units
+                ),
+                variant=v,
+                unit_zero=tuple(
+                    tuple(p.zero is not ZeroStage.NONE for p in programs)
+                    for programs in mp.programs
+                )
+                if v.zero
+                else (),
+                blocks=space.blocks if v.recompute else (),
+            )
+        )
+    return out
+
+
+def _mapped(choice: Sequence[int], infos, mp: MeshProblem) -> tuple[int, ...] | None:
+    """A plain problem's choice as a choice of ``mp`` (same units, strategies looked up
+    by value); None when a strategy is not offered there."""
+    out = []
+    for info, s, target in zip(infos, choice, mp.units, strict=True):
+        strategy = info.strategies[s]
+        if strategy not in target.strategies:
+            return None
+        out.append(target.strategies.index(strategy))
+    return tuple(out)
 
 
 def explore(
@@ -206,17 +464,20 @@ def explore(
     jobs: int | None = None,
     on_problem: Callable[[Mesh], None] | None = None,
     whole_frontiers: bool = False,
+    space: SearchSpace = PLAIN_SPACE,
 ) -> Exploration:
-    """Solve every (devices, mesh) problem (in parallel processes) and merge the frontiers.
+    """Solve every (devices, mesh, variant) problem (in parallel processes) and merge the
+    frontiers. ``space``: the axes searched besides the split (default: none).
 
     The meshes of one device count are solved one after the other in one job, the most
-    balanced 2-D mesh first: each exact search gets the points already found for its
-    device count as incumbents, and leaves out what they strictly dominate (points that
-    no per-device table, merged frontier or ``--pick`` can show), which spares most of the
-    work on meshes whose plans are all slower and larger than another mesh's.
-    ``whole_frontiers``: every mesh's complete frontier instead (``--dump-costs`` records
-    them for an external solver). Jobs are spread over ``jobs`` worker processes (fork;
-    default: one per core, at most one per job; 1 = in this process).
+    balanced 2-D mesh first, and each mesh's variants after its plain problem: each exact
+    search gets the points already found for its device count as incumbents, and leaves
+    out what they strictly dominate (points that no per-device table, merged frontier or
+    ``--pick`` can show), which spares most of the work on problems whose plans are all
+    slower and larger than another's. ``whole_frontiers``: every problem's complete
+    frontier instead (``--dump-costs`` records them for an external solver). Jobs are
+    spread over ``jobs`` worker processes (fork; default: one per core, at most one per
+    job; 1 = in this process). ``on_problem`` is called once per mesh.
     """
     meshes = search_meshes(sg, devices, mesh_spec)
     groups: dict[int, list[Mesh]] = {}
@@ -227,28 +488,29 @@ def explore(
     for d in sorted(groups, reverse=True):  # the largest counts first: the longest jobs
         ordered = sorted(groups[d], key=_solve_order) if chained else groups[d]
         batches = [ordered] if chained else [[m] for m in ordered]
-        work += [(tuple(b), profile, memory_budget, epsilon) for b in batches]
+        work += [(tuple(b), profile, memory_budget, epsilon, chained) for b in batches]
     workers = max(1, min(len(work), jobs or os.cpu_count() or 1))
-    found: dict[tuple[int, tuple[int, ...]], MeshSearch] = {}
+    found: dict[tuple[int, tuple[int, ...]], list[MeshSearch]] = {}
     blocks = megatron_blocks(sg)
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         for job in work:
-            for search in _solve_meshes(sg, job, blocks):
-                found[(search.mesh.size, tuple(search.mesh.shape))] = search
+            for mesh, searches in _solve_meshes(sg, job, blocks, space):
+                found[(mesh.size, tuple(mesh.shape))] = searches
                 if on_problem:
-                    on_problem(search.mesh)
+                    on_problem(mesh)
     else:
-        # A forked worker inherits the search graph from this process (initargs are not
+        # A forked worker inherits the search graphs from this process (initargs are not
         # pickled under fork); only the plain-data results come back.
         ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=(sg, blocks)) as pool:
+        init = (sg, blocks, space)
+        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
             for batch in pool.imap_unordered(_solve_in_worker, work):
-                for search in batch:
-                    found[(search.mesh.size, tuple(search.mesh.shape))] = search
+                for mesh, searches in batch:
+                    found[(mesh.size, tuple(mesh.shape))] = searches
                     if on_problem:
-                        on_problem(search.mesh)
-    searches = [found[(m.size, tuple(m.shape))] for m in meshes]
-    merged = merge_frontiers({(s.mesh.size, tuple(s.mesh.shape)): s.result for s in searches})
+                        on_problem(mesh)
+    searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))]]
+    merged = merge_frontiers({s.key: s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
     return Exploration(tuple(searches), merged, epsilon, memory_budget)
@@ -261,35 +523,35 @@ def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
     return (-min(mesh.shape) if mesh.ndim > 1 else 0, tuple(mesh.shape))
 
 
-_WORKER_GRAPH: list = []  # a pool worker's search graph and its Megatron blocks
+_WORKER_GRAPH: list = []  # a pool worker's search graph, Megatron blocks and space
 
 
-def _solve_in_worker(job) -> list[MeshSearch]:
-    return _solve_meshes(_WORKER_GRAPH[0], job, _WORKER_GRAPH[1])
+def _solve_in_worker(job) -> list[tuple[Mesh, list[MeshSearch]]]:
+    return _solve_meshes(_WORKER_GRAPH[0], job, _WORKER_GRAPH[1], _WORKER_GRAPH[2])
 
 
-def _pool_worker_init(sg: SearchGraph, blocks: Blocks | None) -> None:
+def _pool_worker_init(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
     (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
     the pool's task-queue lock and hang the pool for good (seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _WORKER_GRAPH[:] = [sg, blocks]
+    _WORKER_GRAPH[:] = [sg, blocks, space]
 
 
-def _solve_meshes(sg: SearchGraph, job, blocks: Blocks | None = None) -> list[MeshSearch]:
-    """The meshes of one job in order, each exact search with the points found before it
-    in the job as incumbents."""
-    meshes, profile, budget, epsilon = job
-    out: list[MeshSearch] = []
+def _solve_meshes(
+    sg: SearchGraph, job, blocks: Blocks | None = None, space: SearchSpace = PLAIN_SPACE
+) -> list[tuple[Mesh, list[MeshSearch]]]:
+    """The meshes of one job in order, each mesh's problems with the points found before
+    them in the job as incumbents (when ``chained``)."""
+    meshes, profile, budget, epsilon, chained = job
+    out: list[tuple[Mesh, list[MeshSearch]]] = []
     for mesh in meshes:
-        incumbents = None
-        if out and epsilon is None:
-            incumbents = (
-                [p.time_s for s in out for p in s.result.points],
-                [p.memory_bytes for s in out for p in s.result.points],
-            )
-        out.append(_solve_mesh(sg, (mesh, profile, budget, epsilon), incumbents, blocks))
+        before = [s for _, searches in out for s in searches]
+        solved = _solve_variants(
+            sg, space, (mesh, profile, budget, epsilon), blocks, chained, before
+        )
+        out.append((mesh, solved))
     return out
 
 
@@ -323,7 +585,7 @@ def _gib(n: float) -> str:
 
 
 def point_of(exp: Exploration, merged: MergedPoint) -> tuple[MeshSearch, FrontierPoint]:
-    search = exp.search_of(merged.devices, merged.mesh)
+    search = exp.source_of(merged)
     return search, search.result.points[merged.index]
 
 
@@ -344,12 +606,9 @@ class Pick:
 
 def device_frontier(exp: Exploration, devices: int) -> list[tuple[MeshSearch, FrontierPoint]]:
     """Non-dominated (time, memory) points of one device count over all its meshes."""
-    group = {
-        (s.mesh.size, tuple(s.mesh.shape)): s.result for s in exp.searches if s.mesh.size == devices
-    }
+    group = {s.key: s.result for s in exp.searches if s.mesh.size == devices}
     return [
-        (exp.search_of(p.devices, p.mesh), exp.search_of(p.devices, p.mesh).result.points[p.index])
-        for p in merge_frontiers(group)
+        (exp.source_of(p), exp.source_of(p).result.points[p.index]) for p in merge_frontiers(group)
     ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class MergedPoint:
     index: int
     time_s: float
     memory_bytes: float
+    variant: Any = None  # the problem's search.driver.Variant (None: keyed by mesh alone)
 
 
 def _points(value: SearchResult | Sequence[FrontierPoint]) -> Sequence[FrontierPoint]:
@@ -34,13 +36,14 @@ def _points(value: SearchResult | Sequence[FrontierPoint]) -> Sequence[FrontierP
 
 
 def merge_frontiers(
-    results: Mapping[tuple[int, tuple[int, ...]], SearchResult | Sequence[FrontierPoint]],
+    results: Mapping[tuple, SearchResult | Sequence[FrontierPoint]],
 ) -> tuple[MergedPoint, ...]:
-    """The (devices, time, memory) non-dominated points, sorted by devices then time."""
+    """The (devices, time, memory) non-dominated points, sorted by devices then time.
+    Keys are (devices, mesh) or (devices, mesh, variant)."""
     rows = [
-        (d, mesh, k, p.time_s, p.memory_bytes)
-        for (d, mesh) in sorted(results)
-        for k, p in enumerate(_points(results[(d, mesh)]))
+        (key[0], key[1], k, p.time_s, p.memory_bytes, key[2] if len(key) > 2 else None)
+        for key in sorted(results)
+        for k, p in enumerate(_points(results[key]))
     ]
     if not rows:
         return ()

@@ -149,6 +149,8 @@ def test_no_plan_that_replicates_all_work_is_called_data_parallel(zoo_file, caps
     replicated = [
         row for rows in doc["per_device"].values() for row in rows if row["replicates_all_work"]
     ]
-    assert {len(doc["per_device"]["3"])} == {1} and doc["per_device"]["3"][0] in replicated
+    # at 3 devices every point replicates the split part of the step (the memory axes
+    # still trade time for memory on each device)
+    assert doc["per_device"]["3"] and all(row in replicated for row in doc["per_device"]["3"])
     for row in replicated:
         assert row["summary"] == ALL_REPLICATED and row["mesh"] != [1]
