@@ -25,6 +25,19 @@ Frontier Tracking (exact Pareto frontier of estimated step time vs memory per
 device), and merges them into one frontier over (devices, time, memory).
 The weights are not loaded: planning needs only shapes.
 
+memory axes (--axes, all by default): besides the split of every op, each mesh is
+searched with ZeRO stage 1, 2 or 3 on every unit that can shard its parameters over
+its data-parallel devices, with every block recomputed in the backward (only the
+block inputs kept), and with the batch run as K micro-batches (--micro-batches,
+default 1,2,4,8: those that divide the batch) whose gradients accumulate. Each
+combination is one more problem of the mesh; their frontiers merge exactly, and a
+point's plan says what it uses ("dp=8 ..., zero-3, recompute 24/24 blocks, 4
+micro-batches"). --axes split,zero (say) shows what an axis buys. Recomputed
+blocks add the working set of the largest block's recompute, which is not a sum
+of unit entries: the search prices an upper bound that is (the least working set
+of each block plus every unit's excess over its least), so --dump-costs stays an
+exact sum; compile prices the same bound.
+
 estimates: compute is a roofline per local shard (forward + backward); communication
 is alpha-beta per mesh axis with intra- and inter-node rates; memory per device is
 parameter, gradient and optimizer-state shards, activations saved for backward and
@@ -37,6 +50,7 @@ examples:
   tensoropt search bert.onnx --devices 8 --mesh 2x4 --json-out s.json --dump-costs costs.json
   tensoropt search gpt.onnx --devices 2 --json | jq '.per_device["2"][0]'
   tensoropt search gpt.onnx --devices 1..64 --epsilon 0.05     # faster, within 5% in time
+  tensoropt search gpt.onnx --devices 8 --axes split,zero       # what ZeRO alone buys
 
 JSON (--json on stdout, --json-out FILE): every frontier point per device count with
 its estimate and summary; its plan is a vector of indices into a per-mesh table of

@@ -12,7 +12,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tensoropt.search.driver import REFERENCE_NAMES, Exploration, MeshSearch, device_frontier
+from tensoropt.search.driver import (
+    PLAIN,
+    REFERENCE_NAMES,
+    Exploration,
+    MeshSearch,
+    Variant,
+    device_frontier,
+)
 
 GIB = 2**30
 STANDARD_CAPACITIES_GIB = (16, 24, 32, 40, 48, 80, 141)
@@ -28,6 +35,7 @@ class Point:
     time_s: float
     memory_bytes: float
     summary: str
+    variant: Variant = PLAIN  # the memory axes of its problem
 
     @property
     def mesh_text(self) -> str:
@@ -84,6 +92,7 @@ def _point(search: MeshSearch, index: int) -> Point:
         time_s=p.time_s,
         memory_bytes=p.memory_bytes,
         summary=search.summaries[index],
+        variant=search.variant,
     )
 
 
@@ -268,4 +277,42 @@ def baselines(exp: Exploration) -> list[BaselineRow]:
             within = [p for p in rows_d if p.time_s <= ref.time_s]
             lean.append(min(within, key=lambda p: p.memory_bytes) if within else rows_d[0])
         rows.append(BaselineRow(d, rows_d[0], rows_d[-1], refs[d], tuple(lean)))
+    return rows
+
+
+# -- what each memory axis buys ---------------------------------------------------------
+AXIS_LEVELS = ("split", "+ ZeRO", "+ recompute", "+ micro-batches")
+
+
+@dataclass(frozen=True, slots=True)
+class AxisRow:
+    """Per device count: the least-memory plan using the axes up to each level (split;
+    with ZeRO; with recomputation too; with micro-batches too), None where a level has
+    no plan (the axis was not searched, or nothing fits the budget)."""
+
+    devices: int
+    least: tuple[Point | None, ...]  # aligned with AXIS_LEVELS
+
+
+def axis_gains(exp: Exploration) -> list[AxisRow]:
+    """The least memory per device each cumulative set of axes reaches. Exact: the search
+    solves the levels in this order (``search.driver``), so the points a level leaves
+    out are strictly dominated by points of the levels before it."""
+    from tensoropt.search.driver import axis_level
+
+    rows = []
+    for d in device_counts(exp):
+        least: list[Point | None] = [None] * len(AXIS_LEVELS)
+        for s in exp.searches:
+            if s.mesh.size != d or not s.result.points:
+                continue
+            low = _point(s, len(s.result.points) - 1)
+            for level in range(axis_level(s.variant), len(AXIS_LEVELS)):
+                best = least[level]
+                if best is None or (low.memory_bytes, low.time_s) < (
+                    best.memory_bytes,
+                    best.time_s,
+                ):
+                    least[level] = low
+        rows.append(AxisRow(d, tuple(least)))
     return rows

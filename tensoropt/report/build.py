@@ -140,6 +140,7 @@ def _write_into(
         names.append(png)
     lines += render.strategy_section(blocks)
     lines += render.baseline_section(analysis.baselines(exp), head.batch)
+    lines += render.axes_section(analysis.axis_gains(exp))
 
     (root / REPORT_FILE).write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     log.info("report written: %s", ", ".join(names))

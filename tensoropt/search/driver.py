@@ -285,47 +285,64 @@ class _Built:
     reals: tuple[tuple[object, ...], ...] | None  # per unit, per strategy: on the plan's mesh
 
 
-def _build_variants(
-    sg: SearchGraph, space: SearchSpace, mesh: Mesh, profile: ClusterProfile
-) -> list[_Built]:
-    """The problems of one mesh, one per variant the step allows, less those whose
-    every entry is at least another's (same units, strategies and edges): each of their
-    plans is matched or beaten by the same choice of the other, so the merged frontier
-    does not change (ZeRO-2 is ZeRO-1 without micro-batches; a stage no unit can take
-    is the plain problem)."""
-    from tensoropt.passes.micro import MicroError
+class _MeshProblems:
+    """The variant problems of one mesh, built on demand. A problem whose every entry is
+    at least another's of the same family (same units, strategies and edges) is left
+    out: each of its plans is matched or beaten by the same choice of the other, so the
+    merged frontier does not change (ZeRO-2 is ZeRO-1 without micro-batches; a stage no
+    unit can take is the plain problem)."""
 
-    families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
-    built: list[_Built] = []
-    for v in space.variants(sg, mesh):
+    def __init__(self, sg: SearchGraph, space: SearchSpace, mesh: Mesh, profile: ClusterProfile):
+        self.sg, self.space, self.mesh, self.profile = sg, space, mesh, profile
+        self.families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
+        self.built: dict[tuple[bool, int], list[MeshProblem]] = {}
+        self.plain_refs: dict[str, tuple[int, ...]] = {}
+        self.plain_infos: tuple | None = None
+
+    def build(self, v: Variant) -> _Built | None:
+        from tensoropt.passes.micro import MicroError
+
         key = (v.recompute, v.micro_batches)
-        graph = space.recomputed if v.recompute else sg
+        graph = self.space.recomputed if v.recompute else self.sg
         assert graph is not None
-        if key not in families:
+        if key not in self.families:
             choices, reals = None, None
             try:
                 if v.micro_batches > 1:
-                    offered = micro_choices(graph, mesh, v.micro_batches)
+                    offered = micro_choices(graph, self.mesh, v.micro_batches)
                     choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
                     reals = tuple(
                         tuple(r for _, r in offered[unit.root.name]) for unit in graph.units.units
                     )
                 family = ProblemFamily(
-                    graph, mesh, profile, micro_batches=v.micro_batches, choices=choices
+                    graph, self.mesh, self.profile, micro_batches=v.micro_batches, choices=choices
                 )
-                families[key] = (family, reals)
+                self.families[key] = (family, reals)
             except MicroError as exc:
-                log.info("%s on %s: not searched: %s", v.tag(), mesh, exc)
-                families[key] = None
-        found = families[key]
+                log.info("%s on %s: not searched: %s", v.tag(), self.mesh, exc)
+                self.families[key] = None
+        found = self.families[key]
         if found is None:
-            continue
+            return None
         family, reals = found
         mp = family.problem(zero_all=ZeroStage(v.zero), working_set=v.recompute)
-        same = [b for b in built if (b.variant.recompute, b.variant.micro_batches) == key]
-        if not any(_covers(b.mp, mp) for b in same):
-            built.append(_Built(v, mp, graph, reals))
-    return built
+        same = self.built.setdefault(key, [])
+        if any(_covers(other, mp) for other in same):
+            return None
+        same.append(mp)
+        return _Built(v, mp, graph, reals)
+
+
+def axis_level(v: Variant) -> int:
+    """The order in which a device count's problems are solved, across its meshes: the
+    split alone, then with ZeRO, then with recomputation, then with micro-batches. Each
+    level's points are incumbents of the next, so the frontier of every level is exact
+    over that level and those before it (``report`` shows what each axis buys)."""
+    if v.micro_batches > 1:
+        return 3
+    if v.recompute:
+        return 2
+    return 1 if v.zero else 0
 
 
 def _covers(a: MeshProblem, b: MeshProblem) -> bool:
@@ -352,93 +369,75 @@ _VARIANT_REFERENCES = (
 )
 
 
-def _solve_variants(
-    sg: SearchGraph,
-    space: SearchSpace,
+def _solve_one(
+    b: _Built,
+    at: _MeshProblems,
     job: tuple[Mesh, ClusterProfile, float | None, float | None],
     blocks: Blocks | None,
-    chained: bool,
-    before: Sequence[MeshSearch] = (),
-) -> list[MeshSearch]:
-    """Every problem of one mesh, solved in order; with ``chained``, each exact search
-    gets the points found before it (``before``, then this mesh's) as incumbents."""
+    incumbents: tuple[list[float], list[float]] | None,
+) -> MeshSearch:
+    """Solve one problem of a mesh and describe its points."""
     from tensoropt.cost.summary import Summarizer, kind_table
 
     mesh, profile, budget, epsilon = job
-    out: list[MeshSearch] = []
-    plain_refs: dict[str, tuple] = {}
-    plain_infos = None
-    for b in _build_variants(sg, space, mesh, profile):
-        mp, v = b.mp, b.variant
-        incumbents = None
-        done = [*before, *out]
-        if chained and epsilon is None and done:
-            incumbents = (
-                [p.time_s for s in done for p in s.result.points],
-                [p.memory_bytes for s in done for p in s.result.points],
-            )
-        result = solve(mp.problem, memory_budget=budget, epsilon=epsilon, incumbents=incumbents)
-        shown = mp  # summaries name the strategies on the plan's mesh
-        if b.reals is not None:
-            shown = dataclasses.replace(
-                mp,
-                mesh=mesh,
-                units=tuple(
-                    dataclasses.replace(u, strategies=r)
-                    for u, r in zip(mp.units, b.reals, strict=True)
-                ),
-            )
-        kinds = kind_table(shown, b.graph)
-        summarize = Summarizer(shown, b.graph, kinds)
-        label = v.label(len(space.blocks))
-        suffix = f", {label}" if label else ""
-        refs, ref_summaries = {}, {}
-        if v.plain:
-            plain_infos = mp.units
-            plain_refs = reference_choices(sg, mp, blocks)
-            named = dict(plain_refs)
-        else:
-            named = {
-                name: _mapped(plain_refs[base], plain_infos, mp)
-                for want, name, base in _VARIANT_REFERENCES
-                if want == v and base in plain_refs and plain_infos is not None
-            }
-        for name, choice in named.items():
-            if choice is None:
-                continue
-            t, m = mp.problem.evaluate(choice)
-            refs[name] = (t, m, choice)
-            ref_summaries[name] = summarize(choice) + suffix
-        strategies = b.reals or tuple(u.strategies for u in mp.units)
-        out.append(
-            MeshSearch(
-                mesh=mesh,
-                problem=mp.problem,
-                result=result,
-                references=refs,
-                unit_names=tuple(u.node.name for u in mp.units),
-                unit_layouts=tuple(
-                    tuple((tuple(s.inputs), tuple(s.outputs)) for s in unit) for unit in strategies
-                ),
-                summaries=tuple(summarize(p.choice) + suffix for p in result.points),
-                reference_summaries=ref_summaries,
-                strategy_kinds=kinds,
-                unit_ops=tuple(u.node.op_type for u in mp.units),
-                unit_weighted=tuple(
-                    any(x is not None and x.name in b.graph.params for x in u.node.inputs)
-                    for u in mp.units
-                ),
-                variant=v,
-                unit_zero=tuple(
-                    tuple(p.zero is not ZeroStage.NONE for p in programs)
-                    for programs in mp.programs
-                )
-                if v.zero
-                else (),
-                blocks=space.blocks if v.recompute else (),
-            )
+    mp, v = b.mp, b.variant
+    result = solve(mp.problem, memory_budget=budget, epsilon=epsilon, incumbents=incumbents)
+    shown = mp  # summaries name the strategies on the plan's mesh
+    if b.reals is not None:
+        shown = dataclasses.replace(
+            mp,
+            mesh=mesh,
+            units=tuple(
+                dataclasses.replace(u, strategies=r) for u, r in zip(mp.units, b.reals, strict=True)
+            ),
         )
-    return out
+    kinds = kind_table(shown, b.graph)
+    summarize = Summarizer(shown, b.graph, kinds)
+    space = at.space
+    label = v.label(len(space.blocks))
+    suffix = f", {label}" if label else ""
+    refs, ref_summaries = {}, {}
+    if v.plain:
+        at.plain_infos = mp.units
+        at.plain_refs = reference_choices(at.sg, mp, blocks)
+        named: dict[str, tuple[int, ...] | None] = dict(at.plain_refs)
+    else:
+        named = {
+            name: _mapped(at.plain_refs[base], at.plain_infos, mp)
+            for want, name, base in _VARIANT_REFERENCES
+            if want == v and base in at.plain_refs and at.plain_infos is not None
+        }
+    for name, choice in named.items():
+        if choice is None:
+            continue
+        t, m = mp.problem.evaluate(choice)
+        refs[name] = (t, m, choice)
+        ref_summaries[name] = summarize(choice) + suffix
+    strategies = b.reals or tuple(u.strategies for u in mp.units)
+    return MeshSearch(
+        mesh=mesh,
+        problem=mp.problem,
+        result=result,
+        references=refs,
+        unit_names=tuple(u.node.name for u in mp.units),
+        unit_layouts=tuple(
+            tuple((tuple(s.inputs), tuple(s.outputs)) for s in unit) for unit in strategies
+        ),
+        summaries=tuple(summarize(p.choice) + suffix for p in result.points),
+        reference_summaries=ref_summaries,
+        strategy_kinds=kinds,
+        unit_ops=tuple(u.node.op_type for u in mp.units),
+        unit_weighted=tuple(
+            any(x is not None and x.name in b.graph.params for x in u.node.inputs) for u in mp.units
+        ),
+        variant=v,
+        unit_zero=tuple(
+            tuple(p.zero is not ZeroStage.NONE for p in programs) for programs in mp.programs
+        )
+        if v.zero
+        else (),
+        blocks=space.blocks if v.recompute else (),
+    )
 
 
 def _mapped(choice: Sequence[int], infos, mp: MeshProblem) -> tuple[int, ...] | None:
@@ -530,7 +529,9 @@ def _solve_in_worker(job) -> list[tuple[Mesh, list[MeshSearch]]]:
     return _solve_meshes(_WORKER_GRAPH[0], job, _WORKER_GRAPH[1], _WORKER_GRAPH[2])
 
 
-def _pool_worker_init(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace) -> None:
+def _pool_worker_init(
+    sg: SearchGraph, blocks: Blocks | None, space: SearchSpace = PLAIN_SPACE
+) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
     (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
@@ -542,17 +543,32 @@ def _pool_worker_init(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace
 def _solve_meshes(
     sg: SearchGraph, job, blocks: Blocks | None = None, space: SearchSpace = PLAIN_SPACE
 ) -> list[tuple[Mesh, list[MeshSearch]]]:
-    """The meshes of one job in order, each mesh's problems with the points found before
-    them in the job as incumbents (when ``chained``)."""
+    """The problems of one job's meshes, level by level (:func:`axis_level`), each level's
+    meshes in the job's order; with ``chained``, each exact search gets the points found
+    before it in the job as incumbents."""
     meshes, profile, budget, epsilon, chained = job
-    out: list[tuple[Mesh, list[MeshSearch]]] = []
-    for mesh in meshes:
-        before = [s for _, searches in out for s in searches]
-        solved = _solve_variants(
-            sg, space, (mesh, profile, budget, epsilon), blocks, chained, before
-        )
-        out.append((mesh, solved))
-    return out
+    at = {mesh: _MeshProblems(sg, space, mesh, profile) for mesh in meshes}
+    order = sorted(
+        ((axis_level(v), i, j, mesh, v) for i, mesh in enumerate(meshes)
+         for j, v in enumerate(space.variants(sg, mesh))),
+        key=lambda row: row[:3],
+    )  # fmt: skip
+    out: dict[Mesh, list[MeshSearch]] = {mesh: [] for mesh in meshes}
+    done: list[MeshSearch] = []
+    for _, _, _, mesh, v in order:
+        built = at[mesh].build(v)
+        if built is None:
+            continue
+        incumbents = None
+        if chained and epsilon is None and done:
+            incumbents = (
+                [p.time_s for s in done for p in s.result.points],
+                [p.memory_bytes for s in done for p in s.result.points],
+            )
+        search = _solve_one(built, at[mesh], (mesh, profile, budget, epsilon), blocks, incumbents)
+        out[mesh].append(search)
+        done.append(search)
+    return [(mesh, out[mesh]) for mesh in meshes]
 
 
 def _infeasible_message(sg, searches, budget, profile) -> str:

@@ -92,6 +92,8 @@ def test_baselines_compare_references_with_their_own_device_count(explored):
 def test_search_records_unit_kinds_that_match_the_cost_model(explored):
     sg, profile, exp = explored
     for s in exp.searches:
+        if s.variant.micro_batches > 1 or s.variant.recompute:
+            continue  # other strategy tables (micro mesh) or another step (recomputed)
         mp = build_problem(sg, s.mesh, profile)
         assert len(s.strategy_kinds) == len(mp.units) == len(s.unit_ops)
         assert s.unit_ops == tuple(u.node.op_type for u in mp.units)

@@ -18,7 +18,8 @@ SECTIONS = (
     "## 2. The fastest plan for each memory capacity",
     "## 3. The fewest devices for each step-time target",
     "## 4. How the strategies change along the frontier",
-    "## 5. Data-parallel and Megatron plans against the frontier",
+    "## 5. Reference plans against the frontier",
+    "## 6. What each memory axis buys",
 )
 
 
@@ -38,6 +39,10 @@ def test_report_has_every_section_and_its_figures(gpt_file, tmp_path, capsys):
     for capacity in (16, 24, 32, 40, 48, 80, 141):
         assert f"| {capacity} GiB |" in text, capacity
     assert "data parallel" in text and "Megatron" in text
+    assert "FSDP (ZeRO-3 + recompute)" in text and "Megatron + recompute" in text
+    axes = text[text.index("## 6. What each memory axis buys") :]
+    assert "| devices | split | + ZeRO | + recompute | + micro-batches |" in axes
+    assert "The memory axes cut the least memory per device by up to" in axes
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     expected = {"frontier.png", "capacity.png", "fewest-devices.png", "strategies-4.png"}
     assert set(links) == expected
@@ -110,3 +115,33 @@ def test_refuses_to_replace_a_directory_that_is_not_a_report(gpt_file, tmp_path,
     assert_bad_input(out, "report", "not a tensoropt report directory")
     assert (other / "notes.txt").read_text() == "keep me"
     assert _leftovers(tmp_path) == []
+
+
+def test_the_axes_section_matches_the_search_restricted_to_each_level(gpt_file):
+    """Section 6's least memory per level equals the least memory of a search with
+    --axes restricted to that level's axes."""
+    import argparse
+
+    from tensoropt.cli.cmd_search import search_space
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.report.analysis import axis_gains
+    from tensoropt.search.driver import device_frontier, explore
+
+    def least(axes):
+        args = argparse.Namespace(
+            model=str(gpt_file), input_shape=None, trainable=None, freeze=None,
+            optimizer="sgd", momentum=0.9, lr=0.01, loss="auto", axes=axes,
+            micro_batch_counts="1,2,4",
+        )  # fmt: skip
+        sg = search_graph(args)
+        exp = explore(sg, [2], "auto", builtin("h100"), jobs=1, space=search_space(args, sg))
+        return exp, device_frontier(exp, 2)[-1][1].memory_bytes
+
+    full, _ = least("split,zero,recompute,micro")
+    (row,) = axis_gains(full)
+    levels = ("split", "split,zero", "split,zero,recompute", "split,zero,recompute,micro")
+    for axes, point in zip(levels, row.least, strict=True):
+        assert point is not None
+        assert point.memory_bytes == least(axes)[1], axes
+    assert row.least[-1].memory_bytes < row.least[0].memory_bytes

@@ -25,7 +25,7 @@ def test_search_workers_die_on_sigterm_whatever_the_parent_installed():
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(1) as pool:
             assert not pool.apply(_sigterm_is_default)  # inherited without the initializer
-        with ctx.Pool(1, initializer=_pool_worker_init, initargs=(None, None)) as pool:
+        with ctx.Pool(1, initializer=_pool_worker_init, initargs=(None, None, None)) as pool:
             assert pool.apply(_sigterm_is_default)
     finally:
         signal.signal(signal.SIGTERM, previous)
