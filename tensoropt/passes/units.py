@@ -44,7 +44,10 @@ leaves as a graph output. At stage 3 the parameter itself is stored as the shard
 unit's nodes see it, for their choices, in its root layout, and it is gathered once for
 the forward reads and once more for the backward reads (two conversions, so the first
 gathered buffer dies after the last forward read). Stage 2 is stage 1 within one
-micro-batch.
+micro-batch; on a micro mesh the stages differ in the order of the gradient's two sums
+(``conversion_steps``' ``scatter_first``): stage 1 sums over the micro-batches first
+(the full gradient is accumulated, reduce-scattered once per step), stages 2 and 3
+reduce-scatter each micro-batch's gradient and accumulate the shard.
 """
 
 from __future__ import annotations
