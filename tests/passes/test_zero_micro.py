@@ -42,7 +42,7 @@ from tensoropt.passes.units import itemsize
 from tests.helpers.compile import make_mesh
 from tests.helpers.program import emitted_per_step, priced_per_step
 from tests.helpers.steps import import_proto
-from tests.passes.test_zero_equivalence import SGD, check_equivalent
+from tests.passes.test_zero_equivalence import ADAM, SGD, check_equivalent
 
 BATCH = 16  # divides into k = 4 micro-batches on 4 data-parallel ranks
 
@@ -238,4 +238,13 @@ def test_zero_micro_on_a_real_export_trains_like_one_device(name, stage, k, tmp_
     out = tmp_path / "out"
     compile_step(step, plan, axes, str(out))
     assert emitted_per_step(_device(out, 0), k) == want
+    check_equivalent(out)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_micro_adam_step_equals_single_device(stage, tmp_path):
+    """Adam's two states per parameter are shards updated once per step from the
+    accumulated gradient (its shard at stages 2 and 3)."""
+    out = tmp_path / "out"
+    compile_zero_micro(zoo("mlp"), "data-parallel", "2x2", stage, 2, out, ADAM)
     check_equivalent(out)
