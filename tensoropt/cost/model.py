@@ -57,6 +57,7 @@ from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.micro import micro_axes, micro_mesh
 from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
 from tensoropt.passes.units import (
+    Conversion,
     Crossing,
     Entry,
     Program,
@@ -64,6 +65,7 @@ from tensoropt.passes.units import (
     StepUnits,
     conversion_steps,
     itemsize,
+    scatters_first,
     zero_shards,
 )
 from tensoropt.rules.sharding import MeshSharding
@@ -148,24 +150,28 @@ class _Pricer:
         self.conv_cache: dict = {}
         self.node_cache: dict = {}
 
-    def convert(self, have: Layout, need: Layout, shape, isz: int) -> tuple[float, float]:
-        """(seconds, buffer bytes) to turn ``have`` into ``need`` for a value of ``shape``."""
+    def convert(
+        self, have: Layout, need: Layout, shape, isz: int, order: tuple[bool, bool] = (False, False)
+    ) -> tuple[float, float]:
+        """(seconds, buffer bytes) to turn ``have`` into ``need`` for a value of ``shape``.
+        ``order``: (scatter first, once per step), see :func:`conversion_order`."""
         if have == need:
             return 0.0, 0.0
-        key = (have, need, tuple(shape), isz)
+        key = (have, need, tuple(shape), isz, order)
         found = self.conv_cache.get(key)
         if found is None:
-            found = self.conv_cache[key] = self._convert(have, need, shape, isz)
+            found = self.conv_cache[key] = self._convert(have, need, shape, isz, order)
         return found
 
-    def _convert(self, have, need, shape, isz) -> tuple[float, float]:
+    def _convert(self, have, need, shape, isz, order) -> tuple[float, float]:
+        scatter_first, per_step = order
         try:
-            steps = conversion_steps(have, need, shape, self.mesh)
+            steps = conversion_steps(have, need, shape, self.mesh, scatter_first=scatter_first)
         except ShardingError:
             return 0.0, 0.0
         dtype = np.dtype(f"V{isz}")
         seconds = 0.0
-        for cs, axes, times in issued(steps, self.mesh, self.micro):
+        for cs, axes, times in issued(steps, self.mesh, self.micro, per_step):
             n = int(np.prod([self.mesh.shape[a] for a in axes]))
             link = self.profile.link_for(
                 OP_TYPE[cs.step.kind], axis_link(self.mesh, axes, self.profile)
@@ -362,7 +368,9 @@ class _Builder:
         memory += m
         for conv in program.conversions:
             value = _value_at(unit, conv.ref)
-            t, _ = self.pricer.convert(conv.have, conv.need, static_shape(value), itemsize(value))
+            order = conversion_order(program, conv)
+            shape = static_shape(value)
+            t, _ = self.pricer.convert(conv.have, conv.need, shape, itemsize(value), order)
             seconds += t
         return seconds, memory
 
@@ -390,8 +398,10 @@ class _Builder:
                 memory += param_bytes(elements, updated, states, isz, program.zero)
             update = update_time(updated, states, isz, self.pricer.profile)
             if self.micro > 1:  # the gradient's accumulation buffer and its adds
-                memory += elements * isz
-                seconds += (self.micro - 1) * update_time(elements, 0, isz, self.pricer.profile)
+                # ZeRO 2 and 3 accumulate the gradient's shard, the others the whole of it
+                summed = updated if z is not None and scatters_first(program.zero) else elements
+                memory += summed * isz
+                seconds += (self.micro - 1) * update_time(summed, 0, isz, self.pricer.profile)
             if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
                 held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
                 # ZeRO: the update runs on the shard, the grid entry held the whole one
@@ -425,9 +435,10 @@ class _Builder:
         needs, cols = _distinct([p.entries[c.index] for p in programs[c.target]])
         times = np.zeros((len(haves), len(needs)))
         mems = np.zeros_like(times)
+        order = conversion_order(programs[c.target][0])
         for h, have in enumerate(haves):
             for n, need in enumerate(needs):
-                t, buf = self.pricer.convert(have, need, shape, isz)
+                t, buf = self.pricer.convert(have, need, shape, isz, order)
                 times[h, n] = t
                 if c.forward:
                     mems[h, n] = buf
@@ -649,13 +660,24 @@ class ProblemFamily:
         return mp
 
 
-def issued(steps, mesh: Mesh, micro: int):
+def conversion_order(program: Program, conv: Conversion | None = None) -> tuple[bool, bool]:
+    """How a conversion made for a unit running ``program`` (``conv``, or an entry
+    conversion when None) is emitted and issued on a micro mesh: (reduce-scatter before
+    the sum over the micro-batches: ZeRO stages 2 and 3, ``units.scatters_first``; once
+    per step: a conversion only the update reads, ``Conversion.update``, such as ZeRO's
+    new parameter gathered where it leaves the step)."""
+    return scatters_first(program.zero), conv is not None and conv.update
+
+
+def issued(steps, mesh: Mesh, micro: int, per_step: bool = False):
     """The communicating steps of one conversion as ranks issue them per step:
     (step, mesh axes, times per step). On a micro mesh (``micro`` > 1) an all-reduce over
     the micro axis is issued once per step over its other axes (not at all when none
     remain), the steps after it once per step, the steps before it once per micro-batch.
+    ``per_step``: the conversion runs after the micro-batches (its value is made once
+    per step), so every step of it is issued once.
     """
-    once = False
+    once = per_step
     for cs in steps:
         axes = cs.axes
         if micro > 1 and cs.step.kind is CollectiveKind.ALL_REDUCE:
@@ -671,23 +693,24 @@ def priced_collectives(mp: MeshProblem, choice: Sequence[int]) -> list[PricedCol
     su = mp.sg.units
     out: list[PricedCollective] = []
 
-    def add(value: ir.Value, have: Layout, need: Layout) -> None:
+    def add(value: ir.Value, have: Layout, need: Layout, order: tuple[bool, bool]) -> None:
         isz = itemsize(value)
-        steps = conversion_steps(have, need, static_shape(value), mp.mesh)
-        for cs, axes, times in issued(steps, mp.mesh, mp.micro_batches):
+        first, per_step = order
+        steps = conversion_steps(have, need, static_shape(value), mp.mesh, scatter_first=first)
+        for cs, axes, times in issued(steps, mp.mesh, mp.micro_batches, per_step):
             nbytes = int(_numel(cs.in_shape)) * isz
             out.append(PricedCollective(OP_TYPE[cs.step.kind], axes, nbytes, times))
 
     for k, unit in enumerate(su.units):
         program = mp.programs[k][choice[k]]
         for conv in program.conversions:
-            add(_value_at(unit, conv.ref), conv.have, conv.need)
+            add(_value_at(unit, conv.ref), conv.have, conv.need, conversion_order(program, conv))
     for c in mp.crossings:
         if c.source == c.target:
             continue
         have = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
-        need = mp.programs[c.target][choice[c.target]].entries[c.index]
-        add(c.value, have, need)
+        target = mp.programs[c.target][choice[c.target]]
+        add(c.value, have, target.entries[c.index], conversion_order(target))
     return out
 
 

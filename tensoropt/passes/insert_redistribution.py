@@ -23,10 +23,11 @@ import onnx_ir as ir
 from tensoropt.ir.builder import ROLE_KEY, UNIT_KEY, static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard
 from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.vocab import ZERO_GATHER_KEY
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.annotate import Annotation
-from tensoropt.passes.units import Phase, conversion_steps, read_phase
+from tensoropt.passes.units import Phase, conversion_steps, read_phase, scatters_first
 
 DOMAIN = "ai.tensoropt"
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
@@ -110,10 +111,17 @@ class _Inserter:
         self.count = 0
 
     def convert(
-        self, src, need: Layout, anchor: ir.Node | None, unit: str, phase: Phase = Phase.ANY
+        self,
+        src,
+        need: Layout,
+        anchor: ir.Node | None,
+        unit: str,
+        phase: Phase = Phase.ANY,
+        k: int | None = None,
     ):
         """``src`` in layout ``need``; new nodes go before ``anchor`` (None: at the end).
-        ``phase``: the reads a ZeRO-3 parameter's conversion serves (tagged on its nodes)."""
+        ``phase``: the reads a ZeRO-3 parameter's conversion serves (tagged on its nodes).
+        ``k``: the unit the conversion is made for (its ZeRO stage orders the steps)."""
         value = src.source if isinstance(src, _Token) else src
         have = self.layouts[src]
         self.planned.append(Planned(value, have, need, unit))
@@ -125,7 +133,8 @@ class _Inserter:
         tags = {ROLE_KEY: "redistribution", UNIT_KEY: unit}
         if phase is not Phase.ANY:
             tags[ZERO_GATHER_KEY] = phase.value
-        for cs in conversion_steps(have, need, static_shape(value), self.mesh, value.name):
+        first = self._scatters_first(k)
+        for cs in conversion_steps(have, need, static_shape(value), self.mesh, value.name, first):
             for axis in cs.axes:
                 have = _apply(have, dataclasses.replace(cs.step, mesh_axis=axis))
             self.count += 1
@@ -139,6 +148,11 @@ class _Inserter:
                            metadata_props=dict(tags), num_outputs=1)  # fmt: skip
             current = self._emit(node, value, anchor, need)
         return current
+
+    def _scatters_first(self, k: int | None) -> bool:
+        if k is None:
+            return False
+        return scatters_first(self.ann.zero.get(self.su.units[k].root.name, ZeroStage.NONE))
 
     def _emit(self, node: ir.Node, source: ir.Value, anchor, layout: Layout) -> ir.Value:
         """Insert ``node`` (converting ``source``) before ``anchor``; its output's value."""
@@ -161,7 +175,9 @@ class _Inserter:
             need = self.ann.entries.get(key, self.layouts[value])
             unit = _tag(anchor, self.su.units[k].root.name)
             found = self.views[key] = (
-                value if self.layouts[value] == need else self.convert(value, need, anchor, unit)
+                value
+                if self.layouts[value] == need
+                else self.convert(value, need, anchor, unit, k=k)
             )
         return found
 
@@ -184,7 +200,7 @@ class _Inserter:
                     phase = read_phase(node) if regather else Phase.ANY
                     key = (value, k, need, phase)
                     if key not in self.cache:
-                        self.cache[key] = self.convert(src, need, node, unit, phase)
+                        self.cache[key] = self.convert(src, need, node, unit, phase, k)
                     src = self.cache[key]
                 if src is not value and not self.dry:
                     node.replace_input_with(i, src)
@@ -202,7 +218,7 @@ class _Inserter:
             converted = self.cache.get(key)
             if converted is None:
                 unit = self.su.units[k].root.name if k is not None else "outputs"
-                converted = self.convert(value, need, None, unit)
+                converted = self.convert(value, need, None, unit, k=k)
             if self.dry:
                 continue
             name = value.name

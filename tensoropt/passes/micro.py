@@ -55,7 +55,13 @@ from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
 from tensoropt.ir.mesh import SEQUENTIAL_AXIS, Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan
 from tensoropt.passes import sharding_adapter as sa
-from tensoropt.passes.annotate import Annotation, annotate, annotate_roots, complete_plan
+from tensoropt.passes.annotate import (
+    Annotation,
+    annotate,
+    annotate_roots,
+    complete_plan,
+    plan_zero,
+)
 from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL, planned_conversions
 from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
@@ -176,7 +182,8 @@ def annotate_micro(
     """Annotate the step on the micro mesh: the data-parallel strategy on the micro
     axis, the plan's strategies on the plan's axes."""
     roots, su = micro_roots(graph, sig, plan, data_axes)
-    ann = annotate_roots(graph, su, roots, micro_mesh(plan.mesh, plan.micro_batches))
+    mesh = micro_mesh(plan.mesh, plan.micro_batches)
+    ann = annotate_roots(graph, su, roots, mesh, zero=plan_zero(plan, su))
     stored = set(sig.params) | set(sig.states)
     for value in graph.inputs:
         first = ann.layouts[value].placements[MICRO_INDEX]
@@ -665,6 +672,8 @@ def plan_mesh_view(ann: Annotation, mesh: Mesh) -> Annotation:
         ann.units,
         {n: strategy(s) for n, s in ann.roots.items()},
         {key: layout(lay) for key, lay in ann.entries.items()},
+        ann.zero,
+        ann.regather,
     )
 
 

@@ -483,12 +483,6 @@ def check_plan(graph: ir.Graph, plan: Plan) -> None:
     Runs before annotate so the message names the plan unit, the tensor, the
     dimension and the sizes (annotate only knows that no legal strategy matched).
     """
-    zeroed = sorted(name for name, unit in plan.units.items() if unit.zero is not ZeroStage.NONE)
-    if zeroed and plan.micro_batches > 1:
-        raise PlanError(
-            f"plan: ZeRO (unit {zeroed[0]!r} and {len(zeroed) - 1} more) together with "
-            f"{plan.micro_batches} micro-batches is not built yet; use ZeRO or micro-batching"
-        )
     nodes = {node.name: node for node in graph}
     for name, unit in plan.units.items():
         node = nodes.get(name)

@@ -44,7 +44,10 @@ leaves as a graph output. At stage 3 the parameter itself is stored as the shard
 unit's nodes see it, for their choices, in its root layout, and it is gathered once for
 the forward reads and once more for the backward reads (two conversions, so the first
 gathered buffer dies after the last forward read). Stage 2 is stage 1 within one
-micro-batch.
+micro-batch; on a micro mesh the stages differ in the order of the gradient's two sums
+(``conversion_steps``' ``scatter_first``): stage 1 sums over the micro-batches first
+(the full gradient is accumulated, reduce-scattered once per step), stages 2 and 3
+reduce-scatter each micro-batch's gradient and accumulate the shard.
 """
 
 from __future__ import annotations
@@ -99,15 +102,30 @@ class ConversionStep:
 
 
 def conversion_steps(
-    have: Layout, need: Layout, shape: Sequence[int], mesh: Mesh, tensor: str = "tensor"
+    have: Layout,
+    need: Layout,
+    shape: Sequence[int],
+    mesh: Mesh,
+    tensor: str = "tensor",
+    scatter_first: bool = False,
 ) -> tuple[ConversionStep, ...]:
     """The steps that turn ``have`` into ``need``, as the partitioner emits them.
 
     Consecutive all-reduces on different mesh axes become one over all of them; steps on
     mesh axes of size 1 are the identity and are not emitted.
+
+    ``scatter_first`` (:func:`scatters_first`: a unit at ZeRO stage 2 or 3): a sum over
+    the mesh's sequential (micro-batch) axis comes after the other axes' steps, so a
+    gradient is reduce-scattered per micro-batch and only its shard is accumulated.
+    Without it the sum over the micro-batches comes first (the full gradient is
+    accumulated and reduce-scattered once per step: stage 1).
     """
     if have == need:
         return ()
+    via = _scatter_via(have, need, mesh) if scatter_first else None
+    if via is not None:
+        first = conversion_steps(have, via, shape, mesh, tensor)
+        return (*first, *conversion_steps(via, need, shape, mesh, tensor))
     steps = plan_redistribution(have, need, shape, mesh, tensor)
     merged: list[tuple[Step, tuple[int, ...]]] = []
     for step in steps:
@@ -127,6 +145,33 @@ def conversion_steps(
             out.append(ConversionStep(step, axes, current, after))
         current = after
     return tuple(out)
+
+
+def scatters_first(zero: ZeroStage) -> bool:
+    """Whether a unit at ``zero`` reduce-scatters its gradients before summing them over
+    the micro-batches (``conversion_steps``' ``scatter_first``): stages 2 and 3."""
+    return zero >= ZeroStage.GRADIENTS
+
+
+def _scatter_via(have: Layout, need: Layout, mesh: Mesh) -> Layout | None:
+    """``need`` still partial over the sequential axis, when ``have`` is partial there
+    and another axis reduce-scatters (partial to split); else None."""
+    seq = mesh.sequential_axis
+    if seq is None or mesh.shape[seq] == 1:
+        return None
+    if not isinstance(have.placements[seq], Partial) or not isinstance(
+        need.placements[seq], Replicate
+    ):
+        return None
+    scatters = any(
+        isinstance(h, Partial) and isinstance(n, Shard)
+        for h, n in zip(have.placements, need.placements, strict=True)
+    )
+    if not scatters:
+        return None
+    placements = list(need.placements)
+    placements[seq] = Partial()
+    return Layout(tuple(placements))
 
 
 def _after(step: Step, shape: tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -380,12 +425,17 @@ def read_phase(node: ir.Node) -> Phase:
 
 @dataclass(frozen=True, slots=True)
 class Conversion:
-    """A conversion inside a unit: the value at ``ref`` from ``have`` to ``need``."""
+    """A conversion inside a unit: the value at ``ref`` from ``have`` to ``need``.
+
+    ``update``: the value does not depend on the batch (a parameter, a state, or what
+    the update makes) and only the update reads the conversion's result: under
+    micro-batching it runs once per step, after the micro-batches."""
 
     ref: Ref
     have: Layout
     need: Layout
     phase: Phase = Phase.ANY
+    update: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -705,9 +755,21 @@ class _Chooser:
                 continue
             if have != need:
                 phase = read_phase(node) if ref in self.stored_shard else Phase.ANY
-                self.conversions.setdefault((ref, need, phase), Conversion(ref, have, need, phase))
+                update = _role(node) == "optimizer" and self._unbatched(ref)
+                key = (ref, need, phase)
+                found = self.conversions.get(key)
+                if found is None:
+                    self.conversions[key] = Conversion(ref, have, need, phase, update)
+                elif found.update and not update:  # read outside the update too
+                    self.conversions[key] = Conversion(ref, have, need, phase)
         for j in range(len(node.outputs)):
             self.layouts[("n", self._index(node), j)] = strategy.outputs[j]
+
+    def _unbatched(self, ref: Ref) -> bool:
+        """A parameter or state entry, or a value the unit's update makes."""
+        if ref[0] == "x":
+            return self.unit.kinds[ref[1]] in (Entry.PARAM, Entry.STATE)
+        return _role(self.unit.nodes[ref[1]]) == "optimizer"
 
     def _stored(self, value: ir.Value) -> bool:
         """Parameters, states and data inputs are stored whole, never as partial sums."""
@@ -726,7 +788,9 @@ class _Chooser:
                 if found is not None:
                     need = found
             if have != need:
-                self.conversions.setdefault((ref, need, Phase.ANY), Conversion(ref, have, need))
+                update = self._unbatched(ref)  # a new parameter or state leaving the step
+                conv = Conversion(ref, have, need, Phase.ANY, update)
+                self.conversions.setdefault((ref, need, Phase.ANY), conv)
 
 
 def cheapest(

@@ -118,7 +118,8 @@ class SearchSpace:
             for k in counts
             for r in recompute
             for z in stages
-            if not (k > 1 and z)  # compile refuses ZeRO with micro-batches
+            # ZeRO-2 differs from ZeRO-1 only across micro-batches (it prices the same)
+            if not (k == 1 and z == int(ZeroStage.GRADIENTS))
         ]
 
 
@@ -289,8 +290,7 @@ class _MeshProblems:
     """The variant problems of one mesh, built on demand. A problem whose every entry is
     at least another's of the same family (same units, strategies and edges) is left
     out: each of its plans is matched or beaten by the same choice of the other, so the
-    merged frontier does not change (ZeRO-2 is ZeRO-1 without micro-batches; a stage no
-    unit can take is the plain problem)."""
+    merged frontier does not change (a stage no unit can take is the plain problem)."""
 
     def __init__(self, sg: SearchGraph, space: SearchSpace, mesh: Mesh, profile: ClusterProfile):
         self.sg, self.space, self.mesh, self.profile = sg, space, mesh, profile

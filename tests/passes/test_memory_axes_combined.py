@@ -1,5 +1,5 @@
-"""The memory-for-time axes together: combinations that compile exactly what they price,
-and combinations not built yet refused in one line (never compiled as something else)."""
+"""The memory-for-time axes together: every combination of ZeRO, micro-batching and
+recomputation compiles exactly what it prices and trains like one device."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
-from tests.cli.cli_run import assert_bad_input, cli
+from tests.cli.cli_run import cli
 
 
 @pytest.fixture(scope="module")
@@ -19,23 +19,33 @@ def gpt(tmp_path_factory):
     return path
 
 
-def test_zero_with_micro_batches_is_refused_not_replaced(gpt, tmp_path, capsys):
-    """Micro-batched compile does not emit ZeRO's collectives yet: asking for both is
-    refused, on the command line and in a plan file, and nothing is written."""
+def test_zero_with_micro_batches_compiles_from_the_command_line_and_a_plan_file(
+    gpt, tmp_path, capsys
+):
+    """``--zero N --micro-batches K`` compiles (plan.json records both), and so does a
+    plan file that asks for both; each trains like one device."""
+    from tests.passes.test_zero_equivalence import check_equivalent
+
     out = tmp_path / "both"
-    args = ("compile", gpt, "--devices", 2, "--plan", "data-parallel", "-o", out)
-    result = cli(capsys, *args, "--zero", 1, "--micro-batches", 2)
-    assert_bad_input(result, "compile", "ZeRO", "micro-batches")
-    assert not out.exists()
+    args = ("compile", gpt, "--devices", 2, "--plan", "data-parallel")
+    assert cli(capsys, *args, "-o", out, "--zero", 2, "--micro-batches", 2).code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["micro_batches"] == 2
+    assert {unit.get("zero") for unit in plan["units"].values()} >= {2}
+    check_equivalent(out)
     zeroed = tmp_path / "zeroed"
-    assert cli(capsys, *args[:-1], zeroed, "--zero", 3).code == 0
+    assert cli(capsys, *args, "-o", zeroed, "--zero", 3).code == 0
     plan = json.loads((zeroed / "plan.json").read_text())
     plan["micro_batches"] = 2
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
-    result = cli(capsys, "compile", gpt, "--devices", 2, "--plan", path, "-o", out)
-    assert_bad_input(result, "compile", "ZeRO", "micro-batches")
-    assert not out.exists()
+    again = tmp_path / "again"
+    result = cli(capsys, "compile", gpt, "--devices", 2, "--plan", path, "-o", again)
+    assert result.code == 0
+    recorded = json.loads((again / "plan.json").read_text())
+    assert recorded["micro_batches"] == 2
+    assert {unit.get("zero") for unit in recorded["units"].values()} >= {3}
+    check_equivalent(again)
 
 
 # -- combinations that are built: priced = emitted, and equal to one device ------------
@@ -44,6 +54,9 @@ COMBOS = [
     pytest.param("megatron", "2x2", 3, 1, "all", id="megatron-2x2-zero3-recompute"),
     pytest.param("data-parallel", "2", 1, 1, "all", id="dp-2-zero1-recompute"),
     pytest.param("megatron", "2x2", 0, 2, "all", id="megatron-2x2-micro2-recompute"),
+    pytest.param("data-parallel", "2", 3, 2, "all", id="dp-2-zero3-micro2-recompute"),
+    pytest.param("megatron", "2x2", 2, 2, "block_1", id="megatron-2x2-zero2-micro2-recompute1",
+                 marks=pytest.mark.slow),
     pytest.param(
         "data-parallel", "4", 0, 2, "block_1", id="dp-4-micro2-recompute1", marks=pytest.mark.slow
     ),
