@@ -153,4 +153,4 @@ def test_no_plan_that_replicates_all_work_is_called_data_parallel(zoo_file, caps
     # still trade time for memory on each device)
     assert doc["per_device"]["3"] and all(row in replicated for row in doc["per_device"]["3"])
     for row in replicated:
-        assert row["summary"] == ALL_REPLICATED and row["mesh"] != [1]
+        assert row["summary"].startswith(ALL_REPLICATED) and row["mesh"] != [1]
