@@ -30,8 +30,9 @@ plans:
   data-parallel   every mesh axis shards the batch; parameters are replicated
   megatron        Megatron-LM tensor parallelism of attention and MLP blocks (found by
                   structure) on the last mesh axis, data parallelism on the others
-  fsdp            fully sharded data parallelism: data-parallel on every mesh axis and
-                  ZeRO-3 on every unit that places parameters
+  fsdp            fully sharded data parallelism: data-parallel on every mesh axis,
+                  ZeRO-3 on every unit that places parameters and every block recomputed
+                  (--recompute none keeps the activations)
   PLAN.json       a plan file (schema tensoropt.plan/1), e.g. one written by compile
   --zero N        with --plan: ZeRO stage N (0-3) on every unit whose parameters are
                   replicated over a mesh axis that splits the batch: 1 optimizer states

@@ -403,11 +403,14 @@ def builtin_plan(
 
 def fsdp(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     """Fully sharded data parallelism: data-parallel on every mesh axis, ZeRO-3 on every
-    unit that places parameters. (Full activation recomputation belongs to FSDP as well;
-    it joins here once the plan's ``recompute`` axis is compiled.)"""
+    unit that places parameters, and every block (``passes.recompute.find_blocks``)
+    recomputed in the backward (``compile --recompute`` replaces the blocks)."""
+    from tensoropt.passes.recompute import find_blocks
+
     built = data_parallel(mesh)
     zeroed = with_zero(built.plan, graph, sig, built.data_axes, ZeroStage.PARAMETERS, "fsdp")
-    plan = dataclasses.replace(zeroed.plan, source="fsdp")
+    blocks = tuple(b.name for b in find_blocks(graph, sig.data_inputs))
+    plan = dataclasses.replace(zeroed.plan, source="fsdp", recompute=blocks)
     return BuiltPlan(plan, built.data_axes, zeroed.notes)
 
 

@@ -34,7 +34,10 @@ def test_fsdp_is_data_parallel_with_zero_three(models, tmp_path, capsys):
     assert "fsdp: ZeRO stage 3 on 32 units" in result.err
     zero = _zero(out)
     assert sorted(set(zero.values())) == [0, 3] and list(zero.values()).count(3) == 32
-    assert json.loads((out / "plan.json").read_text())["source"] == "fsdp"
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["source"] == "fsdp"
+    assert plan["recompute"] == [f"block_{i}" for i in range(len(plan["recompute"]))]
+    assert plan["recompute"]  # every block of the tiny gpt
     shown = cli(capsys, "inspect", out)
     assert shown.out.count("  zero: stage 3 on 32 units") == 4  # one line per device
     run = cli(capsys, "run", out, "--steps", 3, "--verify")

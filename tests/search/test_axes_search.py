@@ -220,3 +220,32 @@ def test_searched_points_emit_what_was_priced_and_train_like_one_device(models, 
         report = run_steps(out, 3, "local", verify=True, threads=1).verify
         assert report is not None and len(report.per_step) == 3
         assert report.max_rel_error_params <= 1e-4, (s.key, report.to_json())
+
+
+def test_the_references_with_memory_axes_are_the_hand_plans(models):
+    """The search's fsdp and megatron+recompute references at 2 devices cost what
+    `compile --plan fsdp` and `--plan megatron --recompute all` are priced at."""
+    import dataclasses
+
+    from tensoropt.cli.common import build_step
+    from tensoropt.passes.plans import builtin_plan
+    from tensoropt.passes.recompute import find_blocks
+
+    args, _, _, exp = _explore(models["gpt"], [2])
+    refs = {name: s.references[name] for s in exp.searches for name in s.references}
+    assert {"data-parallel", "megatron", "fsdp", "megatron+recompute"} <= set(refs)
+    mesh = next(s.mesh for s in exp.searches if "fsdp" in s.references)
+    for name, base in (("fsdp", "fsdp"), ("megatron+recompute", "megatron")):
+        step = build_step(args, load_weights=False)
+        graph, sig = step.model.graph, step.signature
+        built = builtin_plan(base, graph, sig, mesh)
+        plan = built.plan
+        if base == "megatron":
+            blocks = tuple(b.name for b in find_blocks(graph, sig.data_inputs))
+            plan = dataclasses.replace(plan, recompute=blocks)
+        from tensoropt.cli.cmd_compile import estimate_of
+
+        got = estimate_of(step, plan, built.data_axes, "h100")
+        t, m, _ = refs[name]
+        assert got.time_s == pytest.approx(t, rel=1e-9), name
+        assert got.memory_bytes == pytest.approx(m, rel=1e-9), name
