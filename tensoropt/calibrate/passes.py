@@ -12,6 +12,7 @@ median pass. Results and progress come back over a pipe.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from collections.abc import Callable, Sequence
 
@@ -33,11 +34,18 @@ def _worker(opts: kernels.KernelOptions, cases: Sequence[kernels.KernelCase], pa
             with pacer.busy():
                 result, overhead = measure_training_case(case, opts)
             conn.send(("result", result, overhead.median))
+    except (OSError, KeyboardInterrupt):  # the parent is gone or interrupted: it reports
+        return
     except TensorOptError as exc:
-        conn.send(("error", str(exc)))
+        _send_quietly(conn, ("error", str(exc)))
     except Exception as exc:  # noqa: BLE001 -- one line to the parent, not a traceback
-        conn.send(("error", f"calibrate: measuring failed: {type(exc).__name__}: {exc}"))
+        _send_quietly(conn, ("error", f"calibrate: measuring failed: {type(exc).__name__}: {exc}"))
     conn.close()
+
+
+def _send_quietly(conn, message) -> None:
+    with contextlib.suppress(OSError):
+        conn.send(message)
 
 
 def measure_pass(

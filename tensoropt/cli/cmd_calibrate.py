@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 
@@ -98,6 +100,13 @@ def add_parser(sub) -> None:
         "moved more than 20%% since it (the host changed under you, or a library did)",
     )
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted calibration from its last finished compute pass, kept "
+        "in CLUSTER.json.partial next to the output (give the same options; refused when "
+        "there is none, or it was made with other options or on another machine)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the profile (the file's content) on stdout instead of the summary",
@@ -170,15 +179,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from tensoropt.calibrate import kernels
     from tensoropt.calibrate.compare import load_baseline, moved_report
+    from tensoropt.calibrate.partial import load as load_partial
+    from tensoropt.calibrate.partial import partial_path
     from tensoropt.calibrate.profile import (
         CalibrateOptions,
         CommBackend,
         calibrate,
+        collective_rounds,
+        fingerprint,
         work_items,
         write_profile,
     )
-    from tensoropt.cli.common import check_output_file, progress
+    from tensoropt.calibrate.progress import Progress
+    from tensoropt.cli.common import check_output_file
     from tensoropt.cli.json_output import emit, integral_bytes
     from tensoropt.cost.cluster import from_json
 
@@ -195,19 +210,41 @@ def _calibrate(args: argparse.Namespace) -> int:
     opts.check()
     check_output_file(args.output, "-o")
     baseline = load_baseline(args.against) if args.against else None
-    total = work_items(opts)
-    bar = progress(range(total), total=total, desc="calibrate")
+    partial = partial_path(args.output)
+    resume = None
+    if args.resume:
+        resume = load_partial(partial, fingerprint(opts), kernels.cases(opts.quick))
+    elif os.path.exists(partial):
+        print(
+            f"calibrate: starting over; {partial} (an interrupted calibration) is replaced "
+            "after the first pass (--resume continues it instead)",
+            file=sys.stderr,
+        )
+    cases = len(kernels.cases(opts.quick))
+    done = cases * len(resume.passes) if resume is not None else 0
+    if resume is not None:
+        done += collective_rounds(opts, resume.runs)
+    bar = Progress(work_items(opts), done=done)
 
-    def tick(label: str) -> None:
-        bar.update(1)
-        bar.set_postfix_str(label[:40])
+    def save(state) -> None:
+        state.write(partial)
 
     try:
-        profile = calibrate(opts, tick)
+        profile = calibrate(opts, bar.tick, resume=resume, save=save)
+    except KeyboardInterrupt:
+        if os.path.exists(partial):
+            print(
+                f"calibrate: the finished passes are kept in {partial}; "
+                f"run the same command with --resume to continue",
+                file=sys.stderr,
+            )
+        raise
     finally:
         bar.close()
     from_json(profile, args.output)  # what search will read: refuse to write a bad file
     write_profile(args.output, profile)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(partial)
     if args.json:
         emit(args, integral_bytes(profile))
     else:
