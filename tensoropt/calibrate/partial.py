@@ -38,7 +38,7 @@ def _sample(v: list | None) -> Sample | None:
     return None if v is None else Sample(float(v[0]), float(v[1]), int(v[2]))
 
 
-def _result_json(result: KernelResult, overhead: float) -> dict:
+def _result_json(result: KernelResult, overhead: float | None) -> dict:
     return {
         "case": result.case.label(),
         "seconds": _sample_json(result.seconds),
@@ -57,7 +57,7 @@ class PartialState:
     """What a calibration has finished: passes (in order), MPI runs, probes, seconds."""
 
     fingerprint: dict
-    passes: list[list[tuple[KernelResult, float]]] = field(default_factory=list)
+    passes: list[list[tuple[KernelResult, float | None]]] = field(default_factory=list)
     runs: list[dict] = field(default_factory=list)
     probes: list[LinkProbe] = field(default_factory=list)
     seconds: float = 0.0
@@ -78,12 +78,14 @@ class PartialState:
         write_atomic(path, (json.dumps(self.to_json()) + "\n").encode())
 
 
-def _results(rows: list[dict], cases: tuple[KernelCase, ...]) -> list[tuple[KernelResult, float]]:
+def _results(
+    rows: list[dict], cases: tuple[KernelCase, ...]
+) -> list[tuple[KernelResult, float | None]]:
     if [r["case"] for r in rows] != [c.label() for c in cases]:
         raise ValueError("the cases differ")
     return [
         (KernelResult(c, _sample(r["seconds"]), int(r["copies"]), _sample(r["step"])),
-         float(r["overhead_s"]))
+         None if r["overhead_s"] is None else float(r["overhead_s"]))
         for c, r in zip(cases, rows, strict=True)
     ]  # fmt: skip
 

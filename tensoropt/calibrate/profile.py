@@ -131,10 +131,17 @@ def collective_rounds(opts: CalibrateOptions, runs: list) -> int:
 
 
 def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
-    block, cold_calls, extra = (0.01, 8, 0) if opts.quick else (0.04, 48, 2)
+    if opts.quick:
+        return kernels.KernelOptions(
+            opts.threads_per_rank, opts.repeats, 0.01, cold_calls=8, extra_repeats=0
+        )
+    # steps (the grid entries, the backward ratios) in 40 ms blocks of at most 48 cold
+    # calls, up to 2x the repeats when disturbed; forward kernels in 20 ms blocks of at
+    # most 24 calls, no extra repeats (docs/design/measured.md, "Where the time goes")
     return kernels.KernelOptions(
-        opts.threads_per_rank, opts.repeats, block, cold_calls=cold_calls, extra_repeats=extra
-    )
+        opts.threads_per_rank, opts.repeats, 0.04, cold_calls=48, extra_repeats=1,
+        forward_block_seconds=0.02, forward_cold_calls=24,
+    )  # fmt: skip
 
 
 def _middle(values: list, key) -> object:
@@ -154,7 +161,7 @@ def middle_pass(passes: list[kernels.KernelResult]) -> kernels.KernelResult:
     five other calibrations measured, and keeping the fastest pass kept it
     (`docs/design/measured.md`, "Calibration determinism"). The median of three passes
     drops one odd pass in either direction."""
-    kernel = _middle(passes, key=lambda r: r.seconds.median)
+    kernel = _middle([r for r in passes if r.seconds is not None], key=lambda r: r.seconds.median)
     steps = [r.step for r in passes if r.step is not None]
     step = _middle(steps, key=lambda v: v.median) if steps else None
     return dataclasses.replace(kernel, step=step)
@@ -223,15 +230,18 @@ def measure_kernels(
         def pass_tick(label: str, index: int = index) -> None:
             tick(f"pass {index + 1}/{total}: {label}")
 
+        # the forward kernels in the first pass only, every pass's step at its R
+        copies = {r.case.label(): r.copies for r, _ in state.passes[0]} if index else None
         with busy_neighbours(opts.neighbours, kopts, cases) as pacer:
-            state.passes.append(measure_pass(kopts, cases, pacer, pass_tick))
+            state.passes.append(measure_pass(kopts, cases, pacer, pass_tick, copies))
         save(state)
     by_case: dict[kernels.KernelCase, list[kernels.KernelResult]] = {}
     overheads = []
     for done in state.passes:
         for result, overhead in done:
             by_case.setdefault(result.case, []).append(result)
-            overheads.append(overhead)
+            if overhead is not None:
+                overheads.append(overhead)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
     overheads.append(overhead.median)

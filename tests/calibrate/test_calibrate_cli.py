@@ -169,7 +169,9 @@ def test_interrupted_calibration_leaves_no_file(tmp_path, sig, group):
     # progress records (stderr is a pipe: "calibrate: done/total ..."), then one line
     lines = stderr.strip().splitlines()
     assert lines[-1] == "tensoropt calibrate: interrupted"
-    assert all(line.startswith("calibrate: ") and " elapsed, " in line for line in lines[:-1]), lines
+    assert all(line.startswith("calibrate: ") and " elapsed, " in line for line in lines[:-1]), (
+        lines
+    )
     # interrupted inside the first pass: neither the file, nor a temporary, nor a
     # partial file (no pass was finished)
     assert list(tmp_path.iterdir()) == []

@@ -81,15 +81,14 @@ def test_interrupted_calibration_resumes_from_its_finished_pass(tmp_path):
     cal = data["calibration"]
     assert cal["resumed"] is True and cal["compute_passes"] == 2
     assert set(cal["passes_apart"]) == {"median", "max", "max_case"}
-    # each case keeps the faster of its two passes: the kept pass was used, not measured
-    # again (a re-measured pass would never equal its timings to the last bit)
+    # the forward kernels are timed in the first pass only: the kept pass was used, not
+    # measured again (a re-measured pass would never equal its timings to the last bit)
     final = {}
     for curve in data["op_curves"].values():
         for label, (work, rate, _) in zip(curve["cases"], curve["points"], strict=True):
             final[label] = work / rate
     assert set(final) == set(saved)
-    assert all(final[c] <= saved[c] * (1 + 1e-9) for c in saved)
-    assert any(final[c] == pytest.approx(saved[c], rel=1e-12) for c in saved)
+    assert all(final[c] == pytest.approx(saved[c], rel=1e-12) for c in saved)
 
     # refusals, one line each, exit 2, nothing written
     other = tmp_path / "other.json"
