@@ -136,10 +136,11 @@ def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
             opts.threads_per_rank, opts.repeats, 0.01, cold_calls=8, extra_repeats=0
         )
     # steps (the grid entries, the backward ratios) in 40 ms blocks of at most 48 cold
-    # calls, up to 2x the repeats when disturbed; forward kernels in 20 ms blocks of at
-    # most 24 calls, no extra repeats (docs/design/measured.md, "Where the time goes")
+    # calls; forward kernels in 20 ms blocks of at most 24 calls; no extra repeats: the
+    # median of the passes drops a disturbed one (docs/design/measured.md, "Where the
+    # time goes")
     return kernels.KernelOptions(
-        opts.threads_per_rank, opts.repeats, 0.04, cold_calls=48, extra_repeats=1,
+        opts.threads_per_rank, opts.repeats, 0.04, cold_calls=48, extra_repeats=0,
         forward_block_seconds=0.02, forward_cold_calls=24,
     )  # fmt: skip
 
@@ -198,6 +199,10 @@ def fingerprint(opts: CalibrateOptions) -> dict:
         "launches": opts.launches,
         "passes": opts.compute_passes,
         "neighbours": opts.neighbours,
+        # how each case is timed, and which cases: a file of another tensoropt version
+        # measured differently
+        "timing": dataclasses.asdict(_kernel_options(opts)),
+        "cases": len(kernels.cases(opts.quick)),
         **{k: machine[k] for k in ("host", "cpu", "arch", "cores", "memory_bytes", "python")},
         **package_versions(),
     }

@@ -23,10 +23,12 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             vCPUs on one memory link, ranks streaming memory at once then run
             memory-bound ops up to 2x slower than that, and a calibration beside busy
             processes (--neighbours) gets whichever the host gave it that minute.
-            Against disturbances by other work on the host: a case whose
-            repeats spread more than 5% gets up to 3x the repeats, and every case is
-            measured in --passes passes over all cases (minutes apart, each in a fresh
-            process), keeping its median; the file records how far apart they were.
+            Against disturbances by other work on the host: every case's training
+            step is measured in --passes passes over all cases (minutes apart, each
+            in a fresh process), keeping its median; the file records how far apart
+            they were. The forward kernels alone are timed in the first pass only
+            (shorter blocks): the cost model prices an op's step as forward x (1 +
+            backward ratio), and the ratio is measured against that same forward.
             Measuring processes start with the MPI ranks' malloc settings (see `run
             --help`: heap thresholds, transparent huge pages)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
@@ -42,7 +44,17 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
 output: a cluster JSON file for `tensoropt search --cluster FILE.json` (and compile,
 validate): rates, rate-vs-size curves per op family, every point with its spread,
 the machine, library versions and the date. Written atomically: an interrupted
-calibration leaves no file.
+calibration leaves no CLUSTER.json.
+
+progress: a bar on a terminal; otherwise (a log, a pipe) one line on stderr every
+10 s: "calibrate: done/total (share), seconds elapsed, phase: what was measured last".
+
+interrupt and resume: after every finished compute pass, what was measured so far is
+written (atomically) to CLUSTER.json.partial, next to the output. After Ctrl-C,
+SIGTERM or a kill, the same command with --resume measures only the passes that were
+not finished. --resume is refused (exit 2) when there is no partial file, or it was
+made with other options, another tensoropt timing setup, on another machine or with
+other library versions. A calibration that completes removes the partial file.
 
 examples:
   tensoropt calibrate -o here.json                         # 9-10 minutes on 2 cores
