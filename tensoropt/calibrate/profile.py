@@ -67,6 +67,10 @@ SCHEMA = "tensoropt.cluster/1"
 # first seconds) and a process's own history moved whole cases by 10-50%
 # (docs/design/measured.md, "Calibration determinism").
 DEFAULT_PASSES = 3
+# Repeats of each timing (the median of them), full and --quick: a full calibration's
+# three passes each take the median of three, and their median is kept; a quick one has
+# one pass (docs/design/measured.md, "Where the time goes")
+DEFAULT_REPEATS = {False: 3, True: 5}
 
 
 class CommBackend(enum.Enum):
@@ -78,7 +82,7 @@ class CommBackend(enum.Enum):
 class CalibrateOptions:
     backend: CommBackend = CommBackend.MPI
     ranks: int = 2
-    repeats: int = 5
+    repeats: int | None = None  # repeats per timing; None: DEFAULT_REPEATS by mode
     quick: bool = False
     threads: int | None = None  # intra-op threads per rank; None = cores // ranks
     launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
@@ -86,6 +90,10 @@ class CalibrateOptions:
     # processes computing beside the measured one (neighbours.py); none by default:
     # docs/design.md, "Compute is timed alone"
     neighbours: int = 0
+
+    @property
+    def compute_repeats(self) -> int:
+        return self.repeats or DEFAULT_REPEATS[self.quick]
 
     @property
     def compute_passes(self) -> int:
@@ -98,7 +106,7 @@ class CalibrateOptions:
     def check(self) -> None:
         if self.ranks < 2:
             raise TensorOptError(f"--ranks {self.ranks}: collectives need at least 2 ranks")
-        if self.repeats < 3:
+        if self.repeats is not None and self.repeats < 3:
             raise TensorOptError(f"--repeats {self.repeats}: give at least 3 (medians, IQR)")
         if self.launches < 1:
             raise TensorOptError(f"--launches {self.launches}: give at least 1")
@@ -115,7 +123,7 @@ class CalibrateOptions:
 
 
 def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
-    return coll.CommSpec(coll.sizes(opts.quick), opts.repeats)
+    return coll.CommSpec(coll.sizes(opts.quick), opts.compute_repeats)
 
 
 def work_items(opts: CalibrateOptions) -> int:
@@ -133,14 +141,14 @@ def collective_rounds(opts: CalibrateOptions, runs: list) -> int:
 def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
     if opts.quick:
         return kernels.KernelOptions(
-            opts.threads_per_rank, opts.repeats, 0.01, cold_calls=8, extra_repeats=0
+            opts.threads_per_rank, opts.compute_repeats, 0.01, cold_calls=8, extra_repeats=0
         )
     # steps (the grid entries, the backward ratios) in 40 ms blocks of at most 48 cold
     # calls; forward kernels in 20 ms blocks of at most 24 calls; no extra repeats: the
     # median of the passes drops a disturbed one (docs/design/measured.md, "Where the
     # time goes")
     return kernels.KernelOptions(
-        opts.threads_per_rank, opts.repeats, 0.04, cold_calls=48, extra_repeats=0,
+        opts.threads_per_rank, opts.compute_repeats, 0.04, cold_calls=48, extra_repeats=0,
         forward_block_seconds=0.02, forward_cold_calls=24,
     )  # fmt: skip
 
@@ -193,7 +201,7 @@ def fingerprint(opts: CalibrateOptions) -> dict:
     return {
         "backend": opts.backend.value,
         "ranks": opts.ranks,
-        "repeats": opts.repeats,
+        "repeats": opts.compute_repeats,
         "quick": opts.quick,
         "threads_per_rank": opts.threads_per_rank,
         "launches": opts.launches,
@@ -487,11 +495,11 @@ def calibrate(
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
             "compute_neighbours": opts.neighbours,
             "memory_link": [p.to_json() for p in link_probes],
-            "repeats": opts.repeats,
+            "repeats": opts.compute_repeats,
             "max_repeats": _kernel_options(opts).max_repeats,
             "compute_passes": opts.compute_passes,
             "passes_apart": passes_apart,
-            "repeated_more": _repeated_more(results, opts.repeats),
+            "repeated_more": _repeated_more(results, opts.compute_repeats),
             "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,
             "run_overhead_s": overhead.median,

@@ -77,7 +77,12 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="CLUSTER.json")
     p.add_argument("--backend", choices=["mpi", "local"], default="mpi")
     p.add_argument("--ranks", type=int, default=2, help="ranks for the collectives (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (default 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="repeats per compute timing, their median kept (default 3 in each of the 3 "
+        "passes; --quick: 5 in its one pass); the collectives take at least 15 samples",
+    )
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default cores//ranks)")
     p.add_argument(
         "--launches",
