@@ -51,7 +51,7 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3
     assert cal["compute_clock"] == ("thread_cpu" if cal["threads_per_rank"] == 1 else "wall")
     assert cal["compute_caches"] == "cold"
-    # quick: one compute pass, no extra repeats (a full calibration: 2 passes, up to 3x)
+    # quick: one compute pass, no extra repeats
     assert cal["compute_passes"] == 1 and cal["passes_apart"] == {}
     assert cal["max_repeats"] == 3 and cal["repeated_more"] == []
     # compute timed alone; the host's memory link probed before the pass and after it
