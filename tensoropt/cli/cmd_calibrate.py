@@ -56,9 +56,17 @@ not finished. --resume is refused (exit 2) when there is no partial file, or it 
 made with other options, another tensoropt timing setup, on another machine or with
 other library versions. A calibration that completes removes the partial file.
 
+time and accuracy (2 cores, shared with other work; benchmarks/RESULTS.md,
+"Calibration: time and accuracy per mode"): the default took 478 s at load average
+5-7 (311 s of CPU: about 5 minutes on an idle machine), --quick 39 s at load 2.5-3.
+`validate` of zoo gpt small on 1 and 2 devices right after: median step-time error
+35.5% (default) and 40.2% (--quick); 1 device -6% and +1%, 2 devices -31..-41%, with
+the two ranks sharing the cores with other work and a memory link.
+
 examples:
-  tensoropt calibrate -o here.json                         # 9-10 minutes on 2 cores
-  tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
+  tensoropt calibrate -o here.json                         # 5-8 minutes on 2 cores
+  tensoropt calibrate -o here.json --quick                 # under a minute, fewer sizes
+  tensoropt calibrate -o here.json --resume                # after an interrupt
   tensoropt calibrate -o today.json --against here.json    # what moved since then
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json
