@@ -14,6 +14,7 @@ with the intra-op thread count pinned to what one rank gets.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -84,7 +85,7 @@ class KernelCase:
 @dataclass(frozen=True, slots=True)
 class KernelResult:
     case: KernelCase
-    seconds: Sample  # one kernel, inside a graph
+    seconds: Sample | None  # one kernel, inside a graph (None: a pass that timed the step alone)
     copies: int = 1  # R of the slope
     step: Sample | None = None  # one copy's forward + backward + update in a step graph
 
@@ -223,12 +224,31 @@ class KernelOptions:
     chain_target_s: float = 4e-3  # aim for R copies to take about this long
     cold: bool = True  # evict the caches before every timed call (see time)
     cold_calls: int = 48  # at most this many calls per timed block when cold
-    extra_repeats: int = 2  # up to repeats x (1 + this) when a case's spread is high
+    extra_repeats: int = 1  # up to repeats x (1 + this) when a case's spread is high
+    # The forward kernel alone is timed with shorter blocks and no extra repeats (None:
+    # as the step). The cost model prices a non-grid op's training step as forward x (1 +
+    # backward ratio), and the ratio is measured as (step - forward - update) / forward,
+    # so at a calibrated size the forward's own error cancels; grid ops (MatMul, Conv,
+    # BatchNorm) take the step alone. The forward matters for a recomputed node
+    # (cost.compute.forward_time) and between calibrated sizes.
+    forward_block_seconds: float | None = None
+    forward_cold_calls: int | None = None
 
     @property
     def max_repeats(self) -> int:
         """Repeats of a disturbed case (:func:`~tensoropt.calibrate.stats.steady_sample`)."""
         return self.repeats * (1 + self.extra_repeats)
+
+    def forward(self) -> KernelOptions:
+        """The options a case's forward kernel is timed with (see ``forward_block_seconds``)."""
+        if self.forward_block_seconds is None:
+            return self
+        return dataclasses.replace(
+            self,
+            block_seconds=self.forward_block_seconds,
+            cold_calls=self.forward_cold_calls or self.cold_calls,
+            extra_repeats=0,
+        )
 
     def time(self, fn: Callable[[], object], min_seconds: float) -> float:
         """Seconds per call of ``fn`` (:func:`~tensoropt.calibrate.stats.time_call`).

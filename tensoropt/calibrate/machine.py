@@ -53,8 +53,13 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def package_versions() -> dict:
+    """The measuring libraries' versions (without loading MPI)."""
+    return {name: _version(name) for name in ("onnxruntime", "numpy", "mpi4py", "mpich", "onnx")}
+
+
 def versions() -> dict:
-    out = {name: _version(name) for name in ("onnxruntime", "numpy", "mpi4py", "mpich", "onnx")}
+    out = package_versions()
     try:
         from mpi4py import MPI
 

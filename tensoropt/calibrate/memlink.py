@@ -73,6 +73,13 @@ def _stream(src, dst, seconds: float) -> float:
 
 
 def _worker(conn) -> None:
+    # the parent gone (a calibration interrupted while this process started or
+    # streamed) ends the process quietly: the parent reports the interrupt
+    with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):
+        _serve(conn)
+
+
+def _serve(conn) -> None:
     import numpy as np
 
     src = np.ones(STREAM_BYTES // 8, dtype=np.float32)  # two buffers: STREAM_BYTES in all
@@ -80,10 +87,7 @@ def _worker(conn) -> None:
     np.add(src, 1.0, out=dst)  # both faulted in before the first probe
     conn.send("ready")
     while True:
-        try:
-            what, seconds = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
+        what, seconds = conn.recv()
         if what == "stop":
             return
         conn.send(_stream(src, dst, seconds))

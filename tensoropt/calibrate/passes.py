@@ -12,8 +12,9 @@ median pass. Results and progress come back over a pipe.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tensoropt.calibrate import kernels
 from tensoropt.calibrate.neighbours import Pacer, start_child
@@ -22,22 +23,33 @@ from tensoropt.errors import TensorOptError
 POLL_S = 1.0  # how often the parent checks that the measuring process is alive
 
 
-def _worker(opts: kernels.KernelOptions, cases: Sequence[kernels.KernelCase], pacer, conn):
+def _worker(opts: kernels.KernelOptions, cases: Sequence[kernels.KernelCase], pacer, copies, conn):
     # started by neighbours.start_child: the runtime's malloc settings are in its
     # environment already (glibc reads them at start)
-    from tensoropt.calibrate.steps import measure_training_case
+    from tensoropt.calibrate.steps import measure_step_only, measure_training_case
 
     try:
         for case in cases:
             conn.send(("tick", case.label()))
             with pacer.busy():
-                result, overhead = measure_training_case(case, opts)
-            conn.send(("result", result, overhead.median))
+                if copies is None:
+                    result, sample = measure_training_case(case, opts)
+                    overhead = sample.median
+                else:
+                    result, overhead = measure_step_only(case, copies[case.label()], opts), None
+            conn.send(("result", result, overhead))
+    except (OSError, KeyboardInterrupt):  # the parent is gone or interrupted: it reports
+        return
     except TensorOptError as exc:
-        conn.send(("error", str(exc)))
+        _send_quietly(conn, ("error", str(exc)))
     except Exception as exc:  # noqa: BLE001 -- one line to the parent, not a traceback
-        conn.send(("error", f"calibrate: measuring failed: {type(exc).__name__}: {exc}"))
+        _send_quietly(conn, ("error", f"calibrate: measuring failed: {type(exc).__name__}: {exc}"))
     conn.close()
+
+
+def _send_quietly(conn, message) -> None:
+    with contextlib.suppress(OSError):
+        conn.send(message)
 
 
 def measure_pass(
@@ -45,8 +57,13 @@ def measure_pass(
     cases: Sequence[kernels.KernelCase],
     pacer: Pacer,
     tick: Callable[[str], None],
-) -> list[tuple[kernels.KernelResult, float]]:
+    copies: Mapping[str, int] | None = None,
+) -> list[tuple[kernels.KernelResult, float | None]]:
     """(result, session-run overhead) of every case, measured in a fresh process.
+
+    With ``copies`` (per case label, the first pass's R), only the training steps are
+    measured, at those copy counts: the result has no forward kernel time and the
+    overhead is None.
 
     The process is stopped however this returns (an interrupt included); one that
     dies part-way is one clear error.
@@ -54,9 +71,12 @@ def measure_pass(
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_worker, args=(opts, tuple(cases), pacer, writer), daemon=True, name="measure"
+        target=_worker,
+        args=(opts, tuple(cases), pacer, copies and dict(copies), writer),
+        daemon=True,
+        name="measure",
     )
-    out: list[tuple[kernels.KernelResult, float]] = []
+    out: list[tuple[kernels.KernelResult, float | None]] = []
 
     def stopped() -> TensorOptError:
         proc.join(POLL_S)

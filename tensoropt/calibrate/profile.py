@@ -47,7 +47,14 @@ import numpy as np
 
 from tensoropt.calibrate import collectives as coll
 from tensoropt.calibrate import kernels, memlink
-from tensoropt.calibrate.machine import machine_info, memory_bytes, now, versions
+from tensoropt.calibrate.machine import (
+    machine_info,
+    memory_bytes,
+    now,
+    package_versions,
+    versions,
+)
+from tensoropt.calibrate.partial import PartialState
 from tensoropt.calibrate.stats import Sample
 from tensoropt.errors import TensorOptError
 
@@ -60,6 +67,10 @@ SCHEMA = "tensoropt.cluster/1"
 # first seconds) and a process's own history moved whole cases by 10-50%
 # (docs/design/measured.md, "Calibration determinism").
 DEFAULT_PASSES = 3
+# Repeats of each timing (the median of them), full and --quick: a full calibration's
+# three passes each take the median of three, and their median is kept; a quick one has
+# one pass (docs/design/measured.md, "Where the time goes")
+DEFAULT_REPEATS = {False: 3, True: 5}
 
 
 class CommBackend(enum.Enum):
@@ -71,7 +82,7 @@ class CommBackend(enum.Enum):
 class CalibrateOptions:
     backend: CommBackend = CommBackend.MPI
     ranks: int = 2
-    repeats: int = 5
+    repeats: int | None = None  # repeats per timing; None: DEFAULT_REPEATS by mode
     quick: bool = False
     threads: int | None = None  # intra-op threads per rank; None = cores // ranks
     launches: int = coll.DEFAULT_LAUNCHES  # fresh MPI process sets for the collectives
@@ -79,6 +90,10 @@ class CalibrateOptions:
     # processes computing beside the measured one (neighbours.py); none by default:
     # docs/design.md, "Compute is timed alone"
     neighbours: int = 0
+
+    @property
+    def compute_repeats(self) -> int:
+        return self.repeats or DEFAULT_REPEATS[self.quick]
 
     @property
     def compute_passes(self) -> int:
@@ -91,7 +106,7 @@ class CalibrateOptions:
     def check(self) -> None:
         if self.ranks < 2:
             raise TensorOptError(f"--ranks {self.ranks}: collectives need at least 2 ranks")
-        if self.repeats < 3:
+        if self.repeats is not None and self.repeats < 3:
             raise TensorOptError(f"--repeats {self.repeats}: give at least 3 (medians, IQR)")
         if self.launches < 1:
             raise TensorOptError(f"--launches {self.launches}: give at least 1")
@@ -108,7 +123,7 @@ class CalibrateOptions:
 
 
 def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
-    return coll.CommSpec(coll.sizes(opts.quick), opts.repeats)
+    return coll.CommSpec(coll.sizes(opts.quick), opts.compute_repeats)
 
 
 def work_items(opts: CalibrateOptions) -> int:
@@ -118,11 +133,24 @@ def work_items(opts: CalibrateOptions) -> int:
     return cases + 1 + coll.total_points(_comm_spec(opts), launches)
 
 
+def collective_rounds(opts: CalibrateOptions, runs: list) -> int:
+    """Progress items of ``runs`` finished MPI launches."""
+    return coll.total_points(_comm_spec(opts), len(runs))
+
+
 def _kernel_options(opts: CalibrateOptions) -> kernels.KernelOptions:
-    block, cold_calls, extra = (0.01, 8, 0) if opts.quick else (0.04, 48, 2)
+    if opts.quick:
+        return kernels.KernelOptions(
+            opts.threads_per_rank, opts.compute_repeats, 0.01, cold_calls=8, extra_repeats=0
+        )
+    # steps (the grid entries, the backward ratios) in 40 ms blocks of at most 48 cold
+    # calls; forward kernels in 20 ms blocks of at most 24 calls; no extra repeats: the
+    # median of the passes drops a disturbed one (docs/design/measured.md, "Where the
+    # time goes")
     return kernels.KernelOptions(
-        opts.threads_per_rank, opts.repeats, block, cold_calls=cold_calls, extra_repeats=extra
-    )
+        opts.threads_per_rank, opts.compute_repeats, 0.04, cold_calls=48, extra_repeats=0,
+        forward_block_seconds=0.02, forward_cold_calls=24,
+    )  # fmt: skip
 
 
 def _middle(values: list, key) -> object:
@@ -142,7 +170,7 @@ def middle_pass(passes: list[kernels.KernelResult]) -> kernels.KernelResult:
     five other calibrations measured, and keeping the fastest pass kept it
     (`docs/design/measured.md`, "Calibration determinism"). The median of three passes
     drops one odd pass in either direction."""
-    kernel = _middle(passes, key=lambda r: r.seconds.median)
+    kernel = _middle([r for r in passes if r.seconds is not None], key=lambda r: r.seconds.median)
     steps = [r.step for r in passes if r.step is not None]
     step = _middle(steps, key=lambda v: v.median) if steps else None
     return dataclasses.replace(kernel, step=step)
@@ -165,28 +193,67 @@ def pass_difference(by_case: dict) -> dict:
     }
 
 
+def fingerprint(opts: CalibrateOptions) -> dict:
+    """What a calibration's measurements depend on besides the moment: its options, the
+    machine and the measuring libraries (a partial calibration resumes only under the
+    same ones, :mod:`tensoropt.calibrate.partial`)."""
+    machine = machine_info()
+    return {
+        "backend": opts.backend.value,
+        "ranks": opts.ranks,
+        "repeats": opts.compute_repeats,
+        "quick": opts.quick,
+        "threads_per_rank": opts.threads_per_rank,
+        "launches": opts.launches,
+        "passes": opts.compute_passes,
+        "neighbours": opts.neighbours,
+        # how each case is timed, and which cases: a file of another tensoropt version
+        # measured differently
+        "timing": dataclasses.asdict(_kernel_options(opts)),
+        "cases": len(kernels.cases(opts.quick)),
+        **{k: machine[k] for k in ("host", "cpu", "arch", "cores", "memory_bytes", "python")},
+        **package_versions(),
+    }
+
+
 def measure_kernels(
     opts: CalibrateOptions,
     tick: Callable[[str], None],
     before_pass: Callable[[int], None] = lambda _index: None,
+    state: PartialState | None = None,
+    save: Callable[[PartialState], None] = lambda _state: None,
 ):
     """(results per case, floor result, session-run overhead sample, pass difference).
 
     Each pass over the cases runs in its own fresh process
     (:mod:`tensoropt.calibrate.passes`) beside its own busy neighbours; ``before_pass(i)``
-    runs before pass ``i``, with no neighbour alive (the collectives' launches)."""
+    runs before pass ``i``, with no neighbour alive (the collectives' launches). The
+    passes already in ``state`` (a resumed calibration) are not measured again; every
+    finished pass is appended to it and ``save(state)`` called."""
     from tensoropt.calibrate.neighbours import busy_neighbours
     from tensoropt.calibrate.passes import measure_pass
 
     kopts = _kernel_options(opts)
     cases = kernels.cases(opts.quick)
+    state = state if state is not None else PartialState({})
+    total = opts.compute_passes
+    for index in range(len(state.passes), total):
+        before_pass(index)
+
+        def pass_tick(label: str, index: int = index) -> None:
+            tick(f"pass {index + 1}/{total}: {label}")
+
+        # the forward kernels in the first pass only, every pass's step at its R
+        copies = {r.case.label(): r.copies for r, _ in state.passes[0]} if index else None
+        with busy_neighbours(opts.neighbours, kopts, cases) as pacer:
+            state.passes.append(measure_pass(kopts, cases, pacer, pass_tick, copies))
+        save(state)
     by_case: dict[kernels.KernelCase, list[kernels.KernelResult]] = {}
     overheads = []
-    for index in range(opts.compute_passes):
-        before_pass(index)
-        with busy_neighbours(opts.neighbours, kopts, cases) as pacer:
-            for result, overhead in measure_pass(kopts, cases, pacer, tick):
-                by_case.setdefault(result.case, []).append(result)
+    for done in state.passes:
+        for result, overhead in done:
+            by_case.setdefault(result.case, []).append(result)
+            if overhead is not None:
                 overheads.append(overhead)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
@@ -327,35 +394,58 @@ def _collectives_json(fits: coll.CommFits) -> dict:
     }
 
 
-def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None) -> dict:
-    """Measure this machine; the cluster JSON object of a calibrated profile."""
+def calibrate(
+    opts: CalibrateOptions,
+    tick: Callable[[str], None] | None = None,
+    *,
+    resume: PartialState | None = None,
+    save: Callable[[PartialState], None] | None = None,
+) -> dict:
+    """Measure this machine; the cluster JSON object of a calibrated profile.
+
+    ``resume``: the finished passes of an interrupted calibration with these options
+    (:func:`tensoropt.calibrate.partial.load`), not measured again. ``save(state)`` is
+    called after every finished compute pass with everything measured so far."""
     from tensoropt.runtime.malloc import tune_process
 
     opts.check()
     tune_process()  # the floor case below runs here, under the runtime's malloc settings
     tick = tick or (lambda _label: None)
     t0 = time.perf_counter()
+    state = resume if resume is not None else PartialState(fingerprint(opts))
+    earlier_s = state.seconds  # measuring time of the interrupted run(s)
+
+    def checkpoint(state: PartialState) -> None:
+        state.seconds = earlier_s + time.perf_counter() - t0
+        if save is not None:
+            save(state)
+
     spec = _comm_spec(opts)
 
     def on_point() -> None:
         tick("collectives")
 
-    runs = []  # the collectives' MPI launches, spread over the compute passes
+    # the collectives' MPI launches and the host's memory-link state, taken before each
+    # pass and after the last (kept in ``state`` with the pass that follows them)
     slots = coll.launch_slots(opts.launches, opts.compute_passes)
-    link_probes: list[memlink.LinkProbe] = []  # the host's state before each pass and after
 
     def launch(index: int) -> None:
         if prober is not None:
-            link_probes.append(prober.probe())
+            state.probes.append(prober.probe())
         if opts.backend is CommBackend.MPI:
             for _ in range(slots.count(index)):
-                runs.append(coll.launch_mpi(opts.ranks, spec, opts.threads_per_rank, on_point))
+                state.runs.append(
+                    coll.launch_mpi(opts.ranks, spec, opts.threads_per_rank, on_point)
+                )
 
     with memlink.prober(opts.ranks) as prober:
-        results, floor, overhead, passes_apart = measure_kernels(opts, tick, launch)
+        results, floor, overhead, passes_apart = measure_kernels(
+            opts, tick, launch, state, checkpoint
+        )
         launch(opts.compute_passes)
+    link_probes = state.probes
     if opts.backend is CommBackend.MPI:
-        fits = coll.fit(coll.merge_launches(runs), opts.ranks, "mpi")
+        fits = coll.fit(coll.merge_launches(state.runs), opts.ranks, "mpi")
     else:
         fits = coll.run_local(opts.ranks, spec, on_point)
     link = {"alpha_s": fits.joint.alpha_s, "bandwidth": fits.joint.bandwidth}
@@ -405,16 +495,17 @@ def calibrate(opts: CalibrateOptions, tick: Callable[[str], None] | None = None)
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
             "compute_neighbours": opts.neighbours,
             "memory_link": [p.to_json() for p in link_probes],
-            "repeats": opts.repeats,
+            "repeats": opts.compute_repeats,
             "max_repeats": _kernel_options(opts).max_repeats,
             "compute_passes": opts.compute_passes,
             "passes_apart": passes_apart,
-            "repeated_more": _repeated_more(results, opts.repeats),
+            "repeated_more": _repeated_more(results, opts.compute_repeats),
             "launches": opts.launches if fits.backend == "mpi" else 1,
             "quick": opts.quick,
             "run_overhead_s": overhead.median,
             "inter": "single host: inter is a copy of intra (no inter-node link was measured)",
-            "seconds": round(time.perf_counter() - t0, 2),
+            "resumed": resume is not None,
+            "seconds": round(earlier_s + time.perf_counter() - t0, 2),
         },
     }
 

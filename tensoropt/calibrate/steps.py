@@ -115,6 +115,13 @@ def measure_training_case(case: KernelCase, opts: KernelOptions) -> tuple[Kernel
 
     Also returns the per-``session.run`` overhead of the kernel measurement.
     """
-    result, overhead = measure_case(case, opts)
+    result, overhead = measure_case(case, opts.forward())
     step = measure_step(case, step_copies(case, result.copies), opts)
     return dataclasses.replace(result, step=step), overhead
+
+
+def measure_step_only(case: KernelCase, kernel_copies: int, opts: KernelOptions) -> KernelResult:
+    """A later pass of one case: its training step alone, at the R of the first pass's
+    kernel measurement (``kernel_copies``); no forward kernel time (``seconds`` None)."""
+    step = measure_step(case, step_copies(case, kernel_copies), opts)
+    return KernelResult(case, None, kernel_copies, step)

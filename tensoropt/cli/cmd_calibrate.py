@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 
@@ -21,10 +23,12 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             vCPUs on one memory link, ranks streaming memory at once then run
             memory-bound ops up to 2x slower than that, and a calibration beside busy
             processes (--neighbours) gets whichever the host gave it that minute.
-            Against disturbances by other work on the host: a case whose
-            repeats spread more than 5% gets up to 3x the repeats, and every case is
-            measured in --passes passes over all cases (minutes apart, each in a fresh
-            process), keeping its median; the file records how far apart they were.
+            Against disturbances by other work on the host: every case's training
+            step is measured in --passes passes over all cases (minutes apart, each
+            in a fresh process), keeping its median; the file records how far apart
+            they were. The forward kernels alone are timed in the first pass only
+            (shorter blocks): the cost model prices an op's step as forward x (1 +
+            backward ratio), and the ratio is measured against that same forward.
             Measuring processes start with the MPI ranks' malloc settings (see `run
             --help`: heap thresholds, transparent huge pages)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
@@ -40,11 +44,29 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
 output: a cluster JSON file for `tensoropt search --cluster FILE.json` (and compile,
 validate): rates, rate-vs-size curves per op family, every point with its spread,
 the machine, library versions and the date. Written atomically: an interrupted
-calibration leaves no file.
+calibration leaves no CLUSTER.json.
+
+progress: a bar on a terminal; otherwise (a log, a pipe) one line on stderr every
+10 s: "calibrate: done/total (share), seconds elapsed, phase: what was measured last".
+
+interrupt and resume: after every finished compute pass, what was measured so far is
+written (atomically) to CLUSTER.json.partial, next to the output. After Ctrl-C,
+SIGTERM or a kill, the same command with --resume measures only the passes that were
+not finished. --resume is refused (exit 2) when there is no partial file, or it was
+made with other options, another tensoropt timing setup, on another machine or with
+other library versions. A calibration that completes removes the partial file.
+
+time and accuracy (2 cores, shared with other work; benchmarks/RESULTS.md,
+"Calibration: time and accuracy per mode"): the default took 478 s at load average
+5-7 (311 s of CPU: about 5 minutes on an idle machine), --quick 39 s at load 2.5-3.
+`validate` of zoo gpt small on 1 and 2 devices right after: median step-time error
+35.5% (default) and 40.2% (--quick); 1 device -6% and +1%, 2 devices -31..-41%, with
+the two ranks sharing the cores with other work and a memory link.
 
 examples:
-  tensoropt calibrate -o here.json                         # 9-10 minutes on 2 cores
-  tensoropt calibrate -o here.json --quick                 # a few seconds, fewer sizes
+  tensoropt calibrate -o here.json                         # 5-8 minutes on 2 cores
+  tensoropt calibrate -o here.json --quick                 # under a minute, fewer sizes
+  tensoropt calibrate -o here.json --resume                # after an interrupt
   tensoropt calibrate -o today.json --against here.json    # what moved since then
   tensoropt search gpt.onnx --devices 1,2 --cluster here.json
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json
@@ -63,7 +85,12 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="CLUSTER.json")
     p.add_argument("--backend", choices=["mpi", "local"], default="mpi")
     p.add_argument("--ranks", type=int, default=2, help="ranks for the collectives (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats per measurement (default 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="repeats per compute timing, their median kept (default 3 in each of the 3 "
+        "passes; --quick: 5 in its one pass); the collectives take at least 15 samples",
+    )
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default cores//ranks)")
     p.add_argument(
         "--launches",
@@ -96,6 +123,13 @@ def add_parser(sub) -> None:
         metavar="OLD.json",
         help="a previous profile of this machine: after measuring, list the rates that "
         "moved more than 20%% since it (the host changed under you, or a library did)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted calibration from its last finished compute pass, kept "
+        "in CLUSTER.json.partial next to the output (give the same options; refused when "
+        "there is none, or it was made with other options or on another machine)",
     )
     p.add_argument(
         "--json",
@@ -170,15 +204,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from tensoropt.calibrate import kernels
     from tensoropt.calibrate.compare import load_baseline, moved_report
+    from tensoropt.calibrate.partial import load as load_partial
+    from tensoropt.calibrate.partial import partial_path
     from tensoropt.calibrate.profile import (
         CalibrateOptions,
         CommBackend,
         calibrate,
+        collective_rounds,
+        fingerprint,
         work_items,
         write_profile,
     )
-    from tensoropt.cli.common import check_output_file, progress
+    from tensoropt.calibrate.progress import Progress
+    from tensoropt.cli.common import check_output_file
     from tensoropt.cli.json_output import emit, integral_bytes
     from tensoropt.cost.cluster import from_json
 
@@ -195,19 +235,41 @@ def _calibrate(args: argparse.Namespace) -> int:
     opts.check()
     check_output_file(args.output, "-o")
     baseline = load_baseline(args.against) if args.against else None
-    total = work_items(opts)
-    bar = progress(range(total), total=total, desc="calibrate")
+    partial = partial_path(args.output)
+    resume = None
+    if args.resume:
+        resume = load_partial(partial, fingerprint(opts), kernels.cases(opts.quick))
+    elif os.path.exists(partial):
+        print(
+            f"calibrate: starting over; {partial} (an interrupted calibration) is replaced "
+            "after the first pass (--resume continues it instead)",
+            file=sys.stderr,
+        )
+    cases = len(kernels.cases(opts.quick))
+    done = cases * len(resume.passes) if resume is not None else 0
+    if resume is not None:
+        done += collective_rounds(opts, resume.runs)
+    bar = Progress(work_items(opts), done=done)
 
-    def tick(label: str) -> None:
-        bar.update(1)
-        bar.set_postfix_str(label[:40])
+    def save(state) -> None:
+        state.write(partial)
 
     try:
-        profile = calibrate(opts, tick)
+        profile = calibrate(opts, bar.tick, resume=resume, save=save)
+    except KeyboardInterrupt:
+        if os.path.exists(partial):
+            print(
+                f"calibrate: the finished passes are kept in {partial}; "
+                f"run the same command with --resume to continue",
+                file=sys.stderr,
+            )
+        raise
     finally:
         bar.close()
     from_json(profile, args.output)  # what search will read: refuse to write a bad file
     write_profile(args.output, profile)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(partial)
     if args.json:
         emit(args, integral_bytes(profile))
     else:

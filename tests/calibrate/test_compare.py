@@ -91,7 +91,7 @@ def test_with_json_stdout_is_the_profile_alone(quick_profile, tmp_path, capsys, 
 
     moved = load(quick_profile)
     moved["op_throughput"]["matmul"] *= 2
-    monkeypatch.setattr(profile, "calibrate", lambda opts, tick: moved)  # no measuring
+    monkeypatch.setattr(profile, "calibrate", lambda opts, tick, **_: moved)  # no measuring
     out = tmp_path / "new.json"
     argv = ["calibrate", "-o", str(out), "--quick", "--json", "--against", str(quick_profile)]
     code = main(argv)

@@ -188,10 +188,16 @@ def test_a_disturbed_measurement_gets_more_repeats_and_its_burst_falls_outside_t
     assert steady_sample(lambda: next(noisy), 3, 3).repeats == 3  # quick: none extra
 
 
-def test_full_calibration_repeats_disturbed_cases_and_quick_does_not():
+def test_full_calibration_times_forward_kernels_in_shorter_blocks():
     from tensoropt.calibrate.profile import CalibrateOptions, _kernel_options
 
-    assert _kernel_options(CalibrateOptions(repeats=5)).max_repeats == 15
+    full = _kernel_options(CalibrateOptions())
+    assert full.repeats == 3 and full.max_repeats == 3  # no extra: the median of 3 passes
+    assert _kernel_options(CalibrateOptions(quick=True)).repeats == 5
+    # the forward kernel alone: shorter blocks (its error cancels in the backward ratio
+    # at calibrated sizes); the step keeps the long blocks
+    assert full.forward().block_seconds < full.block_seconds
+    assert full.forward().cold_calls < full.cold_calls
     assert _kernel_options(CalibrateOptions(repeats=5, quick=True)).max_repeats == 5
 
 

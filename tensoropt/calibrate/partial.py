@@ -1,0 +1,137 @@
+"""The finished passes of an unfinished calibration (``calibrate --resume``).
+
+After every compute pass, ``calibrate`` writes what it has measured so far (each
+finished pass's case results, the collectives' MPI launches and memory-link probes
+taken before it, the seconds spent) to ``OUTPUT.partial`` next to the output, atomically.
+An interrupted calibration (Ctrl-C, SIGTERM, a kill) leaves that file; ``--resume``
+reads it and measures only the passes that were not finished. The file records the
+options and the machine it was made with: resuming with other options, or on another
+machine or other library versions, would mix measurements of two setups in one profile,
+so it is refused. A calibration that completes removes the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from tensoropt.calibrate.kernels import KernelCase, KernelResult
+from tensoropt.calibrate.memlink import LinkProbe
+from tensoropt.calibrate.stats import Sample
+from tensoropt.errors import TensorOptError
+
+FORMAT = "tensoropt.calibrate.partial/1"
+SUFFIX = ".partial"
+
+
+def partial_path(output: str) -> str:
+    """Where the finished passes of a calibration writing ``output`` are kept."""
+    return output + SUFFIX
+
+
+def _sample_json(s: Sample | None) -> list | None:
+    return None if s is None else [s.median, s.spread, s.repeats]
+
+
+def _sample(v: list | None) -> Sample | None:
+    return None if v is None else Sample(float(v[0]), float(v[1]), int(v[2]))
+
+
+def _result_json(result: KernelResult, overhead: float | None) -> dict:
+    return {
+        "case": result.case.label(),
+        "seconds": _sample_json(result.seconds),
+        "copies": result.copies,
+        "step": _sample_json(result.step),
+        "overhead_s": overhead,
+    }
+
+
+def _probe(d: dict) -> LinkProbe:
+    return LinkProbe(float(d["alone_Bps"]), float(d["together_Bps"]), int(d["processes"]))
+
+
+@dataclass(slots=True)
+class PartialState:
+    """What a calibration has finished: passes (in order), MPI runs, probes, seconds."""
+
+    fingerprint: dict
+    passes: list[list[tuple[KernelResult, float | None]]] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    probes: list[LinkProbe] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "passes": [[_result_json(r, o) for r, o in done] for done in self.passes],
+            "runs": self.runs,
+            "probes": [p.to_json() for p in self.probes],
+            "seconds": self.seconds,
+        }
+
+    def write(self, path: str) -> None:
+        from tensoropt.runtime.checkpoint import write_atomic
+
+        write_atomic(path, (json.dumps(self.to_json()) + "\n").encode())
+
+
+def _results(
+    rows: list[dict], cases: tuple[KernelCase, ...]
+) -> list[tuple[KernelResult, float | None]]:
+    if [r["case"] for r in rows] != [c.label() for c in cases]:
+        raise ValueError("the cases differ")
+    return [
+        (KernelResult(c, _sample(r["seconds"]), int(r["copies"]), _sample(r["step"])),
+         None if r["overhead_s"] is None else float(r["overhead_s"]))
+        for c, r in zip(cases, rows, strict=True)
+    ]  # fmt: skip
+
+
+def _differences(made: dict, here: dict) -> list[str]:
+    keys = sorted(set(made) | set(here))
+    return [k for k in keys if made.get(k) != here.get(k)]
+
+
+def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> PartialState:
+    """The finished passes in ``path``, refused (one line) when there are none or they
+    were made with other options, on another machine or with other libraries."""
+    if not os.path.exists(path):
+        raise TensorOptError(
+            f"--resume: {path} does not exist, so there is nothing to resume; "
+            "run calibrate without --resume"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("format") != FORMAT:
+            raise ValueError("not a partial calibration")
+        made = data["fingerprint"]
+        moved = _differences(made, fingerprint)
+        if moved:
+            raise TensorOptError(
+                f"--resume: {path} was made with other options or on another machine "
+                f"({', '.join(moved)} differ); rerun with those options, or without --resume "
+                "to start over"
+            )
+        state = PartialState(
+            made,
+            [_results(rows, cases) for rows in data["passes"]],
+            list(data["runs"]),
+            [_probe(p) for p in data["probes"]],
+            float(data["seconds"]),
+        )
+    except TensorOptError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise TensorOptError(
+            f"--resume: {path} is not a readable partial calibration ({exc}); "
+            "run calibrate without --resume to start over"
+        ) from None
+    if not state.passes:
+        raise TensorOptError(
+            f"--resume: {path} holds no finished pass; run calibrate without --resume"
+        )
+    return state
