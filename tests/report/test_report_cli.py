@@ -29,7 +29,8 @@ def _leftovers(parent):
 
 def test_report_has_every_section_and_its_figures(gpt_file, tmp_path, capsys):
     out_dir = tmp_path / "report"
-    out = cli(capsys, "report", gpt_file, "--devices", "1,2,4", "-o", out_dir)
+    axes = ("--axes", "split,zero,recompute,micro", "--micro-batches", "1,2")
+    out = cli(capsys, "report", gpt_file, "--devices", "1,2,4", *axes, "-o", out_dir)
     assert out.code == 0, out.err
     text = (out_dir / "report.md").read_text()
     for heading in SECTIONS:
