@@ -109,3 +109,21 @@ def inserted(sg, ann) -> Counter:
 def priced_axes(mp: MeshProblem, choice) -> Counter:
     """(kind, mesh axes, input bytes) of every collective the cost model priced."""
     return Counter((c.kind, c.axes, c.in_bytes) for c in priced_collectives(mp, choice))
+
+
+def search_of(mp: MeshProblem):
+    """Just enough of a plain MeshSearch for ``search.driver.plan_from_choice``."""
+    from types import SimpleNamespace
+
+    from tensoropt.search.driver import PLAIN
+
+    return SimpleNamespace(
+        mesh=mp.mesh,
+        unit_names=tuple(u.node.name for u in mp.units),
+        unit_layouts=tuple(
+            tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
+        ),
+        variant=PLAIN,
+        unit_zero=(),
+        blocks=(),
+    )

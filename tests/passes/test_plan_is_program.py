@@ -36,7 +36,15 @@ from tensoropt.passes.units import ProgramCache
 from tensoropt.search.driver import mesh_shapes, plan_from_choice
 from tensoropt.search.solver import solve
 from tests.cli.cli_run import cli
-from tests.helpers.program import emitted, graph_of, inserted, priced, priced_axes, search_args
+from tests.helpers.program import (
+    emitted,
+    graph_of,
+    inserted,
+    priced,
+    priced_axes,
+    search_args,
+    search_of,
+)
 
 MESHES = ("2", "4", "2x2")
 
@@ -88,26 +96,13 @@ def test_compiled_device_graphs_hold_the_priced_collectives(models, name, spec, 
     sg, mp, points = _problem(models[name], spec)
     last = mp.mesh.size - 1
     for k in sorted({0, len(points) // 2, len(points) - 1}):
-        search = _search_of(mp)
+        search = search_of(mp)
         plan = plan_from_choice(search, points[k].choice, "test")
         out = tmp_path / f"p{k}"
         compile_step(build_step(search_args(models[name])), plan, None, str(out))
         for rank in (0, last):
             device = onnx.load(str(out / f"device_{rank}.onnx"))
             assert emitted(device) == priced(mp, points[k].choice, rank), (name, spec, k, rank)
-
-
-def _search_of(mp):
-    """Just enough of a MeshSearch for plan_from_choice."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        mesh=mp.mesh,
-        unit_names=tuple(u.node.name for u in mp.units),
-        unit_layouts=tuple(
-            tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
-        ),
-    )
 
 
 @pytest.mark.parametrize("spec", ["2", "2x2"])
@@ -145,7 +140,7 @@ def test_micro_batched_points_issue_what_was_priced_per_step(models, name, spec,
     sg, mp, points = _problem(models[name], spec)
     last = mp.mesh.size - 1
     for k in sorted({0, len(points) // 2, len(points) - 1}):
-        plan = plan_from_choice(_search_of(mp), points[k].choice, "test")
+        plan = plan_from_choice(search_of(mp), points[k].choice, "test")
         plan = dataclasses.replace(plan, micro_batches=2)
         step = build_step(search_args(models[name]))
         micro_sg = search_graph_of(step)

@@ -38,7 +38,14 @@ from tensoropt.passes.recompute import RECOMPUTE_KEY, apply_recompute, find_bloc
 from tensoropt.passes.units import ProgramCache
 from tensoropt.search.driver import mesh_shapes, plan_from_choice
 from tensoropt.search.solver import solve
-from tests.helpers.program import emitted, inserted_collectives, priced, priced_axes, search_args
+from tests.helpers.program import (
+    emitted,
+    inserted_collectives,
+    priced,
+    priced_axes,
+    search_args,
+    search_of,
+)
 
 MESHES = ("2", "4", "2x2")
 COMPILED = (("gpt", "2"), ("gpt", "4"), ("gpt", "2x2"), ("resnet50", "2"))
@@ -134,19 +141,6 @@ def test_recomputed_frontier_points_emit_what_was_priced(models, name, spec):
     _check_frontier(models[name], spec)
 
 
-def _search_of(mp):
-    """Just enough of a MeshSearch for plan_from_choice."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        mesh=mp.mesh,
-        unit_names=tuple(u.node.name for u in mp.units),
-        unit_layouts=tuple(
-            tuple((tuple(s.inputs), tuple(s.outputs)) for s in u.strategies) for u in mp.units
-        ),
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "spec"), COMPILED)
 def test_compiled_recomputed_graphs_hold_the_priced_collectives(models, name, spec, tmp_path):
@@ -154,7 +148,7 @@ def test_compiled_recomputed_graphs_hold_the_priced_collectives(models, name, sp
     _, names = _recomputed_step(models[name])
     last = mp.mesh.size - 1
     for k in sorted({0, len(points) - 1}):
-        plan = plan_from_choice(_search_of(mp), points[k].choice, "test")
+        plan = plan_from_choice(search_of(mp), points[k].choice, "test")
         plan = dataclasses.replace(plan, recompute=names)
         out = tmp_path / f"p{k}"
         compile_step(build_step(search_args(models[name])), plan, None, str(out))
