@@ -45,9 +45,6 @@ class Axis(enum.Enum):
     MICRO = "micro"
 
 
-ALL_AXES = frozenset(Axis)
-
-
 @dataclass(frozen=True, slots=True, order=True)
 class Variant:
     """The memory-for-time choices one problem of a mesh makes for the whole step:
@@ -96,7 +93,7 @@ class SearchSpace:
     recomputed (``passes.recompute``), when RECOMPUTE is searched and the model has
     blocks. ``micro_batches``: the counts tried (those that divide the batch)."""
 
-    axes: frozenset[Axis] = ALL_AXES
+    axes: frozenset[Axis] = frozenset({Axis.SPLIT})  # the split alone, as `search`
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     recomputed: SearchGraph | None = field(default=None, compare=False)
     blocks: tuple[str, ...] = ()
@@ -123,7 +120,7 @@ class SearchSpace:
         ]
 
 
-PLAIN_SPACE = SearchSpace(axes=frozenset({Axis.SPLIT}))
+PLAIN_SPACE = SearchSpace()
 
 
 @dataclass(frozen=True, slots=True)
