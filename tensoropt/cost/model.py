@@ -223,14 +223,34 @@ def param_bytes(elements: float, shard: float, states: int, isz: int, zero: Zero
     The step holds the parameter and its gradient, the new parameter it returns, and
     each optimizer state twice (in and out): the emitted graph has no in-place update
     (measured: docs/design/measured.md). ZeRO 1 and 2 keep the states as shards; ZeRO 3
-    also the parameter in and out, and one full-size buffer stands for the gradient and
-    the gathered copies of the parameter (transients of the unit's own forward and
-    backward; docs/design/memory-axes.md states the bound)."""
+    also the parameter in and out. ZeRO 3's full-size transients (the gathered copies
+    and the gradient before its reduce-scatter) live only around the unit's own forward
+    or backward: :func:`gathered_bound` prices them once per step, not here."""
     if zero is ZeroStage.NONE:
         return elements * isz * (3 + 2 * states)
     if zero is ZeroStage.PARAMETERS:
-        return (elements + shard * (2 + 2 * states)) * isz
+        return shard * (2 + 2 * states) * isz
     return (elements * 3 + shard * 2 * states) * isz
+
+
+def gathered_bound(sg: SearchGraph) -> float:
+    """The bytes of ZeRO-3's full-size transients live at once, as a constant of the
+    step: twice the full parameters of the unit that places the most (its gathered copy
+    for the backward and its gradient before the reduce-scatter). The runtime gathers a
+    ZeRO-3 parameter just before its readers and frees the copy after the last one, and
+    reduce-scatters a gradient as soon as it is made, so the transients at any moment
+    are about those of one unit (docs/design/memory-axes.md). A constant keeps every
+    problem a sum of unit entries; it is added once to a problem where some unit runs
+    stage 3, in the search and in ``compile``'s estimate alike."""
+    su = sg.units
+    placed: dict[int, float] = {}
+    for name in sg.params:
+        k = su.owner.get(name)
+        value = sg.graph.initializers.get(name)
+        if k is None or value is None:
+            continue
+        placed[k] = placed.get(k, 0.0) + _numel(static_shape(value)) * itemsize(value)
+    return 2.0 * max(placed.values(), default=0.0)
 
 
 def _numel(shape) -> float:
@@ -562,6 +582,8 @@ class ProblemFamily:
         self.builder = _Builder(sg, self.mesh, profile, choices)
         self.infos = self.builder.infos()
         self._bound: WorkingSetBound | None = None
+        self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard
+        self._excess: dict = {}  # (unit, id(program)) -> its working-set excess
 
     def zero_stage(self, k: int, strategy: MeshSharding, stage: ZeroStage) -> ZeroStage:
         """``stage`` where unit ``k`` under ``strategy`` has parameters ZeRO can shard
@@ -569,11 +591,18 @@ class ProblemFamily:
         gives the unit (``passes.plans.with_zero``)."""
         if stage is ZeroStage.NONE:
             return stage
-        try:
-            shards = zero_shards(self.sg.units, k, strategy, self.mesh)
-        except PlanError:
-            return ZeroStage.NONE
-        return stage if shards else ZeroStage.NONE
+        su = self.sg.units
+        unit = su.units[k]
+        placed = tuple(su.owner.get(v.name) == k for v in unit.externals)
+        key = (unit.key, placed, strategy)  # repeated layers shard alike
+        found = self._shardable.get(key)
+        if found is None:
+            try:
+                found = bool(zero_shards(su, k, strategy, self.mesh))
+            except PlanError:
+                found = False
+            self._shardable[key] = found
+        return stage if found else ZeroStage.NONE
 
     def working_set(self) -> WorkingSetBound:
         """The bound of the recompute working set over the plans of this family
@@ -591,6 +620,14 @@ class ProblemFamily:
                 per_block[block] = per_block.get(block, 0.0) + nbytes
             self._bound = WorkingSetBound(max(per_block.values(), default=0.0), floors)
         return self._bound
+
+    def _excess_of(self, bound: WorkingSetBound, k: int, program: Program) -> float:
+        # programs are shared objects of the builder's cache, alive with the family
+        key = (k, id(program))
+        found = self._excess.get(key)
+        if found is None:
+            found = self._excess[key] = bound.excess(k, self.sg.units.units[k], program, self.mesh)
+        return found
 
     def problem(
         self,
@@ -637,26 +674,32 @@ class ProblemFamily:
             self.sg,
             self.micro_batches,
         )
-        if working_set:
-            bound = self.working_set()
-            if bound.floors and units:
-                for k, unit in enumerate(self.sg.units.units):
-                    units[k] = Unit(
-                        units[k].name,
-                        tuple(
-                            Strategy(
-                                s.label,
-                                s.time_s,
-                                s.memory_bytes
-                                + bound.excess(k, unit, program, self.mesh)
-                                + (bound.constant if k == 0 else 0.0),
-                            )
-                            for s, program in zip(units[k].strategies, programs[k], strict=True)
-                        ),
-                    )
-                mp = dataclasses.replace(
-                    mp, problem=dataclasses.replace(mp.problem, units=tuple(units))
+        # the bounds of what is live at once, as constants on the first unit's entries and
+        # per-strategy excesses: the problem stays a sum of its entries
+        constant = 0.0
+        bound = self.working_set() if working_set else None
+        if bound is not None and bound.floors:
+            constant += bound.constant
+        else:
+            bound = None
+        if any(p.zero is ZeroStage.PARAMETERS for ps in programs for p in ps):
+            constant += gathered_bound(self.sg)
+        if (bound is not None or constant) and units:
+            for k, unit in enumerate(self.sg.units.units):
+                units[k] = Unit(
+                    units[k].name,
+                    tuple(
+                        Strategy(
+                            s.label,
+                            s.time_s,
+                            s.memory_bytes
+                            + (self._excess_of(bound, k, program) if bound else 0.0)
+                            + (constant if k == 0 else 0.0),
+                        )
+                        for s, program in zip(units[k].strategies, programs[k], strict=True)
+                    ),
                 )
+            mp = dataclasses.replace(mp, problem=dataclasses.replace(mp.problem, units=tuple(units)))
         return mp
 
 
@@ -785,15 +828,21 @@ def micro_choices(
     split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
     along = complete_plan(sg.graph, sg.signature, split, (0,), sg.units)
     memo: dict = {}
+    combined: dict = {}  # (root's op view, strategy, micro strategy) -> combined or None
     out = {}
     for u, unit in enumerate(sg.units.units):
         name = unit.root.name
+        view = sa.view_key(unit.root)
         found = []
         for s in unit_strategies(sg, mesh, u, memo):
-            try:
-                found.append((_combine(unit.root, s, along[name], mesh, k), s))
-            except MicroError:
-                continue
+            key = (view, s, along[name])
+            if key not in combined:  # repeated layers combine alike
+                try:
+                    combined[key] = _combine(unit.root, s, along[name], mesh, k)
+                except MicroError:
+                    combined[key] = None
+            if combined[key] is not None:
+                found.append((combined[key], s))
         if not found:
             raise MicroError(
                 f"--micro-batches {k}: unit {name!r} ({unit.root.op_type}) has no strategy "
