@@ -685,7 +685,7 @@ class ProblemFamily:
         if any(p.zero is ZeroStage.PARAMETERS for ps in programs for p in ps):
             constant += gathered_bound(self.sg)
         if (bound is not None or constant) and units:
-            for k, unit in enumerate(self.sg.units.units):
+            for k in range(len(units)):
                 units[k] = Unit(
                     units[k].name,
                     tuple(
@@ -699,7 +699,9 @@ class ProblemFamily:
                         for s, program in zip(units[k].strategies, programs[k], strict=True)
                     ),
                 )
-            mp = dataclasses.replace(mp, problem=dataclasses.replace(mp.problem, units=tuple(units)))
+            mp = dataclasses.replace(
+                mp, problem=dataclasses.replace(mp.problem, units=tuple(units))
+            )
         return mp
 
 
