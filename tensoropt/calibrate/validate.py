@@ -58,6 +58,8 @@ class PlanCheck:
     graph_comm_s: float = 0.0  # the emitted graph's collectives at the profile's link rates
     collectives: int = 0  # collectives per step in the emitted graph (largest rank)
     link: LinkProbe | None = None  # the host's memory link just before the run (memlink)
+    # the memory axes the plan uses (search.driver.Variant.to_json); None: the split alone
+    axes: dict | None = None
 
     @property
     def measured_time_s(self) -> float:
@@ -99,6 +101,7 @@ class PlanCheck:
             "point": self.index,
             "frontier_points": self.frontier_size,
             "summary": self.summary,
+            "axes": self.axes or {"micro_batches": 1, "zero": 0, "recompute_blocks": 0},
             "estimate": {
                 "time_s": self.est_time_s,
                 "compute_s": self.est_compute_s,

@@ -364,10 +364,11 @@ def with_recompute(args: argparse.Namespace, step, plan):
     return dataclasses.replace(plan, recompute=select_blocks(blocks, args.recompute))
 
 
-def estimate_of(step, plan, data_axes, cluster: str):
+def estimate_of(step, plan, data_axes, cluster):
     """The cost model's estimate of ``plan`` on ``step`` (before compile partitions it):
     the same pricing as the search's, so a picked point's figures come back unchanged.
-    The plan's recomputed blocks are cloned into the step first, as compile does."""
+    The plan's recomputed blocks are cloned into the step first, as compile does.
+    ``cluster``: a profile name or file, or a ClusterProfile."""
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.cost.model import estimate_plan, search_graph_of
     from tensoropt.passes.annotate import complete_plan, plan_zero
@@ -384,9 +385,8 @@ def estimate_of(step, plan, data_axes, cluster: str):
     else:
         roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
     zero = plan_zero(plan, sg.units)
-    return estimate_plan(
-        sg, roots, plan.mesh, load_cluster(cluster), micro_batches=plan.micro_batches, zero=zero
-    )
+    profile = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    return estimate_plan(sg, roots, plan.mesh, profile, micro_batches=plan.micro_batches, zero=zero)
 
 
 REPLICATED_NOTE = "every device computes the whole step: no faster than 1 device"

@@ -98,22 +98,20 @@ def _explore(args, devices):
         ) from None
 
 
-def _compute_only(sg, profile):
-    """``f(mesh, choice)``: the plan's estimated time with free communication (cached)."""
+def _compute_only(args, profile):
+    """``f(plan)``: the plan's estimated time with free communication, priced as
+    ``compile`` prices it (its ZeRO stages, micro-batches and recomputed blocks too)."""
     import dataclasses
 
+    from tensoropt.cli.cmd_compile import estimate_of
+    from tensoropt.cli.common import build_step
     from tensoropt.cost.cluster import Link
-    from tensoropt.cost.model import build_problem
 
     free = Link(0.0, 1e300)
     no_comm = dataclasses.replace(profile, intra=free, inter=free, collective_links={})
-    problems = {}
 
-    def estimate(mesh, choice) -> float:
-        key = tuple(mesh.shape)
-        if key not in problems:
-            problems[key] = build_problem(sg, mesh, no_comm).problem
-        return problems[key].evaluate(choice)[0]
+    def estimate(plan) -> float:
+        return estimate_of(build_step(args, load_weights=False), plan, None, no_comm).time_s
 
     return estimate
 
@@ -159,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.plot, "--plot")
     threads = _threads(args, devices)
     sg, profile, exp = _explore(args, devices)
-    compute_only = _compute_only(sg, profile)
+    compute_only = _compute_only(args, profile)
     picks = []
     for d in devices:
         rows = device_frontier(exp, d)
@@ -192,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
                 PlanCheck(
                     d, tuple(search.mesh.shape), k, size, summary, point.time_s,
                     point.memory_bytes, facts.liveness_peak, result.profile,
-                    compute_only(search.mesh, point.choice), facts.state_bytes,
-                    facts.comm_s, facts.collectives, link,
+                    compute_only(plan), facts.state_bytes, facts.comm_s,
+                    facts.collectives, link, search.variant.to_json(len(search.blocks)),
                 )
             )  # fmt: skip
     if not args.json:  # with --json, stdout is the document alone

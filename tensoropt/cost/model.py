@@ -320,6 +320,7 @@ class _Builder:
         profile: ClusterProfile,
         only,
         zero: Mapping[str, ZeroStage] | None = None,
+        chosen: dict | None = None,
     ):
         self.zero = dict(zero or {})
         self.sg = sg
@@ -327,7 +328,7 @@ class _Builder:
         self.mesh = mesh
         self.micro = mesh.shape[0] if mesh.sequential_axis == 0 else 1
         self.pricer = _Pricer(sg, mesh, profile, self.micro)
-        self.programs = ProgramCache(self.su, mesh)
+        self.programs = ProgramCache(self.su, mesh, chosen)
         self.only = only
         self.update_cache: dict = {}
         # Repeated layers price alike: a unit's (time, memory) under a strategy is keyed by
@@ -564,6 +565,7 @@ class ProblemFamily:
 
     ``choices``: the strategies of each unit (unit name -> strategies; default: every
     strategy :func:`unit_strategies` allows), on the micro mesh when ``micro_batches`` > 1.
+    ``chosen``: the nodes' choices shared with other families (``ProgramCache``).
     """
 
     def __init__(
@@ -574,12 +576,13 @@ class ProblemFamily:
         *,
         micro_batches: int = 1,
         choices: Mapping[str, Sequence[MeshSharding]] | None = None,
+        chosen: dict | None = None,
     ):
         self.sg = sg
         self.plan_mesh = mesh
         self.micro_batches = micro_batches
         self.mesh = micro_mesh(mesh, micro_batches) if micro_batches > 1 else mesh
-        self.builder = _Builder(sg, self.mesh, profile, choices)
+        self.builder = _Builder(sg, self.mesh, profile, choices, chosen=chosen)
         self.infos = self.builder.infos()
         self._bound: WorkingSetBound | None = None
         self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard

@@ -468,13 +468,18 @@ class ZeroShard:
 
 class ProgramCache:
     """Programs per (unit structure, root strategy, ZeRO stage), shared by repeated
-    layers."""
+    layers.
 
-    def __init__(self, su: StepUnits, mesh: Mesh) -> None:
+    ``chosen``: a memo of the nodes' choices (:meth:`_Chooser.choose_key`) that several
+    caches may share, e.g. the problems of one mesh with and without recomputed blocks
+    and ZeRO stages: a node chooses alike wherever it sees the same inputs."""
+
+    def __init__(self, su: StepUnits, mesh: Mesh, chosen: dict | None = None) -> None:
         self.su = su
         self.mesh = mesh
         self._cache: dict[tuple, Program] = {}
         self._out_terms: dict = {}  # candidate -> its scoring tie-breakers on this mesh
+        self._chosen = {} if chosen is None else chosen
 
     def program(self, k: int, strategy: MeshSharding, zero: ZeroStage = ZeroStage.NONE) -> Program:
         unit = self.su.units[k]
@@ -492,7 +497,9 @@ class ProgramCache:
                     f"its op splits the batch) and strategy {strategy} has none; drop "
                     "'zero' for this unit"
                 )
-            chooser = _Chooser(self.su, unit, self.mesh, self._out_terms, zero, shards)
+            chooser = _Chooser(
+                self.su, unit, self.mesh, self._out_terms, zero, shards, self._chosen
+            )
             found = self._cache[key] = chooser.run(strategy)
         return found
 
@@ -589,10 +596,12 @@ class _Chooser:
         out_terms: dict | None = None,
         zero: ZeroStage = ZeroStage.NONE,
         shards: Sequence[ZeroShard] = (),
+        chosen: dict | None = None,
     ) -> None:
         self.su = su
         self.unit = unit
         self.mesh = mesh
+        self.chosen = {} if chosen is None else chosen
         self.zero = zero
         self.shards = tuple(shards)
         self.sharded = {z.param: z for z in shards}  # parameter -> its ZeRO shard
@@ -696,16 +705,46 @@ class _Chooser:
 
     # -- choice --------------------------------------------------------------------
     def _choose(self, node: ir.Node) -> MeshSharding:
+        role = _role(node)
+        haves = [None if v is None else self._seen(v) for v in node.inputs]
+        key = self.choose_key(node, role, haves)
+        found = self.chosen.get(key)
+        if found is not None:
+            return found
         cands = sa.candidates(node, self.mesh)
         if not cands:
             raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
-        role = _role(node)
         if role == "optimizer":
             cands = self._optimizer_candidates(node, cands)
         elif role == "backward":
             cands = self._mirror_candidates(node, cands)
-        haves = [None if v is None else self._seen(v) for v in node.inputs]
-        return cheapest(node, cands, haves, self.mesh, self.out_terms, self._stored)
+        found = cheapest(node, cands, haves, self.mesh, self.out_terms, self._stored)
+        self.chosen[key] = found
+        return found
+
+    def choose_key(self, node: ir.Node, role: str | None, haves) -> tuple:
+        """Everything :meth:`_choose` reads: the op's plain-data view, the mesh, the
+        layouts its inputs are held in (and which unplaced inputs are stored), and what
+        filters its candidates (an update's parameter layout, a gradient's primals)."""
+        if role == "optimizer":
+            param = node.metadata_props.get(PARAM_KEY)
+            want = self._layout_of_name(param) if param else None
+            if param in self.sharded:
+                want = self.sharded[param].shard
+            pshape = None
+            if param and want is not None:
+                pshape = tuple(static_shape(self.unit.externals[self.by_name[param][1]]))
+            context: tuple = (want, pshape)
+        elif role == "backward":
+            context = tuple(self._primal_layout(v) for v in node.outputs)
+        else:
+            context = ()
+        placed = tuple(
+            v is not None and h is None and self._stored(v)
+            for v, h in zip(node.inputs, haves, strict=True)
+        )
+        mesh = (self.mesh.shape, self.mesh.sequential_axis)
+        return (sa.view_key(node), mesh, role, context, tuple(haves), placed)
 
     def _optimizer_candidates(self, node: ir.Node, cands):
         no_partial = [c for c in cands if not sa.has_partial(c)]

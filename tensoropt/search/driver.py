@@ -295,6 +295,7 @@ class _MeshProblems:
         self.built: dict[tuple[bool, int], list[MeshProblem]] = {}
         self.plain_refs: dict[str, tuple[int, ...]] = {}
         self.plain_infos: tuple | None = None
+        self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
 
     def build(self, v: Variant) -> _Built | None:
         from tensoropt.passes.micro import MicroError
@@ -312,7 +313,12 @@ class _MeshProblems:
                         tuple(r for _, r in offered[unit.root.name]) for unit in graph.units.units
                     )
                 family = ProblemFamily(
-                    graph, self.mesh, self.profile, micro_batches=v.micro_batches, choices=choices
+                    graph,
+                    self.mesh,
+                    self.profile,
+                    micro_batches=v.micro_batches,
+                    choices=choices,
+                    chosen=self.chosen,
                 )
                 self.families[key] = (family, reals)
             except MicroError as exc:

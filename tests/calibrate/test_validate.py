@@ -75,6 +75,29 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
         assert table[-1].startswith(f"{len(shared)} of ")
 
 
+def test_validate_takes_the_memory_axes_and_prices_their_compute(
+    quick_profile, zoo_model, tmp_path, capsys
+):
+    """Points with recomputed blocks and micro-batches compile, run and are compared; each
+    result names its axes, and on one device (no collectives) the compute estimate, the
+    plan priced with free communication as compile prices it, is the whole estimate."""
+    model = zoo_model("gpt")
+    out = tmp_path / "v.json"
+    code = main([
+        "validate", str(model), "--devices", "1", "--cluster", str(quick_profile),
+        "--axes", "split,recompute,micro", "--micro-batches", "1,4", "--points", "2",
+        "--steps", "3", "--warmup", "1", "--json-out", str(out),
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    results = json.loads(out.read_text())["results"]
+    axes = [r["axes"] for r in results]
+    assert any(a["recompute_blocks"] > 0 or a["micro_batches"] > 1 for a in axes), axes
+    for r in results:
+        est = r["estimate"]
+        assert est["compute_s"] == pytest.approx(est["time_s"], rel=1e-9), r["axes"]
+        assert est["comm_s"] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_model_that_fits_nowhere_exits_2(quick_profile, zoo_model, tmp_path, capsys):
     data = load(quick_profile)
     data["memory_bytes"] = 1024.0  # 1 KiB per device: no plan of any model fits

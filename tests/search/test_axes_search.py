@@ -15,6 +15,7 @@ from tensoropt.cli.cmd_search import search_space
 from tensoropt.cli.common import search_graph
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import ProblemFamily, micro_choices
+from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
@@ -249,3 +250,43 @@ def test_the_references_with_memory_axes_are_the_hand_plans(models):
         t, m, _ = refs[name]
         assert got.time_s == pytest.approx(t, rel=1e-9), name
         assert got.memory_bytes == pytest.approx(m, rel=1e-9), name
+
+
+class _NoMemo(dict):
+    """A memo that never remembers: every node chooses afresh."""
+
+    def get(self, key, default=None):
+        return None
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def test_the_shared_choice_memo_changes_no_program(models):
+    """The families of one mesh share the nodes' choices (with and without recomputed
+    blocks, every ZeRO stage, on the plan's and the micro mesh): every program and every
+    entry equals those of families that choose every node afresh."""
+    args = _args(models["gpt"])
+    sg = search_graph(args)
+    space = search_space(args, sg)
+    profile = builtin("h100")
+    checked = 0
+    for mesh in (Mesh((2,), ("dp",)), Mesh((2, 2), ("dp", "tp"))):
+        shared: dict = {}
+        for graph in (sg, space.recomputed):
+            for k in (1, 2):
+                choices = None
+                if k > 1:
+                    offered = micro_choices(graph, mesh, k)
+                    choices = {name: [m for m, _ in p] for name, p in offered.items()}
+                kw = {"micro_batches": k, "choices": choices}
+                memo = ProblemFamily(graph, mesh, profile, chosen=shared, **kw)
+                fresh = ProblemFamily(graph, mesh, profile, chosen=_NoMemo(), **kw)
+                for stage in ZeroStage:
+                    a = memo.problem(zero_all=stage, working_set=graph is not sg)
+                    b = fresh.problem(zero_all=stage, working_set=graph is not sg)
+                    assert a.programs == b.programs, (mesh, k, stage)
+                    assert a.problem == b.problem, (mesh, k, stage)
+                    checked += 1
+        assert shared  # the memo was used
+    assert checked == 2 * 2 * 2 * len(ZeroStage)
