@@ -212,6 +212,49 @@ def _exact_points(
     )
 
 
+# scalarisations of the relaxed lower bound (time weight 0..1, both ends excluded)
+RELAXED_WEIGHTS = 31
+_ROUNDING = 1.0 - 1e-9  # the relaxed bounds are float sums: lowered to stay bounds
+
+
+def surely_dominated(problem: CostProblem, inc_t: np.ndarray, inc_m: np.ndarray) -> bool:
+    """Whether an incumbent strictly dominates every plan of ``problem``, proved without
+    searching it: a relaxation that prices each unit and each edge at its own least
+    (nonnegative entries) bounds every plan's (t, m) from below by t >= T, m >= M and
+    w.(t, m) >= L_w for RELAXED_WEIGHTS weights w > 0. A plan that no incumbent strictly
+    dominates lies at or below a corner (a, b) of the incumbents' staircase: (t_1, inf),
+    (t_(i+1), m_i) or (inf, m_n). Such a plan then makes the corner satisfy every bound
+    (they only grow up and to the right), so when no corner does, there is none.
+    False whenever the proof does not go through (negative entries, no incumbent)."""
+    if not len(inc_t) or not problem.units:
+        return False
+    keep = prune_groups(np.zeros(len(inc_t), dtype=np.int64), inc_t, inc_m)
+    st, sm = inc_t[keep], inc_m[keep]  # staircase: time ascending, memory descending
+    tables = [
+        (
+            np.array([s.time_s for s in u.strategies]),
+            np.array([s.memory_bytes for s in u.strategies]),
+        )
+        for u in problem.units
+    ] + [(np.asarray(e.time_s).ravel(), np.asarray(e.memory_bytes).ravel()) for e in problem.edges]
+    if any(t.min() < 0 or m.min() < 0 for t, m in tables):
+        return False
+    t_low = math.fsum(float(t.min()) for t, _ in tables) * _ROUNDING
+    m_low = math.fsum(float(m.min()) for _, m in tables) * _ROUNDING
+    if t_low <= st[0] or m_low <= sm[-1]:
+        return False
+    frac = np.linspace(0.0, 1.0, RELAXED_WEIGHTS + 2)[1:-1]
+    wt, wm = frac / max(t_low, 1e-300), (1.0 - frac) / max(m_low, 1e-300)
+    low = np.zeros(len(frac))
+    for t, m in tables:
+        low += (wt[:, None] * t[None, :] + wm[:, None] * m[None, :]).min(axis=1)
+    low *= _ROUNDING
+    a, b = st[1:], sm[:-1]  # the staircase's inner corners
+    inside = (t_low <= a) & (m_low <= b)
+    inside &= np.all(wt[:, None] * a[None, :] + wm[:, None] * b[None, :] >= low[:, None], axis=0)
+    return not bool(inside.any())
+
+
 def strictly_dominated(
     t: np.ndarray, m: np.ndarray, inc_t: np.ndarray, inc_m: np.ndarray
 ) -> np.ndarray:
@@ -255,6 +298,13 @@ def solve(
     if incumbents is not None:
         external = tuple(np.asarray(x, dtype=np.float64) for x in incumbents)
     start = time.perf_counter()
+    if external is not None and pruning is not Pruning.OFF and surely_dominated(problem, *external):
+        note = ("every plan strictly dominated by an incumbent (surely_dominated)",)
+        stats = SearchStats(0, 0, 0, 0, 0, note, time.perf_counter() - start)
+        guarantee = _exact_guarantee(memory_budget, external)
+        return SearchResult(
+            problem.devices, problem.mesh, (), None, memory_budget, None, guarantee, stats
+        )
     prep = prepare(problem)
     regions = _regions(problem, prep, blocks)
     budget = math.inf if memory_budget is None else float(memory_budget)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensoropt.search.solver import Pruning, solve, strictly_dominated
+from tensoropt.search.solver import Pruning, solve, strictly_dominated, surely_dominated
 from tensoropt.search.synthetic import transformer_problem
 
 
@@ -43,6 +43,32 @@ def test_leaves_out_exactly_the_strictly_dominated_points(mesh, other, pruning):
     for p in got.points:  # each returned choice is a plan of that value
         assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
     assert "strictly dominates" in got.guarantee
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2), (2, 4)])
+def test_surely_dominated_is_only_said_of_problems_with_nothing_left(mesh):
+    """The relaxed proof: whenever it says every plan is strictly dominated, the exact
+    search with those incumbents returns nothing (the solver then skips the search); it
+    says so for incumbents well below the frontier, and not for the frontier itself
+    (ties are kept) nor for incumbents that leave a little of it."""
+    problem = transformer_problem(2, mesh, seed=3)
+    whole = solve(problem).points
+    t = np.array([p.time_s for p in whole])
+    m = np.array([p.memory_bytes for p in whole])
+    said = []
+    for scale_t, scale_m in [(0.5, 0.5), (0.9, 0.9), (0.99, 0.99), (1.0, 1.0), (0.5, 1.001),
+                             (1.001, 0.5), (0.97, 1.0), (1.0, 0.97), (2.0, 2.0)]:  # fmt: skip
+        for keep in (slice(None), slice(1, None, 3)):
+            inc_t, inc_m = t[keep] * scale_t, m[keep] * scale_m
+            sure = surely_dominated(problem, inc_t, inc_m)
+            said.append(sure)
+            exact = solve(problem, incumbents=(inc_t, inc_m), pruning=Pruning.OFF)
+            if sure:
+                assert exact.points == (), (scale_t, scale_m, keep)
+            got = solve(problem, incumbents=(inc_t, inc_m))  # with the proof
+            assert _values(got.points) == _values(exact.points)
+    assert any(said) and not all(said)
+    assert not surely_dominated(problem, t, m)  # the frontier itself: ties stay
 
 
 def test_strictly_dominated_keeps_equal_points():
