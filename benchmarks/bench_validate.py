@@ -14,6 +14,7 @@
    liveness peak, and the measured growth of anonymous resident memory).
 
 Usage: python benchmarks/bench_validate.py [--cluster FILE.json] [--points K] [--write]
+       [--models LIST] [--axes split,zero,recompute,micro] [--optimizer adam]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from results import RESULTS, write_section
 
 SECTION = "## Estimates against measurements"
 SUBSECTION = "### Latest validate run"
+AXES_SUBSECTION = "### Latest validate run with the memory axes"
 MODELS = ("mlp:small", "gpt:small", "vgg16:tiny", "resnet50:tiny")
 
 
@@ -60,7 +62,8 @@ def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
     out = tmp / f"{name}-{preset}.json"
     argv = ["validate", str(path), "--devices", "1,2", "--cluster", str(cluster),
             "--points", str(args.points), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--json-out", str(out)]  # fmt: skip
+            "--warmup", str(args.warmup), "--json-out", str(out),
+            "--axes", args.axes, "--optimizer", args.optimizer]  # fmt: skip
     code, text = _main(argv)
     if code != 0:
         raise SystemExit(f"validate {model} failed ({code}): {text}")
@@ -90,6 +93,11 @@ def _on_link(plans: list[dict], shared: bool) -> list[dict]:
     return [p for p in plans if (p["measured"].get("memory_link") or {}).get("shared") is shared]
 
 
+def _uses_axes(plan: dict) -> bool:
+    a = plan.get("axes") or {}
+    return a.get("micro_batches", 1) > 1 or a.get("zero", 0) > 0 or a.get("recompute_blocks", 0) > 0
+
+
 def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
     rows = [
         "| model | dev | mesh | pt | est ms | meas ms | time err | est comp ms | meas comp"
@@ -115,6 +123,7 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
         )
     one = [p for p in plans if p["devices"] == 1]
     two = [p for p in plans if p["devices"] == 2]
+    axes = [p for p in plans if _uses_axes(p)]
 
     def line(label, sel, fn):
         return f"| {label} | {_med([fn(p) for p in sel]):.1%} |" if sel else f"| {label} | - |"
@@ -145,6 +154,10 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
         line("comm: model vs emitted graph at calibrated link", two,
              lambda p: _err(p["estimate"]["comm_s"], p["estimate"]["graph_comm_s"])),
         line("memory: search estimate, all", plans, lambda p: p["memory_rel_error"]),
+        line(f"step time, {len(axes)} plans with a memory axis (ZeRO, recompute, micro)",
+             axes, lambda p: p["time_rel_error"]),
+        line(f"memory, {len(axes)} plans with a memory axis", axes,
+             lambda p: p["memory_rel_error"]),
         line("memory: estimate + state shards (the __new outputs)", plans, plus),
         line("memory: static liveness peak", plans, lambda p: p["liveness_rel_error"]),
     ]  # fmt: skip
@@ -158,6 +171,8 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--axes", default="split", help="the search's axes (search --axes)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
     parser.add_argument(
         "--write", action="store_true", help=f"replace the latest run in {RESULTS.name}"
     )
@@ -177,6 +192,8 @@ def main() -> None:
     load_end = os.getloadavg()[0]
     cal = profile["calibration"]
     flag = " --cluster CLUSTER.json" if args.cluster else ""  # no machine paths in RESULTS
+    if args.axes != "split":
+        flag += f" --models {args.models} --axes {args.axes} --optimizer {args.optimizer}"
     head = (
         f"`python benchmarks/bench_validate.py{flag}"
         f" --points {args.points} --steps {args.steps}` -- "
@@ -189,8 +206,9 @@ def main() -> None:
     )
     text = "\n".join([head, "", *summary, "", *rows, ""])
     print(text)
-    if args.write:
-        write_section(SECTION, f"{SUBSECTION}\n\n{text}", SUBSECTION)
+    if args.write:  # a run with memory axes keeps its own subsection
+        sub = SUBSECTION if args.axes == "split" else AXES_SUBSECTION
+        write_section(SECTION, f"{sub}\n\n{text}", sub)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,14 @@ def run(args: argparse.Namespace) -> int:
             f"verify: {verdict}: max relative error loss {report.max_rel_error_loss:.3e}, "
             f"params {report.max_rel_error_params:.3e} (tolerance {report.tolerance:g})"
         )
+        noise = report.noise_params
+        if noise:
+            listed = ", ".join(f"{name} {e:.1e}" for name, e in sorted(noise.items()))
+            print(
+                f"verify: {len(noise)} parameter(s) over the tolerance are within the "
+                "reference's own rounding sensitivity (the step with its samples "
+                f"reordered moves them as much; see docs/design/runtime.md): {listed}"
+            )
     if report is not None and not report.ok:
         print(
             "tensoropt run: error: the distributed run differs from the unpartitioned step "

@@ -181,6 +181,7 @@ def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions
         params, states = _gather_global(engine, manifest, loop.state)
         if engine.is_root:
             loop.reference = Reference.open(manifest.outdir, opts.threads, opts.arena)
+            loop.reference.tolerance = opts.tolerance
             if loop.start > 0 or not loop.reference.state:
                 loop.reference.state = {**params, **states}
     return loop

@@ -204,9 +204,7 @@ def _on_progress(line: str, watch: _Watch, on_step) -> str:
 
 
 def _verify_step(d: dict) -> VerifyStep:
-    return VerifyStep(
-        d["step"], d["loss"], d["reference_loss"], d["rel_error_loss"], d["rel_error_params"]
-    )
+    return VerifyStep.from_json(d)
 
 
 def _cleanup(proc: subprocess.Popen, watch: _Watch) -> None:

@@ -14,6 +14,19 @@ rounding noise). The loss uses TINY.
 It is a norm-wise (infinity-norm) relative error: elementwise relative error would
 blow up on entries that happen to be near zero. The verdict is ``ok`` when every
 value at every step is within the tolerance (default 1e-4, float32 territory).
+
+A tensor whose exact gradient is zero holds rounding noise, and Adam divides its
+update by the gradient's own size: such a tensor moves by up to ``lr`` per step in a
+direction set by rounding (gpt's attention key bias: softmax is invariant to it). No
+reduction order reproduces another's there, so when a parameter is over the tolerance
+the reference measures its own *rounding sensitivity*: the same step from the same
+state with the batch's samples reordered, which changes only the order of the gradient
+sums (:meth:`Reference.step_and_compare`). A parameter is still within the check when
+its error is at most ``SENSITIVITY_SLACK`` times the sensitivities summed over the
+steps so far (the noise of each step adds up); the report names such parameters and
+their allowance. A parameter with a real gradient is sensitive at the 1e-6 level, so
+the tolerance keeps deciding there, and a wrong update (``lr`` per step, against a
+noise of about ``lr`` x 1e-3 for the key bias) stays far outside its allowance.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ DEFAULT_TOLERANCE = 1e-4
 
 
 SCALE_FLOOR = 1e-3
+SENSITIVITY_SLACK = 4.0  # a reduction order may differ more than one reordering does
 
 
 def rel_error(a: np.ndarray | float, b: np.ndarray | float, floor: float = TINY) -> float:
@@ -63,10 +77,23 @@ class VerifyStep:
     reference_loss: float
     rel_error_loss: float
     rel_error_params: Mapping[str, float]
+    # parameter -> the error its rounding sensitivity allows (module docstring); only
+    # parameters whose error is over the tolerance are measured
+    allowed_params: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def max_rel_error_params(self) -> float:
         return max(self.rel_error_params.values(), default=0.0)
+
+    def within(self, tolerance: float) -> bool:
+        """Loss and every parameter within the tolerance, or a parameter within its
+        rounding allowance."""
+        if not (np.isfinite(self.rel_error_loss) and self.rel_error_loss <= tolerance):
+            return False
+        return all(
+            np.isfinite(e) and e <= max(tolerance, self.allowed_params.get(name, 0.0))
+            for name, e in self.rel_error_params.items()
+        )
 
     def to_json(self) -> dict:
         return {
@@ -76,7 +103,19 @@ class VerifyStep:
             "rel_error_loss": self.rel_error_loss,
             "max_rel_error_params": self.max_rel_error_params,
             "rel_error_params": dict(self.rel_error_params),
+            "allowed_params": dict(self.allowed_params),
         }
+
+    @staticmethod
+    def from_json(d: Mapping) -> VerifyStep:
+        return VerifyStep(
+            d["step"],
+            d["loss"],
+            d["reference_loss"],
+            d["rel_error_loss"],
+            d["rel_error_params"],
+            d.get("allowed_params", {}),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +133,19 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        worst = max(self.max_rel_error_loss, self.max_rel_error_params)
-        return bool(np.isfinite(worst)) and worst <= self.tolerance
+        return all(s.within(self.tolerance) for s in self.per_step)
+
+    @property
+    def noise_params(self) -> dict[str, float]:
+        """Parameters over the tolerance but within their rounding allowance: name ->
+        their largest error."""
+        out: dict[str, float] = {}
+        for s in self.per_step:
+            for name, limit in s.allowed_params.items():
+                e = s.rel_error_params.get(name, 0.0)
+                if self.tolerance < e <= limit:
+                    out[name] = max(out.get(name, 0.0), e)
+        return out
 
     def to_json(self) -> dict:
         return {
@@ -104,6 +154,7 @@ class VerifyReport:
             "per_step": [s.to_json() for s in self.per_step],
             "ok": self.ok,
             "tolerance": self.tolerance,
+            "within_rounding_sensitivity": self.noise_params,
         }
 
 
@@ -113,6 +164,9 @@ class Reference:
 
     session: object
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    tolerance: float = DEFAULT_TOLERANCE
+    # parameter -> its rounding sensitivities summed over the steps measured so far
+    sensitivity: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
     def open(outdir: Path, threads: int | None = None, arena=None) -> Reference:
@@ -131,8 +185,32 @@ class Reference:
         loss: float,
         params: Mapping[str, np.ndarray],
     ) -> VerifyStep:
-        """Advance the reference by one step and compare with the distributed values."""
-        ref_loss, self.state = self.session.step(self.state, batch)  # type: ignore[attr-defined]
+        """Advance the reference by one step and compare with the distributed values;
+        measure the rounding sensitivity of the parameters over the tolerance."""
+        before = self.state
+        ref_loss, self.state = self.session.step(before, batch)  # type: ignore[attr-defined]
         floor = param_floor({name: self.state[name] for name in params})
         errors = {name: rel_error(value, self.state[name], floor) for name, value in params.items()}
-        return VerifyStep(step, loss, float(ref_loss), rel_error(loss, ref_loss), errors)
+        over = [name for name, e in errors.items() if e > self.tolerance]
+        allowed: dict[str, float] = {}
+        reordered = _reordered(batch) if over else None
+        if reordered is not None:
+            _, other = self.session.step(before, reordered)  # type: ignore[attr-defined]
+            for name in over:
+                felt = rel_error(other[name], self.state[name], floor)
+                self.sensitivity[name] = self.sensitivity.get(name, 0.0) + felt
+                allowed[name] = SENSITIVITY_SLACK * self.sensitivity[name]
+        return VerifyStep(step, loss, float(ref_loss), rel_error(loss, ref_loss), errors, allowed)
+
+
+def _reordered(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The batch with its samples in another order (reversed; a fixed order keeps runs
+    reproducible): every input that has the batch's leading dimension is reordered
+    alike. None when the batch has fewer than two samples."""
+    sizes = {v.shape[0] for v in batch.values() if np.ndim(v) > 0}
+    if len(sizes) != 1:
+        return None
+    (n,) = sizes
+    if n < 2:
+        return None
+    return {k: (v[::-1].copy() if np.ndim(v) > 0 else v) for k, v in batch.items()}
