@@ -51,6 +51,10 @@ plans:
                                               means the powers of two below N, and N
   without --plan or --pick: --plan data-parallel
   MEM takes a unit: 16GiB, 80GB, 512MiB
+  near-ties: a policy ranks points by their estimates alone. When the --cluster profile
+                  carries an error band (`tensoropt validate --record`), compile names the
+                  other points whose step time is within that band of the picked one's:
+                  the estimate cannot order them; pick one by INDEX to compile it instead
   --search FILE   with --pick: a point of that search's JSON (`search --json-out FILE`),
                   not searched again
 
@@ -260,7 +264,8 @@ def _load_plan_file(path: str, mesh):
 def _compile_picked(args: argparse.Namespace) -> int:
     """Search, pick a point by policy, and compile its plan through the same passes."""
     from tensoropt.cli.cmd_search import explore_from_args
-    from tensoropt.search.driver import pick, plan_from_choice
+    from tensoropt.cost.accuracy import band_of, near_tie_note
+    from tensoropt.search.driver import device_frontier, pick, plan_from_choice
 
     check_policy(args.pick)
     if args.pick.startswith("fewest-devices-under:"):
@@ -272,6 +277,14 @@ def _compile_picked(args: argparse.Namespace) -> int:
     _, _, exp = explore_from_args(args, counts)
     chosen = pick(exp, max(counts), args.pick, parse_bytes)
     search, point = chosen.search, chosen.point
+    rows = device_frontier(exp, search.mesh.size)
+    tie = near_tie_note(
+        [p.time_s for _, p in rows],
+        [p.memory_bytes for _, p in rows],
+        chosen.index,
+        band_of(args.cluster),
+        search.mesh.size,
+    )
     source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
     plan = with_micro_batches(plan_from_choice(search, point.choice, source), args)
     picked = (
@@ -280,6 +293,8 @@ def _compile_picked(args: argparse.Namespace) -> int:
     )
     summary, estimate, result = _compile_searched(args, plan)
     print(picked, file=sys.stderr)
+    if tie:
+        print(tie, file=sys.stderr)
     print(summary, file=sys.stderr)
     _report(args, result, search.mesh, (source,), estimate, source)
     return 0
@@ -310,6 +325,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         plan_of,
         step_options,
     )
+    from tensoropt.cost.accuracy import band_of, near_tie_note
     from tensoropt.cost.cluster import load_cluster
 
     check_policy(args.pick)
@@ -325,6 +341,14 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     sf = load_search(args.search)
     check_matches(sf, step_options(args), load_cluster(args.cluster).to_json())
     chosen = pick_row(sf, devices, args.pick, parse_bytes)
+    rows = sf.rows(chosen.devices)
+    tie = near_tie_note(
+        [r["time_s"] for r in rows],
+        [r["memory_bytes"] for r in rows],
+        chosen.index,
+        band_of(args.cluster),
+        chosen.devices,
+    )
     source = (
         f"search --pick {args.pick} ({args.search}): point {chosen.index} at "
         f"{chosen.devices} devices"
@@ -336,6 +360,8 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         f"devices, mesh {plan.mesh}; {chosen.row.get('summary', '')}",
         file=sys.stderr,
     )
+    if tie:
+        print(tie, file=sys.stderr)
     print(summary, file=sys.stderr)
     _report(args, result, plan.mesh, (source,), estimate, source)
     return 0
@@ -399,6 +425,9 @@ def replicates_all_work(result) -> bool:
 
 
 def _report(args, result, mesh, notes, estimate, source: str) -> None:
+    from tensoropt.cost.accuracy import band_of
+
+    band = band_of(args.cluster)
     if args.json:
         from tensoropt.cli.json_output import document, emit
 
@@ -414,11 +443,14 @@ def _report(args, result, mesh, notes, estimate, source: str) -> None:
             "collectives_per_device": result.collectives,
             "replicates_all_work": replicates_all_work(result),
             "estimate": estimate.to_json(),
+            "error_band": band.to_json() if band is not None else None,
             "notes": list(notes),
         }
         emit(args, document(JSON_SCHEMA, body))
         return
     replicated = f" ({REPLICATED_NOTE})" if replicates_all_work(result) else ""
+    if band is not None and band.time(mesh.size) is not None:
+        print(f"estimate: {band.describe(mesh.size)}", file=sys.stderr)
     print(
         f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
         f"{result.collectives} collectives per device{replicated}; estimated step "

@@ -45,6 +45,13 @@ parameter, gradient and optimizer-state shards, activations saved for backward a
 redistribution buffers. --cluster picks the rates: v100, a100, h100, h200 or a JSON
 file (keys of the built-in profiles; "base": NAME to override only some rates).
 
+error band: with a profile file from `tensoropt calibrate`, each table says how far its
+step times are typically off: the median |error| of the plans `tensoropt validate
+--record` measured with that profile (one device and several apart), else the
+calibration's measurement spread (a lower bound, labelled so); a built-in profile has
+none. A row marked ~ is within that band of the row above: the estimate cannot order
+the two (JSON: "error_band", and "near_tie_with_previous" per point).
+
 examples:
   tensoropt search gpt.onnx --devices 1,2,4,8 --plot frontier.png
   tensoropt search gpt.onnx --devices 1..64 --cluster v100 --memory-budget 16GiB
@@ -264,12 +271,17 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def print_tables(sg, exp, out=None) -> None:
+def print_tables(sg, exp, out=None, band=None) -> None:
+    """The per-device-count frontiers, the reference plans and the overall frontier.
+    ``band``: the profile's ErrorBand (cost.accuracy): each table says how far its
+    estimates typically are off and marks the points it cannot order."""
+    from tensoropt.cost.accuracy import near_ties
     from tensoropt.search.driver import REFERENCE_NAMES
 
     out = out or sys.stdout
     table = per_device_points(exp)
     budget = exp.memory_budget
+    tied = False
     for d, rows in table.items():
         if not rows:
             print(f"\n{_plural(d, 'device')}: no plan fits the memory budget", file=out)
@@ -278,23 +290,35 @@ def print_tables(sg, exp, out=None) -> None:
         shown = _sample(rows)
         if len(shown) < len(rows):
             head += f" ({len(shown)} shown, evenly spaced from fastest to least memory)"
+        width = band.time(d) if band is not None else None
+        if width is not None:
+            head += f"; {band.describe(d)}"
         print(head, file=out)
         print(
-            f"  {'pick':>4} {'mesh':>6} {'step time':>12} {'memory/dev':>12} {'samples/s':>11}  "
-            "plan",
+            f"  {'pick':>4} {'mesh':>6} {'step time':>12} {'':1} {'memory/dev':>12} "
+            f"{'samples/s':>11}  plan",
             file=out,
         )
-        for i, (s, p) in shown:
+        marks = near_ties([p.time_s for _, (_, p) in shown], width)
+        tied = tied or any(marks)
+        for (i, (s, p)), mark in zip(shown, marks, strict=True):
             mesh = "x".join(map(str, s.mesh.shape))
             print(
-                f"  {i:>4} {mesh:>6} {_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12} "
-                f"{sg.batch / p.time_s:>11.1f}  {s.summaries[_index(s, p)]}",
+                f"  {i:>4} {mesh:>6} {_fmt_time(p.time_s):>12} {'~' if mark else '':1} "
+                f"{_fmt_mem(p.memory_bytes):>12} {sg.batch / p.time_s:>11.1f}  "
+                f"{s.summaries[_index(s, p)]}",
                 file=out,
             )
     print(
         "  (pick: the point's index at its device count, for `compile --devices N --pick INDEX`)",
         file=out,
     )
+    if tied:
+        print(
+            "  (~: step time within the error band of the row above: the estimate cannot "
+            "order the two; compare them with `tensoropt validate`)",
+            file=out,
+        )
     print("\nreference plans on the same cost model (best mesh per device count):", file=out)
     for d in table:
         for name in REFERENCE_NAMES:
@@ -353,6 +377,7 @@ def plot(exp, path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.json_output import document, emit
     from tensoropt.cli.search_json import search_document, step_options
+    from tensoropt.cost.accuracy import band_of
     from tensoropt.ir.costs import CostRecord, costs_to_json
 
     devices = parse_devices(args.devices)
@@ -363,10 +388,11 @@ def run(args: argparse.Namespace) -> int:
     ):
         check_output_file(path, flag)
     sg, profile, exp = explore_from_args(args, devices)
+    band = band_of(args.cluster)
     if not args.json:  # with --json, stdout is the document alone
-        print_tables(sg, exp)
+        print_tables(sg, exp, band=band)
     if args.json or args.json_out:
-        body = search_document(sg, profile, exp, args.model, step_options(args))
+        body = search_document(sg, profile, exp, args.model, step_options(args), band)
         emit(args, document(SCHEMA, body), compact=True)
     if args.plot:
         plot(exp, args.plot)

@@ -34,10 +34,15 @@ relative error = (estimate - measured) / measured; the summary is the median of
 |error| over all plans. Plans that do not fit the profile's memory_bytes are not
 searched; a model that fits at no requested device count exits 2.
 
+--record appends each plan's errors to the profile file: the median |error| of its
+recorded plans (one device, and several, apart) is the error band that search and
+compile then print beside every estimate made with that profile.
+
 examples:
   tensoropt calibrate -o here.json
   tensoropt validate mlp.onnx --devices 1,2 --cluster here.json --plot v.png
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --points 6 --json-out v.json
+  tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --record
 """
 
 
@@ -65,6 +70,12 @@ def add_parser(sub) -> None:
     add_json_flag(p, "tensoropt.validate/1")
     add_json_out(p, "tensoropt.validate/1")
     p.add_argument("--plot", metavar="FILE.png", help="estimated vs measured scatter (log-log)")
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="append each plan's errors to the --cluster profile file (its accuracy "
+        "record): search and compile then show every estimate's error band",
+    )
     p.set_defaults(func=run, cluster=None)
 
 
@@ -124,6 +135,11 @@ def _check_args(args) -> None:
         )
     if args.points < 1:
         raise TensorOptError(f"--points {args.points}: give at least 1")
+    if args.record and not (args.cluster.endswith(".json") and os.path.isfile(args.cluster)):
+        raise TensorOptError(
+            f"--record writes into the --cluster profile file; {args.cluster!r} is not one "
+            "(give the FILE.json of `tensoropt calibrate`)"
+        )
     if not 0 <= args.warmup < args.steps:
         raise TensorOptError(
             f"--steps {args.steps} --warmup {args.warmup}: need 0 <= warmup < steps"
@@ -205,6 +221,19 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
     }
+    if args.record:
+        from tensoropt.cost.accuracy import record
+
+        held = record(
+            args.cluster,
+            os.path.basename(args.model),
+            [(c.devices, c.time_error, c.memory_error) for c in checks],
+        )
+        print(
+            f"recorded {len(checks)} plans in {args.cluster} (its accuracy record holds "
+            f"{held}; search and compile show the error band)",
+            file=sys.stderr,
+        )
     emit(args, integral_bytes(report_json(checks, meta)))
     if args.json_out:
         print(f"wrote json: {args.json_out}", file=sys.stderr)

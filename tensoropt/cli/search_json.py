@@ -42,8 +42,10 @@ def step_options(args) -> dict:
     return {name: getattr(args, name, None) for name in STEP_OPTIONS}
 
 
-def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
-    """The body of the search JSON (without ``schema``; see json_output.document)."""
+def search_document(sg, profile, exp, model_path: str, options: dict, band=None) -> dict:
+    """The body of the search JSON (without ``schema``; see json_output.document).
+    ``band``: the profile's ErrorBand (cost.accuracy), or None."""
+    from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import ALL_REPLICATED
     from tensoropt.search.driver import device_frontier
 
@@ -56,7 +58,9 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
     }
     for d in sorted({s.mesh.size for s in exp.searches}):
         rows = []
-        for i, (s, p) in enumerate(device_frontier(exp, d)):
+        frontier = device_frontier(exp, d)
+        ties = near_ties([p.time_s for _, p in frontier], band.time(d) if band else None)
+        for i, (s, p) in enumerate(frontier):
             k = position[(id(s), id(p))]
             row_of[(id(s), k)] = i
             rows.append(
@@ -71,6 +75,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
                     "summary": s.summaries[k],
                     "replicates_all_work": s.summaries[k].startswith(ALL_REPLICATED),
                     "choice": tables[id(s)].add(p.choice),
+                    "near_tie_with_previous": ties[i],
                 }
             )
         per_device[str(d)] = rows
@@ -82,6 +87,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict) -> dict:
         "epsilon": exp.epsilon,
         "guarantee": exp.searches[0].result.guarantee if exp.searches else "",
         "memory_budget_bytes": exp.memory_budget,
+        "error_band": band.to_json() if band is not None else None,
         "units": list(shared),
         "meshes": {
             problem_key(s): {

@@ -310,6 +310,7 @@ def from_json(obj, where: str) -> ClusterProfile:
     base = builtin(base_name) if base_name is not None else None
     names = {f.name for f in fields(ClusterProfile)}
     extra = {"base", "schema", "machine", "versions", "spread", "collectives", "calibration"}
+    extra.add("accuracy")  # validate --record's history (cost.accuracy)
     unknown = set(obj) - names - extra
     if unknown:
         raise ClusterError(f"{where}: unknown keys {sorted(unknown)}")

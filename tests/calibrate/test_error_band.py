@@ -1,0 +1,114 @@
+"""Error bands: `validate --record` keeps each plan's errors in the profile; `search`
+and `compile` then state how far an estimate is typically off and mark the frontier
+points the estimate cannot order."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+
+import pytest
+
+from tensoropt.cli import main
+from tensoropt.cost.accuracy import ErrorBand, band_of, near_tie_note, near_ties
+from tensoropt.cost.cluster import load_cluster
+
+from .conftest import load
+
+
+def test_near_ties_compare_each_point_with_the_one_before():
+    assert near_ties([1.0, 1.05, 1.2, 1.25, 2.0], 0.1) == [False, True, False, True, False]
+    assert near_ties([1.0, 1.25], 0.25) == [False, True]  # at the band's edge: a tie
+    assert near_ties([1.0, 1.05], None) == [False, False]  # no band: nothing is marked
+
+
+def test_the_note_names_the_points_within_the_band_of_the_picked_one():
+    band = ErrorBand(0.05, 0.2, 0.1, "validated: test")
+    times = [1.0, 1.1, 1.3, 2.0]
+    mems = [4 * 2**20, 3 * 2**20, 2 * 2**20, 2**20]
+    note = near_tie_note(times, mems, 1, band, 2)
+    assert note is not None and "point(s) 0 (1000.000 ms, 4.0 MiB), 2 (1300.000 ms" in note
+    assert "+-20%" in note and " 3 (" not in note
+    assert near_tie_note(times, mems, 1, band, 1) is None  # one device: +-5%, no neighbour
+    assert near_tie_note(times, mems, 1, None, 2) is None
+
+
+def test_validate_record_keeps_each_plans_errors_in_the_profile(
+    quick_profile, zoo_model, tmp_path, capsys
+):
+    profile = tmp_path / "p.json"
+    shutil.copy(quick_profile, profile)
+    assert band_of(str(profile)).source.startswith("calibration spread only")
+    out = tmp_path / "v.json"
+    code = main([
+        "validate", str(zoo_model("mlp")), "--devices", "1", "--cluster", str(profile),
+        "--points", "2", "--steps", "3", "--warmup", "1", "--backend", "local",
+        "--json-out", str(out), "--record",
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    results = json.loads(out.read_text())["results"]
+    plans = load(profile)["accuracy"]["plans"]
+    assert [(p["devices"], p["time"], p["memory"]) for p in plans] == [
+        (r["devices"], r["time_rel_error"], r["memory_rel_error"]) for r in results
+    ]
+    band = band_of(str(profile))
+    assert band.time_one == statistics.median(abs(r["time_rel_error"]) for r in results)
+    assert band.time_multi is None  # no multi-device plan recorded
+    assert band.source.startswith(f"validated: median error of {len(results)} plans")
+    load_cluster(str(profile))  # the profile still loads
+
+
+def test_record_needs_a_profile_file(zoo_model, capsys):
+    code = main(["validate", str(zoo_model("mlp")), "--cluster", "h100", "--record"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--record writes into the --cluster profile" in err[0]
+
+
+@pytest.fixture
+def banded(quick_profile, tmp_path):
+    """The quick profile with a recorded multi-device error of 30%."""
+    obj = load(quick_profile)
+    obj["accuracy"] = {
+        "plans": [{"run": "r", "model": "m", "devices": 2, "time": t, "memory": 0.1}
+                  for t in (-0.3, 0.3, -0.3)]
+    }  # fmt: skip
+    path = tmp_path / "banded.json"
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def test_search_marks_the_points_it_cannot_order(banded, zoo_model, tmp_path, capsys):
+    model = str(zoo_model("gpt"))
+    out = tmp_path / "s.json"
+    code = main(["search", model, "--devices", "2", "--cluster", str(banded),
+                 "--json-out", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "step time typically within +-30% (validated: median error of 3 plans" in text
+    doc = json.loads(out.read_text())
+    assert doc["error_band"]["time_several_devices"] == pytest.approx(0.3)
+    rows = doc["per_device"]["2"]
+    times = [r["time_s"] for r in rows]
+    assert [r["near_tie_with_previous"] for r in rows] == near_ties(times, 0.3)
+    assert any(r["near_tie_with_previous"] for r in rows)
+    assert "(~: step time within the error band of the row above" in text
+    # the table marks the shown rows against the row shown above them
+    table = text[text.index("2 devices:") : text.index("(pick:")].splitlines()[2:]
+    shown = [(int(ln.split()[0]), "~" in ln.split()) for ln in table if ln.strip()]
+    marks = near_ties([times[i] for i, _ in shown], 0.3)
+    assert [m for _, m in shown] == marks
+    # a built-in profile has no band: no marks, and the JSON says so
+    code = main(["search", model, "--devices", "2", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error_band"] is None
+    assert not any(r["near_tie_with_previous"] for r in doc["per_device"]["2"])
+
+
+def test_compile_pick_names_the_near_ties(banded, zoo_model, tmp_path, capsys):
+    code = main(["compile", str(zoo_model("gpt")), "--devices", "2", "--pick", "fastest",
+                 "--cluster", str(banded), "-o", str(tmp_path / "out"), "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["error_band"]["source"].startswith("validated")
+    assert "near-ties: at 2 devices, point(s) 1 (" in captured.err
