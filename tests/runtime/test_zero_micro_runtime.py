@@ -16,6 +16,7 @@ import pytest
 from tensoropt.cli import main
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.verify import param_floor, rel_error
+from tests.helpers.killed import kill_after_checkpoint
 from tests.passes.test_zero_equivalence import ADAM
 from tests.passes.test_zero_micro import compile_zero_micro, zoo
 
@@ -93,36 +94,10 @@ def test_zero3_micro_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     """A real kill: mpiexec running a ZeRO-3 plan with 2 micro-batches is SIGKILLed once
     every rank has checkpointed step 2; ``--resume`` then ends three steps later with
     the losses, parameters and states of a run that was never interrupted."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tensoropt.runtime.checkpoint import latest_common_step
-
     out = tmp_path / "out"
     compile_zero_micro(zoo("mlp"), "data-parallel", "2", 3, 2, out, ADAM)
     ck = tmp_path / "ck"
-    argv = [sys.executable, "-m", "tensoropt", "run", str(out), "--steps", "100000",
-            "--backend", "mpi", "--checkpoint", str(ck)]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while (latest_common_step(ck, 2) or 0) < 2 and proc.poll() is None:
-            assert time.monotonic() < deadline, "no checkpoint of step 2 within 120 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    # the ranks die with their launcher, a moment after it: wait for the files to settle
-    seen = None
-    while seen != (seen := sorted(os.listdir(ck))):
-        time.sleep(1.0)
-    done = latest_common_step(ck, 2)
-    assert done is not None and done >= 2
+    done = kill_after_checkpoint(out, ck)
     full = run_steps(out, done + 3, "mpi")
     resumed = run_steps(out, done + 3, "mpi", checkpoint=ck, resume=True)
     assert resumed.start_step == done

@@ -23,6 +23,7 @@ from tensoropt.runtime.manifest import load_outdir
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.split import zero_gather
 from tensoropt.runtime.verify import param_floor, rel_error
+from tests.helpers.killed import kill_after_checkpoint
 from tests.passes.test_zero_equivalence import ADAM, compile_zero
 
 
@@ -127,36 +128,10 @@ def test_zero3_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     """A real kill: mpirun with ZeRO-3 shards is SIGKILLed once every rank has
     checkpointed step 2; ``--resume`` then ends three steps later with the losses and
     parameters of a run that was never interrupted."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tensoropt.runtime.checkpoint import latest_common_step
-
     out = tmp_path / "out"
     compile_zero(build_model("mlp", "tiny"), "data-parallel", "2", 3, out, ADAM)
     ck = tmp_path / "ck"
-    argv = [sys.executable, "-m", "tensoropt", "run", str(out), "--steps", "100000",
-            "--backend", "mpi", "--checkpoint", str(ck)]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while (latest_common_step(ck, 2) or 0) < 2 and proc.poll() is None:
-            assert time.monotonic() < deadline, "no checkpoint of step 2 within 120 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    # the ranks die with their launcher, a moment after it: wait for the files to settle
-    seen = None
-    while seen != (seen := sorted(os.listdir(ck))):
-        time.sleep(1.0)
-    done = latest_common_step(ck, 2)
-    assert done is not None and done >= 2
+    done = kill_after_checkpoint(out, ck)
     full = run_steps(out, done + 3, "mpi")
     resumed = run_steps(out, done + 3, "mpi", checkpoint=ck, resume=True)
     assert resumed.start_step == done
