@@ -1,0 +1,113 @@
+"""Pipeline stages: the exact frontier over contiguous stage cuts (1F1B pricing).
+
+A pipelined plan cuts the forward graph, in its topological order, into p contiguous
+stages at allowed cut positions 0 = c_0 < c_1 < ... < c_p = L; stage s holds the layers
+[c_s, c_(s+1)) on a sub-mesh of its own, and every step runs m micro-batches under a
+1F1B schedule. How one stage's layers are split over its sub-mesh is an intra-op plan
+with a frontier of its own; this module combines those frontiers, exactly, over the
+cuts.
+
+Pricing of stage s under one of its intra-op plans (docs/design/pipeline.md):
+
+    tau_s = (m + p - 1) * (f_s + b_s + x_s) + u_s
+    mem_s = w_s + min(p - s, m) * a_s
+
+with f_s + b_s its forward and backward time for one micro-batch, x_s the point-to-point
+time of its boundary activations and gradients per micro-batch, u_s its once-per-step
+work (gradient synchronisation, update), w_s its parameters, gradients and optimizer
+state, and a_s the activations one micro-batch leaves for the backward. Under 1F1B every
+stage runs m slots of work and p - 1 slots of bubble at the pace of its own slot, and
+stage s holds at most min(p - s, m) micro-batches in flight (the first stage p). The
+step's time is the largest tau_s and its memory per device the largest mem_s:
+
+    T = max_s tau_s,    M = max_s mem_s.
+
+Both compose by max, which is monotone, so a dynamic program over cut positions that
+keeps, for every (stages used, position), the Pareto set of (max tau, max mem) of the
+prefixes ending there is exact: a prefix that another prefix dominates can only lead to
+completions that the same completion of the other dominates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+# a stage's intra-op points: (tau, mem, payload), payload identifying the intra-op plan
+StagePoints = Sequence[tuple[float, float, Hashable]]
+
+
+def stage_time(per_micro: float, per_step: float, micro_batches: int, stages: int) -> float:
+    """tau_s of a stage: ``per_micro`` (f + b + x) per micro-batch slot, over m + p - 1
+    slots, plus its once-per-step work."""
+    return (micro_batches + stages - 1) * per_micro + per_step
+
+
+def in_flight(stage: int, micro_batches: int, stages: int) -> int:
+    """Micro-batches stage ``stage`` (0 = first) holds activations of under 1F1B."""
+    return min(stages - stage, micro_batches)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePoint:
+    """One point of the pipelined frontier: its step time, memory per device, the cut
+    positions (c_0 = 0, ..., c_p = L) and the payload of each stage's intra-op plan."""
+
+    time_s: float
+    memory_bytes: float
+    cuts: tuple[int, ...]
+    plans: tuple[Hashable, ...]
+
+
+def _pareto(points: list[PipelinePoint]) -> list[PipelinePoint]:
+    """The points no other point dominates (time ascending; of equal points the first)."""
+    points.sort(key=lambda q: (q.time_s, q.memory_bytes))
+    out: list[PipelinePoint] = []
+    for q in points:
+        if not out or q.memory_bytes < out[-1].memory_bytes:
+            out.append(q)
+    return out
+
+
+def stage_frontier(
+    positions: Sequence[int],
+    stages: int,
+    frontier_of: Callable[[int, int, int], StagePoints],
+) -> list[PipelinePoint]:
+    """The exact (T, M) frontier over every way to cut ``positions`` (the allowed cut
+    positions, first = 0 and last = L, increasing) into ``stages`` non-empty contiguous
+    stages, each stage taking one of the points ``frontier_of(start, end, stage)`` of
+    its own (already priced as tau_s, mem_s for that stage index; an empty sequence: the
+    stage cannot hold that range). Time ascending."""
+    if stages < 1:
+        raise ValueError(f"stages must be at least 1, got {stages}")
+    cut = list(positions)
+    if len(cut) < stages + 1:
+        return []
+    n = len(cut)
+    # best[k]: prefixes of s stages ending at cut[k]; s = 0: the empty prefix at cut[0]
+    best: dict[int, list[PipelinePoint]] = {0: [PipelinePoint(0.0, 0.0, (cut[0],), ())]}
+    for s in range(stages):
+        last = s == stages - 1
+        nxt: dict[int, list[PipelinePoint]] = {}
+        ends = [n - 1] if last else range(s + 1, n - (stages - s - 1))
+        for k in ends:
+            found: list[PipelinePoint] = []
+            for i, prefixes in best.items():
+                if i >= k:
+                    continue
+                points = frontier_of(cut[i], cut[k], s)
+                for pre in prefixes:
+                    for tau, mem, payload in points:
+                        found.append(
+                            PipelinePoint(
+                                max(pre.time_s, tau),
+                                max(pre.memory_bytes, mem),
+                                (*pre.cuts, cut[k]),
+                                (*pre.plans, payload),
+                            )
+                        )
+            if found:
+                nxt[k] = _pareto(found)
+        best = nxt
+    return best.get(n - 1, [])

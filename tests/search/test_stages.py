@@ -1,0 +1,78 @@
+"""The stage DP (search/stages.py) against exhaustive enumeration of every cut and every
+per-stage plan, on random synthetic per-stage frontiers."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tensoropt.search.stages import in_flight, stage_frontier, stage_time
+
+
+def _pareto_values(values):
+    out = []
+    for t, m in sorted(values):
+        if not out or m < out[-1][1]:
+            out.append((t, m))
+    return out
+
+
+def _instance(seed: int, layers: int):
+    rng = np.random.default_rng(seed)
+    table = {}
+    for i in range(layers + 1):
+        for j in range(i + 1, layers + 1):
+            for s in range(layers):
+                if rng.random() < 0.1:
+                    table[(i, j, s)] = []  # this stage cannot hold the range
+                    continue
+                k = int(rng.integers(1, 4))
+                # integer-valued: ties between different cuts are common and exact
+                table[(i, j, s)] = [
+                    (float(rng.integers(1, 20)), float(rng.integers(1, 20)), (i, j, s, q))
+                    for q in range(k)
+                ]
+    return table
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_dp_is_the_pareto_set_of_every_cut_and_plan(seed):
+    layers = 2 + seed % 5
+    positions = list(range(layers + 1))
+    if seed % 3 == 0:  # only some cut positions allowed (block boundaries)
+        positions = [0, *[c for c in range(1, layers) if (c + seed) % 2 == 0], layers]
+    table = _instance(seed, layers)
+    for stages in range(1, len(positions)):
+        got = stage_frontier(positions, stages, lambda i, j, s: table[(i, j, s)])
+        values = []
+        for inner in itertools.combinations(positions[1:-1], stages - 1):
+            cuts = (0, *inner, layers)
+            ranges = [table[(cuts[s], cuts[s + 1], s)] for s in range(stages)]
+            for pick in itertools.product(*ranges):
+                values.append((max(p[0] for p in pick), max(p[1] for p in pick)))
+        assert [(p.time_s, p.memory_bytes) for p in got] == _pareto_values(values), stages
+        for p in got:  # each point is the plan it says
+            assert p.cuts[0] == 0 and p.cuts[-1] == layers and len(p.cuts) == stages + 1
+            assert all(c in positions for c in p.cuts)
+            picked = [
+                next(q for q in table[(p.cuts[s], p.cuts[s + 1], s)] if q[2] == p.plans[s])
+                for s in range(stages)
+            ]
+            assert max(q[0] for q in picked) == p.time_s
+            assert max(q[1] for q in picked) == p.memory_bytes
+
+
+def test_more_stages_than_cuts_gives_nothing():
+    assert stage_frontier([0, 1, 2], 3, lambda i, j, s: [(1.0, 1.0, None)]) == []
+    with pytest.raises(ValueError):
+        stage_frontier([0, 1], 0, lambda i, j, s: [])
+
+
+def test_1f1b_pricing():
+    # m slots of work and p - 1 of bubble, then the step's own work
+    assert stage_time(2.0, 5.0, micro_batches=8, stages=4) == (8 + 3) * 2.0 + 5.0
+    # the first stage holds p micro-batches in flight, the last one; never more than m
+    assert [in_flight(s, 8, 4) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(s, 2, 4) for s in range(4)] == [2, 2, 2, 1]
