@@ -381,7 +381,11 @@ def compute_bounds(
     of that many more channels).
     external: (time, memory) of plans found elsewhere (another mesh of the same device
     count): they join the incumbents, so partial plans strictly dominated by one of them
-    are dropped as well."""
+    are dropped as well. With them, the problem's own incumbents come from every fourth
+    weight only (5 of 17): the external staircase already bounds most of the frontier,
+    and the own plans cost an inside and an outside pass per weight (measured on
+    GPT-2-medium at 4 devices, every axis: solves 17.7 -> 13.2 s of CPU, the same
+    frontier; one weight: 13.9 s)."""
     plain = {i: _leaf_channels(sched, i, tb, np.zeros((0, 2))) for i, tb in leaves.items()}
     lows = _inside(sched, plain)
     t_min = sum(float(lows[r][0].reshape(-1)[0]) for r in sched.roots)
@@ -392,8 +396,9 @@ def compute_bounds(
     weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
     ts: list[np.ndarray] = []
     ms: list[np.ndarray] = []
-    for lo in range(0, WEIGHTS, BATCH):  # a few channels at a time: bounded memory
-        t_part, m_part = _incumbents(sched, leaves, weights[lo : lo + BATCH])
+    own = weights if external is None or not len(external[0]) else weights[::4]
+    for lo in range(0, len(own), BATCH):  # a few channels at a time: bounded memory
+        t_part, m_part = _incumbents(sched, leaves, own[lo : lo + BATCH])
         ts.append(t_part)
         ms.append(m_part)
     if external is not None:
