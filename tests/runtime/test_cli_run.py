@@ -34,10 +34,13 @@ def test_json_output(outdirs, capsys):
     assert data["schema"] == "tensoropt.run/1"
     assert len(data["losses"]) == 2
     assert set(data["verify"]) == {
-        "max_rel_error_loss", "max_rel_error_params", "per_step", "ok", "tolerance"
+        "max_rel_error_loss", "max_rel_error_params", "per_step", "ok", "tolerance",
+        "within_rounding_sensitivity",
     }  # fmt: skip
     assert data["verify"]["ok"] is True and data["verify"]["tolerance"] == 1e-4
+    assert data["verify"]["within_rounding_sensitivity"] == {}  # every tensor within 1e-4
     assert len(data["verify"]["per_step"]) == 2
+    assert all(s["allowed_params"] == {} for s in data["verify"]["per_step"])
 
 
 def test_tampered_file_exits_2_with_one_line(tmp_path, capsys):
