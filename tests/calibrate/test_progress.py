@@ -29,3 +29,12 @@ def test_records_come_periodically_with_phase_done_total_and_elapsed():
     count = len(lines)
     time.sleep(0.2)
     assert len(out.getvalue().splitlines()) == count  # closed: no more records
+
+
+def test_calibrate_warns_when_other_work_shares_the_machine():
+    from tensoropt.cli.cmd_calibrate import busy_warning
+
+    assert busy_warning(0.4, 2) is None and busy_warning(1.0, 2) is None
+    line = busy_warning(4.9, 2)
+    assert line is not None and "\n" not in line
+    assert "load average 4.9 on 2 cores" in line and "calibrate when it is idle" in line
