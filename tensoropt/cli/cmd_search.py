@@ -91,7 +91,7 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         "zero (ZeRO stage 1, 2 or 3 of every unit that can shard its parameters), "
         "recompute (every block recomputed in the backward), micro (micro-batches with "
         "gradient accumulation); default split; every axis: split,zero,recompute,micro "
-        "(about 19x the search time of split alone on GPT-2-medium, 1..8 devices)",
+        "(about 18x the search time of split alone on GPT-2-medium, 1..64 devices)",
     )
     p.add_argument(
         "--micro-batches",
