@@ -488,8 +488,12 @@ def run(args: argparse.Namespace) -> int:
         plan, data_axes = _load_plan_file(plan_name, mesh)
         mesh = plan.mesh
         notes = ()
-    # compile streams the weights itself; a built-in plan may rewrite the forward first
-    step = build_step(args, load_weights=False, plan=None if is_file else plan_name)
+    # compile streams the weights itself; a built-in plan may rewrite the forward first,
+    # and a plan file written for megatron names the nodes of that rewrite
+    prepared = plan_name
+    if is_file:
+        prepared = "megatron" if plan.source == "megatron" else None
+    step = build_step(args, load_weights=False, plan=prepared)
     summary = step.selection.summary(step.model.graph)
     if not is_file:
         built = builtin_plan(plan_name, step.model.graph, step.signature, mesh)

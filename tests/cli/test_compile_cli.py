@@ -263,6 +263,28 @@ def test_written_plan_file_compiles_again(block, tmp_path, capsys):
         ).read_bytes()
 
 
+def test_a_megatron_plan_file_of_a_rewritten_forward_compiles_again(tmp_path, capsys):
+    """Megatron rewrites gpt's forward (stacked projections, named megatron_*), and its
+    plan.json names those nodes: compiling the file rewrites the forward the same way and
+    gives the same device graphs."""
+    from tensoropt.models import build_model, save_model
+
+    model = tmp_path / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(model))
+    first = cli(capsys, "compile", model, "--devices", 2, "--plan", "megatron", "-o",
+                tmp_path / "a")  # fmt: skip
+    assert first.code == 0, first.err
+    units = json.loads((tmp_path / "a" / "plan.json").read_text())["units"]
+    assert any(name.startswith("megatron_") for name in units)  # the case is real
+    again = cli(capsys, "compile", model, "--devices", 2, "--plan",
+                tmp_path / "a" / "plan.json", "-o", tmp_path / "b")  # fmt: skip
+    assert again.code == 0, again.err
+    for k in range(2):
+        assert (tmp_path / "a" / f"device_{k}.onnx").read_bytes() == (
+            tmp_path / "b" / f"device_{k}.onnx"
+        ).read_bytes()
+
+
 # -- output directory atomicity -----------------------------------------------------
 
 
