@@ -25,9 +25,10 @@ batch's samples reversed, which changes only the order of the gradient sums
 trajectory from the first step, since a parameter moved by rounding changes every later
 gradient a little; with SGD, a single reversed step from the same state, summed over the
 steps. A parameter is still within the check when its error is at most
-``SENSITIVITY_SLACK`` times its sensitivity; the report names such parameters. A parameter with a real gradient is sensitive at the 1e-6 level, so
-the tolerance keeps deciding there, and a wrong update (``lr`` per step, against a
-noise of about ``lr`` x 1e-3 for the key bias) stays far outside its allowance.
+``SENSITIVITY_SLACK`` times its sensitivity; the report names such parameters. A
+parameter with a real gradient is sensitive at the 1e-6 level, so the tolerance keeps
+deciding there, and a wrong update (``lr`` per step, against a noise of about ``lr`` x
+1e-3 for the key bias) stays far outside its allowance.
 """
 
 from __future__ import annotations
