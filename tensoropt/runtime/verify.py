@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tensoropt.ir.vocab import OptimizerState
+
 TINY = 1e-12
 DEFAULT_TOLERANCE = 1e-4
 
@@ -194,12 +196,15 @@ class Reference:
         measure the rounding sensitivity of the parameters over the tolerance."""
         before = self.state
         ref_loss, self.state = self.session.step(before, batch)  # type: ignore[attr-defined]
-        reordered = _reordered(batch)
-        if reordered is not None and _adaptive(before):
+        adaptive = _adaptive(before)
+        reordered = None
+        if adaptive:
             # the divergence compounds from step to step (a parameter moved by rounding
             # changes every later gradient a little): follow a whole second trajectory
-            start = self.shadow if self.shadow is not None else before
-            _, self.shadow = self.session.step(start, reordered)  # type: ignore[attr-defined]
+            reordered = _reordered(batch)
+            if reordered is not None:
+                start = self.shadow if self.shadow is not None else before
+                _, self.shadow = self.session.step(start, reordered)  # type: ignore[attr-defined]
         floor = param_floor({name: self.state[name] for name in params})
         errors = {name: rel_error(value, self.state[name], floor) for name, value in params.items()}
         over = [name for name, e in errors.items() if e > self.tolerance]
@@ -208,7 +213,7 @@ class Reference:
             for name in over:
                 felt = rel_error(self.shadow[name], self.state[name], floor)
                 allowed[name] = SENSITIVITY_SLACK * felt
-        elif over and reordered is not None:
+        elif over and not adaptive and (reordered := _reordered(batch)) is not None:
             _, other = self.session.step(before, reordered)  # type: ignore[attr-defined]
             for name in over:
                 felt = rel_error(other[name], self.state[name], floor)
@@ -220,7 +225,7 @@ class Reference:
 def _adaptive(state: Mapping[str, np.ndarray]) -> bool:
     """Whether the step's optimizer divides updates by a second moment (Adam: states
     named ``*__v``), which turns the rounding of small gradients into whole updates."""
-    return any(name.endswith("__v") for name in state)
+    return any(name.endswith(OptimizerState.ADAM_V.value) for name in state)
 
 
 def _reordered(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
