@@ -28,6 +28,7 @@ import time
 
 from results import write_section  # benchmarks/ is on sys.path when run as a script
 
+from tensoropt.cli import build_parser
 from tensoropt.cli.cmd_search import search_space
 from tensoropt.cli.common import search_graph
 from tensoropt.cost.cluster import builtin
@@ -42,18 +43,8 @@ ALL = "split,zero,recompute,micro"
 
 
 def _args(path: str, optimizer: str, axes: str) -> argparse.Namespace:
-    return argparse.Namespace(
-        model=path,
-        input_shape=None,
-        trainable=None,
-        freeze=None,
-        optimizer=optimizer,
-        momentum=0.9,
-        lr=0.01,
-        loss="auto",
-        axes=axes,
-        micro_batch_counts="1,2,4,8",
-    )
+    """`tensoropt search PATH --optimizer O --axes A` as the command parses it."""
+    return build_parser().parse_args(["search", path, "--optimizer", optimizer, "--axes", axes])
 
 
 def _search(path: str, optimizer: str, axes: str, devices, cluster: str, jobs: int | None):
