@@ -277,14 +277,16 @@ def _compile_picked(args: argparse.Namespace) -> int:
     _, _, exp = explore_from_args(args, counts)
     chosen = pick(exp, max(counts), args.pick, parse_bytes)
     search, point = chosen.search, chosen.point
-    rows = device_frontier(exp, search.mesh.size)
-    tie = near_tie_note(
-        [p.time_s for _, p in rows],
-        [p.memory_bytes for _, p in rows],
-        chosen.index,
-        band_of(args.cluster),
-        search.mesh.size,
-    )
+    band, tie = band_of(args.cluster), None
+    if band is not None:  # the frontier is merged again only for the note
+        rows = device_frontier(exp, search.mesh.size)
+        tie = near_tie_note(
+            [p.time_s for _, p in rows],
+            [p.memory_bytes for _, p in rows],
+            chosen.index,
+            band,
+            search.mesh.size,
+        )
     source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
     plan = with_micro_batches(plan_from_choice(search, point.choice, source), args)
     picked = (
