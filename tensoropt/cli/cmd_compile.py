@@ -136,6 +136,20 @@ def add_parser(sub) -> None:
         help="run each step's batch as K micro-batches whose gradients are accumulated "
         "(synchronised and applied once per step); overrides a plan file's value",
     )
+    p.add_argument(
+        "--stages",
+        metavar="P",
+        help="pipeline: cut the model into P stages at block boundaries (as equal block "
+        "counts as possible), each on its own N/P devices (--mesh then shapes one stage's "
+        "devices); needs --micro-batches 2 or more",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("1f1b", "gpipe"),
+        default=None,
+        help="pipeline schedule: 1f1b (each stage alternates forwards and backwards, so "
+        "stage s holds at most P - s micro-batches; default) or gpipe (every forward first)",
+    )
     add_training_options(p)
     p.add_argument(
         "--cluster",
@@ -249,14 +263,20 @@ def with_micro_batches(plan, args: argparse.Namespace):
     return dataclasses.replace(plan, micro_batches=k)
 
 
-def _load_plan_file(path: str, mesh):
+def _load_plan_file(path: str, mesh, stages: int | None = None):
+    """A plan file, checked against ``--devices`` (``mesh``: one stage's devices when
+    ``--stages`` is given): its mesh times its stages must be that many devices."""
     from tensoropt.ir.plan import Plan
 
     plan = Plan.load(path)
-    if plan.mesh.size != mesh.size:
+    per_stage = plan.mesh.size
+    count = stages if stages is not None else plan.num_stages
+    if per_stage * count != mesh.size * (stages or 1):
+        times = f" per stage x {count} stages" if count > 1 else ""
         raise PlanError(
-            f"{path}: the plan's mesh {plan.mesh} has {plan.mesh.size} devices but --devices "
-            f"is {mesh.size}; compile with --devices {plan.mesh.size}"
+            f"{path}: the plan's mesh {plan.mesh} has {per_stage} devices{times} but "
+            f"--devices is {mesh.size * (stages or 1)}; compile with --devices "
+            f"{per_stage * count}"
         )
     return plan, plan.data_axes
 
@@ -380,6 +400,49 @@ def _with_zero(stage: int, step, plan, data_axes, notes):
     return zeroed.plan, (*notes, *zeroed.notes)
 
 
+def stage_count(args: argparse.Namespace) -> int:
+    """``--stages P`` (1 without the flag)."""
+    text = getattr(args, "stages", None)
+    if text is None:
+        return 1
+    try:
+        count = int(str(text))
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise PlanError(f"--stages {text!r}: expected an integer >= 1")
+    return count
+
+
+def stage_devices(args: argparse.Namespace, devices: int) -> int:
+    """Devices per stage: ``--devices`` over ``--stages``, refused unless it divides."""
+    count = stage_count(args)
+    if devices % count:
+        raise PlanError(
+            f"--stages {count}: {devices} devices do not split into {count} equal stages; "
+            f"give --devices a multiple of {count}"
+        )
+    return devices // count
+
+
+def with_stages(args: argparse.Namespace, step, plan):
+    """``plan`` cut into ``--stages`` pipeline stages and run under ``--schedule``
+    (unchanged without the flags, except a plan file's schedule that --schedule sets)."""
+    import dataclasses
+
+    count = stage_count(args)
+    schedule = getattr(args, "schedule", None) or plan.schedule
+    if count == 1:
+        if getattr(args, "stages", None) is not None:
+            return dataclasses.replace(plan, stages=(), schedule=schedule)
+        return dataclasses.replace(plan, schedule=schedule)
+    from tensoropt.passes.recompute import find_blocks
+    from tensoropt.passes.stages import even_starts
+
+    blocks = find_blocks(step.model.graph, step.signature.data_inputs)
+    return dataclasses.replace(plan, stages=even_starts(blocks, count), schedule=schedule)
+
+
 def with_recompute(args: argparse.Namespace, step, plan):
     """``plan`` with the blocks ``--recompute`` chooses (unchanged without the flag)."""
     if args.recompute is None:
@@ -485,11 +548,14 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(
             f"--plan {plan_name!r}: use data-parallel, megatron, fsdp or a PLAN.json file"
         )
-    mesh = parse_mesh(devices, args.mesh, plan_name)
     if is_file:
-        plan, data_axes = _load_plan_file(plan_name, mesh)
+        mesh = parse_mesh(stage_devices(args, devices), args.mesh, "data-parallel")
+        flag = stage_count(args) if args.stages is not None else None
+        plan, data_axes = _load_plan_file(plan_name, mesh, flag)
         mesh = plan.mesh
         notes = ()
+    else:
+        mesh = parse_mesh(stage_devices(args, devices), args.mesh, plan_name)
     # compile streams the weights itself; a built-in plan may rewrite the forward first,
     # and a plan file written for megatron names the nodes of that rewrite
     prepared = plan_name
@@ -504,6 +570,7 @@ def run(args: argparse.Namespace) -> int:
     if args.zero is not None:
         plan, notes = _with_zero(args.zero, step, plan, data_axes, notes)
     plan = with_recompute(args, step, plan)
+    plan = with_stages(args, step, plan)
     # Everything that can fail runs before anything is printed: an error stays one line.
     estimate = estimate_of(step, plan, data_axes, args.cluster)
     result = compile_step(

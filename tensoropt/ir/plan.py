@@ -17,6 +17,11 @@ Memory-for-time choices, each optional (absent means off): a unit's ``zero`` sta
 accumulation over that many micro-batches per step) and ``recompute`` (names of the blocks
 whose forward runs again in the backward).
 
+Pipeline stages, optional: ``pipeline.starts`` names the blocks (``block_<i>``, as
+``recompute`` names them) where stages 1, 2, ... begin, so a plan with P - 1 starts runs
+P stages, each on a sub-mesh of its own of the plan's mesh shape (P x mesh.size devices),
+its ``micro_batches`` micro-batches under ``pipeline.schedule`` (``1f1b`` or ``gpipe``).
+
 File format (``schema`` ``tensoropt.plan/1``)::
 
     {"schema": "tensoropt.plan/1",
@@ -26,7 +31,8 @@ File format (``schema`` ``tensoropt.plan/1``)::
      "units": {"MatMul_0": {"inputs": ["S(0)R", "RS(1)"], "outputs": ["S(0)S(1)"]},
                "Add_3": {"index": 2, "zero": 3}},
      "micro_batches": 4,
-     "recompute": ["block_0", "block_1"]}
+     "recompute": ["block_0", "block_1"],
+     "pipeline": {"starts": ["block_8"], "schedule": "1f1b"}}
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
 
 PLAN_SCHEMA = "tensoropt.plan/1"
+SCHEDULES = ("1f1b", "gpipe")
+"""Pipeline schedules: one-forward-one-backward (PipeDream-flush), or every forward first."""
 
 
 class DefaultStrategy(Enum):
@@ -169,10 +177,22 @@ class Plan:
     # Names of the recomputed blocks: only a block's input is kept for the backward, and
     # its forward runs again inside the backward.
     recompute: tuple[str, ...] = ()
+    # Pipeline stages: the blocks where stages 1, 2, ... begin (empty: one stage), and
+    # the order each stage runs its micro-batches' forwards and backwards in.
+    stages: tuple[str, ...] = ()
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", MappingProxyType(dict(self.units)))
         object.__setattr__(self, "recompute", tuple(self.recompute))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if len(set(self.stages)) != len(self.stages):
+            raise PlanError("plan pipeline.starts: a block is listed twice; list each once")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(
+                f"plan pipeline.schedule: expected one of {', '.join(SCHEDULES)}, "
+                f"found {self.schedule!r}"
+            )
         if isinstance(self.micro_batches, bool) or not (
             isinstance(self.micro_batches, int) and self.micro_batches >= 1
         ):
@@ -192,6 +212,16 @@ class Plan:
                     f"the mesh {self.mesh}"
                 )
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: 1 for a plan without stages."""
+        return len(self.stages) + 1
+
+    @property
+    def world_size(self) -> int:
+        """Devices the plan runs on: one sub-mesh per stage."""
+        return self.num_stages * self.mesh.size
+
     def unit(self, name: str) -> UnitStrategy | None:
         """The listed strategy of unit ``name``, or None (then :attr:`default` applies)."""
         return self.units.get(name)
@@ -209,6 +239,8 @@ class Plan:
             out["micro_batches"] = self.micro_batches
         if self.recompute:
             out["recompute"] = list(self.recompute)
+        if self.stages:
+            out["pipeline"] = {"starts": list(self.stages), "schedule": self.schedule}
         out["units"] = {name: self.units[name].to_json() for name in sorted(self.units)}
         return out
 
@@ -228,7 +260,7 @@ class Plan:
         if schema != PLAN_SCHEMA:
             raise PlanError(f"{where}.schema: expected {PLAN_SCHEMA!r}, found {schema!r}")
         keys = {"schema", "source", "mesh", "default", "units", "data_axes"}
-        unknown = set(obj) - keys - {"micro_batches", "recompute"}
+        unknown = set(obj) - keys - {"micro_batches", "recompute", "pipeline"}
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}")
         if "mesh" not in obj:
@@ -257,6 +289,7 @@ class Plan:
         recompute = obj.get("recompute", [])
         if not isinstance(recompute, list) or not all(isinstance(b, str) for b in recompute):
             raise PlanError(f"{where}.recompute: expected a list of block names")
+        starts, schedule = _pipeline(obj.get("pipeline"), f"{where}.pipeline")
         return cls(
             mesh,
             units,
@@ -265,6 +298,8 @@ class Plan:
             None if axes is None else tuple(axes),
             micro,
             tuple(recompute),
+            starts,
+            schedule,
         )
 
     @classmethod
@@ -293,6 +328,22 @@ def _default(value: object, where: str) -> DefaultStrategy:
             return d
     allowed = ", ".join(d.value for d in DefaultStrategy)
     raise PlanError(f"{where}.default: expected one of {allowed}, found {value!r}")
+
+
+def _pipeline(obj: object, where: str) -> tuple[tuple[str, ...], str]:
+    if obj is None:
+        return (), SCHEDULES[0]
+    if not isinstance(obj, dict) or set(obj) - {"starts", "schedule"}:
+        raise PlanError(f"{where}: expected {{'starts': [block names], 'schedule': '1f1b'}}")
+    starts = obj.get("starts", [])
+    if not isinstance(starts, list) or not all(isinstance(b, str) for b in starts):
+        raise PlanError(f"{where}.starts: expected a list of block names")
+    schedule = obj.get("schedule", SCHEDULES[0])
+    if schedule not in SCHEDULES:
+        raise PlanError(
+            f"{where}.schedule: expected one of {', '.join(SCHEDULES)}, found {schedule!r}"
+        )
+    return tuple(starts), schedule
 
 
 def _zero(value: object, where: str) -> ZeroStage:

@@ -31,6 +31,7 @@ class Role(enum.Enum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     REDISTRIBUTION = "redistribution"
+    PIPELINE = "pipeline"  # Send/Recv between pipeline stages
 
 
 def role_of(node: ir.Node) -> Role | None:

@@ -42,10 +42,11 @@ from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan, UnitStrategy, ZeroStage
 from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
-from tensoropt.passes import micro, pipeline
+from tensoropt.passes import micro, pipeline, stages
 from tensoropt.passes.annotate import Annotation
 from tensoropt.passes.infra import CompileState
 from tensoropt.passes.partition import lower_for_rank
+from tensoropt.passes.recompute import find_blocks
 from tensoropt.passes.training_step import TrainingStep
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ def compile_step(
     mesh = plan.mesh
     sig = step.signature
     sources = detach_weights(graph)
+    blocks = find_blocks(graph, sig.data_inputs) if plan.stages else ()
     passes = pipeline.front_half(options or pipeline.DEFAULT_OPTIONS)
     to_layouts, to_template = passes.split_after(pipeline.InsertRedistribution.name)
     state = to_layouts(CompileState.of_step(step, plan, data_axes)).state
@@ -237,14 +239,26 @@ def compile_step(
     _drop_initializers(template.proto.graph, set(sig.states))
     _drop_initializers(annotated.graph, {*sig.params, *sig.states})
     collectives = sum(1 for n in template.proto.graph.node if n.domain == COLLECTIVE_DOMAIN)
+    devices = [(template, _lowered(rank)) for rank in range(mesh.size)]
+    if plan.stages:
+        state_names = {*sig.params, *sig.states}
+        staged = stages.cut_stages(template, plan, blocks, state_names)
+        devices = [
+            (staged[s], _lowered_stage(s, r, mesh.size))
+            for s in range(plan.num_stages)
+            for r in range(mesh.size)
+        ]
+        _manifest_stages(manifest, plan, staged)
+        collectives = max(
+            sum(1 for n in t.proto.graph.node if n.domain == COLLECTIVE_DOMAIN) for t in staged
+        )
     tmp = prepare_outdir(outdir)
     try:
         digests = DigestCache()
         files = _write_model(annotated, tmp, "annotated", sources, _full_blocks, digests)
         for rank, entry in enumerate(manifest["ranks"]):
-            written = _write_model(
-                template, tmp, f"device_{rank}", sources, _lowered(rank), digests
-            )
+            device_template, fill = devices[rank]
+            written = _write_model(device_template, tmp, f"device_{rank}", sources, fill, digests)
             files.update(written)
             data = f"device_{rank}.data"
             entry["data"] = data if data in written else None
@@ -263,7 +277,37 @@ def compile_step(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return CompileResult(os.path.abspath(outdir), mesh.size, tuple(sorted(files)), collectives)
+    return CompileResult(
+        os.path.abspath(outdir), plan.world_size, tuple(sorted(files)), collectives
+    )
+
+
+def _manifest_stages(manifest: dict, plan: Plan, staged) -> None:
+    """Pipelined plans: one device per (stage, sub-mesh rank), each with the inputs its
+    stage's graph reads, and the schedule (``manifest["pipeline"]``)."""
+    n = plan.mesh.size
+    ranks = []
+    for s, template in enumerate(staged):
+        inputs = [i.name for i in template.proto.graph.input]
+        outputs = [o.name for o in template.proto.graph.output]
+        for r in range(n):
+            ranks.append(
+                {
+                    "rank": s * n + r,
+                    "coords": list(plan.mesh.coords(r)),
+                    "file": f"device_{s * n + r}.onnx",
+                    "stage": s,
+                    "inputs": inputs,
+                    "outputs": outputs,
+                }
+            )
+    manifest["ranks"] = ranks
+    manifest["world_size"] = plan.world_size
+    info = stages.StageInfo(
+        0, plan.num_stages, plan.schedule, plan.micro_batches, n, plan.stages
+    ).to_json()
+    del info["stage"]
+    manifest["pipeline"] = info
 
 
 def completed_plan(plan: Plan, ann: Annotation) -> Plan:
@@ -335,6 +379,13 @@ class _StreamedWeights:
 def _lowered(rank: int):
     """The ``fill`` of :func:`_write_model` for ``rank``'s device graph."""
     return lambda template, weights: lower_for_rank(template, rank, weights)
+
+
+def _lowered_stage(stage: int, rank: int, ranks_per_stage: int):
+    """The ``fill`` of :func:`_write_model` for rank ``rank`` of pipeline stage ``stage``."""
+    return lambda template, weights: stages.globalize(
+        lower_for_rank(template, rank, weights), stage, rank, ranks_per_stage
+    )
 
 
 def _full_blocks(proto: onnx.ModelProto, weights: _StreamedWeights) -> onnx.ModelProto:

@@ -122,8 +122,8 @@ def drive(
         t_step = time.perf_counter() - t_step
         for r, clock in clocks.items():
             records[r].append(clock.record(k, t_step))
-        loop.state = {r: _carry(manifest, outs[r]) for r in engine.ranks}
-        loss = float(outs[engine.ranks[0]][manifest.loss_name])
+        loop.state = {r: _carry(manifest, outs[r], r) for r in engine.ranks}
+        loss = float(outs[engine.ranks[0]][manifest.loss_name])  # every rank has the loss
         loop.losses.append(loss)
         vstep = _verify_step(engine, manifest, loop, k, batch, loss) if opts.verify else None
         if opts.checkpoint and ((k + 1) % opts.checkpoint_every == 0 or k + 1 == opts.steps):
@@ -165,13 +165,18 @@ def _inject(mode: str) -> None:
     os._exit(17)
 
 
-def _state_names(manifest: Manifest) -> list[str]:
-    return [i.name for i in manifest.inputs_of(InputKind.PARAM, InputKind.STATE)]
+def _state_names(manifest: Manifest, rank: int) -> list[str]:
+    """The parameters and optimizer states ``rank`` holds."""
+    kinds = (InputKind.PARAM, InputKind.STATE)
+    return [i.name for i in manifest.inputs_of(*kinds) if manifest.holds(rank, i.name)]
 
 
 def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions) -> _Loop:
-    names = _state_names(manifest)
-    loop = _Loop({r: initial_state(manifest, models[r], names, r) for r in engine.ranks}, [], 0)
+    loop = _Loop(
+        {r: initial_state(manifest, models[r], _state_names(manifest, r), r) for r in engine.ranks},
+        [],
+        0,
+    )
     if opts.resume:
         _resume(engine, manifest, opts, loop)
     if opts.verify:
@@ -198,7 +203,7 @@ def _resume(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop) -
     for r in engine.ranks:
         state, meta = ckpt.load_shard(directory, r, step)
         ckpt.check_meta(meta, opts.seed, manifest.world_size, manifest.sha256, directory)
-        missing = set(_state_names(manifest)) - set(state)
+        missing = set(_state_names(manifest, r)) - set(state)
         if missing:
             raise TensorOptError(f"{directory}: rank {r} shard lacks {sorted(missing)}")
         loop.state[r] = state
@@ -210,12 +215,13 @@ def _resume(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop) -
 def _feeds(manifest: Manifest, batch: Mapping[str, np.ndarray], state: State, rank: int) -> dict:
     feeds = dict(state)
     for name, array in batch.items():
-        feeds[name] = shard(array, manifest.inputs[name], manifest, rank)
+        if manifest.holds(rank, name):
+            feeds[name] = shard(array, manifest.inputs[name], manifest, rank)
     return feeds
 
 
-def _carry(manifest: Manifest, outputs: Mapping[str, np.ndarray]) -> State:
-    carry = manifest.carry
+def _carry(manifest: Manifest, outputs: Mapping[str, np.ndarray], rank: int) -> State:
+    carry = manifest.carry_of(rank)
     missing = [o for o in carry if o not in outputs]
     if missing:
         raise TensorOptError(
@@ -259,6 +265,8 @@ def _owners(info, manifest: Manifest) -> set[int]:
     seen: set[tuple] = set()
     owners: set[int] = set()
     for r in manifest.ranks:
+        if not manifest.holds(r.rank, info.name):
+            continue
         block = block_of(info.global_shape, info.placements, manifest.mesh_shape, r.coords)
         key = tuple((b.start, b.stop) for b in block)
         if key not in seen:

@@ -11,7 +11,7 @@ methods: ``ranks``, ``is_root``, ``step`` and ``gather``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,9 +57,14 @@ def fed_names(manifest: Manifest) -> set[str]:
 def split_rank(manifest: Manifest, model: onnx.ModelProto, rank: int) -> RankPlan:
     """Split one rank's graph; its shared constants are read once from OUTDIR.
 
-    A micro-batched step splits into its two phases (``runtime.micro``)."""
+    A micro-batched step splits into its two phases (``runtime.micro``), a pipelined
+    one also into its stage's forward and backward parts (``runtime.pipeline``)."""
     fed = fed_names(manifest)
     weights = shared_weights(model, fed, manifest.outdir)
+    if manifest.pipeline is not None:
+        from tensoropt.runtime.pipeline import split_staged
+
+        return split_staged(manifest, model, rank, fed, weights)
     if manifest.micro is not None:
         dims = {i.name: i.micro_dim for i in manifest.inputs.values() if i.micro_dim is not None}
         return split_phases(model, rank, manifest.world_size, fed, weights, manifest.micro, dims)
@@ -115,12 +120,12 @@ class LocalEngine:
         self._phased = _phased(plans)
         if self._phased is None:
             self._programs = {r: RankProgram(plans[r], config) for r in sorted(plans)}  # type: ignore[arg-type]
-            _check_lockstep(plans)  # type: ignore[arg-type]
+            check_lockstep(plans)  # type: ignore[arg-type]
         else:
             micro = {r: p.micro for r, p in self._phased.items()}  # type: ignore[union-attr]
             step = {r: p.step for r, p in self._phased.items()}  # type: ignore[union-attr]
-            _check_lockstep(micro)
-            _check_lockstep(step)
+            check_lockstep(micro)
+            check_lockstep(step)
             self._micro = {r: RankProgram(micro[r], config) for r in sorted(plans)}
             self._programs = {r: RankProgram(step[r], config) for r in sorted(plans)}
 
@@ -150,26 +155,7 @@ class LocalEngine:
     def _lockstep(
         self, programs: Mapping[int, RankProgram], feeds: Mapping[int, Feeds]
     ) -> dict[int, dict[str, np.ndarray]]:
-        """One run of ``programs`` (one per rank), stage by stage on every rank."""
-        envs = {r: p.begin(feeds[r]) for r, p in programs.items()}
-        first = next(iter(programs.values()))
-        for i in range(first.num_stages):
-            for r, p in programs.items():
-                p.run_segment(i, envs[r])
-            for j in range(len(first.plan.stages[i].collectives)):
-                calls = {r: p.plan.stages[i].collectives[j] for r, p in programs.items()}
-                t0 = now()
-                outs = self._world.run_batched(
-                    calls, {r: envs[r][c.input] for r, c in calls.items()}
-                )
-                for r, c in calls.items():
-                    envs[r][c.output] = outs[r]
-                self._add_comm(now() - t0)
-                for r, p in programs.items():
-                    p.release_input(i, j, envs[r])
-            for r, p in programs.items():
-                p.release(i, envs[r])
-        return {r: p.finish(envs[r]) for r, p in programs.items()}
+        return lockstep(self._world, programs, feeds, self._add_comm)
 
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         return dict(per_rank)
@@ -188,6 +174,33 @@ class LocalEngine:
                 p.clock.add_comm(seconds)
 
 
+def lockstep(
+    world: LocalWorld,
+    programs: Mapping[int, RankProgram],
+    feeds: Mapping[int, Feeds],
+    add_comm: Callable[[float], None],
+) -> dict[int, dict[str, np.ndarray]]:
+    """One run of ``programs`` (one per rank, same structure), stage by stage on every
+    rank; each batch of collectives goes through ``world`` and its time to ``add_comm``."""
+    envs = {r: p.begin(feeds[r]) for r, p in programs.items()}
+    first = next(iter(programs.values()))
+    for i in range(first.num_stages):
+        for r, p in programs.items():
+            p.run_segment(i, envs[r])
+        for j in range(len(first.plan.stages[i].collectives)):
+            calls = {r: p.plan.stages[i].collectives[j] for r, p in programs.items()}
+            t0 = now()
+            outs = world.run_batched(calls, {r: envs[r][c.input] for r, c in calls.items()})
+            for r, c in calls.items():
+                envs[r][c.output] = outs[r]
+            add_comm(now() - t0)
+            for r, p in programs.items():
+                p.release_input(i, j, envs[r])
+        for r, p in programs.items():
+            p.release(i, envs[r])
+    return {r: p.finish(envs[r]) for r, p in programs.items()}
+
+
 def _phased(plans: Mapping[int, RankPlan]) -> dict[int, PhasedPlan] | None:
     """The plans if every rank's step is micro-batched, None if none is."""
     phased = {r: p for r, p in plans.items() if isinstance(p, PhasedPlan)}
@@ -198,7 +211,7 @@ def _phased(plans: Mapping[int, RankPlan]) -> dict[int, PhasedPlan] | None:
     return phased
 
 
-def _check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
+def check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
     ref_rank = min(plans)
     ref = [len(s.collectives) for s in plans[ref_rank].stages]
     for r, plan in plans.items():

@@ -65,6 +65,11 @@ class RankInfo:
     file: str
     sha256: str
     data: str | None = None  # the external data file of ``file`` (None: all inline)
+    stage: int = 0  # pipelined steps: the rank's pipeline stage
+    # pipelined steps: the inputs and outputs of the rank's graph (None: every input and
+    # output the manifest describes)
+    inputs: tuple[str, ...] | None = None
+    outputs: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +85,33 @@ class Manifest:
     inputs: Mapping[str, InputInfo]
     sha256: str  # of manifest.json itself (ties checkpoints to this compile)
     micro: MicroCut | None = None  # micro-batched steps: the phase cut (passes.micro)
+    # pipelined steps: stages, schedule, micro_batches, ranks_per_stage, starts
+    pipeline: Mapping[str, Any] | None = None
 
     def inputs_of(self, *kinds: InputKind) -> list[InputInfo]:
         return [info for info in self.inputs.values() if info.kind in kinds]
 
+    def holds(self, rank: int, name: str) -> bool:
+        """True when ``rank``'s graph has the input ``name`` (pipeline stages hold their
+        own parameters; every other rank holds every input)."""
+        names = self.ranks[rank].inputs
+        return names is None or name in names
+
     @property
     def carry(self) -> dict[str, str]:
         return dict(self.step.get("carry", {}))
+
+    def carry_of(self, rank: int) -> dict[str, str]:
+        """The outputs of ``rank``'s graph that become its next step's inputs."""
+        outputs = self.ranks[rank].outputs
+        return {o: i for o, i in self.carry.items() if outputs is None or o in outputs}
+
+    @property
+    def loss_rank(self) -> int:
+        """The first rank whose graph computes the loss (of the last pipeline stage)."""
+        if self.pipeline is None:
+            return 0
+        return (int(self.pipeline["stages"]) - 1) * int(self.pipeline["ranks_per_stage"])
 
     @property
     def loss_name(self) -> str:
@@ -179,6 +204,9 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
             plain_name(r["file"], where),
             str(r["sha256"]),
             None if r.get("data") is None else plain_name(r["data"], where),
+            int(r.get("stage", 0)),
+            None if r.get("inputs") is None else tuple(str(n) for n in r["inputs"]),
+            None if r.get("outputs") is None else tuple(str(n) for n in r["outputs"]),
         )
         for r in sorted(raw["ranks"], key=lambda r: int(r["rank"]))
     )
@@ -209,6 +237,7 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
         inputs=inputs,
         sha256=digest,
         micro=None if raw.get("micro") is None else MicroCut.from_json(raw["micro"]),
+        pipeline=raw.get("pipeline"),
     )
 
 

@@ -17,7 +17,7 @@ from tensoropt.runtime.arena import ArenaMode
 from tensoropt.runtime.checkpoint import save_npz
 from tensoropt.runtime.data import load_npz, specs_from_manifest
 from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
-from tensoropt.runtime.engine import LocalEngine, load_device, split_all
+from tensoropt.runtime.engine import LocalEngine, load_device, split_all, split_rank
 from tensoropt.runtime.malloc import tune_process
 from tensoropt.runtime.manifest import Manifest, load_outdir
 from tensoropt.runtime.program import SessionConfig, check_collective_order
@@ -136,9 +136,14 @@ def _arena(value: ArenaMode | str) -> ArenaMode:
 def _run_local(manifest: Manifest, opts: RunOptions, on_step: OnStep | None) -> RunResult:
     tune_process()  # the MPI ranks get the same malloc settings through their environment
     models = {r: load_device(manifest, r) for r in range(manifest.world_size)}
-    plans = split_all(manifest, models)
     config = SessionConfig(intra_op_threads=opts.threads or 0, arena=opts.arena)
-    engine = LocalEngine(plans, config)
+    if manifest.pipeline is not None:
+        from tensoropt.runtime.pipeline import PipelineLocalEngine
+
+        staged = {r: split_rank(manifest, m, r) for r, m in models.items()}
+        engine = PipelineLocalEngine(staged, manifest.loss_name, config)  # type: ignore[arg-type]
+    else:
+        engine = LocalEngine(split_all(manifest, models), config)
     result = drive(engine, manifest, models, opts, on_step)
     assert result is not None  # the local engine is always the root
     return result
@@ -153,11 +158,12 @@ def _run_mpi(
 ) -> RunResult:
     from tensoropt.runtime.launcher import launch
 
-    orders = {
-        r: collective_order(load_device(manifest, r), r, manifest.world_size)
-        for r in range(manifest.world_size)
-    }
-    check_collective_order(orders)
+    if manifest.pipeline is None:  # pipelined devices are checked per stage by the workers
+        orders = {
+            r: collective_order(load_device(manifest, r), r, manifest.world_size)
+            for r in range(manifest.world_size)
+        }
+        check_collective_order(orders)
     return launch(
         manifest.outdir.resolve(),
         manifest.world_size,

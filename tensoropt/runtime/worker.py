@@ -69,7 +69,19 @@ def _run(rundir: Path, config: dict, rank: int, world) -> None:
     model = load_device(manifest, rank)
     plan = split_rank(manifest, model, rank)
     threads = opts.threads or _threads(world)
-    engine = MpiEngine(plan, world, SessionConfig(intra_op_threads=threads, arena=opts.arena))
+    config = SessionConfig(intra_op_threads=threads, arena=opts.arena)
+    if manifest.pipeline is not None:
+        from tensoropt.runtime.pipeline import PipelineMpiEngine
+
+        engine = PipelineMpiEngine(
+            plan,
+            manifest.loss_name,
+            manifest.loss_rank,
+            world,
+            config,  # type: ignore[arg-type]
+        )
+    else:
+        engine = MpiEngine(plan, world, config)
 
     def on_step(k: int, loss: float, vstep) -> None:
         line = {"step": k, "loss": loss, "verify": vstep.to_json() if vstep else None}

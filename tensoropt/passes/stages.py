@@ -1,0 +1,339 @@
+"""Pipeline stages in the compiled step (``Plan.stages``): stage templates with Send/Recv.
+
+A pipelined plan runs P stages, each on a sub-mesh of its own with the plan's mesh shape;
+device ``g`` is rank ``r = g mod n`` of stage ``s = g // n`` (n = mesh.size). The step is
+partitioned on the plan's mesh as any micro-batched plan is (annotate, conversions,
+micro-batch cut, localize), which gives one rank-independent local template; this module
+then cuts that template into one template per stage:
+
+- **Stage of a node.** The forward's units, in the order their forward nodes appear, are
+  cut at the first node of each start block (``recompute.find_blocks`` names blocks):
+  units before the first start are stage 0, and so on. Every other node of the step
+  (backward, conversions, optimizer) carries the unit it belongs to (``tensoropt.unit``)
+  and takes that unit's stage; loss nodes, whose units are not forward nodes, are on the
+  last stage. A node without a unit takes the latest stage of the values it reads.
+- **Crossings.** A value made on stage a and read on stage b != a is sent once per
+  micro-batch: a ``Send`` node (``ai.tensoropt``; attributes ``peer`` and ``tag``) after
+  its producer on stage a, a ``Recv`` node that makes the value before its first reader
+  on stage b. Forward crossings (a < b) carry activations, backward ones gradients. Rank
+  r of one stage talks to rank r of the other: both stages use the same template, so the
+  value has the same local shape on both.
+- **Refused** (:class:`~tensoropt.errors.PlanError`, naming the value): a parameter or
+  optimizer state read on two stages (its update would need both stages' gradients); a
+  crossing in the step phase (gradient synchronisation and update stay inside a stage);
+  a forward crossing made by backward work (a stage's forward of one micro-batch would
+  wait for its own backward: 1F1B would deadlock).
+
+Lowering for a rank runs on a stage template unchanged; :func:`globalize` then renames
+the sub-mesh ranks of every collective group, and the peer stage of every Send/Recv, to
+device numbers. The runtime (``runtime.pipeline``) splits each stage's micro phase into
+its forward part (nodes that do not depend on a backward Recv) and backward part, and runs
+them per micro-batch in the schedule's order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+from onnx import helper
+
+from tensoropt.errors import PlanError
+from tensoropt.ir.plan import Plan
+from tensoropt.ir.vocab import COLLECTIVE_DOMAIN, ROLE_KEY, UNIT_KEY, Role
+from tensoropt.passes.micro import MICRO_KEY, PHASE_KEY, MicroCut, Phase
+from tensoropt.passes.partition import LocalTemplate
+from tensoropt.passes.recompute import Block
+
+STAGE_KEY = "tensoropt.stage"
+"""Node metadata of a stage template: the node's pipeline stage."""
+PIPELINE_KEY = "tensoropt.pipeline"
+"""Model metadata of a stage template: its :class:`StageInfo` as JSON."""
+SEND = "Send"
+RECV = "Recv"
+P2P_OPS = frozenset({SEND, RECV})
+"""Point-to-point op types of the ``ai.tensoropt`` domain (not collectives: no group)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """A value made on stage ``source`` and read on stage ``target``, once per
+    micro-batch; ``tag`` tells its messages apart from other crossings'."""
+
+    value: str
+    source: int
+    target: int
+    tag: int
+
+    @property
+    def forward(self) -> bool:
+        return self.target > self.source
+
+    def to_json(self) -> dict:
+        return {"value": self.value, "from": self.source, "to": self.target, "tag": self.tag}
+
+
+@dataclass(frozen=True, slots=True)
+class StageInfo:
+    """What the runtime and the manifest need to know of one stage."""
+
+    stage: int
+    stages: int
+    schedule: str
+    micro_batches: int
+    ranks_per_stage: int
+    starts: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"starts": list(self.starts)}
+
+
+def even_starts(blocks: Sequence[Block], stages: int) -> tuple[str, ...]:
+    """Start blocks that give ``stages`` stages of as equal a block count as possible."""
+    if stages < 1:
+        raise PlanError(f"--stages {stages}: expected an integer >= 1")
+    if stages > len(blocks):
+        raise PlanError(
+            f"--stages {stages}: the model has {len(blocks)} blocks to cut between "
+            f"stages; use at most {len(blocks)} stages"
+        )
+    return tuple(blocks[(i * len(blocks)) // stages].name for i in range(1, stages))
+
+
+def _meta(node: onnx.NodeProto) -> dict[str, str]:
+    return {p.key: p.value for p in node.metadata_props}
+
+
+def stage_of_nodes(
+    graph: onnx.GraphProto, starts: Sequence[str], blocks: Sequence[Block]
+) -> list[int]:
+    """The stage of every node of a local template (see the module doc)."""
+    by_name = {b.name: b for b in blocks}
+    unknown = [s for s in starts if s not in by_name]
+    if unknown:
+        names = ", ".join(b.name for b in blocks) or "none"
+        raise PlanError(
+            f"plan pipeline.starts: {unknown} are not blocks of this model (blocks: {names})"
+        )
+    position: dict[str, int] = {}
+    for node in graph.node:
+        meta = _meta(node)
+        if meta.get(ROLE_KEY) == Role.FORWARD.value:
+            position.setdefault(meta.get(UNIT_KEY, node.name), len(position))
+    cuts = []
+    for name in starts:
+        first = by_name[name].nodes[0]
+        if first not in position:
+            raise AssertionError(f"block {name}'s first node {first!r} is not a forward unit")
+        cuts.append(position[first])
+    if sorted(cuts) != cuts or 0 in cuts:
+        raise PlanError(
+            f"plan pipeline.starts {list(starts)}: list blocks in forward order, after block_0"
+        )
+    last = len(starts)
+    made: dict[str, int] = {}
+    out: list[int] = []
+    for node in graph.node:
+        unit = _meta(node).get(UNIT_KEY)
+        if unit is not None:
+            stage = bisect.bisect_right(cuts, position[unit]) if unit in position else last
+        else:
+            stage = max((made.get(v, 0) for v in node.input if v), default=0)
+        out.append(stage)
+        made.update((v, stage) for v in node.output)
+    return out
+
+
+def _crossings(graph: onnx.GraphProto, stage: list[int]) -> list[Crossing]:
+    """Every (value, source stage, target stage) a stage template must send."""
+    made: dict[str, tuple[int, onnx.NodeProto]] = {}
+    for node, s in zip(graph.node, stage, strict=True):
+        made.update((v, (s, node)) for v in node.output)
+    found: dict[tuple[str, int], int] = {}
+    for node, s in zip(graph.node, stage, strict=True):
+        for v in node.input:
+            if v in made and made[v][0] != s:
+                source, producer = made[v]
+                phases = {_meta(producer).get(PHASE_KEY), _meta(node).get(PHASE_KEY)}
+                if phases != {Phase.MICRO.value}:
+                    raise PlanError(
+                        f"value {v!r} is made on pipeline stage {source} and read on stage "
+                        f"{s} in the step phase (gradient synchronisation or update); "
+                        "cut the stages elsewhere"
+                    )
+                found[(v, s)] = source
+    return [
+        Crossing(value, source, target, tag)
+        for tag, ((value, target), source) in enumerate(sorted(found.items()), start=1)
+    ]
+
+
+def _check_state(graph: onnx.GraphProto, stage: list[int], names: set[str]) -> None:
+    readers: dict[str, set[int]] = {}
+    for node, s in zip(graph.node, stage, strict=True):
+        for v in node.input:
+            if v in names:
+                readers.setdefault(v, set()).add(s)
+    for name, where in sorted(readers.items()):
+        if len(where) > 1:
+            raise PlanError(
+                f"parameter {name!r} is read on pipeline stages {sorted(where)}; a parameter "
+                "must live on one stage: cut the stages so that its readers share one"
+            )
+
+
+def _backward_made(graph: onnx.GraphProto, stage: list[int], crossings: list[Crossing]):
+    """Values whose making waits for a backward crossing (on the stage that makes them)."""
+    late = {(c.value, c.target) for c in crossings if not c.forward}
+    waits: set[tuple[str, int]] = set()
+    for node, s in zip(graph.node, stage, strict=True):
+        if any((v, s) in late or (v, s) in waits for v in node.input):
+            waits.update((v, s) for v in node.output)
+    return waits
+
+
+def _p2p(op: str, value: str, peer: int, tag: int, unit: str) -> onnx.NodeProto:
+    inputs, outputs = ([value], []) if op == SEND else ([], [value])
+    node = helper.make_node(
+        op,
+        inputs,
+        outputs,
+        name=f"{op.lower()}_{tag}_{value}",
+        domain=COLLECTIVE_DOMAIN,
+        peer=peer,
+        tag=tag,
+    )
+    for key, val in (
+        (PHASE_KEY, Phase.MICRO.value),
+        (ROLE_KEY, Role.PIPELINE.value),
+        (UNIT_KEY, unit),
+    ):
+        node.metadata_props.add(key=key, value=val)
+    return node
+
+
+def cut_stages(
+    template: LocalTemplate,
+    plan: Plan,
+    blocks: Sequence[Block],
+    state_names: set[str],
+) -> list[LocalTemplate]:
+    """One local template per stage of ``plan`` (see the module doc)."""
+    if plan.micro_batches < 2:
+        raise PlanError(
+            f"a pipelined plan runs micro-batches through its {plan.num_stages} stages; "
+            "give --micro-batches 2 or more"
+        )
+    proto = template.proto
+    graph = proto.graph
+    stage = stage_of_nodes(graph, plan.stages, blocks)
+    _check_state(graph, stage, state_names)
+    crossings = _crossings(graph, stage)
+    waits = _backward_made(graph, stage, crossings)
+    for c in crossings:
+        if c.forward and (c.value, c.source) in waits:
+            raise PlanError(
+                f"value {c.value!r} goes from pipeline stage {c.source} to {c.target} but "
+                "waits for the backward of its own stage; cut the stages elsewhere"
+            )
+    cut = _micro_cut(proto)
+    return [
+        _stage_template(template, plan, s, stage, crossings, cut) for s in range(plan.num_stages)
+    ]
+
+
+def _micro_cut(proto: onnx.ModelProto) -> MicroCut:
+    raw = next(p.value for p in proto.metadata_props if p.key == MICRO_KEY)
+    return MicroCut.from_json(json.loads(raw))
+
+
+def _stage_template(
+    template: LocalTemplate,
+    plan: Plan,
+    s: int,
+    stage: list[int],
+    crossings: list[Crossing],
+    cut: MicroCut,
+) -> LocalTemplate:
+    graph = template.proto.graph
+    recv_at: dict[str, Crossing] = {c.value: c for c in crossings if c.target == s}
+    sends: dict[str, list[Crossing]] = {}
+    for c in crossings:
+        if c.source == s:
+            sends.setdefault(c.value, []).append(c)
+    nodes: list[onnx.NodeProto] = []
+    received: set[str] = set()
+    for node, where in zip(graph.node, stage, strict=True):
+        if where != s:
+            continue
+        unit = _meta(node).get(UNIT_KEY, node.name)
+        for v in node.input:
+            c = recv_at.get(v)
+            if c is not None and v not in received:
+                received.add(v)
+                nodes.append(_p2p(RECV, v, c.source, c.tag, unit))
+        copied = copy.deepcopy(node)
+        copied.metadata_props.add(key=STAGE_KEY, value=str(s))
+        nodes.append(copied)
+        for v in node.output:
+            for c in sends.get(v, ()):
+                nodes.append(_p2p(SEND, v, c.target, c.tag, unit))
+    reads = {v for n in nodes for v in n.input}
+    made = {v for n in nodes for v in n.output}
+    proto = onnx.ModelProto()
+    proto.CopyFrom(template.proto)
+    g = proto.graph
+    del g.node[:]
+    g.node.extend(nodes)
+    inputs = [i for i in graph.input if i.name in reads]
+    outputs = [o for o in graph.output if o.name in made]
+    inits = [t for t in graph.initializer if t.name in reads]
+    del g.input[:], g.output[:], g.initializer[:]
+    g.input.extend(inputs)
+    g.output.extend(outputs)
+    g.initializer.extend(inits)
+    mine = MicroCut(
+        cut.batches,
+        tuple(v for v in cut.accumulate if v in made),
+        tuple(v for v in cut.keep if v in made),
+        cut.index if cut.index in {i.name for i in inputs} else None,
+    )
+    info = StageInfo(
+        s, plan.num_stages, plan.schedule, plan.micro_batches, plan.mesh.size, plan.stages
+    )
+    kept = [p for p in proto.metadata_props if p.key not in (MICRO_KEY, PIPELINE_KEY)]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.add(key=MICRO_KEY, value=json.dumps(mine.to_json()))
+    proto.metadata_props.add(key=PIPELINE_KEY, value=json.dumps(info.to_json()))
+    return dataclasses.replace(template, proto=proto)
+
+
+def globalize(
+    proto: onnx.ModelProto, stage: int, rank: int, ranks_per_stage: int
+) -> onnx.ModelProto:
+    """Rank ``rank``'s lowered graph of stage ``stage``, with device numbers: every
+    collective group's sub-mesh ranks, and every Send/Recv's peer stage (rank r of stage
+    s is device ``s * n + r``; its peer is rank r of the other stage)."""
+    for node in proto.graph.node:
+        if node.domain != COLLECTIVE_DOMAIN:
+            continue
+        for attr in node.attribute:
+            if attr.name == "group":
+                attr.ints[:] = [stage * ranks_per_stage + g for g in attr.ints]
+            elif attr.name == "peer" and node.op_type in P2P_OPS:
+                attr.i = attr.i * ranks_per_stage + rank
+    return proto
+
+
+def stage_summary(info: Mapping) -> str:
+    """One line for the compile report."""
+    return (
+        f"{info['stages']} pipeline stages x {info['ranks_per_stage']} devices, "
+        f"{info['micro_batches']} micro-batches, {info['schedule']}"
+    )
