@@ -241,8 +241,7 @@ def compile_step(
     collectives = sum(1 for n in template.proto.graph.node if n.domain == COLLECTIVE_DOMAIN)
     devices = [(template, _lowered(rank)) for rank in range(mesh.size)]
     if plan.stages:
-        state_names = {*sig.params, *sig.states}
-        staged = stages.cut_stages(template, plan, blocks, state_names)
+        staged = stages.cut_stages(template, plan, blocks, set(sig.params), set(sig.states))
         devices = [
             (staged[s], _lowered_stage(s, r, mesh.size))
             for s in range(plan.num_stages)

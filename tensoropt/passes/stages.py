@@ -110,9 +110,15 @@ def _meta(node: onnx.NodeProto) -> dict[str, str]:
 
 
 def stage_of_nodes(
-    graph: onnx.GraphProto, starts: Sequence[str], blocks: Sequence[Block]
-) -> list[int]:
-    """The stage of every node of a local template (see the module doc)."""
+    graph: onnx.GraphProto,
+    starts: Sequence[str],
+    blocks: Sequence[Block],
+    params: set[str],
+) -> list[tuple[int, ...]]:
+    """The stages of every node of a local template (see the module doc): one stage per
+    node, except *free* nodes (which read no parameter and nothing a stage made, such as
+    Adam's step counter and its bias corrections), which run on every stage that reads
+    them (every stage when they make a graph output)."""
     by_name = {b.name: b for b in blocks}
     unknown = [s for s in starts if s not in by_name]
     if unknown:
@@ -136,29 +142,49 @@ def stage_of_nodes(
             f"plan pipeline.starts {list(starts)}: list blocks in forward order, after block_0"
         )
     last = len(starts)
+    every = tuple(range(last + 1))
+    free_values = {i.name for i in graph.input if i.name not in params}
+    free_values |= {t.name for t in graph.initializer if t.name not in params}
     made: dict[str, int] = {}
-    out: list[int] = []
+    out: list[tuple[int, ...] | None] = []
     for node in graph.node:
+        if all(v in free_values for v in node.input if v):
+            free_values.update(node.output)
+            out.append(None)  # decided below, from its readers
+            continue
         unit = _meta(node).get(UNIT_KEY)
         if unit is not None:
             stage = bisect.bisect_right(cuts, position[unit]) if unit in position else last
         else:
             stage = max((made.get(v, 0) for v in node.input if v), default=0)
-        out.append(stage)
+        out.append((stage,))
         made.update((v, stage) for v in node.output)
-    return out
-
-
-def _crossings(graph: onnx.GraphProto, stage: list[int]) -> list[Crossing]:
-    """Every (value, source stage, target stage) a stage template must send."""
-    made: dict[str, tuple[int, onnx.NodeProto]] = {}
-    for node, s in zip(graph.node, stage, strict=True):
-        made.update((v, (s, node)) for v in node.output)
-    found: dict[tuple[str, int], int] = {}
-    for node, s in zip(graph.node, stage, strict=True):
+    outputs = {o.name for o in graph.output}
+    readers: dict[str, set[int]] = {}
+    for i in range(len(graph.node) - 1, -1, -1):
+        node = graph.node[i]
+        if out[i] is None:
+            where = set(every) if outputs & set(node.output) else set()
+            for v in node.output:
+                where |= readers.get(v, set())
+            out[i] = tuple(sorted(where)) or (last,)
         for v in node.input:
-            if v in made and made[v][0] != s:
-                source, producer = made[v]
+            readers.setdefault(v, set()).update(out[i])  # type: ignore[arg-type]
+    return out  # type: ignore[return-value]
+
+
+def _crossings(graph: onnx.GraphProto, stages: list[tuple[int, ...]]) -> list[Crossing]:
+    """Every (value, source stage, target stage) a stage template must send."""
+    made: dict[str, tuple[tuple[int, ...], onnx.NodeProto]] = {}
+    for node, where in zip(graph.node, stages, strict=True):
+        made.update((v, (where, node)) for v in node.output)
+    found: dict[tuple[str, int], int] = {}
+    for node, where in zip(graph.node, stages, strict=True):
+        for s in where:
+            for v in node.input:
+                if v not in made or s in made[v][0]:
+                    continue
+                (source,), producer = made[v]  # a free node runs on each stage reading it
                 phases = {_meta(producer).get(PHASE_KEY), _meta(node).get(PHASE_KEY)}
                 if phases != {Phase.MICRO.value}:
                     raise PlanError(
@@ -173,12 +199,14 @@ def _crossings(graph: onnx.GraphProto, stage: list[int]) -> list[Crossing]:
     ]
 
 
-def _check_state(graph: onnx.GraphProto, stage: list[int], names: set[str]) -> None:
+def _check_state(graph: onnx.GraphProto, stages: list[tuple[int, ...]], names: set[str]):
     readers: dict[str, set[int]] = {}
-    for node, s in zip(graph.node, stage, strict=True):
+    for node, where in zip(graph.node, stages, strict=True):
+        if len(where) > 1:
+            continue  # a free node: each stage reads its own copy of the input
         for v in node.input:
             if v in names:
-                readers.setdefault(v, set()).add(s)
+                readers.setdefault(v, set()).update(where)
     for name, where in sorted(readers.items()):
         if len(where) > 1:
             raise PlanError(
@@ -187,13 +215,14 @@ def _check_state(graph: onnx.GraphProto, stage: list[int], names: set[str]) -> N
             )
 
 
-def _backward_made(graph: onnx.GraphProto, stage: list[int], crossings: list[Crossing]):
+def _backward_made(graph: onnx.GraphProto, stages, crossings: list[Crossing]):
     """Values whose making waits for a backward crossing (on the stage that makes them)."""
     late = {(c.value, c.target) for c in crossings if not c.forward}
     waits: set[tuple[str, int]] = set()
-    for node, s in zip(graph.node, stage, strict=True):
-        if any((v, s) in late or (v, s) in waits for v in node.input):
-            waits.update((v, s) for v in node.output)
+    for node, where in zip(graph.node, stages, strict=True):
+        for s in where:
+            if any((v, s) in late or (v, s) in waits for v in node.input):
+                waits.update((v, s) for v in node.output)
     return waits
 
 
@@ -221,7 +250,8 @@ def cut_stages(
     template: LocalTemplate,
     plan: Plan,
     blocks: Sequence[Block],
-    state_names: set[str],
+    params: set[str],
+    states: set[str],
 ) -> list[LocalTemplate]:
     """One local template per stage of ``plan`` (see the module doc)."""
     if plan.micro_batches < 2:
@@ -231,8 +261,8 @@ def cut_stages(
         )
     proto = template.proto
     graph = proto.graph
-    stage = stage_of_nodes(graph, plan.stages, blocks)
-    _check_state(graph, stage, state_names)
+    stage = stage_of_nodes(graph, plan.stages, blocks, params)
+    _check_state(graph, stage, params | states)
     crossings = _crossings(graph, stage)
     waits = _backward_made(graph, stage, crossings)
     for c in crossings:
@@ -256,7 +286,7 @@ def _stage_template(
     template: LocalTemplate,
     plan: Plan,
     s: int,
-    stage: list[int],
+    stage: list[tuple[int, ...]],
     crossings: list[Crossing],
     cut: MicroCut,
 ) -> LocalTemplate:
@@ -269,7 +299,7 @@ def _stage_template(
     nodes: list[onnx.NodeProto] = []
     received: set[str] = set()
     for node, where in zip(graph.node, stage, strict=True):
-        if where != s:
+        if s not in where:
             continue
         unit = _meta(node).get(UNIT_KEY, node.name)
         for v in node.input:
