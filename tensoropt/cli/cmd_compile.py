@@ -477,6 +477,16 @@ def estimate_of(step, plan, data_axes, cluster):
         roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
     zero = plan_zero(plan, sg.units)
     profile = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    if plan.stages:
+        from tensoropt.cost.pipeline import estimate_pipeline
+        from tensoropt.passes.stages import graph_unit_stages
+
+        stage_of = graph_unit_stages(step.model.graph, step.signature.data_inputs, plan.stages)
+        estimate, _ = estimate_pipeline(
+            sg, roots, plan.mesh, profile, micro_batches=plan.micro_batches,
+            stages=plan.num_stages, stage_of=stage_of, schedule=plan.schedule, zero=zero,
+        )  # fmt: skip
+        return estimate
     return estimate_plan(sg, roots, plan.mesh, profile, micro_batches=plan.micro_batches, zero=zero)
 
 
@@ -489,7 +499,20 @@ def replicates_all_work(result) -> bool:
     return result.world_size > 1 and result.collectives == 0
 
 
-def _report(args, result, mesh, notes, estimate, source: str) -> None:
+def _pipeline_json(plan) -> dict | None:
+    """The JSON ``pipeline`` of a compile: stages, their start blocks and the schedule."""
+    if plan is None or not plan.stages:
+        return None
+    return {
+        "stages": plan.num_stages,
+        "starts": list(plan.stages),
+        "schedule": plan.schedule,
+        "micro_batches": plan.micro_batches,
+        "devices_per_stage": plan.mesh.size,
+    }
+
+
+def _report(args, result, mesh, notes, estimate, source: str, plan=None) -> None:
     from tensoropt.cost.accuracy import band_of
 
     band = band_of(args.cluster)
@@ -508,6 +531,7 @@ def _report(args, result, mesh, notes, estimate, source: str) -> None:
             "collectives_per_device": result.collectives,
             "replicates_all_work": replicates_all_work(result),
             "estimate": estimate.to_json(),
+            "pipeline": _pipeline_json(plan),
             "error_band": band.to_json() if band is not None else None,
             "notes": list(notes),
         }
@@ -516,8 +540,14 @@ def _report(args, result, mesh, notes, estimate, source: str) -> None:
     replicated = f" ({REPLICATED_NOTE})" if replicates_all_work(result) else ""
     if band is not None and band.time(mesh.size) is not None:
         print(f"estimate: {band.describe(mesh.size)}", file=sys.stderr)
+    where = f"on mesh {mesh}"
+    if plan is not None and plan.stages:
+        where = (
+            f"in {plan.num_stages} pipeline stages of mesh {mesh} ({plan.micro_batches} "
+            f"micro-batches, {plan.schedule})"
+        )
     print(
-        f"wrote {result.outdir}: {result.world_size} device graphs on mesh {mesh}, "
+        f"wrote {result.outdir}: {result.world_size} device graphs {where}, "
         f"{result.collectives} collectives per device{replicated}; estimated step "
         f"{estimate.time_s * 1e3:.3f} ms, {estimate.memory_bytes / 2**20:.1f} MiB per "
         f"device ({estimate.profile}); run it with "
@@ -580,5 +610,5 @@ def run(args: argparse.Namespace) -> int:
         print("no --plan or --pick given: compiled --plan data-parallel", file=sys.stderr)
     for line in (summary, *notes):
         print(line, file=sys.stderr)
-    _report(args, result, mesh, notes, estimate, plan.source or plan_name)
+    _report(args, result, mesh, notes, estimate, plan.source or plan_name, plan)
     return 0

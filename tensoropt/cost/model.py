@@ -142,11 +142,23 @@ class PricedCollective:
 class _Pricer:
     """Prices conversions and unit computations (memoised per distinct input)."""
 
-    def __init__(self, sg: SearchGraph, mesh: Mesh, profile: ClusterProfile, micro: int = 1):
+    def __init__(
+        self,
+        sg: SearchGraph,
+        mesh: Mesh,
+        profile: ClusterProfile,
+        micro: int = 1,
+        slots: int | None = None,
+        saved_scale: float = 1.0,
+    ):
         self.sg = sg
         self.mesh = mesh
         self.profile = profile
         self.micro = micro  # micro-batches per step (mesh is the micro mesh when > 1)
+        # a pipeline stage's micro-batch slots per step (m + P - 1): per-micro-batch work
+        # counts this many times, per-step work once (cost.pipeline); default: micro
+        self.slots = micro if slots is None else slots
+        self.saved_scale = saved_scale  # 0: price without the activations (cost.pipeline)
         self.conv_cache: dict = {}
         self.node_cache: dict = {}
 
@@ -172,6 +184,8 @@ class _Pricer:
         dtype = np.dtype(f"V{isz}")
         seconds = 0.0
         for cs, axes, times in issued(steps, self.mesh, self.micro, per_step):
+            if self.micro > 1 and times == self.micro:
+                times = self.slots
             n = int(np.prod([self.mesh.shape[a] for a in axes]))
             link = self.profile.link_for(
                 OP_TYPE[cs.step.kind], axis_link(self.mesh, axes, self.profile)
@@ -193,7 +207,7 @@ class _Pricer:
             if node.op_type not in _VIEWS:  # a view of its input holds nothing new
                 for j, shape in enumerate(local.output_shapes):
                     if node.outputs[j].name in self.sg.saved:
-                        memory += _numel(shape) * itemsize(node.outputs[j])
+                        memory += _numel(shape) * itemsize(node.outputs[j]) * self.saved_scale
             found = self.node_cache[key] = (seconds, memory)
         return found
 
@@ -213,7 +227,7 @@ class _Pricer:
         attrs = sa.op_view(node).attributes
         ins, outs = local.input_shapes, local.output_shapes
         once = timer(node.op_type, attrs, ins, outs, itemsize(node.outputs[0]), self.profile)
-        return once * self.micro
+        return once * self.slots
 
 
 def param_bytes(elements: float, shard: float, states: int, isz: int, zero: ZeroStage) -> float:
@@ -321,13 +335,15 @@ class _Builder:
         only,
         zero: Mapping[str, ZeroStage] | None = None,
         chosen: dict | None = None,
+        slots: int | None = None,
+        saved_scale: float = 1.0,
     ):
         self.zero = dict(zero or {})
         self.sg = sg
         self.su = sg.units
         self.mesh = mesh
         self.micro = mesh.shape[0] if mesh.sequential_axis == 0 else 1
-        self.pricer = _Pricer(sg, mesh, profile, self.micro)
+        self.pricer = _Pricer(sg, mesh, profile, self.micro, slots, saved_scale)
         self.programs = ProgramCache(self.su, mesh, chosen)
         self.only = only
         self.update_cache: dict = {}
@@ -462,7 +478,7 @@ class _Builder:
                 t, buf = self.pricer.convert(have, need, shape, isz, order)
                 times[h, n] = t
                 if c.forward:
-                    mems[h, n] = buf
+                    mems[h, n] = buf * self.pricer.saved_scale
         return times[rows][:, cols], mems[rows][:, cols]
 
     def edges(self, infos, programs) -> tuple[list[Edge], list[Crossing]]:
@@ -577,12 +593,16 @@ class ProblemFamily:
         micro_batches: int = 1,
         choices: Mapping[str, Sequence[MeshSharding]] | None = None,
         chosen: dict | None = None,
+        slots: int | None = None,
+        saved_scale: float = 1.0,
     ):
         self.sg = sg
         self.plan_mesh = mesh
         self.micro_batches = micro_batches
         self.mesh = micro_mesh(mesh, micro_batches) if micro_batches > 1 else mesh
-        self.builder = _Builder(sg, self.mesh, profile, choices, chosen=chosen)
+        self.builder = _Builder(
+            sg, self.mesh, profile, choices, chosen=chosen, slots=slots, saved_scale=saved_scale
+        )
         self.infos = self.builder.infos()
         self._bound: WorkingSetBound | None = None
         self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard

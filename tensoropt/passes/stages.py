@@ -37,10 +37,11 @@ import bisect
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
+import onnx_ir as ir
 from onnx import helper
 
 from tensoropt.errors import PlanError
@@ -48,7 +49,7 @@ from tensoropt.ir.plan import Plan
 from tensoropt.ir.vocab import COLLECTIVE_DOMAIN, ROLE_KEY, UNIT_KEY, Role
 from tensoropt.passes.micro import MICRO_KEY, PHASE_KEY, MicroCut, Phase
 from tensoropt.passes.partition import LocalTemplate
-from tensoropt.passes.recompute import Block
+from tensoropt.passes.recompute import Block, find_blocks
 
 STAGE_KEY = "tensoropt.stage"
 """Node metadata of a stage template: the node's pipeline stage."""
@@ -109,16 +110,12 @@ def _meta(node: onnx.NodeProto) -> dict[str, str]:
     return {p.key: p.value for p in node.metadata_props}
 
 
-def stage_of_nodes(
-    graph: onnx.GraphProto,
-    starts: Sequence[str],
-    blocks: Sequence[Block],
-    params: set[str],
-) -> list[tuple[int, ...]]:
-    """The stages of every node of a local template (see the module doc): one stage per
-    node, except *free* nodes (which read no parameter and nothing a stage made, such as
-    Adam's step counter and its bias corrections), which run on every stage that reads
-    them (every stage when they make a graph output)."""
+def unit_stages(
+    forward_units: Sequence[str], starts: Sequence[str], blocks: Sequence[Block]
+) -> Callable[[str], int]:
+    """unit name -> its stage: ``forward_units`` are the units of the forward's nodes in
+    graph order, cut at the first node of each start block; a unit that is not a
+    forward unit (the loss) is on the last stage."""
     by_name = {b.name: b for b in blocks}
     unknown = [s for s in starts if s not in by_name]
     if unknown:
@@ -127,10 +124,8 @@ def stage_of_nodes(
             f"plan pipeline.starts: {unknown} are not blocks of this model (blocks: {names})"
         )
     position: dict[str, int] = {}
-    for node in graph.node:
-        meta = _meta(node)
-        if meta.get(ROLE_KEY) == Role.FORWARD.value:
-            position.setdefault(meta.get(UNIT_KEY, node.name), len(position))
+    for unit in forward_units:
+        position.setdefault(unit, len(position))
     cuts = []
     for name in starts:
         first = by_name[name].nodes[0]
@@ -141,6 +136,44 @@ def stage_of_nodes(
         raise PlanError(
             f"plan pipeline.starts {list(starts)}: list blocks in forward order, after block_0"
         )
+    last = len(starts)
+
+    def stage_of(unit: str) -> int:
+        where = position.get(unit)
+        return last if where is None else bisect.bisect_right(cuts, where)
+
+    return stage_of
+
+
+def graph_unit_stages(
+    graph: ir.Graph, data_inputs: Sequence[str], starts: Sequence[str]
+) -> Callable[[str], int]:
+    """:func:`unit_stages` of a training step (before partitioning)."""
+    blocks = find_blocks(graph, data_inputs)
+    forward = [
+        node.metadata_props.get(UNIT_KEY, node.name)
+        for node in graph
+        if node.metadata_props.get(ROLE_KEY) == Role.FORWARD.value
+    ]
+    return unit_stages(forward, starts, blocks)
+
+
+def stage_of_nodes(
+    graph: onnx.GraphProto,
+    starts: Sequence[str],
+    blocks: Sequence[Block],
+    params: set[str],
+) -> list[tuple[int, ...]]:
+    """The stages of every node of a local template (see the module doc): one stage per
+    node, except *free* nodes (which read no parameter and nothing a stage made, such as
+    Adam's step counter and its bias corrections), which run on every stage that reads
+    them (every stage when they make a graph output)."""
+    forward = []
+    for node in graph.node:
+        meta = _meta(node)
+        if meta.get(ROLE_KEY) == Role.FORWARD.value:
+            forward.append(meta.get(UNIT_KEY, node.name))
+    stage_of = unit_stages(forward, starts, blocks)
     last = len(starts)
     every = tuple(range(last + 1))
     free_values = {i.name for i in graph.input if i.name not in params}
@@ -154,7 +187,7 @@ def stage_of_nodes(
             continue
         unit = _meta(node).get(UNIT_KEY)
         if unit is not None:
-            stage = bisect.bisect_right(cuts, position[unit]) if unit in position else last
+            stage = stage_of(unit)
         else:
             stage = max((made.get(v, 0) for v in node.input if v), default=0)
         out.append((stage,))

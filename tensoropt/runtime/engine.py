@@ -11,7 +11,7 @@ methods: ``ranks``, ``is_root``, ``step`` and ``gather``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,8 +22,14 @@ from tensoropt.runtime.comm import LocalWorld
 from tensoropt.runtime.external import load_graph, read_initializer
 from tensoropt.runtime.manifest import InputInfo, InputInit, Manifest, block_of
 from tensoropt.runtime.micro import PhasedPlan, accumulate, micro_feeds, split_phases
-from tensoropt.runtime.profiling import StepClock, now
-from tensoropt.runtime.program import RankProgram, SessionConfig, check_collective_order
+from tensoropt.runtime.profiling import StepClock
+from tensoropt.runtime.program import (
+    RankProgram,
+    SessionConfig,
+    check_collective_order,
+    check_lockstep,
+    lockstep,
+)
 from tensoropt.runtime.split import SplitPlan, shared_weights, split_graph
 
 Feeds = Mapping[str, np.ndarray]
@@ -174,33 +180,6 @@ class LocalEngine:
                 p.clock.add_comm(seconds)
 
 
-def lockstep(
-    world: LocalWorld,
-    programs: Mapping[int, RankProgram],
-    feeds: Mapping[int, Feeds],
-    add_comm: Callable[[float], None],
-) -> dict[int, dict[str, np.ndarray]]:
-    """One run of ``programs`` (one per rank, same structure), stage by stage on every
-    rank; each batch of collectives goes through ``world`` and its time to ``add_comm``."""
-    envs = {r: p.begin(feeds[r]) for r, p in programs.items()}
-    first = next(iter(programs.values()))
-    for i in range(first.num_stages):
-        for r, p in programs.items():
-            p.run_segment(i, envs[r])
-        for j in range(len(first.plan.stages[i].collectives)):
-            calls = {r: p.plan.stages[i].collectives[j] for r, p in programs.items()}
-            t0 = now()
-            outs = world.run_batched(calls, {r: envs[r][c.input] for r, c in calls.items()})
-            for r, c in calls.items():
-                envs[r][c.output] = outs[r]
-            add_comm(now() - t0)
-            for r, p in programs.items():
-                p.release_input(i, j, envs[r])
-        for r, p in programs.items():
-            p.release(i, envs[r])
-    return {r: p.finish(envs[r]) for r, p in programs.items()}
-
-
 def _phased(plans: Mapping[int, RankPlan]) -> dict[int, PhasedPlan] | None:
     """The plans if every rank's step is micro-batched, None if none is."""
     phased = {r: p for r, p in plans.items() if isinstance(p, PhasedPlan)}
@@ -209,19 +188,6 @@ def _phased(plans: Mapping[int, RankPlan]) -> dict[int, PhasedPlan] | None:
     if len(phased) != len(plans):
         raise TensorOptError("some ranks' steps are micro-batched and some not; recompile")
     return phased
-
-
-def check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
-    ref_rank = min(plans)
-    ref = [len(s.collectives) for s in plans[ref_rank].stages]
-    for r, plan in plans.items():
-        shape = [len(s.collectives) for s in plan.stages]
-        if shape != ref:
-            raise TensorOptError(
-                f"rank {r}: its graph splits into stages with {shape} collectives, rank "
-                f"{ref_rank} into {ref}; device graphs must have the same structure; "
-                "recompile the model"
-            )
 
 
 class MpiEngine:

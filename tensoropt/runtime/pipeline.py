@@ -38,13 +38,19 @@ from tensoropt.passes.micro import MicroCut
 from tensoropt.passes.stages import P2P_OPS, RECV, SEND
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import LocalWorld
-from tensoropt.runtime.engine import Feeds, check_lockstep, lockstep
 from tensoropt.runtime.manifest import Manifest
 from tensoropt.runtime.micro import micro_feeds, phase_models
 from tensoropt.runtime.profiling import StepClock
-from tensoropt.runtime.program import RankProgram, SessionConfig, check_collective_order
+from tensoropt.runtime.program import (
+    RankProgram,
+    SessionConfig,
+    check_collective_order,
+    check_lockstep,
+    lockstep,
+)
 from tensoropt.runtime.split import SplitPlan, split_graph, subgraph_reads
 
+Feeds = Mapping[str, np.ndarray]
 FORWARD = "forward"
 BACKWARD = "backward"
 

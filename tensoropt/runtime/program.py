@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ import onnxruntime as ort
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.arena import ArenaMode, apply_arena
 from tensoropt.runtime.collectives import CollectiveCall
-from tensoropt.runtime.comm import Communicator, dispatch
+from tensoropt.runtime.comm import Communicator, LocalWorld, dispatch
 from tensoropt.runtime.profiling import StepClock, cpu_now, now
 from tensoropt.runtime.split import SplitPlan
 
@@ -199,3 +199,43 @@ def _check_group_agreement(
 
 def _desc(call: CollectiveCall | None) -> str:
     return "nothing" if call is None else call.describe()
+
+
+def lockstep(
+    world: LocalWorld,
+    programs: Mapping[int, RankProgram],
+    feeds: Mapping[int, Mapping[str, np.ndarray]],
+    add_comm: Callable[[float], None],
+) -> dict[int, dict[str, np.ndarray]]:
+    """One run of ``programs`` (one per rank, same structure), stage by stage on every
+    rank; each batch of collectives goes through ``world`` and its time to ``add_comm``."""
+    envs = {r: p.begin(feeds[r]) for r, p in programs.items()}
+    first = next(iter(programs.values()))
+    for i in range(first.num_stages):
+        for r, p in programs.items():
+            p.run_segment(i, envs[r])
+        for j in range(len(first.plan.stages[i].collectives)):
+            calls = {r: p.plan.stages[i].collectives[j] for r, p in programs.items()}
+            t0 = now()
+            outs = world.run_batched(calls, {r: envs[r][c.input] for r, c in calls.items()})
+            for r, c in calls.items():
+                envs[r][c.output] = outs[r]
+            add_comm(now() - t0)
+            for r, p in programs.items():
+                p.release_input(i, j, envs[r])
+        for r, p in programs.items():
+            p.release(i, envs[r])
+    return {r: p.finish(envs[r]) for r, p in programs.items()}
+
+
+def check_lockstep(plans: Mapping[int, SplitPlan]) -> None:
+    ref_rank = min(plans)
+    ref = [len(s.collectives) for s in plans[ref_rank].stages]
+    for r, plan in plans.items():
+        shape = [len(s.collectives) for s in plan.stages]
+        if shape != ref:
+            raise TensorOptError(
+                f"rank {r}: its graph splits into stages with {shape} collectives, rank "
+                f"{ref_rank} into {ref}; device graphs must have the same structure; "
+                "recompile the model"
+            )

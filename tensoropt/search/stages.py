@@ -33,19 +33,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from tensoropt.cost.pipeline import in_flight, stage_time
+
+__all__ = ["PipelinePoint", "in_flight", "stage_frontier", "stage_time"]
+
 # a stage's intra-op points: (tau, mem, payload), payload identifying the intra-op plan
 StagePoints = Sequence[tuple[float, float, Hashable]]
-
-
-def stage_time(per_micro: float, per_step: float, micro_batches: int, stages: int) -> float:
-    """tau_s of a stage: ``per_micro`` (f + b + x) per micro-batch slot, over m + p - 1
-    slots, plus its once-per-step work."""
-    return (micro_batches + stages - 1) * per_micro + per_step
-
-
-def in_flight(stage: int, micro_batches: int, stages: int) -> int:
-    """Micro-batches stage ``stage`` (0 = first) holds activations of under 1F1B."""
-    return min(stages - stage, micro_batches)
 
 
 @dataclass(frozen=True, slots=True)
