@@ -455,13 +455,12 @@ def with_recompute(args: argparse.Namespace, step, plan):
     return dataclasses.replace(plan, recompute=select_blocks(blocks, args.recompute))
 
 
-def estimate_of(step, plan, data_axes, cluster):
-    """The cost model's estimate of ``plan`` on ``step`` (before compile partitions it):
-    the same pricing as the search's, so a picked point's figures come back unchanged.
-    The plan's recomputed blocks are cloned into the step first, as compile does.
-    ``cluster``: a profile name or file, or a ClusterProfile."""
+def _priced(step, plan, data_axes, cluster):
+    """What pricing ``plan`` reads: the search graph, the root strategies (on the micro
+    mesh when micro-batched), the ZeRO stages and the profile. The plan's recomputed
+    blocks are cloned into the step first, as compile does."""
     from tensoropt.cost.cluster import load_cluster
-    from tensoropt.cost.model import estimate_plan, search_graph_of
+    from tensoropt.cost.model import search_graph_of
     from tensoropt.passes.annotate import complete_plan, plan_zero
     from tensoropt.passes.plans import check_plan
     from tensoropt.passes.recompute import apply_recompute
@@ -477,16 +476,36 @@ def estimate_of(step, plan, data_axes, cluster):
         roots = complete_plan(sg.graph, sg.signature, plan, data_axes, sg.units)
     zero = plan_zero(plan, sg.units)
     profile = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    if plan.stages:
-        from tensoropt.cost.pipeline import estimate_pipeline
-        from tensoropt.passes.stages import graph_unit_stages
+    return sg, roots, zero, profile
 
-        stage_of = graph_unit_stages(step.model.graph, step.signature.data_inputs, plan.stages)
-        estimate, _ = estimate_pipeline(
-            sg, roots, plan.mesh, profile, micro_batches=plan.micro_batches,
-            stages=plan.num_stages, stage_of=stage_of, schedule=plan.schedule, zero=zero,
-        )  # fmt: skip
-        return estimate
+
+def pipeline_terms_of(step, plan, data_axes, cluster):
+    """The plan's :class:`~tensoropt.cost.pipeline.PipelineTerms` (its intra-op plan, any
+    cut) and the step's segments."""
+    from tensoropt.cost.pipeline import plan_terms
+    from tensoropt.passes.stages import step_segments
+
+    sg, roots, zero, profile = _priced(step, plan, data_axes, cluster)
+    segments = step_segments(step.model.graph, step.signature.data_inputs)
+    terms = plan_terms(
+        sg, roots, plan.mesh, profile, micro_batches=plan.micro_batches,
+        segment_of=[segments.segment_of(u.root.name) for u in sg.units.units],
+        segments=segments.count, zero=zero,
+    )  # fmt: skip
+    return terms, segments
+
+
+def estimate_of(step, plan, data_axes, cluster):
+    """The cost model's estimate of ``plan`` on ``step`` (before compile partitions it):
+    the same pricing as the search's, so a picked point's figures come back unchanged.
+    A pipelined plan is priced by its stages (``cost.pipeline``). ``cluster``: a
+    profile name or file, or a ClusterProfile."""
+    from tensoropt.cost.model import estimate_plan
+
+    if plan.stages:
+        terms, segments = pipeline_terms_of(step, plan, data_axes, cluster)
+        return terms.price(segments.cuts(plan.stages), plan.schedule)[0]
+    sg, roots, zero, profile = _priced(step, plan, data_axes, cluster)
     return estimate_plan(sg, roots, plan.mesh, profile, micro_batches=plan.micro_batches, zero=zero)
 
 

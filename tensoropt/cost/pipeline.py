@@ -1,40 +1,51 @@
-"""The estimate of a pipelined plan (``Plan.stages``): 1F1B pricing over unit entries.
+"""Pricing of pipelined plans (``Plan.stages``): 1F1B or GPipe over unit entries.
 
-A pipelined plan is a micro-batched plan on one stage's mesh whose units are cut into
-stages (``passes.stages.unit_stages``). Its problem is built as for the micro-batched
-plan, with two changes that make each unit's entries the stage formula's summands
-(docs/design/pipeline.md):
+A pipelined plan is a micro-batched plan (m micro-batches) on one stage's mesh whose
+forward is cut into P stages at block starts (``passes.stages``). The model is cut at
+*every* block start into segments (segment i: the units from block i's first node up to
+block i + 1's); a stage is a run of consecutive segments, so every quantity below is a
+sum over segments, and a stage's price is a difference of prefix sums.
 
-- per-micro-batch work (compute, collectives issued per micro-batch) counts
-  ``m + P - 1`` times, the slots of a 1F1B or GPipe step, not m (``slots``); per-step
-  work (gradient synchronisation, update, accumulation) counts once;
-- activations (the saved outputs, the forward conversion buffers) are priced apart
-  (``saved_scale`` 0), so that each stage holds ``min(P - s, m)`` micro-batches' worth
-  (1F1B) or m (GPipe) of them and one copy of its parameters and state.
+Per unit (and per edge, on the segment of its later unit), under the plan's strategy:
 
-Then, for stage s (units U_s, edges whose later unit is in U_s):
+- ``a``: per-micro-batch time (compute, collectives issued per micro-batch), and ``b``:
+  per-step time (gradient synchronisation, update, accumulation). The micro-batched
+  problem prices ``m * a + b``; the problem with one more micro-batch slot prices
+  ``(m + 1) * a + b`` (``ProblemFamily(slots=...)``), which gives both exactly.
+- ``act``: activation bytes of one micro-batch (saved outputs, forward conversion
+  buffers), and ``base``: everything else (parameters, gradients, state, accumulation
+  buffers): the problem priced without activations (``saved_scale`` 0) gives ``base``.
 
-    tau_s = sum of time entries + x_s
-    mem_s = sum of resident entries + in_flight(s) * (activation entries + received)
-            + per-stage constants (ZeRO-3's gathered bound, the recompute working set)
+A cut before segment j sends, per micro-batch, every forward value made before j and
+read at or after j (``fwd_bytes[j]``, ``fwd_count[j]`` messages), and receives back the
+gradients of its floating-point ones (``bwd_bytes[j]``). For stage s over segments
+[i, j) with ``slots = m + P - 1``:
 
-x_s is the point-to-point time of the values stage s sends per slot: each forward value
-read by a later stage (and, for a floating-point value, its gradient sent back by the
-reader's stage), at the link between the two stages' devices (``intra`` when they share
-a node). The step is ``max tau_s``, the memory per device ``max mem_s``.
+    tau_s = slots * (A + send(fwd, j) + send(bwd, i)) + B
+    mem_s = BASE + in_flight(s) * (ACT + fwd_bytes[i]) + constants
+
+``send`` is ``count * alpha + bytes / bandwidth`` on the link between the two stages'
+devices (``stage_link``), in_flight(s) is ``min(P - s, m)`` under 1F1B and m under GPipe,
+and the constants are the bounds every stage holds (ZeRO-3's gathered parameters, the
+recompute working set). The step is ``max tau_s``, the memory per device ``max mem_s``
+(docs/design/pipeline.md). A value read by several later stages is priced once per cut it
+crosses, on the stage before the cut; compile sends it straight from its maker to each
+reader stage, so such values (rare: a transformer's stream is read by the next block
+only) are charged to a different stage than the one that sends them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from tensoropt.cost.cluster import ClusterProfile
+from tensoropt.cost.cluster import ClusterProfile, Link
 from tensoropt.cost.model import (
     RECOMPUTE_KEY,
     Estimate,
+    MeshProblem,
     ProblemFamily,
     SearchGraph,
     gathered_bound,
@@ -48,6 +59,8 @@ from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.rules.sharding import MeshSharding
 
+SCHEDULES = ("1f1b", "gpipe")
+
 
 def stage_time(per_micro: float, per_step: float, micro_batches: int, stages: int) -> float:
     """tau_s of a stage: ``per_micro`` (f + b + x) per micro-batch slot, over m + P - 1
@@ -55,22 +68,15 @@ def stage_time(per_micro: float, per_step: float, micro_batches: int, stages: in
     return (micro_batches + stages - 1) * per_micro + per_step
 
 
-def in_flight(stage: int, micro_batches: int, stages: int) -> int:
-    """Micro-batches stage ``stage`` (0 = first) holds activations of under 1F1B."""
+def in_flight(stage: int, micro_batches: int, stages: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations stage ``stage`` (0 = first) holds at once: under
+    1F1B at most ``min(P - s, m)``, under GPipe all m."""
+    if schedule == "gpipe":
+        return micro_batches
     return min(stages - stage, micro_batches)
 
 
-@dataclass(frozen=True, slots=True)
-class StageCost:
-    """One stage's share of a pipelined step."""
-
-    time_s: float
-    memory_bytes: float
-    p2p_s: float  # of time_s: its sends per step
-    p2p_bytes: float  # sent per micro-batch
-
-
-def stage_link(profile: ClusterProfile, stage: int, ranks_per_stage: int):
+def stage_link(profile: ClusterProfile, stage: int, ranks_per_stage: int) -> Link:
     """The link between stage ``stage``'s devices and the next stage's: rank r of a stage
     talks to rank r of the next, ``ranks_per_stage`` devices apart."""
     per_node = profile.devices_per_node
@@ -82,93 +88,196 @@ def stage_link(profile: ClusterProfile, stage: int, ranks_per_stage: int):
     return profile.intra if same else profile.inter
 
 
-def estimate_pipeline(
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One stage's share of a pipelined step."""
+
+    segments: tuple[int, int]  # [first, end) segment
+    time_s: float
+    memory_bytes: float
+    p2p_s: float  # of time_s: its sends per step
+    p2p_bytes: float  # sent per micro-batch (activations forward, gradients back)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineTerms:
+    """The per-segment sums of one intra-op plan (see the module doc): prefix sums over
+    segments, and the bytes each cut sends. Prices any cut of the plan into stages."""
+
+    mesh: Mesh
+    profile: ClusterProfile
+    micro_batches: int
+    a: np.ndarray  # prefix sums over segments, length segments + 1
+    b: np.ndarray
+    base: np.ndarray
+    act: np.ndarray
+    fwd_bytes: np.ndarray  # per cut position j (0..segments): sent across it per micro-batch
+    fwd_count: np.ndarray
+    bwd_bytes: np.ndarray
+    bwd_count: np.ndarray
+    constant: float
+    collectives: int
+
+    @property
+    def segments(self) -> int:
+        return len(self.a) - 1
+
+    def stage(self, i: int, j: int, s: int, stages: int, schedule: str) -> StageCost:
+        """Stage ``s`` of ``stages`` over segments [i, j)."""
+        m = self.micro_batches
+        slots = m + stages - 1
+        n = self.mesh.size
+        p2p = 0.0
+        sent = 0.0
+        if j < self.segments:  # its activations, forward
+            link = stage_link(self.profile, s, n)
+            p2p += self.fwd_count[j] * link.alpha_s + self.fwd_bytes[j] / link.bandwidth
+            sent += self.fwd_bytes[j]
+        if i > 0:  # the gradients of what it received, back
+            link = stage_link(self.profile, s - 1, n)
+            p2p += self.bwd_count[i] * link.alpha_s + self.bwd_bytes[i] / link.bandwidth
+            sent += self.bwd_bytes[i]
+        per_micro = self.a[j] - self.a[i] + p2p
+        time_s = stage_time(per_micro, self.b[j] - self.b[i], m, stages)
+        held = self.act[j] - self.act[i] + (self.fwd_bytes[i] if i > 0 else 0.0)
+        memory = (
+            self.base[j] - self.base[i] + in_flight(s, m, stages, schedule) * held + self.constant
+        )
+        return StageCost((i, j), time_s, memory, slots * p2p, sent)
+
+    def price(self, cuts: Sequence[int], schedule: str) -> tuple[Estimate, list[StageCost]]:
+        """The plan cut at segment positions ``cuts`` (0 = c_0 < ... < c_P = segments)."""
+        stages = len(cuts) - 1
+        costs = [self.stage(cuts[s], cuts[s + 1], s, stages, schedule) for s in range(stages)]
+        estimate = Estimate(
+            max(c.time_s for c in costs),
+            max(c.memory_bytes for c in costs),
+            self.collectives,
+            self.profile.name,
+        )
+        return estimate, costs
+
+
+def _prefix(values: Sequence[float]) -> np.ndarray:
+    out = np.zeros(len(values) + 1)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+def plan_terms(
     sg: SearchGraph,
     roots: Mapping[str, MeshSharding],
     mesh: Mesh,
     profile: ClusterProfile,
     *,
     micro_batches: int,
-    stages: int,
-    stage_of: Callable[[str], int],
-    schedule: str = "1f1b",
+    segment_of: Sequence[int],
+    segments: int,
     zero: Mapping[str, ZeroStage] | None = None,
-) -> tuple[Estimate, list[StageCost]]:
-    """Price one pipelined plan (see the module doc): its estimate and each stage's."""
-    m, p = micro_batches, stages
-    slots = m + p - 1
+) -> PipelineTerms:
+    """The :class:`PipelineTerms` of one plan: ``roots`` (micro-mesh strategies, as
+    ``passes.micro.micro_roots`` gives them) on ``mesh`` with ``micro_batches``;
+    ``segment_of[k]``: the segment of unit k (``passes.stages.unit_stages`` with every
+    block start as a cut)."""
+    m = micro_batches
     choices = {name: (s,) for name, s in roots.items()}
-    families = [
-        ProblemFamily(
+
+    def problem(slots: int, scale: float) -> MeshProblem:
+        family = ProblemFamily(
             sg, mesh, profile, micro_batches=m, choices=choices, slots=slots, saved_scale=scale
         )
-        for scale in (1.0, 0.0)
-    ]
-    full, bare = (f.problem(zero=zero) for f in families)
-    units = sg.units.units
-    where = [stage_of(u.root.name) for u in units]
-    time = [0.0] * p
-    resident = [0.0] * p
-    active = [0.0] * p
-    for k in range(len(units)):
-        s = where[k]
-        entry = full.problem.units[k].strategies[0]
-        t, mem = entry.time_s, entry.memory_bytes
-        base = bare.problem.units[k].strategies[0].memory_bytes
-        time[s] += t
-        resident[s] += base
-        active[s] += mem - base
-    for e in full.problem.edges:
-        s = max(where[e.src], where[e.dst])
-        time[s] += e.time_s[0][0]
-        active[s] += e.memory_bytes[0][0]
+        return family.problem(zero=zero)
+
+    plain, more, bare = problem(m, 1.0), problem(m + 1, 1.0), problem(m, 0.0)
+    a = [0.0] * segments
+    b = [0.0] * segments
+    base = [0.0] * segments
+    act = [0.0] * segments
+
+    def add(seg: int, t_m: float, t_more: float, mem: float, mem_bare: float) -> None:
+        per_micro = t_more - t_m
+        a[seg] += per_micro
+        b[seg] += t_m - m * per_micro
+        base[seg] += mem_bare
+        act[seg] += mem - mem_bare
+
+    for k in range(len(plain.problem.units)):
+        e_plain = plain.problem.units[k].strategies[0]
+        add(
+            segment_of[k],
+            e_plain.time_s,
+            more.problem.units[k].strategies[0].time_s,
+            e_plain.memory_bytes,
+            bare.problem.units[k].strategies[0].memory_bytes,
+        )
+    for e_plain, e_more, e_bare in zip(
+        plain.problem.edges, more.problem.edges, bare.problem.edges, strict=True
+    ):
+        add(
+            max(segment_of[e_plain.src], segment_of[e_plain.dst]),
+            e_plain.time_s[0][0],
+            e_more.time_s[0][0],
+            e_plain.memory_bytes[0][0],
+            e_bare.memory_bytes[0][0],
+        )
     constant = 0.0
-    if any(pr.zero is ZeroStage.PARAMETERS for ps in full.programs for pr in ps):
-        constant += gathered_bound(sg)
-        resident[where[0]] -= gathered_bound(sg)  # the problem's copy, on unit 0
+    if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
+        bound = gathered_bound(sg)
+        base[segment_of[0]] -= bound  # the problem holds it on unit 0; every stage does
+        constant += bound
     if any(RECOMPUTE_KEY in node.metadata_props for node in sg.graph):
         offered = micro_choices(sg, mesh, m)
         family = ProblemFamily(
             sg, mesh, profile, micro_batches=m,
             choices={name: [c for c, _ in pairs] for name, pairs in offered.items()},
         )  # fmt: skip
-        constant += family.working_set().of(full, (0,) * len(units))
-    sent = [0.0] * p
-    received = [0.0] * p
-    sent_time = [0.0] * p
-    seen: set[tuple[str, int]] = set()
-    for c in sg.units.crossings:
-        a, b = where[c.source], where[c.target]
-        if a == b or not c.forward or (c.value.name, b) in seen:
-            continue
-        seen.add((c.value.name, b))
-        layout = full.programs[c.source][0].layout(c.source_ref)
-        shape = local_shape(static_shape(c.value), layout, full.mesh)
-        nbytes = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
-        directions = [(a, b)]
-        if c.value.dtype.is_floating_point() and c.value.name not in sg.data_inputs:
-            directions.append((b, a))  # its gradient, back
-        for src, dst in directions:
-            link = stage_link(profile, min(src, dst), mesh.size)
-            sent[src] += nbytes
-            sent_time[src] += slots * (link.alpha_s + nbytes / link.bandwidth)
-            received[dst] += nbytes
-    costs = []
-    for s in range(p):
-        flight = in_flight(s, m, p) if schedule == "1f1b" else m
-        costs.append(
-            StageCost(
-                time[s] + sent_time[s],
-                resident[s] + flight * (active[s] + received[s]) + constant,
-                sent_time[s],
-                sent[s],
-            )
-        )
-    count = sum(c.times for c in priced_collectives(full, (0,) * len(units)))
-    estimate = Estimate(
-        max(c.time_s for c in costs),
-        max(c.memory_bytes for c in costs),
+        constant += family.working_set().of(plain, (0,) * len(plain.units))
+    fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(sg, plain, segment_of, segments)
+    count = sum(c.times for c in priced_collectives(plain, (0,) * len(plain.units)))
+    return PipelineTerms(
+        mesh,
+        profile,
+        m,
+        _prefix(a),
+        _prefix(b),
+        _prefix(base),
+        _prefix(act),
+        fwd_bytes,
+        fwd_count,
+        bwd_bytes,
+        bwd_count,
+        constant,
         count,
-        profile.name,
     )
-    return estimate, costs
+
+
+def _cut_traffic(sg: SearchGraph, mp: MeshProblem, segment_of: Sequence[int], segments: int):
+    """Per cut position: bytes and messages of the forward values that cross it per
+    micro-batch, and of their gradients (floating-point values that are not data)."""
+    fwd_bytes = np.zeros(segments + 1)
+    fwd_count = np.zeros(segments + 1)
+    bwd_bytes = np.zeros(segments + 1)
+    bwd_count = np.zeros(segments + 1)
+    span: dict[str, tuple[int, int, float, bool]] = {}  # value -> (made, last read, ...)
+    for c in sg.units.crossings:
+        made, read = segment_of[c.source], segment_of[c.target]
+        if read <= made or not c.forward:
+            continue
+        name = c.value.name
+        if name in span:
+            first, last, nbytes, grad = span[name]
+            span[name] = (first, max(last, read), nbytes, grad)
+            continue
+        layout = mp.programs[c.source][0].layout(c.source_ref)
+        shape = local_shape(static_shape(c.value), layout, mp.mesh)
+        nbytes = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
+        grad = c.value.dtype.is_floating_point() and name not in sg.data_inputs
+        span[name] = (made, read, nbytes, grad)
+    for made, last, nbytes, grad in span.values():
+        for j in range(made + 1, last + 1):
+            fwd_bytes[j] += nbytes
+            fwd_count[j] += 1
+            if grad:
+                bwd_bytes[j] += nbytes
+                bwd_count[j] += 1
+    return fwd_bytes, fwd_count, bwd_bytes, bwd_count

@@ -145,17 +145,40 @@ def unit_stages(
     return stage_of
 
 
-def graph_unit_stages(
-    graph: ir.Graph, data_inputs: Sequence[str], starts: Sequence[str]
-) -> Callable[[str], int]:
-    """:func:`unit_stages` of a training step (before partitioning)."""
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """A training step cut at every block start (``cost.pipeline``'s segments): the
+    segment of each unit, and the cut positions of a plan's start blocks."""
+
+    blocks: tuple[Block, ...]
+    segment_of: Callable[[str], int]
+
+    @property
+    def count(self) -> int:
+        return len(self.blocks)
+
+    def cuts(self, starts: Sequence[str]) -> list[int]:
+        """0, the segment index of each start block, and the segment count."""
+        index = {b.name: i for i, b in enumerate(self.blocks)}
+        unknown = [s for s in starts if s not in index]
+        if unknown:
+            names = ", ".join(b.name for b in self.blocks) or "none"
+            raise PlanError(
+                f"plan pipeline.starts: {unknown} are not blocks of this model (blocks: {names})"
+            )
+        return [0, *(index[s] for s in starts), self.count]
+
+
+def step_segments(graph: ir.Graph, data_inputs: Sequence[str]) -> Segments:
+    """The :class:`Segments` of a training step (before partitioning)."""
     blocks = find_blocks(graph, data_inputs)
     forward = [
         node.metadata_props.get(UNIT_KEY, node.name)
         for node in graph
         if node.metadata_props.get(ROLE_KEY) == Role.FORWARD.value
     ]
-    return unit_stages(forward, starts, blocks)
+    segment_of = unit_stages(forward, [b.name for b in blocks[1:]], blocks)
+    return Segments(tuple(blocks), segment_of)
 
 
 def stage_of_nodes(
