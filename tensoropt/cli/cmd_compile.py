@@ -285,7 +285,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     """Search, pick a point by policy, and compile its plan through the same passes."""
     from tensoropt.cli.cmd_search import explore_from_args
     from tensoropt.cost.accuracy import band_of, near_tie_note
-    from tensoropt.search.driver import device_frontier, pick, plan_from_choice
+    from tensoropt.search.driver import device_frontier, pick, plan_of_point
 
     check_policy(args.pick)
     if args.pick.startswith("fewest-devices-under:"):
@@ -299,18 +299,18 @@ def _compile_picked(args: argparse.Namespace) -> int:
     search, point = chosen.search, chosen.point
     band, tie = band_of(args.cluster), None
     if band is not None:  # the frontier is merged again only for the note
-        rows = device_frontier(exp, search.mesh.size)
+        rows = device_frontier(exp, search.devices)
         tie = near_tie_note(
             [p.time_s for _, p in rows],
             [p.memory_bytes for _, p in rows],
             chosen.index,
             band,
-            search.mesh.size,
+            search.devices,
         )
-    source = f"search --pick {args.pick}: point {chosen.index} at {search.mesh.size} devices"
-    plan = with_micro_batches(plan_from_choice(search, point.choice, source), args)
+    source = f"search --pick {args.pick}: point {chosen.index} at {search.devices} devices"
+    plan = with_micro_batches(plan_of_point(search, point, source), args)
     picked = (
-        f"picked {args.pick}: point {chosen.index} at {search.mesh.size} devices, mesh "
+        f"picked {args.pick}: point {chosen.index} at {search.devices} devices, mesh "
         f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
     )
     summary, estimate, result = _compile_searched(args, plan)
@@ -318,7 +318,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     if tie:
         print(tie, file=sys.stderr)
     print(summary, file=sys.stderr)
-    _report(args, result, search.mesh, (source,), estimate, source)
+    _report(args, result, search.mesh, (source,), estimate, source, plan)
     return 0
 
 
@@ -385,7 +385,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     if tie:
         print(tie, file=sys.stderr)
     print(summary, file=sys.stderr)
-    _report(args, result, plan.mesh, (source,), estimate, source)
+    _report(args, result, plan.mesh, (source,), estimate, source, plan)
     return 0
 
 

@@ -90,8 +90,17 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         help="what the search explores: split (how each op is split over the mesh; always), "
         "zero (ZeRO stage 1, 2 or 3 of every unit that can shard its parameters), "
         "recompute (every block recomputed in the backward), micro (micro-batches with "
-        "gradient accumulation); default split; every axis: split,zero,recompute,micro "
-        "(about 18x the search time of split alone on GPT-2-medium, 1..64 devices)",
+        "gradient accumulation), stages (pipeline stages over the micro-batched plans; "
+        "implies micro); default split; split,zero,recompute,micro takes about 18x the "
+        "search time of split alone on GPT-2-medium, 1..64 devices",
+    )
+    p.add_argument(
+        "--stages",
+        dest="stage_counts",
+        default="2,4,8,16,32,64",
+        metavar="LIST",
+        help="pipeline stage counts tried with --axes ...,stages (default 2,4,8,16,32,64; "
+        "a count P is tried at N devices when P divides N and the model has P blocks)",
     )
     p.add_argument(
         "--micro-batches",
@@ -177,7 +186,7 @@ def explore_from_args(args, devices):
     return sg, profile, exp
 
 
-AXES_ORDER = ("split", "zero", "recompute", "micro")
+AXES_ORDER = ("split", "zero", "recompute", "micro", "stages")
 
 
 def parse_axes(text: str):
@@ -191,14 +200,17 @@ def parse_axes(text: str):
     if bad or not names:
         what = f"unknown axis {bad[0]!r}" if bad else "no axis"
         raise TensorOptError(
-            f"--axes {text!r}: {what}; give a comma list of split, zero, recompute, micro "
-            "(e.g. --axes split,zero)"
+            f"--axes {text!r}: {what}; give a comma list of split, zero, recompute, micro, "
+            "stages (e.g. --axes split,zero)"
         )
-    return frozenset({Axis.SPLIT, *(known[n] for n in names)})
+    axes = {Axis.SPLIT, *(known[n] for n in names)}
+    if Axis.STAGES in axes:  # a pipeline runs micro-batches through its stages
+        axes.add(Axis.MICRO)
+    return frozenset(axes)
 
 
-def parse_counts(text: str) -> tuple[int, ...]:
-    """``--micro-batches 1,2,4,8``: positive micro-batch counts."""
+def parse_counts(text: str, flag: str = "--micro-batches", example: str = "1,2,4,8"):
+    """``--micro-batches 1,2,4,8`` (or ``flag``): positive counts."""
     from tensoropt.errors import TensorOptError
 
     try:
@@ -206,9 +218,7 @@ def parse_counts(text: str) -> tuple[int, ...]:
     except ValueError:
         counts = ()
     if not counts or counts[0] < 1:
-        raise TensorOptError(
-            f"--micro-batches {text!r}: give positive micro-batch counts, e.g. 1,2,4,8"
-        )
+        raise TensorOptError(f"{flag} {text!r}: give positive counts, e.g. {example}")
     return counts
 
 
@@ -219,10 +229,12 @@ def search_space(args, sg):
 
     axes = parse_axes(getattr(args, "axes", None) or "split")
     counts = parse_counts(getattr(args, "micro_batch_counts", None) or "1,2,4,8")
+    text = getattr(args, "stage_counts", None) or "2,4,8,16,32,64"
+    stages = tuple(c for c in parse_counts(text, "--stages", "2,4,8") if c > 1)
     recomputed, names = None, ()
     if Axis.RECOMPUTE in axes:
         recomputed, names = recomputed_graph(args)
-    return SearchSpace(axes, counts, recomputed, names)
+    return SearchSpace(axes, counts, recomputed, names, stage_counts=stages)
 
 
 def recomputed_graph(args):

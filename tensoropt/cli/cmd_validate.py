@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.json_output import emit, integral_bytes
     from tensoropt.passes.compile import compile_step
     from tensoropt.runtime.run import run_steps
-    from tensoropt.search.driver import device_frontier, plan_from_choice
+    from tensoropt.search.driver import device_frontier, plan_of_point
 
     _check_args(args)
     devices = parse_devices(args.devices)
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         memlink.prober(ranks) as prober,
     ):
         for n, (d, k, size, search, point) in enumerate(bar):
-            plan = plan_from_choice(search, point.choice, f"validate point {k} at {d} devices")
+            plan = plan_of_point(search, point, f"validate point {k} at {d} devices")
             outdir = os.path.join(tmp, f"plan_{n}")
             compile_step(build_step(args), plan, None, outdir)
             link = prober.probe() if prober is not None and d > 1 else None

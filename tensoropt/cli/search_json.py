@@ -56,7 +56,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
     position = {  # (id(search), id(point)) -> index in that search's frontier
         (id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)
     }
-    for d in sorted({s.mesh.size for s in exp.searches}):
+    for d in sorted({s.devices for s in exp.searches}):
         rows = []
         frontier = device_frontier(exp, d)
         ties = near_ties([p.time_s for _, p in frontier], band.time(d) if band else None)
@@ -78,6 +78,8 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
                     "near_tie_with_previous": ties[i],
                 }
             )
+            if s.stage_starts:
+                rows[-1]["pipeline"] = {"starts": list(s.stage_starts[k]), "schedule": "1f1b"}
         per_device[str(d)] = rows
     return {
         "model": model_path,
@@ -91,7 +93,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
         "units": list(shared),
         "meshes": {
             problem_key(s): {
-                "devices": s.mesh.size,
+                "devices": s.devices,
                 "shape": list(s.mesh.shape),
                 "axis_names": list(s.mesh.axis_names),
                 "axes": s.variant.to_json(len(s.blocks)),
@@ -115,7 +117,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
         ],
         "references": [
             {
-                "devices": s.mesh.size,
+                "devices": s.devices,
                 "mesh": list(s.mesh.shape),
                 "problem": problem_key(s),
                 "plan": name,
@@ -291,6 +293,7 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
         except PlanError as exc:
             raise SearchFileError(str(exc)) from None
     axes = entry.get("axes") or {}
+    pipeline = picked.row.get("pipeline") or {}
     try:
         return Plan(
             mesh,
@@ -299,6 +302,8 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
             default=DefaultStrategy.DATA_PARALLEL,
             micro_batches=axes.get("micro_batches", 1),
             recompute=tuple(entry.get("recompute") or ()) if axes.get("recompute_blocks") else (),
+            stages=tuple(pipeline.get("starts") or ()),
+            schedule=pipeline.get("schedule", "1f1b"),
         )
     except PlanError as exc:
         raise SearchFileError(f"{where}: {exc}") from None

@@ -164,6 +164,102 @@ def _prefix(values: Sequence[float]) -> np.ndarray:
     return out
 
 
+class SegmentTables:
+    """Per unit and strategy (and per edge and strategy pair), the terms of the module
+    doc, from three problems of one family's units and strategies: ``plain`` (the
+    micro-batched problem), ``more`` (one more micro-batch slot) and ``bare`` (no
+    activations). :meth:`terms` sums them for one choice."""
+
+    def __init__(
+        self,
+        sg: SearchGraph,
+        plain: MeshProblem,
+        more: MeshProblem,
+        bare: MeshProblem,
+        segment_of: Sequence[int],
+        segments: int,
+        profile: ClusterProfile,
+        mesh: Mesh,
+    ):
+        self.sg, self.plain, self.profile, self.mesh = sg, plain, profile, mesh
+        self.segment_of = list(segment_of)
+        self.segments = segments
+        m = plain.micro_batches
+        self.m = m
+
+        def split(t_plain, t_more, mem, mem_bare):
+            a = np.asarray(t_more) - np.asarray(t_plain)
+            return a, np.asarray(t_plain) - m * a, np.asarray(mem_bare), np.asarray(mem) - mem_bare
+
+        self.units = []
+        for up, um, ub in zip(
+            plain.problem.units, more.problem.units, bare.problem.units, strict=True
+        ):
+            self.units.append(
+                split(
+                    [s.time_s for s in up.strategies],
+                    [s.time_s for s in um.strategies],
+                    [s.memory_bytes for s in up.strategies],
+                    np.asarray([s.memory_bytes for s in ub.strategies]),
+                )
+            )
+        self.edges = []
+        for ep, em, eb in zip(
+            plain.problem.edges, more.problem.edges, bare.problem.edges, strict=True
+        ):
+            seg = max(self.segment_of[ep.src], self.segment_of[ep.dst])
+            self.edges.append(
+                (
+                    ep.src,
+                    ep.dst,
+                    seg,
+                    split(ep.time_s, em.time_s, ep.memory_bytes, np.asarray(eb.memory_bytes)),
+                )
+            )
+        # unit 0 holds the problem's constants (ZeRO-3's gathered bound): every stage does
+        self.gathered = 0.0
+        if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
+            self.gathered = gathered_bound(sg)
+
+    def terms(self, choice: Sequence[int], working_set: float = 0.0) -> PipelineTerms:
+        """The :class:`PipelineTerms` of one choice; ``working_set``: the recompute
+        working-set bound of the choice (``WorkingSetBound.of``), held by every stage."""
+        n = self.segments
+        a, b, base, act = (np.zeros(n) for _ in range(4))
+        for k, (ua, ub, ubase, uact) in enumerate(self.units):
+            s, seg = choice[k], self.segment_of[k]
+            a[seg] += ua[s]
+            b[seg] += ub[s]
+            base[seg] += ubase[s]
+            act[seg] += uact[s]
+        for src, dst, seg, (ea, eb, ebase, eact) in self.edges:
+            i, j = choice[src], choice[dst]
+            a[seg] += ea[i][j]
+            b[seg] += eb[i][j]
+            base[seg] += ebase[i][j]
+            act[seg] += eact[i][j]
+        base[self.segment_of[0]] -= self.gathered
+        fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
+            self.sg, self.plain, choice, self.segment_of, n
+        )
+        count = sum(c.times for c in priced_collectives(self.plain, choice))
+        return PipelineTerms(
+            self.mesh,
+            self.profile,
+            self.m,
+            _prefix(a),
+            _prefix(b),
+            _prefix(base),
+            _prefix(act),
+            fwd_bytes,
+            fwd_count,
+            bwd_bytes,
+            bwd_count,
+            self.gathered + working_set,
+            count,
+        )
+
+
 def plan_terms(
     sg: SearchGraph,
     roots: Mapping[str, MeshSharding],
@@ -178,7 +274,7 @@ def plan_terms(
     """The :class:`PipelineTerms` of one plan: ``roots`` (micro-mesh strategies, as
     ``passes.micro.micro_roots`` gives them) on ``mesh`` with ``micro_batches``;
     ``segment_of[k]``: the segment of unit k (``passes.stages.unit_stages`` with every
-    block start as a cut)."""
+    block start as a cut). Priced as the search prices its pipelined points."""
     m = micro_batches
     choices = {name: (s,) for name, s in roots.items()}
 
@@ -188,76 +284,31 @@ def plan_terms(
         )
         return family.problem(zero=zero)
 
-    plain, more, bare = problem(m, 1.0), problem(m + 1, 1.0), problem(m, 0.0)
-    a = [0.0] * segments
-    b = [0.0] * segments
-    base = [0.0] * segments
-    act = [0.0] * segments
-
-    def add(seg: int, t_m: float, t_more: float, mem: float, mem_bare: float) -> None:
-        per_micro = t_more - t_m
-        a[seg] += per_micro
-        b[seg] += t_m - m * per_micro
-        base[seg] += mem_bare
-        act[seg] += mem - mem_bare
-
-    for k in range(len(plain.problem.units)):
-        e_plain = plain.problem.units[k].strategies[0]
-        add(
-            segment_of[k],
-            e_plain.time_s,
-            more.problem.units[k].strategies[0].time_s,
-            e_plain.memory_bytes,
-            bare.problem.units[k].strategies[0].memory_bytes,
-        )
-    for e_plain, e_more, e_bare in zip(
-        plain.problem.edges, more.problem.edges, bare.problem.edges, strict=True
-    ):
-        add(
-            max(segment_of[e_plain.src], segment_of[e_plain.dst]),
-            e_plain.time_s[0][0],
-            e_more.time_s[0][0],
-            e_plain.memory_bytes[0][0],
-            e_bare.memory_bytes[0][0],
-        )
-    constant = 0.0
-    if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
-        bound = gathered_bound(sg)
-        base[segment_of[0]] -= bound  # the problem holds it on unit 0; every stage does
-        constant += bound
+    plain = problem(m, 1.0)
+    tables = SegmentTables(
+        sg, plain, problem(m + 1, 1.0), problem(m, 0.0), segment_of, segments, profile, mesh
+    )
+    choice = (0,) * len(plain.units)
+    working_set = 0.0
     if any(RECOMPUTE_KEY in node.metadata_props for node in sg.graph):
         offered = micro_choices(sg, mesh, m)
         family = ProblemFamily(
             sg, mesh, profile, micro_batches=m,
             choices={name: [c for c, _ in pairs] for name, pairs in offered.items()},
         )  # fmt: skip
-        constant += family.working_set().of(plain, (0,) * len(plain.units))
-    fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(sg, plain, segment_of, segments)
-    count = sum(c.times for c in priced_collectives(plain, (0,) * len(plain.units)))
-    return PipelineTerms(
-        mesh,
-        profile,
-        m,
-        _prefix(a),
-        _prefix(b),
-        _prefix(base),
-        _prefix(act),
-        fwd_bytes,
-        fwd_count,
-        bwd_bytes,
-        bwd_count,
-        constant,
-        count,
-    )
+        working_set = family.working_set().of(plain, choice)
+    return tables.terms(choice, working_set)
 
 
-def _cut_traffic(sg: SearchGraph, mp: MeshProblem, segment_of: Sequence[int], segments: int):
+def _cut_traffic(
+    sg: SearchGraph, mp: MeshProblem, choice: Sequence[int], segment_of: Sequence[int], n: int
+):
     """Per cut position: bytes and messages of the forward values that cross it per
     micro-batch, and of their gradients (floating-point values that are not data)."""
-    fwd_bytes = np.zeros(segments + 1)
-    fwd_count = np.zeros(segments + 1)
-    bwd_bytes = np.zeros(segments + 1)
-    bwd_count = np.zeros(segments + 1)
+    fwd_bytes = np.zeros(n + 1)
+    fwd_count = np.zeros(n + 1)
+    bwd_bytes = np.zeros(n + 1)
+    bwd_count = np.zeros(n + 1)
     span: dict[str, tuple[int, int, float, bool]] = {}  # value -> (made, last read, ...)
     for c in sg.units.crossings:
         made, read = segment_of[c.source], segment_of[c.target]
@@ -268,7 +319,7 @@ def _cut_traffic(sg: SearchGraph, mp: MeshProblem, segment_of: Sequence[int], se
             first, last, nbytes, grad = span[name]
             span[name] = (first, max(last, read), nbytes, grad)
             continue
-        layout = mp.programs[c.source][0].layout(c.source_ref)
+        layout = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
         shape = local_shape(static_shape(c.value), layout, mp.mesh)
         nbytes = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
         grad = c.value.dtype.is_floating_point() and name not in sg.data_inputs

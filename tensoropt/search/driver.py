@@ -43,6 +43,7 @@ class Axis(enum.Enum):
     ZERO = "zero"
     RECOMPUTE = "recompute"
     MICRO = "micro"
+    STAGES = "stages"  # pipeline stages over the micro-batched problems (search.pipeline)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -54,6 +55,7 @@ class Variant:
     micro_batches: int = 1
     zero: int = 0  # a ZeroStage value
     recompute: bool = False
+    stages: int = 1  # pipeline stages (search.pipeline), each on its own copy of the mesh
 
     @property
     def plain(self) -> bool:
@@ -64,6 +66,7 @@ class Variant:
         parts = [f"zero-{self.zero}"] if self.zero else []
         parts += ["recompute"] if self.recompute else []
         parts += [f"micro-{self.micro_batches}"] if self.micro_batches > 1 else []
+        parts += [f"pp-{self.stages}"] if self.stages > 1 else []
         return "+".join(parts)
 
     def label(self, blocks: int) -> str:
@@ -79,6 +82,7 @@ class Variant:
             "micro_batches": self.micro_batches,
             "zero": self.zero,
             "recompute_blocks": blocks if self.recompute else 0,
+            "stages": self.stages,
         }
 
 
@@ -97,6 +101,11 @@ class SearchSpace:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     recomputed: SearchGraph | None = field(default=None, compare=False)
     blocks: tuple[str, ...] = ()
+    # pipeline stage counts tried (with Axis.STAGES), and the device counts whose
+    # frontiers get pipelined points (a stage count P is tried on mesh M when
+    # P * M.size is one of them)
+    stage_counts: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+    pipeline_devices: tuple[int, ...] = ()
 
     def variants(self, sg: SearchGraph, mesh: Mesh) -> list[Variant]:
         """The problems of one mesh, plain first. ZeRO needs more than one device;
@@ -150,10 +159,18 @@ class MeshSearch:
     # per unit, per strategy: whether the variant's ZeRO stage applies to it
     unit_zero: tuple[tuple[bool, ...], ...] = ()
     blocks: tuple[str, ...] = ()  # the recomputed blocks when variant.recompute
+    # pipelined searches (variant.stages > 1): per point, the blocks where stages 1..P-1
+    # start (search.pipeline)
+    stage_starts: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def devices(self) -> int:
+        """Devices a point of this search runs on: the mesh, once per pipeline stage."""
+        return self.mesh.size * self.variant.stages
 
     @property
     def key(self) -> tuple[int, tuple[int, ...], Variant]:
-        return (self.mesh.size, tuple(self.mesh.shape), self.variant)
+        return (self.devices, tuple(self.mesh.shape), self.variant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +230,21 @@ def search_meshes(sg: SearchGraph, devices: Sequence[int], mesh_spec: str) -> li
     ]
 
 
-def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> Plan:
+def plan_of_point(search: MeshSearch, point: FrontierPoint, source: str) -> Plan:
+    """The plan of one of ``search``'s frontier points (with its pipeline stages)."""
+    starts: tuple[str, ...] = ()
+    if search.stage_starts:
+        index = next(i for i, p in enumerate(search.result.points) if p is point)
+        starts = search.stage_starts[index]
+    return plan_from_choice(search, point.choice, source, starts)
+
+
+def plan_from_choice(
+    search: MeshSearch, choice: Sequence[int], source: str, starts: Sequence[str] = ()
+) -> Plan:
     """The plan of one frontier point: explicit layouts for every unit, and the
-    variant's ZeRO stage, micro-batches and recomputed blocks."""
+    variant's ZeRO stage, micro-batches and recomputed blocks; ``starts``: the blocks
+    where its pipeline stages 1, 2, ... begin."""
     units = {}
     variant = search.variant
     for u, (name, layouts, k) in enumerate(
@@ -232,6 +261,7 @@ def plan_from_choice(search: MeshSearch, choice: Sequence[int], source: str) -> 
         default=DefaultStrategy.DATA_PARALLEL,
         micro_batches=variant.micro_batches,
         recompute=search.blocks if variant.recompute else (),
+        stages=tuple(starts),
     )
 
 
@@ -296,6 +326,7 @@ class _MeshProblems:
         self.plain_refs: dict[str, tuple[int, ...]] = {}
         self.plain_infos: tuple | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
+        self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
 
     def build(self, v: Variant) -> _Built | None:
         from tensoropt.passes.micro import MicroError
@@ -321,6 +352,7 @@ class _MeshProblems:
                     chosen=self.chosen,
                 )
                 self.families[key] = (family, reals)
+                self.choices[key] = choices
             except MicroError as exc:
                 log.info("%s on %s: not searched: %s", v.tag(), self.mesh, exc)
                 self.families[key] = None
@@ -481,6 +513,12 @@ def explore(
     spread over ``jobs`` worker processes (fork; default: one per core, at most one per
     job; 1 = in this process). ``on_problem`` is called once per mesh.
     """
+    wanted = sorted(set(devices))
+    if Axis.STAGES in space.axes:  # a pipeline's stages run meshes of fewer devices
+        space = dataclasses.replace(space, pipeline_devices=tuple(wanted))
+        devices = sorted(
+            set(wanted) | {d // p for d in wanted for p in space.stage_counts if d % p == 0}
+        )
     meshes = search_meshes(sg, devices, mesh_spec)
     groups: dict[int, list[Mesh]] = {}
     for m in meshes:
@@ -511,7 +549,7 @@ def explore(
                     found[(mesh.size, tuple(mesh.shape))] = searches
                     if on_problem:
                         on_problem(mesh)
-    searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))]]
+    searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))] if s.devices in wanted]
     merged = merge_frontiers({s.key: s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
@@ -571,17 +609,56 @@ def _solve_meshes(
         search = _solve_one(built, at[mesh], (mesh, profile, budget, epsilon), blocks, incumbents)
         out[mesh].append(search)
         done.append(search)
+        if Axis.STAGES in space.axes and v.micro_batches > 1:
+            out[mesh] += _pipelined(built, at[mesh], search, profile, budget)
     return [(mesh, out[mesh]) for mesh in meshes]
+
+
+def _pipelined(
+    b: _Built, at: _MeshProblems, search: MeshSearch, profile: ClusterProfile, budget
+) -> list[MeshSearch]:
+    """The pipelined searches made of one micro-batched problem's frontier
+    (search.pipeline): one per stage count whose device count is searched."""
+    from tensoropt.search.pipeline import pipeline_search, pipelined, segments_of
+
+    space, mesh, v = at.space, at.mesh, b.variant
+    counts = [p for p in space.stage_counts if p * mesh.size in space.pipeline_devices]
+    key = (v.recompute, v.micro_batches)
+    found = at.families.get(key)
+    if not counts or found is None:
+        return []
+    family, _ = found
+    by_count = pipelined(
+        b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
+        profile, search.result.points, counts, budget,
+    )  # fmt: skip
+    segments = segments_of(b.graph)
+    label = v.label(len(space.blocks))
+    index = {id(p): i for i, p in enumerate(search.result.points)}
+    by_choice = {tuple(p.choice): index[id(p)] for p in search.result.points}
+    out = []
+    for p, (points, picks) in sorted(by_count.items()):
+        staged = dataclasses.replace(v, stages=p)
+        summaries = []
+        for choice in picks:
+            core = search.summaries[by_choice[choice]]
+            if label and core.endswith(f", {label}"):
+                core = core[: -len(label) - 2]
+            summaries.append(f"pp={p} x ({core})" + (f", {label}" if label else ""))
+        out.append(pipeline_search(search, staged, points, picks, segments, summaries))
+    return out
 
 
 def _infeasible_message(sg, searches, budget, profile) -> str:
     """Smallest reachable memory per device count (memory is exact even with epsilon)."""
     best: dict[int, float] = {}
     for s in searches:
+        if s.variant.stages > 1:
+            continue  # its problem prices the stages' mesh, not the pipeline
         free = solve(s.problem, epsilon=0.25)
         if free.points:
             low = free.points[-1].memory_bytes
-            best[s.mesh.size] = min(best.get(s.mesh.size, low), low)
+            best[s.devices] = min(best.get(s.devices, low), low)
     parts = ", ".join(f"{d} devices: {_gib(m)}" for d, m in sorted(best.items()))
     fits = [d for d, m in sorted(best.items()) if m <= budget]
     advice = (
@@ -625,7 +702,7 @@ class Pick:
 
 def device_frontier(exp: Exploration, devices: int) -> list[tuple[MeshSearch, FrontierPoint]]:
     """Non-dominated (time, memory) points of one device count over all its meshes."""
-    group = {s.key: s.result for s in exp.searches if s.mesh.size == devices}
+    group = {s.key: s.result for s in exp.searches if s.devices == devices}
     return [
         (exp.source_of(p), exp.source_of(p).result.points[p.index]) for p in merge_frontiers(group)
     ]
@@ -672,7 +749,7 @@ def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
     name, _, arg = policy.partition(":")
     if name == "fewest-devices-under":
         budget = parse_bytes(arg, "--pick fewest-devices-under")
-        counts = sorted({s.mesh.size for s in exp.searches})
+        counts = sorted({s.devices for s in exp.searches})
         for d in counts:
             for k, (s, p) in enumerate(device_frontier(exp, d)):
                 if p.memory_bytes <= budget:

@@ -1,0 +1,152 @@
+"""Pipelined points of the search (``search --axes ...,stages``).
+
+A pipelined plan is a micro-batched plan of one mesh (the stages' mesh) cut into P stages
+at block starts, each stage on its own copy of the mesh (P x mesh.size devices), priced by
+``cost.pipeline`` exactly as ``compile`` prices it. For every micro-batched problem the
+search solves (mesh M, k micro-batches, its ZeRO stage and recomputation), and every
+stage count P with P x M.size among the searched device counts:
+
+- each point of that problem's frontier is an intra-op plan (a strategy per unit); its
+  :class:`~tensoropt.cost.pipeline.PipelineTerms` price any cut of it;
+- the exact dynamic program over cuts (:func:`tensoropt.search.stages.stage_frontier`)
+  gives, for that intra-op plan, every non-dominated (step time, memory per device) over
+  the cuts at the allowed positions: every block start when the model has at most
+  :data:`MAX_POSITIONS` - 1 blocks, else that many evenly spread ones;
+- the non-dominated points over all intra-op plans form the frontier of the pipelined
+  problem (M, k, P), labelled ``pp=P x (...)``, which merges with the others.
+
+What this leaves out, stated in the guarantee of each pipelined result: a stage's
+intra-op plan is one of the plans on the frontier of the whole micro-batched problem
+(the plan of one stage is not searched on its own, and every stage runs the same mesh
+shape), and the schedule is 1F1B (GPipe's step prices the same and holds more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from tensoropt.cost.cluster import ClusterProfile
+from tensoropt.cost.model import ProblemFamily, SearchGraph
+from tensoropt.cost.pipeline import SegmentTables
+from tensoropt.ir.costs import FrontierPoint
+from tensoropt.ir.plan import ZeroStage
+from tensoropt.passes.stages import Segments, step_segments
+from tensoropt.search.stages import PipelinePoint, stage_frontier
+
+MAX_POSITIONS = 65
+"""Cut positions the dynamic program tries at most (both ends included)."""
+SCHEDULE = "1f1b"
+
+
+def positions(segments: int) -> list[int]:
+    """The allowed cut positions: every block start, or evenly spread ones."""
+    if segments + 1 <= MAX_POSITIONS:
+        return list(range(segments + 1))
+    steps = MAX_POSITIONS - 1
+    return sorted({round(i * segments / steps) for i in range(steps + 1)})
+
+
+def segments_of(graph: SearchGraph) -> Segments:
+    return step_segments(graph.graph, graph.data_inputs)
+
+
+def pipelined(
+    graph: SearchGraph,
+    family: ProblemFamily,
+    choices,
+    chosen: dict,
+    zero: ZeroStage,
+    recompute: bool,
+    profile: ClusterProfile,
+    frontier: Sequence[FrontierPoint],
+    counts: Sequence[int],
+    memory_budget: float | None,
+) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
+    """Per stage count P in ``counts``: the non-dominated pipelined points over the
+    intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
+    ``recompute``), and the choice of each. Empty when the model has too few blocks."""
+    segments = segments_of(graph)
+    counts = [p for p in counts if 2 <= p <= segments.count]
+    if not counts or not frontier:
+        return {}
+    m, mesh = family.micro_batches, family.plan_mesh
+
+    def problem(slots: int, scale: float):
+        f = ProblemFamily(
+            graph, mesh, profile, micro_batches=m, choices=choices, chosen=chosen,
+            slots=slots, saved_scale=scale,
+        )  # fmt: skip
+        return f.problem(zero_all=zero)
+
+    plain = family.problem(zero_all=zero)
+    segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
+    tables = SegmentTables(
+        graph, plain, problem(m + 1, 1.0), problem(m, 0.0), segment_of, segments.count,
+        profile, mesh,
+    )  # fmt: skip
+    bound = family.working_set() if recompute else None
+    allowed = positions(segments.count)
+    out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
+    for point in frontier:
+        ws = bound.of(plain, point.choice) if bound is not None else 0.0
+        terms = tables.terms(point.choice, ws)
+        for p in counts:
+
+            def stage(i: int, j: int, s: int, terms=terms, p=p):
+                cost = terms.stage(i, j, s, p, SCHEDULE)
+                return [(cost.time_s, cost.memory_bytes, None)]
+
+            found, picks = out.setdefault(p, ([], []))
+            for q in stage_frontier(allowed, p, stage):
+                if memory_budget is None or q.memory_bytes <= memory_budget:
+                    found.append(q)
+                    picks.append(tuple(point.choice))
+    for p, (found, picks) in list(out.items()):
+        order = sorted(range(len(found)), key=lambda i: (found[i].time_s, found[i].memory_bytes))
+        kept: list[int] = []
+        for i in order:
+            if not kept or found[i].memory_bytes < found[kept[-1]].memory_bytes:
+                kept.append(i)
+        out[p] = ([found[i] for i in kept], [picks[i] for i in kept])
+    return out
+
+
+def starts_of(segments: Segments, cuts: Sequence[int]) -> tuple[str, ...]:
+    """The start blocks of a point's stages 1..P-1."""
+    return tuple(segments.blocks[c].name for c in cuts[1:-1])
+
+
+def pipeline_search(search, variant, points, picks, segments: Segments, summaries):
+    """``search`` (a micro-batched problem's) as the pipelined search of ``variant``."""
+    from tensoropt.search.solver import SearchResult
+
+    result = search.result
+    frontier = tuple(
+        FrontierPoint(q.time_s, q.memory_bytes, choice)
+        for q, choice in zip(points, picks, strict=True)
+    )
+    devices = search.mesh.size * variant.stages
+    guarantee = (
+        f"pipelined ({variant.stages} stages, {SCHEDULE}): for each plan of the "
+        f"{search.mesh} frontier with {variant.micro_batches} micro-batches, the exact "
+        f"Pareto set over cuts at {len(positions(segments.count))} positions"
+    )
+    return dataclasses.replace(
+        search,
+        result=SearchResult(
+            devices,
+            result.mesh,
+            frontier,
+            result.epsilon,
+            result.memory_budget,
+            None,
+            guarantee,
+            result.stats,
+        ),
+        references={},
+        reference_summaries={},
+        summaries=tuple(summaries),
+        variant=variant,
+        stage_starts=tuple(starts_of(segments, q.cuts) for q in points),
+    )

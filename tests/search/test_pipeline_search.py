@@ -1,0 +1,117 @@
+"""Pipelined points of the search (``--axes ...,stages``; search.pipeline).
+
+- For each intra-op plan, the dynamic program over cuts returns exactly the Pareto set
+  of pricing every cut of that plan (``PipelineTerms.price``) by enumeration.
+- A picked pipelined point compiles to a plan whose estimate is the point's (the plan
+  is the program), and that plan trains like one device.
+- Pipelined points are labelled ``pp=P x (...)`` and appear only at the device counts
+  asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from tensoropt.cost.cluster import builtin
+from tensoropt.cost.model import ProblemFamily, micro_choices
+from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.plan import ZeroStage
+from tensoropt.models import build_model
+from tensoropt.models.io import save_model
+from tensoropt.runtime.run import run_steps
+from tensoropt.search.pipeline import SCHEDULE, pipelined, segments_of
+from tensoropt.search.solver import solve
+from tests.cli.cli_run import cli
+from tests.helpers.program import graph_of
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pp") / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    return path
+
+
+def _pareto(rows):
+    rows = sorted((float(t), float(m)) for t, m in rows)
+    out = []
+    for t, m in rows:
+        if not out or m < out[-1][1]:
+            out.append((t, m))
+    return out
+
+
+@pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
+def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, k):
+    sg = graph_of(str(gpt))
+    profile = builtin("a100")
+    plan_mesh = Mesh(mesh, ("dp",))
+    offered = micro_choices(sg, plan_mesh, k)
+    choices = {name: [c for c, _ in pairs] for name, pairs in offered.items()}
+    family = ProblemFamily(sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={})
+    frontier = solve(family.problem().problem).points[:3]
+    segments = segments_of(sg)
+    counts = [2, 3, 4]
+    found = pipelined(
+        sg, family, choices, {}, ZeroStage.NONE, False, profile, frontier, counts, None
+    )
+    from tensoropt.cost.pipeline import SegmentTables
+
+    def problem(slots, scale):
+        f = ProblemFamily(
+            sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={},
+            slots=slots, saved_scale=scale,
+        )  # fmt: skip
+        return f.problem()
+
+    plain = family.problem()
+    segment_of = [segments.segment_of(u.root.name) for u in sg.units.units]
+    tables = SegmentTables(
+        sg, plain, problem(k + 1, 1.0), problem(k, 0.0), segment_of, segments.count, profile,
+        plan_mesh,
+    )  # fmt: skip
+    n = segments.count
+    for p in counts:
+        rows = []
+        for point in frontier:
+            terms = tables.terms(point.choice)
+            for inner in itertools.combinations(range(1, n), p - 1):
+                estimate, _ = terms.price([0, *inner, n], SCHEDULE)
+                rows.append((estimate.time_s, estimate.memory_bytes))
+        points, picks = found[p]
+        # the same stage prices, combined by max: equal, not just close
+        assert [(float(q.time_s), float(q.memory_bytes)) for q in points] == _pareto(rows)
+        for q, choice in zip(points, picks, strict=True):  # each point is its cuts' price
+            estimate, _ = tables.terms(choice).price(list(q.cuts), SCHEDULE)
+            assert (estimate.time_s, estimate.memory_bytes) == (q.time_s, q.memory_bytes)
+
+
+def test_a_picked_pipelined_point_compiles_to_its_estimate_and_trains(gpt, tmp_path, capsys):
+    found = cli(
+        capsys, "search", gpt, "--devices", "2", "--axes", "split,stages",
+        "--json-out", tmp_path / "s.json",
+    )  # fmt: skip
+    assert found.code == 0, found.err
+    doc = json.loads((tmp_path / "s.json").read_text())
+    rows = [r for r in doc["per_device"]["2"] if "pipeline" in r]
+    assert rows, "no pipelined point at 2 devices"
+    assert all(r["summary"].startswith("pp=2 x (") for r in rows)
+    assert set(doc["per_device"]) == {"2"}  # the stages' 1-device meshes are not shown
+    row = rows[0]
+    out = tmp_path / "out"
+    compiled = cli(
+        capsys, "compile", gpt, "--devices", "2", "--pick", row["index"], "--search",
+        tmp_path / "s.json", "-o", out, "--json",
+    )  # fmt: skip
+    assert compiled.code == 0, compiled.err
+    body = json.loads(compiled.out)
+    assert body["estimate"]["time_s"] == row["time_s"]
+    assert body["estimate"]["memory_bytes"] == row["memory_bytes"]
+    assert body["pipeline"]["starts"] == row["pipeline"]["starts"]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["pipeline"]["starts"] == row["pipeline"]["starts"]
+    result = run_steps(out, 3, verify=True)
+    assert result.verify is not None and result.verify.ok, result.verify.to_json()
