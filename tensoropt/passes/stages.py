@@ -70,13 +70,13 @@ class Crossing:
     source: int
     target: int
     tag: int
+    # once per step: a micro-batch sum (or kept value) that the target's step phase
+    # reads, sent after the last micro-batch (a tied parameter's gradient part)
+    step: bool = False
 
     @property
     def forward(self) -> bool:
-        return self.target > self.source
-
-    def to_json(self) -> dict:
-        return {"value": self.value, "from": self.source, "to": self.target, "tag": self.tag}
+        return self.target > self.source and not self.step
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,24 +234,31 @@ def _crossings(graph: onnx.GraphProto, stages: list[tuple[int, ...]]) -> list[Cr
     made: dict[str, tuple[tuple[int, ...], onnx.NodeProto]] = {}
     for node, where in zip(graph.node, stages, strict=True):
         made.update((v, (where, node)) for v in node.output)
-    found: dict[tuple[str, int], int] = {}
+    found: dict[tuple[str, int], tuple[int, bool]] = {}
     for node, where in zip(graph.node, stages, strict=True):
         for s in where:
             for v in node.input:
                 if v not in made or s in made[v][0]:
                     continue
                 (source,), producer = made[v]  # a free node runs on each stage reading it
-                phases = {_meta(producer).get(PHASE_KEY), _meta(node).get(PHASE_KEY)}
-                if phases != {Phase.MICRO.value}:
+                made_in = _meta(producer).get(PHASE_KEY)
+                read_in = _meta(node).get(PHASE_KEY)
+                if made_in != Phase.MICRO.value:
                     raise PlanError(
-                        f"value {v!r} is made on pipeline stage {source} and read on stage "
-                        f"{s} in the step phase (gradient synchronisation or update); "
-                        "cut the stages elsewhere"
+                        f"value {v!r} is made on pipeline stage {source} in the step phase "
+                        f"(gradient synchronisation or update) and read on stage {s}; cut "
+                        "the stages elsewhere"
                     )
-                found[(v, s)] = source
+                step = read_in != Phase.MICRO.value
+                if found.get((v, s), (source, step))[1] != step:
+                    raise PlanError(
+                        f"value {v!r} of pipeline stage {source} is read on stage {s} both "
+                        "per micro-batch and per step; cut the stages elsewhere"
+                    )
+                found[(v, s)] = (source, step)
     return [
-        Crossing(value, source, target, tag)
-        for tag, ((value, target), source) in enumerate(sorted(found.items()), start=1)
+        Crossing(value, source, target, tag, step)
+        for tag, ((value, target), (source, step)) in enumerate(sorted(found.items()), start=1)
     ]
 
 
@@ -273,7 +280,7 @@ def _check_state(graph: onnx.GraphProto, stages: list[tuple[int, ...]], names: s
 
 def _backward_made(graph: onnx.GraphProto, stages, crossings: list[Crossing]):
     """Values whose making waits for a backward crossing (on the stage that makes them)."""
-    late = {(c.value, c.target) for c in crossings if not c.forward}
+    late = {(c.value, c.target) for c in crossings if not c.forward and not c.step}
     waits: set[tuple[str, int]] = set()
     for node, where in zip(graph.node, stages, strict=True):
         for s in where:
@@ -282,7 +289,7 @@ def _backward_made(graph: onnx.GraphProto, stages, crossings: list[Crossing]):
     return waits
 
 
-def _p2p(op: str, value: str, peer: int, tag: int, unit: str) -> onnx.NodeProto:
+def _p2p(op: str, value: str, peer: int, tag: int, unit: str, phase: Phase) -> onnx.NodeProto:
     inputs, outputs = ([value], []) if op == SEND else ([], [value])
     node = helper.make_node(
         op,
@@ -294,7 +301,7 @@ def _p2p(op: str, value: str, peer: int, tag: int, unit: str) -> onnx.NodeProto:
         tag=tag,
     )
     for key, val in (
-        (PHASE_KEY, Phase.MICRO.value),
+        (PHASE_KEY, phase.value),
         (ROLE_KEY, Role.PIPELINE.value),
         (UNIT_KEY, unit),
     ):
@@ -333,6 +340,10 @@ def cut_stages(
     ]
 
 
+def _phase_of(c: Crossing) -> Phase:
+    return Phase.STEP if c.step else Phase.MICRO
+
+
 def _micro_cut(proto: onnx.ModelProto) -> MicroCut:
     raw = next(p.value for p in proto.metadata_props if p.key == MICRO_KEY)
     return MicroCut.from_json(json.loads(raw))
@@ -362,15 +373,15 @@ def _stage_template(
             c = recv_at.get(v)
             if c is not None and v not in received:
                 received.add(v)
-                nodes.append(_p2p(RECV, v, c.source, c.tag, unit))
+                nodes.append(_p2p(RECV, v, c.source, c.tag, unit, _phase_of(c)))
         copied = copy.deepcopy(node)
         copied.metadata_props.add(key=STAGE_KEY, value=str(s))
         nodes.append(copied)
         for v in node.output:
             for c in sends.get(v, ()):
-                nodes.append(_p2p(SEND, v, c.target, c.tag, unit))
+                nodes.append(_p2p(SEND, v, c.target, c.tag, unit, _phase_of(c)))
     reads = {v for n in nodes for v in n.input}
-    made = {v for n in nodes for v in n.output}
+    made = {v for n in nodes if n.op_type not in P2P_OPS for v in n.output}
     proto = onnx.ModelProto()
     proto.CopyFrom(template.proto)
     g = proto.graph

@@ -103,6 +103,10 @@ class StagedPlan:
     cut: MicroCut  # the cut values this device makes
     micro_dims: Mapping[str, int]
     stash: tuple[str, ...]
+    # once per step, after the last micro-batch: step-phase inputs received from other
+    # stages, and this stage's sums that other stages' step phases read
+    step_recvs: tuple[P2P, ...] = ()
+    step_sends: tuple[P2P, ...] = ()
 
     @property
     def actions(self) -> list[tuple[str, int]]:
@@ -228,7 +232,7 @@ def split_staged(
     info = manifest.ranks[rank]
     held = set(info.inputs or ())
     fed = {n for n in fed if n in held}
-    made = {v for n in model.graph.node for v in n.output}
+    made = {v for n in model.graph.node if n.op_type not in P2P_OPS for v in n.output}
     whole = manifest.micro
     cut = MicroCut(
         whole.batches,
@@ -247,7 +251,8 @@ def split_staged(
     if b_model is not None:
         b_fed = fed | {c.value for c in b_recvs} | set(stash)
         backward = Part(split_graph(b_model, rank, world, b_fed, weights), b_recvs, b_sends)
-    step_fed = fed | set(cut.accumulate) | set(cut.keep)
+    step, step_recvs, step_sends = _step_p2p(step)
+    step_fed = fed | set(cut.accumulate) | set(cut.keep) | {c.value for c in step_recvs}
     step_plan = split_graph(step, rank, world, step_fed, weights)
     dims = {
         i.name: i.micro_dim
@@ -265,7 +270,33 @@ def split_staged(
         cut,
         dims,
         stash,
+        step_recvs,
+        step_sends,
     )
+
+
+def _step_p2p(step: onnx.ModelProto):
+    """The step graph without its Send/Recv nodes: (graph, recvs, sends). A received
+    value becomes an input of the graph."""
+    graph = step.graph
+    types = {vi.name: vi for vi in [*graph.input, *graph.output, *graph.value_info]}
+    recvs, sends, kept = [], [], []
+    for node in graph.node:
+        if node.domain and node.op_type in P2P_OPS:
+            a = _attrs(node)
+            if node.op_type == RECV:
+                recvs.append(P2P(node.output[0], int(a["peer"]), int(a["tag"])))
+            else:
+                sends.append(P2P(node.input[0], int(a["peer"]), int(a["tag"])))
+            continue
+        kept.append(node)
+    if not recvs and not sends:
+        return step, (), ()
+    reads = _reads(kept)
+    inputs = [i for i in graph.input if i.name in reads]
+    inputs += [types[c.value] for c in recvs if c.value in reads]
+    model = _model(step, kept, inputs, list(graph.output), "step")
+    return model, tuple(recvs), tuple(sends)
 
 
 def add_cut(total: dict[str, np.ndarray], outs: Mapping[str, np.ndarray], cut: MicroCut):
@@ -348,6 +379,11 @@ class PipelineLocalEngine:
                     f"the pipeline schedule stalls: stages wait at {waiting} for values no "
                     "stage sends; recompile the model"
                 )
+        for r, plan in self._plans.items():
+            for c in plan.step_sends:
+                mailbox[(c.peer, c.tag, -1)] = totals[r][c.value]
+        for r, plan in self._plans.items():
+            totals[r].update((c.value, mailbox.pop((r, c.tag, -1))) for c in plan.step_recvs)
         outs: dict[int, dict[str, np.ndarray]] = {}
         for ranks in self._stage_ranks.values():
             step_feeds = {r: {**self._rest(r, feeds[r]), **totals[r]} for r in ranks}
@@ -468,6 +504,10 @@ class PipelineMpiEngine:
             if kind == FORWARD and plan.backward is not None:
                 stash[i] = {n: outs.get(n, f.get(n)) for n in plan.stash}
             add_cut(total, outs, plan.cut)
+        for c in plan.step_sends:
+            sent.append(self._p2p.isend(total[c.value], dest=c.peer, tag=c.tag))
+        for c in plan.step_recvs:
+            total[c.value] = self._p2p.recv(source=c.peer, tag=c.tag)
         MPI.Request.waitall(sent)
         rest = {n: v for n, v in mine.items() if n not in plan.micro_dims}
         out = self._step.run({**rest, **total}, self.comm)

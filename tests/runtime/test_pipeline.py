@@ -192,3 +192,40 @@ def test_bad_stage_requests_are_refused_in_one_line(gpt, tmp_path, capsys, extra
     outcome = cli(capsys, "compile", gpt, "-o", tmp_path / "out", *extra)
     assert_bad_input(outcome, "compile", *fragments)
     assert not (tmp_path / "out").exists()
+
+
+def test_pipelined_torch_export_trains_like_one_device(exported, tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = _compile(
+        capsys, exported("gpt2"), tmp_path / "out", "--devices", 2, "--stages", 2,
+        "--micro-batches", 2,
+    )  # fmt: skip
+    report = run_steps(out, 3, verify=True, threads=1).verify
+    assert report is not None and report.ok, report.to_json()
+    assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+@pytest.mark.mpi
+def test_a_dead_stage_rank_is_named_and_nothing_is_left_running(gpt, tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from tests.runtime.test_mpi import _processes_with
+
+    out = _compile(
+        capsys, gpt, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2
+    )
+    marker = f"TENSOROPT_TEST_MARKER={uuid.uuid4().hex}"
+    env = {**os.environ, "TENSOROPT_FAULT_INJECT": "1:2", marker.split("=")[0]: marker[22:]}
+    cmd = [sys.executable, "-m", "tensoropt", "run", str(out), "--steps", "5",
+           "--backend", "mpi"]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode not in (0, 2)
+    assert time.monotonic() - t0 < 30
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "rank 1" in lines[0] and "step 2" in lines[0], proc.stderr
+    assert _processes_with(marker) == []
