@@ -15,7 +15,9 @@ EPILOG = """\
 shows the plan's estimate (the cost model's step time, memory per device and
 collectives per device: the same figures search, compile and validate report), then
 per device: op count, collectives by kind and group, bytes sent per step (ring
-algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B), parameter shard
+algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B; a pipeline
+stage's Send to another stage's device: its bytes), its pipeline stage, schedule and
+bytes received from other stages, parameter shard
 shapes, the blocks it recomputes (`compile --recompute`) with the forward nodes each
 reruns, and memory: parameters + optimizer state, and the *liveness peak*, a second
 figure: every tensor alive at once when the graph runs node by node in file order. The
@@ -178,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
                     "param_and_state_bytes": s.state_bytes,
                     "liveness_peak_bytes": s.peak_bytes,
                     "micro_batches": s.micro_batches,
+                    "pipeline": None
+                    if s.stage is None
+                    else {**s.stage, "bytes_received_per_step": s.bytes_received},
                     "recompute": {b: list(nodes) for b, nodes in rc.items()},
                 }
                 for (name, s), rc in zip(report, recomputed, strict=True)
@@ -208,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  micro-batches: {s.micro_batches} per step, {s.accumulated} values "
                 "accumulated (counts and bytes below are per step)"
+            )
+        if s.stage is not None:
+            print(
+                f"  pipeline stage {s.stage['stage']} of {s.stage['stages']} "
+                f"({s.stage['schedule']}): receives {_fmt_bytes(s.bytes_received)} per "
+                "step from other stages (Send rows below: to the device named)"
             )
         if s.collectives:
             print(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")

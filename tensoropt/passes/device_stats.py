@@ -17,6 +17,7 @@ from onnx import helper
 
 from tensoropt.ir.vocab import COLLECTIVE_DOMAIN, COMMUNICATING_KINDS
 from tensoropt.passes.micro import MICRO_KEY, PHASE_KEY, MicroCut, Phase
+from tensoropt.passes.stages import P2P_OPS, PIPELINE_KEY, RECV, SEND
 
 _COLLECTIVE_OPS = frozenset(k.value for k in COMMUNICATING_KINDS)
 
@@ -40,6 +41,8 @@ class DeviceStats:
     peak_bytes: int
     micro_batches: int = 1  # micro-batches per step (collectives of that phase count k x)
     accumulated: int = 0  # values summed over the micro-batches
+    stage: dict | None = None  # pipeline stages: passes.stages.StageInfo as JSON
+    bytes_received: float = 0.0  # by Recv from other stages, per step
 
 
 def _value_info(graph: onnx.GraphProto) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -110,7 +113,18 @@ def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -
     traffic: dict[tuple[str, tuple[int, ...]], float] = {}
     cut = _micro_cut(model)
     k = cut.batches if cut is not None else 1
+    received = 0.0
     for node in graph.node:
+        if node.domain == COLLECTIVE_DOMAIN and node.op_type in P2P_OPS:
+            times = k if _phase(node) == Phase.MICRO.value else 1
+            if node.op_type == RECV:
+                received += _nbytes(info.get(node.output[0])) * times
+                continue
+            key = (SEND, (int(_attr(node, "peer", -1)),))
+            groups[key] += times
+            sent = _nbytes(info.get(node.input[0])) * times
+            traffic[key] = traffic.get(key, 0.0) + sent
+            continue
         if node.domain != COLLECTIVE_DOMAIN or node.op_type not in _COLLECTIVE_OPS:
             continue
         group = tuple(_attr(node, "group", []))
@@ -138,7 +152,14 @@ def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -
         peak_bytes=_peak(graph, info),
         micro_batches=k,
         accumulated=len(cut.accumulate) if cut is not None else 0,
+        stage=_stage(model),
+        bytes_received=received,
     )
+
+
+def _stage(model: onnx.ModelProto) -> dict | None:
+    raw = next((p.value for p in model.metadata_props if p.key == PIPELINE_KEY), None)
+    return None if raw is None else json.loads(raw)
 
 
 def _micro_cut(model: onnx.ModelProto) -> MicroCut | None:

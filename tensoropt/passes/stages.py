@@ -213,6 +213,11 @@ def stage_of_nodes(
             stage = stage_of(unit)
         else:
             stage = max((made.get(v, 0) for v in node.input if v), default=0)
+        sources = {made[v] for v in node.input if v in made}
+        if node.op_type in _SUMS and len(sources) == 1 and _is_backward(node):
+            # a gradient's parts made on one later stage are summed there: one value
+            # crosses back instead of each part
+            stage = max(stage, *sources)
         out.append((stage,))
         made.update((v, stage) for v in node.output)
     outputs = {o.name for o in graph.output}
@@ -227,6 +232,13 @@ def stage_of_nodes(
         for v in node.input:
             readers.setdefault(v, set()).update(out[i])  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
+
+
+_SUMS = frozenset({"Add", "Sum"})
+
+
+def _is_backward(node: onnx.NodeProto) -> bool:
+    return _meta(node).get(ROLE_KEY) == Role.BACKWARD.value
 
 
 def _crossings(graph: onnx.GraphProto, stages: list[tuple[int, ...]]) -> list[Crossing]:

@@ -117,20 +117,17 @@ def test_each_stage_sends_its_boundary_and_holds_its_own_parameters(gpt, tmp_pat
     out = _compile(
         capsys, gpt, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2
     )
-    graphs = [onnx.load(str(out / f"device_{g}.onnx"), load_external_data=False) for g in (0, 1)]
-    p2p = [
-        {
-            (n.op_type, a.i)
-            for n in g.graph.node
-            if n.op_type in ("Send", "Recv")
-            for a in n.attribute
-            if a.name == "peer"
-        }
-        for g in graphs
-    ]
-    assert p2p[0] == {("Send", 1), ("Recv", 1)}
-    assert p2p[1] == {("Send", 0), ("Recv", 0)}
-    params = [{i.name for i in g.graph.input if i.name.endswith("weight")} for g in graphs]
+    shown = cli(capsys, "inspect", out, "--json")
+    assert shown.code == 0, shown.err
+    devices = json.loads(shown.out)["devices"]
+    assert not json.loads(shown.out)["replicates_all_work"]
+    sends = [[(c["kind"], c["group"], c["count"]) for c in d["collectives"]] for d in devices]
+    # per micro-batch: the residual stream forward, its gradient (one sum) back
+    assert sends == [[("Send", [1], 2)], [("Send", [0], 2)]]
+    bytes_sent = [d["bytes_sent_per_step"] for d in devices]
+    assert bytes_sent[0] == bytes_sent[1] == devices[1]["pipeline"]["bytes_received_per_step"]
+    assert [d["pipeline"]["stage"] for d in devices] == [0, 1]
+    params = [set(d["param_shapes"]) for d in devices]
     assert params[0] and params[1] and not params[0] & params[1]
     assert "wte.weight" in params[0] and "lm_head.weight" in params[1]
 
