@@ -265,7 +265,7 @@ def per_device_points(exp):
     """{devices: [(MeshSearch, FrontierPoint)]}, non-dominated within each device count."""
     from tensoropt.search.driver import device_frontier
 
-    return {d: device_frontier(exp, d) for d in sorted({s.mesh.size for s in exp.searches})}
+    return {d: device_frontier(exp, d) for d in sorted({s.devices for s in exp.searches})}
 
 
 def _index(search, point) -> int:
@@ -288,7 +288,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     ``band``: the profile's ErrorBand (cost.accuracy): each table says how far its
     estimates typically are off and marks the points it cannot order."""
     from tensoropt.cost.accuracy import near_ties
-    from tensoropt.search.driver import REFERENCE_NAMES
+    from tensoropt.search.driver import REFERENCE_NAMES, mesh_label
 
     out = out or sys.stdout
     table = per_device_points(exp)
@@ -307,16 +307,16 @@ def print_tables(sg, exp, out=None, band=None) -> None:
             head += f"; {band.describe(d)}"
         print(head, file=out)
         print(
-            f"  {'pick':>4} {'mesh':>6} {'step time':>12} {'':1} {'memory/dev':>12} "
+            f"  {'pick':>4} {'mesh':>8} {'step time':>12} {'':1} {'memory/dev':>12} "
             f"{'samples/s':>11}  plan",
             file=out,
         )
         marks = near_ties([p.time_s for _, (_, p) in shown], width)
         tied = tied or any(marks)
         for (i, (s, p)), mark in zip(shown, marks, strict=True):
-            mesh = "x".join(map(str, s.mesh.shape))
+            mesh = mesh_label(s.mesh.shape, s.variant.stages)
             print(
-                f"  {i:>4} {mesh:>6} {_fmt_time(p.time_s):>12} {'~' if mark else '':1} "
+                f"  {i:>4} {mesh:>8} {_fmt_time(p.time_s):>12} {'~' if mark else '':1} "
                 f"{_fmt_mem(p.memory_bytes):>12} {sg.batch / p.time_s:>11.1f}  "
                 f"{s.summaries[_index(s, p)]}",
                 file=out,
@@ -336,15 +336,14 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         for name in REFERENCE_NAMES:
             best = None
             for s in exp.searches:
-                if s.mesh.size == d and name in s.references:
+                if s.devices == d and name in s.references:
                     t, m, _ = s.references[name]
                     if best is None or t < best[0]:
-                        best = (t, m, s.mesh)
+                        best = (t, m, mesh_label(s.mesh.shape, s.variant.stages))
             if best:
                 over = "  over the memory budget" if budget is not None and best[1] > budget else ""
-                mesh = "x".join(map(str, best[2].shape))
                 print(
-                    f"  {_plural(d, 'device'):>11} {name:<18} mesh {mesh:>5} "
+                    f"  {_plural(d, 'device'):>11} {name:<18} mesh {best[2]:>8} "
                     f"{_fmt_time(best[0]):>12} {_fmt_mem(best[1]):>12}{over}",
                     file=out,
                 )
@@ -354,18 +353,27 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     if len(shown) < len(merged):
         head += f" ({len(shown)} shown, evenly spaced)"
     print(head, file=out)
-    print(f"  {'n':>3} {'devices':>7} {'mesh':>6} {'step time':>12} {'memory/dev':>12}", file=out)
+    print(f"  {'n':>3} {'devices':>7} {'mesh':>8} {'step time':>12} {'memory/dev':>12}", file=out)
     for i, p in shown:
+        stages = p.variant.stages if p.variant is not None else 1
         print(
-            f"  {i:>3} {p.devices:>7} {'x'.join(map(str, p.mesh)):>6} "
+            f"  {i:>3} {p.devices:>7} {mesh_label(p.mesh, stages):>8} "
             f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}",
             file=out,
         )
     print(
         "  (n: the position in this overall frontier, fastest first; not a --pick index)", file=out
     )
-    if exp.searches:
-        print(f"\nguarantee: {exp.searches[0].result.guarantee}", file=out)
+    plain = [s for s in exp.searches if s.variant.stages == 1]
+    if plain:
+        print(f"\nguarantee: {plain[0].result.guarantee}", file=out)
+    if len(plain) < len(exp.searches):
+        print(
+            "pipelined points (mesh ppP:M, P stages of mesh M): for each plan of a "
+            "micro-batched frontier, the exact Pareto set over its stage cuts "
+            "(docs/design/pipeline.md)",
+            file=out,
+        )
 
 
 def plot(exp, path: str) -> None:

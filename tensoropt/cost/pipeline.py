@@ -116,7 +116,7 @@ class PipelineTerms:
     bwd_bytes: np.ndarray
     bwd_count: np.ndarray
     constant: float
-    collectives: int
+    collectives: int  # per device and step (0 when not counted: SegmentTables.terms)
 
     @property
     def segments(self) -> int:
@@ -221,9 +221,13 @@ class SegmentTables:
         if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
             self.gathered = gathered_bound(sg)
 
-    def terms(self, choice: Sequence[int], working_set: float = 0.0) -> PipelineTerms:
+    def terms(
+        self, choice: Sequence[int], working_set: float = 0.0, count: bool = False
+    ) -> PipelineTerms:
         """The :class:`PipelineTerms` of one choice; ``working_set``: the recompute
-        working-set bound of the choice (``WorkingSetBound.of``), held by every stage."""
+        working-set bound of the choice (``WorkingSetBound.of``), held by every stage.
+        ``count``: count its collectives per step (what compile reports; the search
+        does not need them, and counting costs more than pricing)."""
         n = self.segments
         a, b, base, act = (np.zeros(n) for _ in range(4))
         for k, (ua, ub, ubase, uact) in enumerate(self.units):
@@ -242,7 +246,7 @@ class SegmentTables:
         fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
             self.sg, self.plain, choice, self.segment_of, n
         )
-        count = sum(c.times for c in priced_collectives(self.plain, choice))
+        collectives = sum(c.times for c in priced_collectives(self.plain, choice)) if count else 0
         return PipelineTerms(
             self.mesh,
             self.profile,
@@ -256,7 +260,7 @@ class SegmentTables:
             bwd_bytes,
             bwd_count,
             self.gathered + working_set,
-            count,
+            collectives,
         )
 
 
@@ -297,7 +301,7 @@ def plan_terms(
             choices={name: [c for c, _ in pairs] for name, pairs in offered.items()},
         )  # fmt: skip
         working_set = family.working_set().of(plain, choice)
-    return tables.terms(choice, working_set)
+    return tables.terms(choice, working_set, count=True)
 
 
 def _cut_traffic(

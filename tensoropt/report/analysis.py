@@ -19,6 +19,7 @@ from tensoropt.search.driver import (
     MeshSearch,
     Variant,
     device_frontier,
+    mesh_label,
 )
 
 GIB = 2**30
@@ -39,7 +40,7 @@ class Point:
 
     @property
     def mesh_text(self) -> str:
-        return "x".join(map(str, self.mesh))
+        return mesh_label(self.mesh, self.variant.stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class BaselineRow:
 def _point(search: MeshSearch, index: int) -> Point:
     p = search.result.points[index]
     return Point(
-        devices=search.mesh.size,
+        devices=search.devices,
         mesh=tuple(search.mesh.shape),
         index=index,
         time_s=p.time_s,
@@ -97,7 +98,7 @@ def _point(search: MeshSearch, index: int) -> Point:
 
 
 def device_counts(exp: Exploration) -> list[int]:
-    return sorted({s.mesh.size for s in exp.searches})
+    return sorted({s.devices for s in exp.searches})
 
 
 def device_frontiers(exp: Exploration) -> dict[int, list[Point]]:
@@ -130,7 +131,7 @@ def references(exp: Exploration) -> dict[int, tuple[Reference, ...]]:
         for name in REFERENCE_NAMES:
             best = None
             for s in exp.searches:
-                if s.mesh.size != d or name not in s.references:
+                if s.devices != d or name not in s.references:
                     continue
                 t, m, _ = s.references[name]
                 if best is None or t < best.time_s:
@@ -304,7 +305,7 @@ def axis_gains(exp: Exploration) -> list[AxisRow]:
     for d in device_counts(exp):
         least: list[Point | None] = [None] * len(AXIS_LEVELS)
         for s in exp.searches:
-            if s.mesh.size != d or not s.result.points:
+            if s.devices != d or not s.result.points:
                 continue
             low = _point(s, len(s.result.points) - 1)
             for level in range(axis_level(s.variant), len(AXIS_LEVELS)):

@@ -96,7 +96,7 @@ def role_of(name: str, op: str) -> str:
 
 def track(exp: Exploration, devices: int, rows: Sequence[Point]) -> Track:
     """The kinds matrix of ``rows`` (one device count's frontier, fastest first)."""
-    searches = [s for s in exp.searches if s.mesh.size == devices]
+    searches = [s for s in exp.searches if s.devices == devices]
     if not searches or not rows:
         raise TensorOptError(f"no frontier at {devices} devices to describe")
     first = searches[0]

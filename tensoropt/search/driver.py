@@ -193,6 +193,12 @@ class Exploration:
         return self.search_of(point.devices, point.mesh, point.variant or PLAIN)
 
 
+def mesh_label(shape: Sequence[int], stages: int = 1) -> str:
+    """A mesh for tables: "2x4"; a pipeline's "pp4:2x4" (4 stages of a 2x4 mesh each)."""
+    text = "x".join(map(str, shape))
+    return f"pp{stages}:{text}" if stages > 1 else text
+
+
 def mesh_shapes(devices: int, spec: str) -> list[Mesh]:
     """Meshes for one device count: ``auto`` = 1-D plus every 2-D factorisation."""
     if devices < 1:
@@ -396,7 +402,7 @@ def _covers(a: MeshProblem, b: MeshProblem) -> bool:
 
 # the reference plans, in table order: the built-in plans on the plain problems, and
 # two of them with memory axes on the variant problems below
-REFERENCE_NAMES = ("data-parallel", "megatron", "fsdp", "megatron+recompute")
+REFERENCE_NAMES = ("data-parallel", "megatron", "fsdp", "megatron+recompute", "megatron+pp")
 # the reference plans of a variant problem: (variant, name in the variant, plain reference)
 _VARIANT_REFERENCES = (
     (Variant(1, int(ZeroStage.PARAMETERS), True), "fsdp", "data-parallel"),
@@ -628,9 +634,12 @@ def _pipelined(
     if not counts or found is None:
         return []
     family, _ = found
+    reference = _megatron_in(b, at)
+    fastest: dict = {}
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
+        extra=[reference] if reference else (), fastest=fastest,
     )  # fmt: skip
     segments = segments_of(b.graph)
     label = v.label(len(space.blocks))
@@ -645,8 +654,37 @@ def _pipelined(
             if label and core.endswith(f", {label}"):
                 core = core[: -len(label) - 2]
             summaries.append(f"pp={p} x ({core})" + (f", {label}" if label else ""))
-        out.append(pipeline_search(search, staged, points, picks, segments, summaries))
+        made = pipeline_search(search, staged, points, picks, segments, summaries)
+        if p in fastest:  # Megatron within each stage, the fastest cut into p stages
+            ((q, choice),) = fastest[p]
+            made = dataclasses.replace(
+                made,
+                references={"megatron+pp": (q.time_s, q.memory_bytes, choice)},
+                reference_summaries={
+                    "megatron+pp": f"pp={p} x (megatron, tp={mesh.size}), {label}"
+                },
+            )
+        out.append(made)
     return out
+
+
+def _megatron_in(b: _Built, at: _MeshProblems) -> tuple[int, ...] | None:
+    """The Megatron plan as a choice of a micro-batched problem of a 1-D mesh without
+    other axes (the ``megatron+pp`` reference), when the plain problem has it."""
+    v = b.variant
+    plain = at.plain_refs.get("megatron")
+    if (
+        plain is None or at.plain_infos is None or b.reals is None or v.zero or v.recompute
+        or at.mesh.ndim != 1
+    ):  # fmt: skip
+        return None
+    choice = []
+    for k, (info, s) in enumerate(zip(at.plain_infos, plain, strict=True)):
+        want = info.strategies[s]
+        if want not in b.reals[k]:
+            return None
+        choice.append(b.reals[k].index(want))
+    return tuple(choice)
 
 
 def _infeasible_message(sg, searches, budget, profile) -> str:

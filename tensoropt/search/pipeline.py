@@ -62,10 +62,15 @@ def pipelined(
     frontier: Sequence[FrontierPoint],
     counts: Sequence[int],
     memory_budget: float | None,
+    extra: Sequence[Sequence[int]] = (),
+    fastest: dict | None = None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
-    ``recompute``), and the choice of each. Empty when the model has too few blocks."""
+    ``recompute``), and the choice of each. Empty when the model has too few blocks.
+    ``extra``: more choices (reference plans), whose fastest cut per P goes to
+    ``fastest`` (P -> [(point, choice)]) instead."""
+    fastest = {} if fastest is None else fastest
     segments = segments_of(graph)
     counts = [p for p in counts if 2 <= p <= segments.count]
     if not counts or not frontier:
@@ -88,20 +93,18 @@ def pipelined(
     bound = family.working_set() if recompute else None
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
-    for point in frontier:
+    chosen_points = list(frontier) + [FrontierPoint(0.0, 0.0, c) for c in extra]
+    for n, point in enumerate(chosen_points):
         ws = bound.of(plain, point.choice) if bound is not None else 0.0
-        terms = tables.terms(point.choice, ws)
-        for p in counts:
-
-            def stage(i: int, j: int, s: int, terms=terms, p=p):
-                cost = terms.stage(i, j, s, p, SCHEDULE)
-                return [(cost.time_s, cost.memory_bytes, None)]
-
-            found, picks = out.setdefault(p, ([], []))
-            for q in stage_frontier(allowed, p, stage):
-                if memory_budget is None or q.memory_bytes <= memory_budget:
-                    found.append(q)
-                    picks.append(tuple(point.choice))
+        by_count = cut_frontiers(tables.terms(point.choice, ws), counts, allowed, memory_budget)
+        for p, found in by_count.items():
+            if n >= len(frontier):  # an extra choice: its fastest cut, apart
+                if found:
+                    fastest.setdefault(p, []).append((found[0], tuple(point.choice)))
+                continue
+            points, picks = out.setdefault(p, ([], []))
+            points += found
+            picks += [tuple(point.choice)] * len(found)
     for p, (found, picks) in list(out.items()):
         order = sorted(range(len(found)), key=lambda i: (found[i].time_s, found[i].memory_bytes))
         kept: list[int] = []
@@ -109,6 +112,23 @@ def pipelined(
             if not kept or found[i].memory_bytes < found[kept[-1]].memory_bytes:
                 kept.append(i)
         out[p] = ([found[i] for i in kept], [picks[i] for i in kept])
+    return out
+
+
+def cut_frontiers(terms, counts, allowed, memory_budget=None) -> dict[int, list[PipelinePoint]]:
+    """Per stage count: the exact (T, M) frontier over the cuts of one intra-op plan."""
+    out = {}
+    for p in counts:
+
+        def stage(i: int, j: int, s: int, p=p):
+            cost = terms.stage(i, j, s, p, SCHEDULE)
+            return [(cost.time_s, cost.memory_bytes, None)]
+
+        out[p] = [
+            q
+            for q in stage_frontier(allowed, p, stage)
+            if memory_budget is None or q.memory_bytes <= memory_budget
+        ]
     return out
 
 
