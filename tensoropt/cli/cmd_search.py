@@ -229,7 +229,8 @@ def search_space(args, sg):
 
     axes = parse_axes(getattr(args, "axes", None) or "split")
     counts = parse_counts(getattr(args, "micro_batch_counts", None) or "1,2,4,8")
-    text = getattr(args, "stage_counts", None) or "2,4,8,16,32,64"
+    text = getattr(args, "stage_counts", None)
+    text = "2,4,8,16,32,64" if text is None else text
     stages = tuple(c for c in parse_counts(text, "--stages", "2,4,8") if c > 1)
     recomputed, names = None, ()
     if Axis.RECOMPUTE in axes:

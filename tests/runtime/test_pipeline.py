@@ -183,6 +183,8 @@ def test_schedule_runs_each_micro_batch_once_and_bounds_the_stash(kind, stages, 
         (["--devices", 3, "--stages", 2, "--micro-batches", 2], ["--stages 2", "multiple of 2"]),
         (["--devices", 64, "--stages", 64, "--micro-batches", 2], ["--stages 64", "blocks"]),
         (["--devices", 2, "--stages", "two", "--micro-batches", 2], ["--stages 'two'"]),
+        (["--devices", 2, "--stages", 2, "--micro-batches", 3], ["--micro-batches 3", "divide"]),
+        (["--devices", 1, "--stages", 2, "--micro-batches", 2], ["--stages 2", "multiple of 2"]),
     ],
 )
 def test_bad_stage_requests_are_refused_in_one_line(gpt, tmp_path, capsys, extra, fragments):
@@ -226,3 +228,36 @@ def test_a_dead_stage_rank_is_named_and_nothing_is_left_running(gpt, tmp_path, c
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "rank 1" in lines[0] and "step 2" in lines[0], proc.stderr
     assert _processes_with(marker) == []
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "fragments"),
+    [
+        ({"starts": ["block_99"]}, ["block_99", "not blocks of this model"]),
+        ({"starts": ["block_2"], "schedule": "zb"}, ["pipeline.schedule", "1f1b, gpipe"]),
+        ({"starts": ["block_2", "block_2"]}, ["listed twice"]),
+    ],
+)
+def test_bad_plan_file_stages_are_refused_in_one_line(gpt, tmp_path, capsys, pipeline, fragments):
+    plan = {
+        "schema": "tensoropt.plan/1",
+        "mesh": {"shape": [1], "axis_names": ["dp"]},
+        "micro_batches": 2,
+        "pipeline": pipeline,
+    }
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    devices = len(pipeline["starts"]) + 1
+    outcome = cli(
+        capsys, "compile", gpt, "-o", tmp_path / "out", "--devices", devices, "--plan", path
+    )
+    assert_bad_input(outcome, "compile", *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("counts", ["x", "0", ""])
+def test_bad_search_stage_counts_are_refused_in_one_line(gpt, capsys, counts):
+    outcome = cli(
+        capsys, "search", gpt, "--devices", 2, "--axes", "split,stages", "--stages", counts
+    )
+    assert_bad_input(outcome, "search", "--stages")
