@@ -86,6 +86,7 @@ def search_for_report(args: argparse.Namespace):
     """(header, profile, exploration, detail device counts): everything but the writing."""
     from tensoropt.report.build import prepare_report_dir
     from tensoropt.report.render import Header
+    from tensoropt.search.driver import guarantee_of
 
     check_output_dir(args.output, "-o")
     devices = parse_devices(args.devices)
@@ -112,7 +113,7 @@ def search_for_report(args: argparse.Namespace):
         meshes=len(exp.searches),
         epsilon=exp.epsilon,
         memory_budget=exp.memory_budget,
-        guarantee=exp.searches[0].result.guarantee if exp.searches else "",
+        guarantee=guarantee_of(exp),
         seconds=time.perf_counter() - start,
     )
     return head, profile, exp, detail

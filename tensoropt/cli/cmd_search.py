@@ -289,7 +289,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     ``band``: the profile's ErrorBand (cost.accuracy): each table says how far its
     estimates typically are off and marks the points it cannot order."""
     from tensoropt.cost.accuracy import near_ties
-    from tensoropt.search.driver import REFERENCE_NAMES, mesh_label
+    from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
 
     out = out or sys.stdout
     table = per_device_points(exp)
@@ -365,16 +365,8 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     print(
         "  (n: the position in this overall frontier, fastest first; not a --pick index)", file=out
     )
-    plain = [s for s in exp.searches if s.variant.stages == 1]
-    if plain:
-        print(f"\nguarantee: {plain[0].result.guarantee}", file=out)
-    if len(plain) < len(exp.searches):
-        print(
-            "pipelined points (mesh ppP:M, P stages of mesh M): for each plan of a "
-            "micro-batched frontier, the exact Pareto set over its stage cuts "
-            "(docs/design/pipeline.md)",
-            file=out,
-        )
+    if exp.searches:
+        print(f"\nguarantee: {guarantee_of(exp)}", file=out)
 
 
 def plot(exp, path: str) -> None:

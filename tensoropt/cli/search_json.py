@@ -47,7 +47,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
     ``band``: the profile's ErrorBand (cost.accuracy), or None."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import ALL_REPLICATED
-    from tensoropt.search.driver import device_frontier
+    from tensoropt.search.driver import device_frontier, guarantee_of
 
     shared = exp.searches[0].unit_names if exp.searches else ()
     tables = {id(s): _StrategyTable(s) for s in exp.searches}
@@ -87,7 +87,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
         "cluster": profile.to_json(),
         "batch": sg.batch,
         "epsilon": exp.epsilon,
-        "guarantee": exp.searches[0].result.guarantee if exp.searches else "",
+        "guarantee": guarantee_of(exp),
         "memory_budget_bytes": exp.memory_budget,
         "error_band": band.to_json() if band is not None else None,
         "units": list(shared),

@@ -282,7 +282,7 @@ def baselines(exp: Exploration) -> list[BaselineRow]:
 
 
 # -- what each memory axis buys ---------------------------------------------------------
-AXIS_LEVELS = ("split", "+ ZeRO", "+ recompute", "+ micro-batches")
+AXIS_LEVELS = ("split", "+ ZeRO", "+ recompute", "+ micro-batches", "+ pipeline stages")
 
 
 @dataclass(frozen=True, slots=True)

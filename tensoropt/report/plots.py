@@ -20,6 +20,7 @@ _MARKERS = {
     "megatron": ("^", "Megatron"),
     "fsdp": ("D", "FSDP (ZeRO-3 + recompute)"),
     "megatron+recompute": ("v", "Megatron + recompute"),
+    "megatron+pp": ("d", "Megatron + pipeline stages"),
 }
 
 

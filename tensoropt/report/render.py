@@ -377,8 +377,9 @@ def axes_section(rows: Sequence[AxisRow]) -> list[str]:
         "",
         "Least memory per device with the split of every op alone, then adding ZeRO "
         "(optimizer state, gradients and parameters sharded over the data-parallel "
-        "devices), recomputation of every block in the backward, and micro-batches "
-        "with gradient accumulation; the step time of that plan in brackets. A dash: "
+        "devices), recomputation of every block in the backward, micro-batches "
+        "with gradient accumulation, and pipeline stages (each on its own devices); the "
+        "step time of that plan in brackets. A dash: "
         "the axis was not searched (`search --axes`) or no plan of that level fits.",
         "",
     ]
@@ -402,6 +403,21 @@ def axes_section(rows: Sequence[AxisRow]) -> list[str]:
             f"The memory axes cut the least memory per device by up to {ratio:.1f}x "
             f"(at {d} devices: {fmt_mem(p.memory_bytes)}, step {fmt_time(p.time_s)}, "
             f"{p.summary}).",
+            "",
+        ]
+    pays = [
+        (r.devices, r.least[-1], before)
+        for r in rows
+        if r.least[-1] is not None
+        for before in [next((p for p in reversed(r.least[:-1]) if p is not None), None)]
+        if before is None or r.least[-1].memory_bytes < before.memory_bytes
+    ]
+    if pays:
+        d, p, before = pays[0]
+        than = "" if before is None else f", against {fmt_mem(before.memory_bytes)} without"
+        out += [
+            f"Pipeline stages pay first at {d} devices: {fmt_mem(p.memory_bytes)} per "
+            f"device{than} (step {fmt_time(p.time_s)}, {p.summary}).",
             "",
         ]
     return out

@@ -193,6 +193,22 @@ class Exploration:
         return self.search_of(point.devices, point.mesh, point.variant or PLAIN)
 
 
+PIPELINED_GUARANTEE = (
+    "pipelined points (mesh ppP:M, P stages of mesh M): for each plan of a micro-batched "
+    "frontier, the exact Pareto set over its stage cuts (docs/design/pipeline.md)"
+)
+
+
+def guarantee_of(exp: Exploration) -> str:
+    """What an exploration's frontier guarantees: its plain problems' guarantee, and what
+    its pipelined points are when it has any."""
+    plain = [s for s in exp.searches if s.variant.stages == 1]
+    parts = [plain[0].result.guarantee] if plain else []
+    if len(plain) < len(exp.searches):
+        parts.append(PIPELINED_GUARANTEE)
+    return "; ".join(parts)
+
+
 def mesh_label(shape: Sequence[int], stages: int = 1) -> str:
     """A mesh for tables: "2x4"; a pipeline's "pp4:2x4" (4 stages of a 2x4 mesh each)."""
     text = "x".join(map(str, shape))
@@ -378,7 +394,10 @@ def axis_level(v: Variant) -> int:
     """The order in which a device count's problems are solved, across its meshes: the
     split alone, then with ZeRO, then with recomputation, then with micro-batches. Each
     level's points are incumbents of the next, so the frontier of every level is exact
-    over that level and those before it (``report`` shows what each axis buys)."""
+    over that level and those before it (``report`` shows what each axis buys). Pipeline
+    stages, made from the micro-batched problems' frontiers, come last."""
+    if v.stages > 1:
+        return 4
     if v.micro_batches > 1:
         return 3
     if v.recompute:
