@@ -65,6 +65,19 @@ recompute (activation recomputation, any plan):
                   runs again in the backward. REGEX matches (whole) block names or the
                   names of nodes a block covers; `tensoropt inspect OUTDIR` shows them
 
+pipeline stages (any plan; docs/design/pipeline.md):
+  --stages P      cut the model at block starts into P stages of as equal block counts
+                  as possible; each stage runs on its own --devices/P devices with the
+                  plan's mesh (--mesh shapes one stage's devices), so device g is rank
+                  g mod (N/P) of stage g // (N/P). Needs --micro-batches M >= 2: every step
+                  runs M micro-batches through the stages, values crossing a cut go as
+                  Send/Recv between the stages' devices, and each stage synchronises and
+                  updates its own parameters once per step. The estimate is the slowest
+                  stage over M + P - 1 micro-batch slots and the largest stage's memory
+                  with the micro-batches it holds in flight
+  --schedule 1f1b|gpipe  1f1b (default): stage s holds at most P - s micro-batches;
+                  gpipe: every forward first, all M held
+
 output (written completely or not at all):
   OUTDIR/device_<k>.onnx  one training step per rank (collectives as ai.tensoropt ops)
   OUTDIR/device_<k>.data  its weights above 1 KiB (ONNX external data; optimizer
@@ -77,6 +90,7 @@ output (written completely or not at all):
 examples:
   tensoropt compile gpt.onnx --devices 4 --plan data-parallel -o out/
   tensoropt compile gpt.onnx --devices 8 --mesh 2x4 --plan megatron -o out/
+  tensoropt compile gpt.onnx --devices 8 --plan megatron --stages 2 --micro-batches 4 -o out/
   tensoropt compile gpt.onnx --devices 2 --pick fastest -o out/
   tensoropt compile gpt.onnx --devices 1-8 --pick fewest-devices-under:1GiB -o out/
   tensoropt search gpt.onnx --devices 1-8 --json-out s.json

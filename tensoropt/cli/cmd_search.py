@@ -39,6 +39,17 @@ of unit entries: the search prices an upper bound that is (the least working set
 of each block plus every unit's excess over its least), so --dump-costs stays an
 exact sum; compile prices the same bound.
 
+pipeline stages (--axes ...,stages; implies micro): every micro-batched problem of a
+mesh M also gives pipelined points at P x M.size devices for each --stages count P: for
+each plan on that problem's frontier, the exact Pareto set of (step time, memory) over
+its cuts into P stages at block starts (every block start up to 64 blocks, else 65
+evenly spread positions), each stage on its own copy of M; 1F1B, the step priced as the
+slowest stage over m + P - 1 micro-batch slots. They show as mesh ppP:M ("pp=4 x (...)"),
+compile with --pick like any point, and the reference megatron+pp is Megatron within
+each stage at its fastest cut. Device counts N/P are searched for them and not shown.
+What is left out: a stage's plan is a plan of the whole micro-batched frontier (not one
+searched per stage), and every stage has the same mesh.
+
 estimates: compute is a roofline per local shard (forward + backward); communication
 is alpha-beta per mesh axis with intra- and inter-node rates; memory per device is
 parameter, gradient and optimizer-state shards, activations saved for backward and
