@@ -71,12 +71,40 @@ def add_parser(sub) -> None:
     add_json_out(p, "tensoropt.validate/1")
     p.add_argument("--plot", metavar="FILE.png", help="estimated vs measured scatter (log-log)")
     p.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="with --axes ...,stages: validate points of the pipelined problems' own "
+        "frontiers (pipelines rarely win on few devices, so the merged frontier may hold "
+        "none)",
+    )
+    p.add_argument(
         "--record",
         action="store_true",
         help="append each plan's errors to the --cluster profile file (its accuracy "
         "record): search and compile then show every estimate's error band",
     )
     p.set_defaults(func=run, cluster=None)
+
+
+def _pipelined_frontier(exp, devices: int):
+    """The non-dominated points of the pipelined problems at ``devices`` alone."""
+    from tensoropt.search.merge import merge_frontiers
+
+    group = [s for s in exp.searches if s.devices == devices and s.variant.stages > 1]
+    if not group:
+        raise TensorOptError(
+            f"--pipelined: no pipelined problem at {devices} devices; search with --axes "
+            "split,stages and a stage count that divides the device count"
+        )
+    by_key = {s.key: s for s in group}
+    merged = merge_frontiers({k: s.result for k, s in by_key.items()})
+    return [
+        (
+            by_key[(p.devices, p.mesh, p.variant)],
+            by_key[(p.devices, p.mesh, p.variant)].result.points[p.index],
+        )
+        for p in merged
+    ]
 
 
 def _threads(args, devices) -> int:
@@ -176,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     compute_only = _compute_only(args, profile)
     picks = []
     for d in devices:
-        rows = device_frontier(exp, d)
+        rows = _pipelined_frontier(exp, d) if args.pipelined else device_frontier(exp, d)
         for k in select_points(len(rows), args.points):
             picks.append((d, k, len(rows), *rows[k]))
     checks = []
