@@ -103,14 +103,14 @@ def phase_models(
         )
     micro_reads = _reads(nodes[Phase.MICRO])
     step_reads = _reads(nodes[Phase.STEP]) | {o.name for o in graph.output}
-    micro = _model(
+    micro = sub_model(
         model,
         nodes[Phase.MICRO],
         [i for i in graph.input if i.name in micro_reads],
         [types[n] for n in crossing],
         "micro",
     )
-    step = _model(
+    step = sub_model(
         model,
         nodes[Phase.STEP],
         [i for i in graph.input if i.name in step_reads] + [types[n] for n in crossing],
@@ -120,7 +120,9 @@ def phase_models(
     return micro, step
 
 
-def _model(model: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.ModelProto:
+def sub_model(model: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.ModelProto:
+    """A model of ``nodes`` of ``model`` with these inputs and outputs (value infos),
+    the initializers they read, and ``model``'s value infos, opsets and functions."""
     graph = model.graph
     reads = _reads(nodes) | {o.name for o in outputs}
     inits = [t for t in graph.initializer if t.name in reads]

@@ -39,7 +39,7 @@ from tensoropt.passes.stages import P2P_OPS, RECV, SEND
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import LocalWorld
 from tensoropt.runtime.manifest import Manifest
-from tensoropt.runtime.micro import micro_feeds, phase_models
+from tensoropt.runtime.micro import micro_feeds, phase_models, sub_model
 from tensoropt.runtime.profiling import StepClock
 from tensoropt.runtime.program import (
     RankProgram,
@@ -189,7 +189,7 @@ def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
         outs = list(dict.fromkeys(outs))
         inputs = [i for i in graph.input if i.name in reads]
         inputs += [types[v] for v in extra_inputs if v in reads]
-        return _model(micro, nodes, inputs, [types[v] for v in outs], name)
+        return sub_model(micro, nodes, inputs, [types[v] for v in outs], name)
 
     f_model = part(forward, [c.value for c in early_recvs], f_made, FORWARD)
     f_sends = tuple(s for s in sends if s.value in f_made)
@@ -200,24 +200,6 @@ def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
     b_model = part(backward, [c.value for c in b_recvs] + list(stash), b_made, BACKWARD)
     b_sends = tuple(s for s in sends if s.value in b_made)
     return f_model, b_model, early_recvs, f_sends, b_recvs, b_sends, stash
-
-
-def _model(model: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.ModelProto:
-    graph = model.graph
-    reads = _reads(nodes) | {o.name for o in outputs}
-    sub = helper.make_graph(
-        nodes,
-        f"{graph.name}_{name}",
-        inputs,
-        outputs,
-        initializer=[t for t in graph.initializer if t.name in reads],
-        value_info=graph.value_info,
-    )
-    out = helper.make_model(
-        sub, opset_imports=list(model.opset_import), ir_version=model.ir_version
-    )
-    out.functions.extend(model.functions)
-    return out
 
 
 def split_staged(
@@ -295,7 +277,7 @@ def _step_p2p(step: onnx.ModelProto):
     reads = _reads(kept)
     inputs = [i for i in graph.input if i.name in reads]
     inputs += [types[c.value] for c in recvs if c.value in reads]
-    model = _model(step, kept, inputs, list(graph.output), "step")
+    model = sub_model(step, kept, inputs, list(graph.output), "step")
     return model, tuple(recvs), tuple(sends)
 
 

@@ -18,6 +18,7 @@ from tensoropt.models.io import save_model
 from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.run import run_steps
 from tests.cli.cli_run import cli
+from tests.helpers.runs import assert_same_run, compiled
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +28,6 @@ def gpt(tmp_path_factory):
     return path
 
 
-def _compile(capsys, model, out, *extra):
-    result = cli(capsys, "compile", model, "-o", out, *extra)
-    assert result.code == 0, result.err
-    return out
-
-
-def _same(a, b):
-    assert a.losses == b.losses
-    assert a.params.keys() == b.params.keys()
-    for name, value in a.params.items():
-        np.testing.assert_array_equal(b.params[name], value, err_msg=name)
-    for name, value in a.states.items():
-        np.testing.assert_array_equal(b.states[name], value, err_msg=name)
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     ("mesh", "plan", "k"),
@@ -49,29 +35,29 @@ def _same(a, b):
 )
 def test_mpi_runs_the_micro_steps_like_local(gpt, mesh, plan, k, tmp_path, capsys):
     devices = 4 if "x" in mesh else 2
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", devices, "--mesh", mesh, "--plan", plan,
         "--micro-batches", k,
     )  # fmt: skip
     mpi = run_steps(out, 3, backend="mpi", verify=True)
     local = run_steps(out, 3, backend="local")
     assert mpi.verify is not None and mpi.verify.ok, mpi.verify.to_json()
-    _same(local, mpi)
+    assert_same_run(local, mpi)
 
 
 def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
-    out = _compile(capsys, gpt, tmp_path / "out", "--devices", 2, "--micro-batches", 2)
+    out = compiled(capsys, gpt, tmp_path / "out", "--devices", 2, "--micro-batches", 2)
     full = run_steps(out, 4)
     run_steps(out, 2, checkpoint=tmp_path / "ck")
     assert ckpt.latest_common_step(tmp_path / "ck", 2) == 2
     resumed = run_steps(out, 4, checkpoint=tmp_path / "ck", resume=True)
     assert resumed.start_step == 2
-    _same(full, resumed)
+    assert_same_run(full, resumed)
 
 
 def test_save_params_are_full_and_keyed_as_without_micro_batches(gpt, tmp_path, capsys):
-    plain = _compile(capsys, gpt, tmp_path / "plain", "--devices", 2, "--plan", "megatron")
-    micro = _compile(
+    plain = compiled(capsys, gpt, tmp_path / "plain", "--devices", 2, "--plan", "megatron")
+    micro = compiled(
         capsys, gpt, tmp_path / "micro", "--devices", 2, "--plan", "megatron",
         "--micro-batches", 4,
     )  # fmt: skip
@@ -86,18 +72,18 @@ def test_save_params_are_full_and_keyed_as_without_micro_batches(gpt, tmp_path, 
 
 
 def test_plan_file_value_is_overridden_and_recorded(gpt, tmp_path, capsys):
-    first = _compile(capsys, gpt, tmp_path / "a", "--devices", 2, "--micro-batches", 2)
+    first = compiled(capsys, gpt, tmp_path / "a", "--devices", 2, "--micro-batches", 2)
     plan = json.loads((first / "plan.json").read_text())
     assert plan["micro_batches"] == 2
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    again = _compile(capsys, gpt, tmp_path / "b", "--devices", 2, "--plan", tmp_path / "plan.json")
+    again = compiled(capsys, gpt, tmp_path / "b", "--devices", 2, "--plan", tmp_path / "plan.json")
     assert json.loads((again / "manifest.json").read_text())["micro"]["batches"] == 2
-    over = _compile(
+    over = compiled(
         capsys, gpt, tmp_path / "c", "--devices", 2, "--plan", tmp_path / "plan.json",
         "--micro-batches", 4,
     )  # fmt: skip
     assert json.loads((over / "plan.json").read_text())["micro_batches"] == 4
-    one = _compile(
+    one = compiled(
         capsys, gpt, tmp_path / "d", "--devices", 2, "--plan", tmp_path / "plan.json",
         "--micro-batches", 1,
     )  # fmt: skip
@@ -133,7 +119,7 @@ def test_op_that_needs_the_whole_batch_exits_2_naming_it(tmp_path, capsys):
 
 
 def test_inspect_shows_micro_batches_and_per_step_collectives(gpt, tmp_path, capsys):
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", 2, "--plan", "megatron",
         "--micro-batches", 2,
     )  # fmt: skip

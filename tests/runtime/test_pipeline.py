@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx
 import pytest
 
@@ -21,6 +20,7 @@ from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.pipeline import BACKWARD, FORWARD, schedule
 from tensoropt.runtime.run import run_steps
 from tests.cli.cli_run import assert_bad_input, cli
+from tests.helpers.runs import assert_same_run, compiled
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +35,6 @@ def mlp(tmp_path_factory):
     path = tmp_path_factory.mktemp("pipeline") / "mlp.onnx"
     save_model(build_model("mlp", "tiny"), str(path))
     return path
-
-
-def _compile(capsys, model, out, *extra):
-    result = cli(capsys, "compile", model, "-o", out, *extra)
-    assert result.code == 0, result.err
-    return out
-
-
-def _same(a, b):
-    assert a.losses == b.losses
-    assert a.params.keys() == b.params.keys()
-    for name, value in a.params.items():
-        np.testing.assert_array_equal(b.params[name], value, err_msg=name)
-    for name, value in a.states.items():
-        np.testing.assert_array_equal(b.states[name], value, err_msg=name)
 
 
 def _verified(out, backend="local"):
@@ -83,7 +68,7 @@ def test_pipelined_gpt_trains_like_one_device(
     gpt, tmp_path, capsys, devices, stages, k, plan, mesh, kind
 ):
     extra = ["--mesh", mesh] if mesh else []
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", devices, "--plan", plan, "--stages", stages,
         "--micro-batches", k, "--schedule", kind, *extra,
     )  # fmt: skip
@@ -99,7 +84,7 @@ def test_pipelined_gpt_trains_like_one_device(
 
 
 def test_pipelined_mlp_trains_with_adam_like_one_device(mlp, tmp_path, capsys):
-    out = _compile(
+    out = compiled(
         capsys, mlp, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2,
         "--optimizer", "adam",
     )  # fmt: skip
@@ -114,7 +99,7 @@ def test_pipelined_mlp_trains_with_adam_like_one_device(mlp, tmp_path, capsys):
 
 
 def test_each_stage_sends_its_boundary_and_holds_its_own_parameters(gpt, tmp_path, capsys):
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2
     )
     shown = cli(capsys, "inspect", out, "--json")
@@ -133,7 +118,7 @@ def test_each_stage_sends_its_boundary_and_holds_its_own_parameters(gpt, tmp_pat
 
 
 def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2
     )
     full = run_steps(out, 4)
@@ -141,7 +126,7 @@ def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
     assert ckpt.latest_common_step(tmp_path / "ck", 2) == 2
     resumed = run_steps(out, 4, checkpoint=tmp_path / "ck", resume=True)
     assert resumed.start_step == 2
-    _same(full, resumed)
+    assert_same_run(full, resumed)
 
 
 @pytest.mark.mpi
@@ -149,12 +134,12 @@ def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
     ("devices", "plan"), [(2, "data-parallel"), pytest.param(4, "megatron", marks=pytest.mark.slow)]
 )
 def test_mpi_runs_the_schedule_like_local(gpt, tmp_path, capsys, devices, plan):
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", devices, "--plan", plan, "--stages", 2,
         "--micro-batches", 2,
     )  # fmt: skip
     mpi = _verified(out, "mpi")
-    _same(run_steps(out, 3), mpi)
+    assert_same_run(run_steps(out, 3), mpi)
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
@@ -195,7 +180,7 @@ def test_bad_stage_requests_are_refused_in_one_line(gpt, tmp_path, capsys, extra
 
 def test_pipelined_torch_export_trains_like_one_device(exported, tmp_path, capsys):
     pytest.importorskip("torch")
-    out = _compile(
+    out = compiled(
         capsys, exported("gpt2"), tmp_path / "out", "--devices", 2, "--stages", 2,
         "--micro-batches", 2,
     )  # fmt: skip
@@ -214,7 +199,7 @@ def test_a_dead_stage_rank_is_named_and_nothing_is_left_running(gpt, tmp_path, c
 
     from tests.runtime.test_mpi import _processes_with
 
-    out = _compile(
+    out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2
     )
     marker = f"TENSOROPT_TEST_MARKER={uuid.uuid4().hex}"
