@@ -70,12 +70,13 @@ def _phases(graph: onnx.GraphProto, rank: int) -> list[tuple[Phase, ...]]:
                 "manifest says the step is micro-batched; recompile the model"
             )
         out[i] = where
-        for name in _reads([node]):
+        for name in reads_of([node]):
             readers.setdefault(name, set()).update(where)
     return out
 
 
-def _reads(nodes: Iterable[onnx.NodeProto]) -> set[str]:
+def reads_of(nodes: Iterable[onnx.NodeProto]) -> set[str]:
+    """Every name ``nodes`` read, their subgraphs' outer-scope reads included."""
     names: set[str] = set()
     for node in nodes:
         names.update(n for n in node.input if n)
@@ -101,8 +102,8 @@ def phase_models(
             f"rank {rank}: the device graph has no type for the cut values {missing}; "
             "recompile the model"
         )
-    micro_reads = _reads(nodes[Phase.MICRO])
-    step_reads = _reads(nodes[Phase.STEP]) | {o.name for o in graph.output}
+    micro_reads = reads_of(nodes[Phase.MICRO])
+    step_reads = reads_of(nodes[Phase.STEP]) | {o.name for o in graph.output}
     micro = sub_model(
         model,
         nodes[Phase.MICRO],
@@ -124,7 +125,7 @@ def sub_model(model: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx
     """A model of ``nodes`` of ``model`` with these inputs and outputs (value infos),
     the initializers they read, and ``model``'s value infos, opsets and functions."""
     graph = model.graph
-    reads = _reads(nodes) | {o.name for o in outputs}
+    reads = reads_of(nodes) | {o.name for o in outputs}
     inits = [t for t in graph.initializer if t.name in reads]
     sub = helper.make_graph(
         nodes,

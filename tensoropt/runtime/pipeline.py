@@ -39,7 +39,7 @@ from tensoropt.passes.stages import P2P_OPS, RECV, SEND
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import LocalWorld
 from tensoropt.runtime.manifest import Manifest
-from tensoropt.runtime.micro import micro_feeds, phase_models, sub_model
+from tensoropt.runtime.micro import micro_feeds, phase_models, reads_of, sub_model
 from tensoropt.runtime.profiling import StepClock
 from tensoropt.runtime.program import (
     RankProgram,
@@ -48,7 +48,7 @@ from tensoropt.runtime.program import (
     check_lockstep,
     lockstep,
 )
-from tensoropt.runtime.split import SplitPlan, split_graph, subgraph_reads
+from tensoropt.runtime.split import SplitPlan, split_graph
 
 Feeds = Mapping[str, np.ndarray]
 FORWARD = "forward"
@@ -132,14 +132,6 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _reads(nodes: Iterable[onnx.NodeProto]) -> set[str]:
-    names: set[str] = set()
-    for node in nodes:
-        names.update(n for n in node.input if n)
-        names |= subgraph_reads(node)
-    return names
-
-
 def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
     """The forward and backward models of a stage's micro graph (see the module doc):
     (forward model, backward model or None, forward recvs, forward sends, backward
@@ -162,13 +154,13 @@ def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
     backward: list[onnx.NodeProto] = []
     forward: list[onnx.NodeProto] = []
     for node in compute:
-        if _reads([node]) & late:
+        if reads_of([node]) & late:
             backward.append(node)
             late.update(node.output)
         else:
             forward.append(node)
     f_made = {v for n in forward for v in n.output}
-    b_reads = _reads(backward) | {s.value for s in sends if s.value in late}
+    b_reads = reads_of(backward) | {s.value for s in sends if s.value in late}
     early_recvs = tuple(c for c in recvs if c.peer < rank)
     stash = tuple(
         sorted((f_made | {c.value for c in early_recvs}) & b_reads - {i.name for i in graph.input})
@@ -181,7 +173,7 @@ def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
         )
 
     def part(nodes, extra_inputs, made, name):
-        reads = _reads(nodes)
+        reads = reads_of(nodes)
         outs = [s.value for s in sends if s.value in made]
         outs += [v for v in cut_values if v in made]
         if name == FORWARD:
@@ -274,7 +266,7 @@ def _step_p2p(step: onnx.ModelProto):
         kept.append(node)
     if not recvs and not sends:
         return step, (), ()
-    reads = _reads(kept)
+    reads = reads_of(kept)
     inputs = [i for i in graph.input if i.name in reads]
     inputs += [types[c.value] for c in recvs if c.value in reads]
     model = sub_model(step, kept, inputs, list(graph.output), "step")
