@@ -414,7 +414,11 @@ class PipelineLocalEngine:
         return clocks
 
     def _add_comm(self, seconds: float) -> None:
-        pass  # a stage's collective time is counted by its programs' clocks as compute
+        """A batch of collectives, run in lockstep: it counts for every device's clock
+        (as the local engine of unpipelined steps counts it)."""
+        for program in self._steps.values():
+            if program.clock is not None:
+                program.clock.add_comm(seconds)
 
 
 class PipelineMpiEngine:
