@@ -4,11 +4,14 @@ A pipelined device graph (``passes.stages``) is a micro-batched graph (``runtime
 of one stage, whose micro phase holds ``Send`` and ``Recv`` nodes (``ai.tensoropt``,
 attributes ``peer``: the other device, ``tag``). Here its micro phase becomes two parts:
 
-- **forward**: the nodes that do not depend on a backward Recv (one from a later stage);
-  its inputs are the graph's and the forward Recv values, its outputs the values it
-  sends, the cut values it makes, and the *stash*: values the backward part reads;
-- **backward**: the rest (empty on the last stage, whose forward part runs the whole
-  micro-step); its inputs are the graph's, the backward Recv values and the stash.
+- **forward**: the forward and loss nodes, the makers of values sent to later stages,
+  and what they read (none of which depends on a backward Recv: compile refuses a
+  forward crossing made by backward work); its inputs are the graph's and the forward
+  Recv values, its outputs the values it sends, the cut values it makes, and the
+  *stash*: values the backward part reads;
+- **backward**: the rest (gradients, and backward work that needs no gradient, such as a
+  weight's transpose, so that the stash holds activations only); its inputs are the
+  graph's, the backward Recv values and the stash.
 
 Each part is split at its collectives (``runtime.split``) like any device graph. A step
 runs, on every stage, the actions of :func:`schedule` (forward or backward of one
@@ -34,6 +37,7 @@ import onnx
 from onnx import helper
 
 from tensoropt.errors import TensorOptError
+from tensoropt.ir.vocab import ROLE_KEY, Role
 from tensoropt.passes.micro import MicroCut
 from tensoropt.passes.stages import P2P_OPS, RECV, SEND
 from tensoropt.runtime.collectives import CollectiveCall
@@ -132,6 +136,13 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+_FORWARD_ROLES = frozenset({Role.FORWARD.value, Role.LOSS.value})
+
+
+def _role(node: onnx.NodeProto) -> str | None:
+    return next((p.value for p in node.metadata_props if p.key == ROLE_KEY), None)
+
+
 def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
     """The forward and backward models of a stage's micro graph (see the module doc):
     (forward model, backward model or None, forward recvs, forward sends, backward
@@ -151,14 +162,32 @@ def split_parts(micro: onnx.ModelProto, rank: int, cut: MicroCut):
             continue
         compute.append(node)
     late = {c.value for c in recvs if c.peer > rank}
-    backward: list[onnx.NodeProto] = []
-    forward: list[onnx.NodeProto] = []
-    for node in compute:
+    waits = [False] * len(compute)  # depends on a backward Recv: backward part
+    for i, node in enumerate(compute):
         if reads_of([node]) & late:
-            backward.append(node)
+            waits[i] = True
             late.update(node.output)
-        else:
-            forward.append(node)
+    # The forward part is what the forward needs: the forward and loss nodes, the values
+    # sent to later stages, and what they read; the rest (gradients, a weight's
+    # transpose for the backward) waits for the backward, so that a micro-batch's stash
+    # holds activations only.
+    maker = {v: i for i, node in enumerate(compute) for v in node.output}
+    forward_sends = {c.value for c in sends if c.peer > rank}
+    needed: set[int] = set()
+    todo = [
+        i
+        for i, node in enumerate(compute)
+        if not waits[i] and (_role(node) in _FORWARD_ROLES or forward_sends & set(node.output))
+    ]
+    while todo:
+        i = todo.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        todo += [maker[v] for v in reads_of([compute[i]]) if v in maker]
+    forward = [node for i, node in enumerate(compute) if i in needed]
+    backward = [node for i, node in enumerate(compute) if i not in needed]
+    late.update(v for node in backward for v in node.output)
     f_made = {v for n in forward for v in n.output}
     b_reads = reads_of(backward) | {s.value for s in sends if s.value in late}
     early_recvs = tuple(c for c in recvs if c.peer < rank)
