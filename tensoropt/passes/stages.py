@@ -12,23 +12,27 @@ then cuts that template into one template per stage:
   (backward, conversions, optimizer) carries the unit it belongs to (``tensoropt.unit``)
   and takes that unit's stage; loss nodes, whose units are not forward nodes, are on the
   last stage. A node without a unit takes the latest stage of the values it reads.
+- **Free nodes** (reading no parameter and nothing a stage made: Adam's step counter and
+  bias corrections, constants, masks of the data) run on every stage that reads them.
+  A backward ``Add``/``Sum`` whose inputs all come from one later stage runs there, so
+  one gradient crosses back instead of each part.
 - **Crossings.** A value made on stage a and read on stage b != a is sent once per
   micro-batch: a ``Send`` node (``ai.tensoropt``; attributes ``peer`` and ``tag``) after
   its producer on stage a, a ``Recv`` node that makes the value before its first reader
-  on stage b. Forward crossings (a < b) carry activations, backward ones gradients. Rank
-  r of one stage talks to rank r of the other: both stages use the same template, so the
-  value has the same local shape on both.
+  on stage b. Forward crossings (a < b) carry activations, backward ones gradients. A
+  micro-batch sum that stage b's step phase reads (a tied parameter's gradient part) is
+  sent once per step instead. Rank r of one stage talks to rank r of the other: both
+  stages use the same template, so the value has the same local shape on both.
 - **Refused** (:class:`~tensoropt.errors.PlanError`, naming the value): a parameter or
   optimizer state read on two stages (its update would need both stages' gradients); a
-  crossing in the step phase (gradient synchronisation and update stay inside a stage);
-  a forward crossing made by backward work (a stage's forward of one micro-batch would
-  wait for its own backward: 1F1B would deadlock).
+  value the step phase makes that another stage reads (gradient synchronisation and
+  update stay inside a stage); a forward crossing made by backward work (a stage's
+  forward of one micro-batch would wait for its own backward: 1F1B would deadlock).
 
 Lowering for a rank runs on a stage template unchanged; :func:`globalize` then renames
 the sub-mesh ranks of every collective group, and the peer stage of every Send/Recv, to
 device numbers. The runtime (``runtime.pipeline``) splits each stage's micro phase into
-its forward part (nodes that do not depend on a backward Recv) and backward part, and runs
-them per micro-batch in the schedule's order.
+its forward and backward parts and runs them per micro-batch in the schedule's order.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import bisect
 import copy
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -438,11 +442,3 @@ def globalize(
             elif attr.name == "peer" and node.op_type in P2P_OPS:
                 attr.i = attr.i * ranks_per_stage + rank
     return proto
-
-
-def stage_summary(info: Mapping) -> str:
-    """One line for the compile report."""
-    return (
-        f"{info['stages']} pipeline stages x {info['ranks_per_stage']} devices, "
-        f"{info['micro_batches']} micro-batches, {info['schedule']}"
-    )
