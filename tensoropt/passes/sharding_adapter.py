@@ -63,7 +63,31 @@ def _make_view(node: ir.Node) -> OpView:
         output_shapes=tuple(static_shape(v) for v in node.outputs),
         output_dtypes=tuple(int(v.dtype) for v in node.outputs),
         const_inputs=tuple(None if v is None else _small_const(v) for v in ins),
+        reduced_indices=_reduced_indices(node),
     )
+
+
+def _reduced_indices(node: ir.Node) -> bool:
+    """A MaxPool (row-major indices) whose Indices are read only by ``Mod(indices, plane)``
+    with ``plane`` the input's spatial size: each reader keeps the position within the
+    plane, which a batch or channel split does not change."""
+    if node.op_type != "MaxPool" or len(node.outputs) < 2 or node.inputs[0] is None:
+        return False
+    order = node.attributes.get("storage_order")
+    if order is not None and order.value:
+        return False
+    shape = static_shape(node.inputs[0])
+    plane = int(np.prod(shape[2:], dtype=np.int64))
+    uses = list(node.outputs[1].uses())
+    for use in uses:
+        reader = use.node
+        if reader.op_type != "Mod" or use.idx != 0 or len(reader.inputs) < 2:
+            return False
+        divisor = reader.inputs[1]
+        const = None if divisor is None else constant_value(divisor)
+        if const is None or const.size != 1 or int(const.reshape(-1)[0]) != plane:
+            return False
+    return bool(uses)
 
 
 def _small_const(value: ir.Value) -> np.ndarray | None:
@@ -154,6 +178,7 @@ def _view_key(view: OpView) -> tuple:
         view.output_shapes,
         view.output_dtypes,
         tuple(_hashable(c) for c in view.const_inputs),
+        view.reduced_indices,
     )
 
 

@@ -108,14 +108,40 @@ def test_bad_micro_batches_exit_2_with_one_line(gpt, tmp_path, capsys, args, mes
 
 
 def test_op_that_needs_the_whole_batch_exits_2_naming_it(tmp_path, capsys):
-    model = tmp_path / "vgg.onnx"
-    save_model(build_model("vgg16", "tiny"), str(model))
+    # a softmax over the batch axis: no micro-batch holds what it normalises over
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+            helper.make_node("Softmax", ["h"], ["y"], name="batch_softmax", axis=0),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 4])],
+        [numpy_helper.from_array(weight, "W")],
+    )
+    model = tmp_path / "softmax.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), model)
     result = cli(
         capsys, "compile", model, "--devices", 2, "--micro-batches", 2, "-o", tmp_path / "out"
     )
     assert result.code == 2
     lines = result.err.strip().splitlines()
-    assert len(lines) == 1 and "(MaxPool) needs the whole batch" in lines[0], result.err
+    assert len(lines) == 1 and "'batch_softmax' (Softmax) needs the whole batch" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["vgg16", "resnet50"])
+def test_max_pool_networks_run_micro_batches_like_one_device(name, tmp_path, capsys):
+    # MaxPool's backward reads its indices modulo the plane, so the pool splits the batch
+    model = tmp_path / f"{name}.onnx"
+    save_model(build_model(name, "tiny"), str(model))
+    out = compiled(capsys, model, tmp_path / "out", "--devices", 2, "--micro-batches", 2)
+    result = run_steps(out, 3, verify=True)
+    assert result.verify is not None and result.verify.ok, result.verify.to_json()
 
 
 def test_inspect_shows_micro_batches_and_per_step_collectives(gpt, tmp_path, capsys):

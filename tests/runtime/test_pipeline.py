@@ -83,6 +83,17 @@ def test_pipelined_gpt_trains_like_one_device(
     assert set(result.params) == {i.name for i in plain.graph.initializer if i.dims}
 
 
+@pytest.mark.parametrize(("devices", "stages", "k"), [(2, 2, 2), (4, 2, 4), (4, 4, 4)])
+def test_pipelined_resnet_trains_like_one_device(tmp_path, capsys, devices, stages, k):
+    model = tmp_path / "resnet.onnx"
+    save_model(build_model("resnet50", "tiny"), str(model))
+    out = compiled(
+        capsys, model, tmp_path / "out", "--devices", devices, "--stages", stages,
+        "--micro-batches", k,
+    )  # fmt: skip
+    _verified(out)
+
+
 def test_pipelined_mlp_trains_with_adam_like_one_device(mlp, tmp_path, capsys):
     out = compiled(
         capsys, mlp, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2,

@@ -51,6 +51,9 @@ class OpView:
     output_shapes: tuple[Shape, ...]
     output_dtypes: tuple[int, ...]
     const_inputs: tuple[np.ndarray | None, ...] = ()
+    # A MaxPool whose Indices output is read only modulo its input's spatial plane (what
+    # the gradient rule reads): the offsets a batch or channel split changes cancel there.
+    reduced_indices: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attributes", MappingProxyType(dict(self.attributes)))

@@ -9,7 +9,9 @@ MaxPool, AveragePool, GlobalAveragePool, BatchNormalization, Dropout.
   spatial split needs halo exchange, which the IR does not model. Grouped convolutions shard
   only the batch.
 - Pools: batch and channel. MaxPool with an ``Indices`` output: ``R`` only (the indices are
-  flat offsets into the whole input).
+  flat offsets into the whole input), unless they are read only modulo the input's
+  spatial plane (``OpView.reduced_indices``: the gradient rule's use), where a batch or
+  channel split's offsets cancel: then batch and channel too.
 - BatchNormalization: inference form is per channel elementwise (every dim may be sharded);
   training form (``training_mode=1``) shards channels only, since batch or spatial sharding
   would change the batch statistics.
@@ -84,8 +86,8 @@ def _conv_spec(op: OpView) -> FactorSpec:
 def _pool_spec(op: OpView) -> FactorSpec:
     x = op.input_shapes[0] or ()
     lab: Labels = ("n", "c", *_spatial(len(x) - 2))
-    if len(op.output_shapes) > 1:  # MaxPool Indices: offsets into the whole input
-        lab = _spatial(len(x))
+    if len(op.output_shapes) > 1 and not op.reduced_indices:
+        lab = _spatial(len(x))  # MaxPool Indices: offsets into the whole input
     linear = op.op_type in ("AveragePool", "GlobalAveragePool")
     partial = (partial_strategy(op, (0,)),) if linear else ()
     return FactorSpec((lab,), tuple(lab for _ in op.output_shapes), partial=partial)

@@ -133,6 +133,7 @@ def local_view(op: OpView, local: LocalOp) -> OpView:
         local.output_shapes,
         op.output_dtypes,
         consts,
+        op.reduced_indices,
     )
 
 
