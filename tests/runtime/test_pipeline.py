@@ -94,6 +94,16 @@ def test_pipelined_resnet_trains_like_one_device(tmp_path, capsys, devices, stag
     _verified(out)
 
 
+@pytest.mark.parametrize("extra", [["--plan", "fsdp"], ["--zero", "1"]], ids=["fsdp", "zero-1"])
+def test_memory_axes_inside_stages_train_like_one_device(gpt, tmp_path, capsys, extra):
+    # ZeRO (and with fsdp every block recomputed) on each stage's 2 data-parallel devices
+    out = compiled(
+        capsys, gpt, tmp_path / "out", "--devices", 4, "--stages", 2, "--micro-batches", 2,
+        *extra,
+    )  # fmt: skip
+    _verified(out)
+
+
 def test_pipelined_mlp_trains_with_adam_like_one_device(mlp, tmp_path, capsys):
     out = compiled(
         capsys, mlp, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2,
