@@ -213,18 +213,8 @@ def test_data_parallel_syncs_each_gradient_once(name, mesh, tmp_path):
     [
         "block",
         "mlp",
-        pytest.param(
-            "resnet50",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.xfail(
-                    strict=True,
-                    reason="MaxPool's gradient recomputes MaxPool with Indices, whose sharding "
-                    "rule allows only R (flat indices over the whole input): the stem "
-                    "activation is AllGathered and the pool backward runs on the full batch",
-                ),
-            ],
-        ),
+        # MaxPool's gradient reads its indices modulo the plane: the pool splits the batch
+        pytest.param("resnet50", marks=pytest.mark.slow),
     ],
 )
 def test_data_parallel_has_no_other_collectives(name, tmp_path):
