@@ -59,8 +59,6 @@ from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.rules.sharding import MeshSharding
 
-SCHEDULES = ("1f1b", "gpipe")
-
 
 def stage_time(per_micro: float, per_step: float, micro_batches: int, stages: int) -> float:
     """tau_s of a stage: ``per_micro`` (f + b + x) per micro-batch slot, over m + P - 1
