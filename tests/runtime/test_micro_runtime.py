@@ -15,10 +15,9 @@ import pytest
 
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
-from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.run import run_steps
 from tests.cli.cli_run import cli
-from tests.helpers.runs import assert_same_run, compiled
+from tests.helpers.runs import assert_resume_equals_uninterrupted, assert_same_run, compiled
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +46,7 @@ def test_mpi_runs_the_micro_steps_like_local(gpt, mesh, plan, k, tmp_path, capsy
 
 def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
     out = compiled(capsys, gpt, tmp_path / "out", "--devices", 2, "--micro-batches", 2)
-    full = run_steps(out, 4)
-    run_steps(out, 2, checkpoint=tmp_path / "ck")
-    assert ckpt.latest_common_step(tmp_path / "ck", 2) == 2
-    resumed = run_steps(out, 4, checkpoint=tmp_path / "ck", resume=True)
-    assert resumed.start_step == 2
-    assert_same_run(full, resumed)
+    assert_resume_equals_uninterrupted(out, tmp_path / "ck", 2)
 
 
 def test_save_params_are_full_and_keyed_as_without_micro_batches(gpt, tmp_path, capsys):

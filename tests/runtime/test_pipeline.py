@@ -16,11 +16,10 @@ import pytest
 
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
-from tensoropt.runtime import checkpoint as ckpt
 from tensoropt.runtime.pipeline import BACKWARD, FORWARD, schedule
 from tensoropt.runtime.run import run_steps
 from tests.cli.cli_run import assert_bad_input, cli
-from tests.helpers.runs import assert_same_run, compiled
+from tests.helpers.runs import assert_resume_equals_uninterrupted, assert_same_run, compiled
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +141,7 @@ def test_resume_equals_uninterrupted(gpt, tmp_path, capsys):
     out = compiled(
         capsys, gpt, tmp_path / "out", "--devices", 2, "--stages", 2, "--micro-batches", 2
     )
-    full = run_steps(out, 4)
-    run_steps(out, 2, checkpoint=tmp_path / "ck")
-    assert ckpt.latest_common_step(tmp_path / "ck", 2) == 2
-    resumed = run_steps(out, 4, checkpoint=tmp_path / "ck", resume=True)
-    assert resumed.start_step == 2
-    assert_same_run(full, resumed)
+    assert_resume_equals_uninterrupted(out, tmp_path / "ck", 2)
 
 
 @pytest.mark.mpi
