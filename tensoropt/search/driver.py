@@ -349,6 +349,7 @@ class _MeshProblems:
         self.plain_infos: tuple | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
+        self.segments: dict[int, object] = {}  # id(search graph) -> its pipeline segments
 
     def build(self, v: Variant) -> _Built | None:
         from tensoropt.passes.micro import MicroError
@@ -655,12 +656,14 @@ def _pipelined(
     family, _ = found
     reference = _megatron_in(b, at)
     fastest: dict = {}
+    segments = at.segments.get(id(b.graph))
+    if segments is None:  # the blocks of a step: found once per search graph
+        segments = at.segments[id(b.graph)] = segments_of(b.graph)
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
-        extra=[reference] if reference else (), fastest=fastest,
+        extra=[reference] if reference else (), fastest=fastest, segments=segments,
     )  # fmt: skip
-    segments = segments_of(b.graph)
     label = v.label(len(space.blocks))
     index = {id(p): i for i, p in enumerate(search.result.points)}
     by_choice = {tuple(p.choice): index[id(p)] for p in search.result.points}

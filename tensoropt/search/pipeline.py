@@ -32,7 +32,7 @@ from tensoropt.cost.pipeline import SegmentTables
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.passes.stages import Segments, step_segments
-from tensoropt.search.stages import PipelinePoint, stage_frontier
+from tensoropt.search.stages import PipelinePoint, pareto, stage_frontier
 
 MAX_POSITIONS = 65
 """Cut positions the dynamic program tries at most (both ends included)."""
@@ -64,14 +64,16 @@ def pipelined(
     memory_budget: float | None,
     extra: Sequence[Sequence[int]] = (),
     fastest: dict | None = None,
+    segments: Segments | None = None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
     ``recompute``), and the choice of each. Empty when the model has too few blocks.
     ``extra``: more choices (reference plans), whose fastest cut per P goes to
-    ``fastest`` (P -> [(point, choice)]) instead."""
+    ``fastest`` (P -> [(point, choice)]) instead. ``segments``: ``segments_of(graph)``,
+    when already found."""
     fastest = {} if fastest is None else fastest
-    segments = segments_of(graph)
+    segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
     if not counts or not frontier:
         return {}
@@ -94,35 +96,36 @@ def pipelined(
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
     chosen_points = list(frontier) + [FrontierPoint(0.0, 0.0, c) for c in extra]
+    found: dict[int, list[PipelinePoint]] = {}
     for n, point in enumerate(chosen_points):
         ws = bound.of(plain, point.choice) if bound is not None else 0.0
-        by_count = cut_frontiers(tables.terms(point.choice, ws), counts, allowed, memory_budget)
-        for p, found in by_count.items():
+        terms = tables.terms(point.choice, ws)
+        choice = tuple(point.choice)
+        for p, points in cut_frontiers(terms, counts, allowed, memory_budget, choice).items():
             if n >= len(frontier):  # an extra choice: its fastest cut, apart
-                if found:
-                    fastest.setdefault(p, []).append((found[0], tuple(point.choice)))
+                if points:
+                    fastest.setdefault(p, []).append((points[0], choice))
                 continue
-            points, picks = out.setdefault(p, ([], []))
-            points += found
-            picks += [tuple(point.choice)] * len(found)
-    for p, (found, picks) in list(out.items()):
-        order = sorted(range(len(found)), key=lambda i: (found[i].time_s, found[i].memory_bytes))
-        kept: list[int] = []
-        for i in order:
-            if not kept or found[i].memory_bytes < found[kept[-1]].memory_bytes:
-                kept.append(i)
-        out[p] = ([found[i] for i in kept], [picks[i] for i in kept])
+            found.setdefault(p, []).extend(points)
+    # each point's stage payloads are its intra-op plan's choice
+    out = {}
+    for p, points in found.items():
+        kept = pareto(points)
+        out[p] = (kept, [q.plans[0] for q in kept])
     return out
 
 
-def cut_frontiers(terms, counts, allowed, memory_budget=None) -> dict[int, list[PipelinePoint]]:
-    """Per stage count: the exact (T, M) frontier over the cuts of one intra-op plan."""
+def cut_frontiers(
+    terms, counts, allowed, memory_budget=None, payload=None
+) -> dict[int, list[PipelinePoint]]:
+    """Per stage count: the exact (T, M) frontier over the cuts of one intra-op plan
+    (every stage's payload: ``payload``)."""
     out = {}
     for p in counts:
 
         def stage(i: int, j: int, s: int, p=p):
             cost = terms.stage(i, j, s, p, SCHEDULE)
-            return [(cost.time_s, cost.memory_bytes, None)]
+            return [(cost.time_s, cost.memory_bytes, payload)]
 
         out[p] = [
             q

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from tensoropt.cost.pipeline import in_flight, stage_time
 
-__all__ = ["PipelinePoint", "in_flight", "stage_frontier", "stage_time"]
+__all__ = ["PipelinePoint", "in_flight", "pareto", "stage_frontier", "stage_time"]
 
 # a stage's intra-op points: (tau, mem, payload), payload identifying the intra-op plan
 StagePoints = Sequence[tuple[float, float, Hashable]]
@@ -52,7 +52,7 @@ class PipelinePoint:
     plans: tuple[Hashable, ...]
 
 
-def _pareto(points: list[PipelinePoint]) -> list[PipelinePoint]:
+def pareto(points: list[PipelinePoint]) -> list[PipelinePoint]:
     """The points no other point dominates (time ascending; of equal points the first)."""
     points.sort(key=lambda q: (q.time_s, q.memory_bytes))
     out: list[PipelinePoint] = []
@@ -101,6 +101,6 @@ def stage_frontier(
                             )
                         )
             if found:
-                nxt[k] = _pareto(found)
+                nxt[k] = pareto(found)
         best = nxt
     return best.get(n - 1, [])
