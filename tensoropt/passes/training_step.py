@@ -199,7 +199,8 @@ def _remove_initializer_inputs(graph: ir.Graph) -> None:
 
 
 def _infer_shapes(model: ir.Model) -> ir.Model:
-    """Whole-model ONNX shape inference (data propagation) over the step graph.
+    """Whole-model ONNX shape inference over the step graph (data propagation only when
+    plain inference leaves a shape open).
 
     The inferred types are copied by name onto the model's own values, which keeps every
     IR object (and its metadata) as it is; deserializing the inferred proto instead cost
@@ -210,11 +211,14 @@ def _infer_shapes(model: ir.Model) -> ir.Model:
         proto = ir.serde.serialize_model(model)
     finally:
         _attach_weights(model.graph, weights)
+    values = {v.name: v for node in model.graph for v in node.outputs if v.name}
     try:
-        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(proto)
+        if not _all_static(inferred, values):
+            inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as exc:
         raise AssertionError(f"shape inference failed on the training step: {exc}") from exc
-    values = {v.name: v for node in model.graph for v in node.outputs if v.name}
+    proto = inferred
     for info in (*proto.graph.value_info, *proto.graph.output):
         value = values.get(info.name)
         if value is None or not info.type.HasField("tensor_type"):
@@ -225,6 +229,22 @@ def _infer_shapes(model: ir.Model) -> ir.Model:
         if tensor_type.HasField("shape"):
             value.shape = ir.serde.deserialize_type_proto_for_shape(info.type)
     return model
+
+
+def _all_static(proto: onnx.ModelProto, values: dict[str, ir.Value]) -> bool:
+    """Whether plain inference gave every named node output a type and static shape.
+
+    Data propagation only adds to what plain inference finds, so when nothing is left
+    open its result is the same; it costs superlinearly in the graph (GPT-3 175B shape's
+    step, 66k nodes: 16 s against 0.3 s without), so it runs only when needed."""
+    found = set()
+    for info in (*proto.graph.value_info, *proto.graph.output):
+        tensor_type = info.type.tensor_type
+        if not tensor_type.elem_type or not tensor_type.HasField("shape"):
+            continue
+        if all(d.HasField("dim_value") for d in tensor_type.shape.dim):
+            found.add(info.name)
+    return all(name in found for name in values)
 
 
 def _detach_large_weights(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
