@@ -36,11 +36,11 @@ OWN_CURVE_OPS = ("Relu", "Mul", "Sigmoid", "Tanh", "Gelu")
 # Shape grids of the training-step rates (cost.cluster: op_train_grids)
 GRID_ROWS = (16, 64, 256, 1024)
 GRID_SIDES = (64, 256, 1024)
-QUICK_GRID = ((16, 256), (64, 512))
+QUICK_GRID = ((16, 64, 256), (64, 512))
 # Conv: channels (Cin = Cout) x spatial side (positions = batch x side^2) x kernel size
 CONV_BATCH = 8
 CONV_GRID = ((8, 32, 128), (1, 2, 4, 16, 32), (1, 3))
-QUICK_CONV_GRID = ((8, 32), (2, 16), (3,))
+QUICK_CONV_GRID = ((8, 32, 128), (2, 4, 16), (1, 3))
 _ITEMSIZE = 4  # float32
 
 

@@ -39,13 +39,17 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     assert profile.op_curves["matmul"].work == "flops" and max(sizes) / min(sizes) > 100
     assert profile.op_curves["elementwise"].work == "bytes"
     assert profile.peak_flops == max(r for _, r in profile.op_curves["matmul"].points)
-    ((side, grid),) = profile.op_train_grids["matmul"]  # quick: 16, 256 rows x 64, 512
-    assert side == 1 and grid.rows == (16.0, 256.0) and grid.sides == (64.0, 512.0)
-    ((side, conv),) = profile.op_train_grids["conv"]  # quick: 3x3, channels 8, 32
-    assert side == 3 and conv.rows == (8.0, 32.0) and conv.sides == (32.0, 2048.0)
+    ((side, grid),) = profile.op_train_grids["matmul"]  # quick: 16, 64, 256 rows x 64, 512
+    assert side == 1 and grid.rows == (16.0, 64.0, 256.0) and grid.sides == (64.0, 512.0)
+    # quick: 1x1 and 3x3 kernels, channels 8, 32, 128 x output sides 2, 4, 16 (batch 8)
+    convs = dict(profile.op_train_grids["conv"])
+    assert sorted(convs) == [1, 3]
+    for conv in convs.values():
+        assert conv.rows == (8.0, 32.0, 128.0) and conv.sides == (32.0, 128.0, 2048.0)
     ((side, norm),) = profile.op_train_grids["batchnorm"]
     assert side == 1 and norm.rows == conv.rows and norm.sides == conv.sides
-    assert all(r > 0 for g in (grid, conv, norm) for row in g.rates for r in row)
+    grids = (grid, *convs.values(), norm)
+    assert all(r > 0 for g in grids for row in g.rates for r in row)
     cal = data["calibration"]
     assert cal["ranks"] == 2 and cal["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
     assert cal["backend"] == "mpi" and cal["repeats"] == 3 and cal["launches"] == 3
