@@ -36,6 +36,7 @@ SECTION = "## Estimates against measurements"
 SUBSECTION = "### Latest validate run"
 AXES_SUBSECTION = "### Latest validate run with the memory axes"
 MODELS = ("mlp:small", "gpt:small", "vgg16:tiny", "resnet50:tiny")
+# zoo NAME:PRESET, or export:gpt2 (a real torch.onnx export, see export_model)
 
 
 def _main(argv: list[str]) -> tuple[int, str]:
@@ -53,12 +54,38 @@ def calibrate(path: Path) -> None:
         raise SystemExit(f"calibrate failed ({code}): {out}")
 
 
+def export_model(name: str, path: Path) -> None:
+    """A real ``torch.onnx.export(dynamo=True)`` of the test suite's torch model ``name``
+    (tests/exports/models.py), at the zoo's small transformer size: 4 layers, hidden 256,
+    8 heads, batch 8, sequence 64, vocabulary 512."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.exports.models import GPT2, _perturb_norms
+
+    if name != "gpt2":
+        raise SystemExit(f"export:{name}: the only export model is export:gpt2")
+    torch.manual_seed(0)
+    model = GPT2(vocab=512, dim=256, heads=8, layers=4, max_pos=64, seq=64)
+    _perturb_norms(model)
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+    torch.onnx.export(
+        model.eval(), (), str(path), kwargs={"input_ids": ids}, input_names=["input_ids"],
+        dynamo=True, external_data=False,
+    )  # fmt: skip
+
+
 def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
     from tensoropt.models import build_model, save_model
 
     name, preset = model.split(":")
     path = tmp / f"{name}-{preset}.onnx"
-    save_model(build_model(name, preset), str(path))
+    if name == "export":
+        export_model(preset, path)
+    else:
+        save_model(build_model(name, preset), str(path))
     out = tmp / f"{name}-{preset}.json"
     argv = ["validate", str(path), "--devices", "1,2", "--cluster", str(cluster),
             "--points", str(args.points), "--steps", str(args.steps),
@@ -161,7 +188,32 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
         line("memory: estimate + state shards (the __new outputs)", plans, plus),
         line("memory: static liveness peak", plans, lambda p: p["liveness_rel_error"]),
     ]  # fmt: skip
+    if plans:
+        worst = max(plans, key=lambda p: abs(p["time_rel_error"]))
+        summary.append(
+            f"| step time, worst ({worst['model']}, {worst['devices']} device(s), point "
+            f"{worst['point']}) | {abs(worst['time_rel_error']):.1%} |"
+        )
+    summary += ["", *one_sided(plans)]
     return rows, summary
+
+
+def one_sided(plans: list[dict]) -> list[str]:
+    """Per model and device count: the signed median step-time error (an error of one
+    sign across a model's plans is a bias of the model, not noise)."""
+    out = [
+        "| model | devices | plans | signed median step-time error | range |",
+        "|---|---:|---:|---:|---|",
+    ]
+    groups: dict[tuple[str, int], list[float]] = {}
+    for p in plans:
+        groups.setdefault((p["model"], p["devices"]), []).append(p["time_rel_error"])
+    for (model, devices), errs in sorted(groups.items()):
+        out.append(
+            f"| {model} | {devices} | {len(errs)} | {statistics.median(errs):+.1%} "
+            f"| {min(errs):+.0%}..{max(errs):+.0%} |"
+        )
+    return out
 
 
 def main() -> None:
