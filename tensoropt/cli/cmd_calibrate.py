@@ -56,15 +56,16 @@ not finished. --resume is refused (exit 2) when there is no partial file, or it 
 made with other options, another tensoropt timing setup, on another machine or with
 other library versions. A calibration that completes removes the partial file.
 
-time and accuracy (2 cores, shared with other work; benchmarks/RESULTS.md,
-"Calibration: time and accuracy per mode"): the default took 478 s at load average
-5-7 (311 s of CPU: about 5 minutes on an idle machine), --quick 39 s at load 2.5-3.
-`validate` of zoo gpt small on 1 and 2 devices right after: median step-time error
-35.5% (default) and 40.2% (--quick); 1 device -6% and +1%, 2 devices -31..-41%, with
-the two ranks sharing the cores with other work and a memory link.
+time and accuracy (2 cores, idle; benchmarks/RESULTS.md, "Calibration: time and
+accuracy per mode"): the default takes about 4 minutes (247 s), --quick about 40 s.
+`validate` right after, idle: default, 20 plans of gpt, resnet50 and mlp small and a
+torch.onnx GPT-2 export on 1 and 2 ranks: median step-time error 6.5% (worst 23%),
+memory 10.5%; --quick, 27 plans of gpt, bert and mlp small with every memory axis:
+4.5% and 8.5%. A loaded machine (other work on the cores) costs both time (the default
+took 8 minutes at load 5-7) and accuracy (2-rank plans 31-41% slower than estimated).
 
 examples:
-  tensoropt calibrate -o here.json                         # 5-8 minutes on 2 cores
+  tensoropt calibrate -o here.json                         # about 4 minutes on 2 cores
   tensoropt calibrate -o here.json --quick                 # under a minute, fewer sizes
   tensoropt calibrate -o here.json --resume                # after an interrupt
   tensoropt calibrate -o today.json --against here.json    # what moved since then
