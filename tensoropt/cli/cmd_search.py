@@ -108,18 +108,19 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stages",
         dest="stage_counts",
-        default="2,4,8,16,32,64",
+        default=None,
         metavar="LIST",
         help="pipeline stage counts tried with --axes ...,stages (default 2,4,8,16,32,64; "
-        "a count P is tried at N devices when P divides N and the model has P blocks)",
+        "a count P is tried at N devices when P divides N and the model has P blocks; a "
+        "count given here that fits no device count or exceeds the blocks is refused)",
     )
     p.add_argument(
         "--micro-batches",
         dest="micro_batch_counts",
-        default="1,2,4,8",
+        default=None,
         metavar="LIST",
-        help="micro-batch counts the micro axis tries, those that divide the batch "
-        "(default 1,2,4,8)",
+        help="micro-batch counts the micro axis tries (default 1,2,4,8, those that divide "
+        "the batch; a count given here that does not divide it is refused)",
     )
     p.add_argument(
         "--jobs",
@@ -172,6 +173,7 @@ def explore_from_args(args, devices):
     mesh_spec = getattr(args, "mesh", None) or "auto"
     sg = search_graph(args)
     space = search_space(args, sg)
+    check_counts(args, sg, space, devices)
     total = len(search_meshes(sg, devices, mesh_spec))
     bar = progress(range(total), total=total, desc="search")
     it = iter(bar)
@@ -247,6 +249,44 @@ def search_space(args, sg):
     if Axis.RECOMPUTE in axes:
         recomputed, names = recomputed_graph(args)
     return SearchSpace(axes, counts, recomputed, names, stage_counts=stages)
+
+
+def check_counts(args, sg, space, devices) -> None:
+    """Refuse (TensorOptError, exit 2) micro-batch and stage counts given on the command
+    line that no problem can use: a micro-batch count that does not divide the batch, a
+    stage count above the model's blocks, or one that divides no searched device count.
+    The default lists are filtered silently."""
+    from tensoropt.errors import TensorOptError
+    from tensoropt.search.driver import Axis
+
+    given = getattr(args, "micro_batch_counts", None)
+    if given is not None and space.axes & {Axis.MICRO, Axis.STAGES}:
+        bad = [k for k in space.micro_batches if k > 1 and sg.batch % k]
+        if bad:
+            fits = [k for k in range(2, min(sg.batch, 64) + 1) if sg.batch % k == 0][:6]
+            raise TensorOptError(
+                f"--micro-batches {given}: {', '.join(map(str, bad))} does not divide the "
+                f"batch of {sg.batch} samples; give counts that divide it, e.g. "
+                f"{','.join(map(str, fits)) or '1'}"
+            )
+    given = getattr(args, "stage_counts", None)
+    if given is None or Axis.STAGES not in space.axes or not space.stage_counts:
+        return
+    from tensoropt.passes.stages import step_segments
+
+    blocks = step_segments(sg.graph, sg.data_inputs).count
+    over = [p for p in space.stage_counts if p > blocks]
+    if over:
+        raise TensorOptError(
+            f"--stages {given}: the model has {blocks} blocks to cut between stages; "
+            f"give stage counts of at most {blocks}"
+        )
+    unused = [p for p in space.stage_counts if not any(d % p == 0 for d in devices)]
+    if unused:
+        raise TensorOptError(
+            f"--stages {given}: {', '.join(map(str, unused))} divides none of the device "
+            f"counts {','.join(map(str, devices))}; each stage runs on devices/stages devices"
+        )
 
 
 def recomputed_graph(args):

@@ -261,3 +261,19 @@ def test_bad_search_stage_counts_are_refused_in_one_line(gpt, capsys, counts):
         capsys, "search", gpt, "--devices", 2, "--axes", "split,stages", "--stages", counts
     )
     assert_bad_input(outcome, "search", "--stages")
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--micro-batches", "3"], ["--micro-batches 3", "does not divide the batch of 8"]),
+        (["--micro-batches", "2,3"], ["3 does not divide", "e.g. 2,4,8"]),
+        (["--stages", "16"], ["--stages 16", "5 blocks", "at most 5"]),
+        (["--stages", "3"], ["--stages 3", "divides none of the device counts 4"]),
+    ],
+)
+def test_search_counts_no_problem_can_use_are_refused(gpt, capsys, extra, fragments):
+    """Counts given on the command line that no pipelined problem could use: exit 2,
+    one line, before any search (the default lists are filtered silently)."""
+    outcome = cli(capsys, "search", gpt, "--devices", 4, "--axes", "split,stages", *extra)
+    assert_bad_input(outcome, "search", *fragments)
