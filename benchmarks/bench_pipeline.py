@@ -11,7 +11,9 @@ process CPU time): `--axes split,micro` (no stages) and `--axes split,stages` (t
 micro-batch counts, plus pipelines over them). Per device count: the fastest point and the
 least memory of each, and whether the frontier with stages holds a point that equals or
 dominates the best non-pipelined one; the `megatron+pp` reference (Megatron within each
-stage, its fastest cut) against the frontier. Results go to benchmarks/RESULTS.md
+stage, its fastest cut) against the frontier, and Megatron-LM's own layout (tensor
+parallelism over one node's 8 devices in every stage, one stage per node: tp=8, pp=16 at
+128 devices) when the stage counts include devices/8. Results go to benchmarks/RESULTS.md
 ("## Pipeline stages") with --write.
 """
 
@@ -35,6 +37,7 @@ from tensoropt.models import build_model, save_model
 from tensoropt.search.driver import device_frontier, explore, mesh_label
 
 SECTION = "## Pipeline stages"
+NODE = 8  # h100 devices per node
 GIB = 2**30
 
 
@@ -100,13 +103,14 @@ def main() -> int:
         "",
         "| devices | fastest without | fastest with stages | least memory without | "
         "least memory with stages | best non-pipelined matched | megatron+pp | "
-        "megatron+pp matched |",
-        "|---|---|---|---|---|---|---|---|",
+        "megatron+pp matched | Megatron-LM layout (tp=8 per stage, pp=devices/8) | "
+        "matched |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in devices:
         without, with_ = device_frontier(plain, d), device_frontier(staged, d)
         if not without or not with_:
-            lines.append(f"| {d} | none | none | | | | | |")
+            lines.append(f"| {d} | none | none | | | | | | | |")
             continue
         fastest = without[0][1]
         matched = any(
@@ -124,9 +128,25 @@ def main() -> int:
             ref_matched = str(
                 any(p.time_s <= ref[0] and p.memory_bytes <= ref[1] for _, p in with_)
             )
+        # Megatron-LM's layout: tensor parallelism over one node's 8 devices in every
+        # stage, as many stages as nodes (its GPT-3 175B run: tp=8, pp=16 per replica)
+        lm = [
+            s.references["megatron+pp"]
+            for s in staged.searches
+            if s.devices == d and s.mesh.shape == (NODE,) and s.variant.stages == d // NODE
+            and "megatron+pp" in s.references
+        ]  # fmt: skip
+        lm_ref = min(lm, default=None)
+        lm_cell, lm_matched = "-", "-"
+        if lm_ref is not None:
+            lm_cell = f"{lm_ref[0]:.3g} s, {lm_ref[1] / GIB:.1f} GiB"
+            lm_matched = str(
+                any(p.time_s <= lm_ref[0] and p.memory_bytes <= lm_ref[1] for _, p in with_)
+            )
         lines.append(
             f"| {d} | {_fmt(*without[0])} | {_fmt(*with_[0])} | {_fmt(*without[-1])} | "
-            f"{_fmt(*with_[-1])} | {matched} | {ref_cell} | {ref_matched} |"
+            f"{_fmt(*with_[-1])} | {matched} | {ref_cell} | {ref_matched} | {lm_cell} | "
+            f"{lm_matched} |"
         )
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
