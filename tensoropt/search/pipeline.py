@@ -8,7 +8,7 @@ stage count P with P x M.size among the searched device counts:
 
 - each point of that problem's frontier is an intra-op plan (a strategy per unit); its
   :class:`~tensoropt.cost.pipeline.PipelineTerms` price any cut of it;
-- the exact dynamic program over cuts (:func:`tensoropt.search.stages.stage_frontier`)
+- the exact frontier over cuts (:func:`tensoropt.search.stages.plan_frontier`)
   gives, for that intra-op plan, every non-dominated (step time, memory per device) over
   the cuts at the allowed positions: every block start when the model has at most
   :data:`MAX_POSITIONS` - 1 blocks, else that many evenly spread ones;
@@ -32,7 +32,7 @@ from tensoropt.cost.pipeline import SegmentTables
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.passes.stages import Segments, step_segments
-from tensoropt.search.stages import PipelinePoint, pareto, stage_frontier
+from tensoropt.search.stages import PipelinePoint, pareto, plan_frontier
 
 MAX_POSITIONS = 65
 """Cut positions the dynamic program tries at most (both ends included)."""
@@ -119,19 +119,12 @@ def cut_frontiers(
     terms, counts, allowed, memory_budget=None, payload=None
 ) -> dict[int, list[PipelinePoint]]:
     """Per stage count: the exact (T, M) frontier over the cuts of one intra-op plan
-    (every stage's payload: ``payload``)."""
+    (every stage's payload: ``payload``), from its stage prices at every pair of allowed
+    positions (:func:`~tensoropt.search.stages.plan_frontier`)."""
     out = {}
     for p in counts:
-
-        def stage(i: int, j: int, s: int, p=p):
-            cost = terms.stage(i, j, s, p, SCHEDULE)
-            return [(cost.time_s, cost.memory_bytes, payload)]
-
-        out[p] = [
-            q
-            for q in stage_frontier(allowed, p, stage)
-            if memory_budget is None or q.memory_bytes <= memory_budget
-        ]
+        taus, mems = terms.stage_arrays(allowed, p, SCHEDULE)
+        out[p] = plan_frontier(allowed, taus, mems, payload, memory_budget)
     return out
 
 

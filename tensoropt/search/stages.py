@@ -30,12 +30,22 @@ completions that the same completion of the other dominates.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from tensoropt.cost.pipeline import in_flight, stage_time
 
-__all__ = ["PipelinePoint", "in_flight", "pareto", "stage_frontier", "stage_time"]
+__all__ = [
+    "PipelinePoint",
+    "in_flight",
+    "pareto",
+    "plan_frontier",
+    "stage_frontier",
+    "stage_time",
+]
 
 # a stage's intra-op points: (tau, mem, payload), payload identifying the intra-op plan
 StagePoints = Sequence[tuple[float, float, Hashable]]
@@ -104,3 +114,66 @@ def stage_frontier(
                 nxt[k] = pareto(found)
         best = nxt
     return best.get(n - 1, [])
+
+
+def plan_frontier(
+    positions: Sequence[int],
+    taus: Sequence[np.ndarray],
+    mems: Sequence[np.ndarray],
+    payload: Hashable = None,
+    memory_budget: float | None = None,
+) -> list[PipelinePoint]:
+    """:func:`stage_frontier` when every stage has one point (one intra-op plan):
+    ``taus[s][i, k]`` and ``mems[s][i, k]`` price stage s over ``positions[i]`` to
+    ``positions[k]`` (inf where it cannot hold them; read for i < k only). Points with
+    memory above ``memory_budget`` are left out. Time ascending.
+
+    The same frontier, found by the epsilon-constraint method instead of Pareto sets per
+    state: with the memory cap C (first the budget), a bottleneck dynamic program gives
+    the least T* = max_s tau_s over the cuts whose stages all hold at most C; a second one
+    gives the least M* = max_s mem_s over the cuts whose stages all take at most T* and
+    hold at most C, and its cuts. (T*, M*) is a frontier point (no cut is faster within
+    C, none holds less within T*), every frontier point is reached this way, and the
+    next one has memory below M*: C becomes the float below M*. Each program is P
+    vectorised min-max steps over the positions, so a plan costs (frontier points) x 2P
+    array steps where the Pareto sets cost P x positions^2 Python products."""
+    stages = len(taus)
+    n = len(positions)
+    if stages < 1 or n < stages + 1:
+        return []
+    upper = np.triu(np.ones((n, n), dtype=bool), k=1)  # a stage is non-empty: i < k
+    cap = math.inf if memory_budget is None else float(memory_budget)
+    out: list[PipelinePoint] = []
+    while True:
+        t_star = _bottleneck(taus, [upper & (m <= cap) for m in mems])[0]
+        if not math.isfinite(t_star):
+            return out
+        allowed = [upper & (m <= cap) & (t <= t_star) for t, m in zip(taus, mems, strict=True)]
+        m_star, cuts = _bottleneck(mems, allowed)
+        chosen = [(cuts[s], cuts[s + 1]) for s in range(stages)]
+        time_s = max(float(taus[s][i, k]) for s, (i, k) in enumerate(chosen))
+        memory = max(float(mems[s][i, k]) for s, (i, k) in enumerate(chosen))
+        out.append(
+            PipelinePoint(time_s, memory, tuple(positions[c] for c in cuts), (payload,) * stages)
+        )
+        cap = math.nextafter(m_star, -math.inf)
+
+
+def _bottleneck(costs: Sequence[np.ndarray], allowed: Sequence[np.ndarray]):
+    """The least max_s costs[s][c_s, c_(s+1)] over the cuts 0 = c_0 < ... < c_P = n - 1
+    whose stages are all ``allowed``, and those cuts (inf and [] when there are none)."""
+    n = costs[0].shape[0]
+    best = np.full(n, np.inf)
+    best[0] = 0.0  # costs are nonnegative: max(0, x) = x
+    back = []
+    for cost, ok in zip(costs, allowed, strict=True):
+        cand = np.where(ok, np.maximum(best[:, None], cost), np.inf)
+        arg = np.argmin(cand, axis=0)
+        best = cand[arg, np.arange(n)]
+        back.append(arg)
+    if not math.isfinite(best[-1]):
+        return math.inf, []
+    cuts = [n - 1]
+    for arg in reversed(back):
+        cuts.append(int(arg[cuts[-1]]))
+    return float(best[-1]), cuts[::-1]

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tensoropt.search.stages import in_flight, stage_frontier, stage_time
+from tensoropt.search.stages import in_flight, plan_frontier, stage_frontier, stage_time
 
 
 def _pareto_values(values):
@@ -62,6 +62,59 @@ def test_the_dp_is_the_pareto_set_of_every_cut_and_plan(seed):
             ]
             assert max(q[0] for q in picked) == p.time_s
             assert max(q[1] for q in picked) == p.memory_bytes
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_one_plan_frontier_equals_the_dp_and_every_cut(seed):
+    """plan_frontier (one point per stage, epsilon-constraint over arrays) gives the
+    points of stage_frontier and of the enumeration of every cut, with and without a
+    memory budget; each point's cuts price to its figures."""
+    rng = np.random.default_rng(1000 + seed)
+    layers = 2 + seed % 7
+    positions = list(range(layers + 1))
+    if seed % 3 == 0:
+        positions = [0, *[c for c in range(1, layers) if (c + seed) % 2 == 0], layers]
+    n = len(positions)
+    at = {positions[k]: k for k in range(n)}
+    for stages in range(1, n):
+        # integer-valued (ties common) or continuous; some ranges infeasible (inf)
+        draw = (
+            (lambda: rng.integers(1, 12, (n, n)).astype(float))
+            if seed % 2
+            else (lambda: rng.random((n, n)) * 10)
+        )
+        taus, mems = [], []
+        for _ in range(stages):
+            t, m = draw(), draw()
+            t[rng.random((n, n)) < 0.1] = np.inf
+            taus.append(t)
+            mems.append(m)
+
+        def one(i, j, s, taus=taus, mems=mems):
+            t, m = taus[s][at[i], at[j]], mems[s][at[i], at[j]]
+            return [] if not np.isfinite(t) else [(float(t), float(m), "plan")]
+
+        budget = None if seed % 4 else 6.0
+        want = [
+            (q.time_s, q.memory_bytes)
+            for q in stage_frontier(positions, stages, one)
+            if budget is None or q.memory_bytes <= budget
+        ]
+        got = plan_frontier(positions, taus, mems, "plan", budget)
+        assert [(q.time_s, q.memory_bytes) for q in got] == want, stages
+        values = []
+        for inner in itertools.combinations(positions[1:-1], stages - 1):
+            cuts = (0, *inner, layers)
+            picks = [one(cuts[s], cuts[s + 1], s) for s in range(stages)]
+            if all(picks):
+                values.append((max(p[0][0] for p in picks), max(p[0][1] for p in picks)))
+        full = _pareto_values(values)
+        assert want == [v for v in full if budget is None or v[1] <= budget]
+        for q in got:
+            ranges = [(at[q.cuts[s]], at[q.cuts[s + 1]]) for s in range(stages)]
+            assert q.cuts[0] == 0 and q.cuts[-1] == layers and q.plans == ("plan",) * stages
+            assert max(taus[s][i, k] for s, (i, k) in enumerate(ranges)) == q.time_s
+            assert max(mems[s][i, k] for s, (i, k) in enumerate(ranges)) == q.memory_bytes
 
 
 def test_more_stages_than_cuts_gives_nothing():
