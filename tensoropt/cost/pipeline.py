@@ -247,6 +247,28 @@ class SegmentTables:
                     split(ep.time_s, em.time_s, ep.memory_bytes, np.asarray(eb.memory_bytes)),
                 )
             )
+        # the same entries flat, for one gather and one bincount per choice: units first,
+        # then edges, in the order the sums above add them (np.bincount adds its weights
+        # in input order, so every segment's sum is the same float)
+        unit_sizes = [len(u[0]) for u in self.units]
+        self._unit_offsets = np.concatenate([[0], np.cumsum(unit_sizes)[:-1]]).astype(np.int64)
+        self._edge_src = np.array([e[0] for e in self.edges], dtype=np.int64)
+        self._edge_dst = np.array([e[1] for e in self.edges], dtype=np.int64)
+        cols = [np.asarray(e[3][0]).shape[1] if self.edges else 0 for e in self.edges]
+        self._edge_cols = np.array(cols, dtype=np.int64)
+        sizes = [np.asarray(e[3][0]).size for e in self.edges]
+        self._edge_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) + sum(
+            unit_sizes
+        )
+        self._flat = [
+            np.concatenate(
+                [np.asarray(u[t], dtype=np.float64).ravel() for u in self.units]
+                + [np.asarray(e[3][t], dtype=np.float64).ravel() for e in self.edges]
+            )
+            for t in range(4)
+        ]
+        self._bins = np.array(list(self.segment_of) + [e[2] for e in self.edges], dtype=np.int64)
+        self._traffic: dict = {}  # (value, source unit, its strategy) -> local bytes
         # unit 0 holds the problem's constants (ZeRO-3's gathered bound): every stage does
         self.gathered = 0.0
         if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
@@ -260,22 +282,19 @@ class SegmentTables:
         ``count``: count its collectives per step (what compile reports; the search
         does not need them, and counting costs more than pricing)."""
         n = self.segments
-        a, b, base, act = (np.zeros(n) for _ in range(4))
-        for k, (ua, ub, ubase, uact) in enumerate(self.units):
-            s, seg = choice[k], self.segment_of[k]
-            a[seg] += ua[s]
-            b[seg] += ub[s]
-            base[seg] += ubase[s]
-            act[seg] += uact[s]
-        for src, dst, seg, (ea, eb, ebase, eact) in self.edges:
-            i, j = choice[src], choice[dst]
-            a[seg] += ea[i][j]
-            b[seg] += eb[i][j]
-            base[seg] += ebase[i][j]
-            act[seg] += eact[i][j]
+        pick = np.asarray(choice, dtype=np.int64)
+        at = np.concatenate(
+            [
+                self._unit_offsets + pick,
+                self._edge_offsets + pick[self._edge_src] * self._edge_cols + pick[self._edge_dst],
+            ]
+        )
+        a, b, base, act = (
+            np.bincount(self._bins, weights=flat[at], minlength=n) for flat in self._flat
+        )
         base[self.segment_of[0]] -= self.gathered
         fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
-            self.sg, self.plain, choice, self.segment_of, n
+            self.sg, self.plain, choice, self.segment_of, n, self._traffic
         )
         collectives = sum(c.times for c in priced_collectives(self.plain, choice)) if count else 0
         return PipelineTerms(
@@ -336,10 +355,18 @@ def plan_terms(
 
 
 def _cut_traffic(
-    sg: SearchGraph, mp: MeshProblem, choice: Sequence[int], segment_of: Sequence[int], n: int
+    sg: SearchGraph,
+    mp: MeshProblem,
+    choice: Sequence[int],
+    segment_of: Sequence[int],
+    n: int,
+    memo: dict | None = None,
 ):
     """Per cut position: bytes and messages of the forward values that cross it per
-    micro-batch, and of their gradients (floating-point values that are not data)."""
+    micro-batch, and of their gradients (floating-point values that are not data).
+    ``memo``: a value's local bytes by (value, source unit, its strategy), kept across
+    the choices of one problem."""
+    memo = {} if memo is None else memo
     fwd_bytes = np.zeros(n + 1)
     fwd_count = np.zeros(n + 1)
     bwd_bytes = np.zeros(n + 1)
@@ -354,9 +381,12 @@ def _cut_traffic(
             first, last, nbytes, grad = span[name]
             span[name] = (first, max(last, read), nbytes, grad)
             continue
-        layout = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
-        shape = local_shape(static_shape(c.value), layout, mp.mesh)
-        nbytes = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
+        key = (name, c.source, choice[c.source])
+        nbytes = memo.get(key)
+        if nbytes is None:
+            layout = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
+            shape = local_shape(static_shape(c.value), layout, mp.mesh)
+            nbytes = memo[key] = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
         grad = c.value.dtype.is_floating_point() and name not in sg.data_inputs
         span[name] = (made, read, nbytes, grad)
     for made, last, nbytes, grad in span.values():

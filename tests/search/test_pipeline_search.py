@@ -44,6 +44,21 @@ def _pareto(rows):
     return out
 
 
+def _entry_sums(tables, choice):
+    """Prefix sums of a, b, base and act by a plain loop over the unit and edge entries."""
+    import numpy as np
+
+    sums = [np.zeros(tables.segments) for _ in range(4)]
+    for k, entries in enumerate(tables.units):
+        for out, entry in zip(sums, entries, strict=True):
+            out[tables.segment_of[k]] += entry[choice[k]]
+    for src, dst, seg, entries in tables.edges:
+        for out, entry in zip(sums, entries, strict=True):
+            out[seg] += entry[choice[src]][choice[dst]]
+    sums[2][tables.segment_of[0]] -= tables.gathered
+    return [np.concatenate([[0.0], np.cumsum(x)]) for x in sums]
+
+
 @pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
 def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, k):
     sg = graph_of(str(gpt))
@@ -74,6 +89,14 @@ def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, 
         plan_mesh,
     )  # fmt: skip
     n = segments.count
+    for point in frontier:  # the gathered sums are the per-entry sums, float for float
+        terms = tables.terms(point.choice)
+        for got, want in zip(
+            (terms.a, terms.b, terms.base, terms.act),
+            _entry_sums(tables, point.choice),
+            strict=True,
+        ):
+            assert got.tolist() == want.tolist()
     for p in counts:
         rows = []
         for point in frontier:
