@@ -57,6 +57,17 @@ def _fmt(s, p) -> str:
     return f"{p.time_s:.3g} s, {p.memory_bytes / GIB:.1f} GiB ({mesh})"
 
 
+def _reference_cells(searches, frontier) -> tuple[str, str]:
+    """The fastest ``megatron+pp`` reference of ``searches`` and whether a point of
+    ``frontier`` equals or dominates it ("-" and "-" when there is none)."""
+    refs = [s.references["megatron+pp"] for s in searches if "megatron+pp" in s.references]
+    ref = min(refs, default=None)
+    if ref is None:
+        return "-", "-"
+    matched = any(p.time_s <= ref[0] and p.memory_bytes <= ref[1] for _, p in frontier)
+    return f"{ref[0]:.3g} s, {ref[1] / GIB:.1f} GiB", str(matched)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true")
@@ -116,33 +127,18 @@ def main() -> int:
         matched = any(
             p.time_s <= fastest.time_s and p.memory_bytes <= fastest.memory_bytes for _, p in with_
         )
-        refs = [
-            s.references["megatron+pp"]
-            for s in staged.searches
-            if s.devices == d and "megatron+pp" in s.references
-        ]
-        ref = min(refs, default=None)
-        ref_cell, ref_matched = "-", "-"
-        if ref is not None:
-            ref_cell = f"{ref[0]:.3g} s, {ref[1] / GIB:.1f} GiB"
-            ref_matched = str(
-                any(p.time_s <= ref[0] and p.memory_bytes <= ref[1] for _, p in with_)
-            )
+        ref_cell, ref_matched = _reference_cells(
+            [s for s in staged.searches if s.devices == d], with_
+        )
         # Megatron-LM's layout: tensor parallelism over one node's 8 devices in every
         # stage, as many stages as nodes (its GPT-3 175B run: tp=8, pp=16 per replica)
-        lm = [
-            s.references["megatron+pp"]
-            for s in staged.searches
-            if s.devices == d and s.mesh.shape == (NODE,) and s.variant.stages == d // NODE
-            and "megatron+pp" in s.references
-        ]  # fmt: skip
-        lm_ref = min(lm, default=None)
-        lm_cell, lm_matched = "-", "-"
-        if lm_ref is not None:
-            lm_cell = f"{lm_ref[0]:.3g} s, {lm_ref[1] / GIB:.1f} GiB"
-            lm_matched = str(
-                any(p.time_s <= lm_ref[0] and p.memory_bytes <= lm_ref[1] for _, p in with_)
-            )
+        lm_cell, lm_matched = _reference_cells(
+            [
+                s for s in staged.searches
+                if s.devices == d and s.mesh.shape == (NODE,) and s.variant.stages == d // NODE
+            ],
+            with_,
+        )  # fmt: skip
         lines.append(
             f"| {d} | {_fmt(*without[0])} | {_fmt(*with_[0])} | {_fmt(*without[-1])} | "
             f"{_fmt(*with_[-1])} | {matched} | {ref_cell} | {ref_matched} | {lm_cell} | "

@@ -672,7 +672,10 @@ def _pipelined(
         staged = dataclasses.replace(v, stages=p)
         summaries = []
         for choice in picks:
-            core = search.summaries[by_choice[choice]]
+            if choice in by_choice:
+                core = search.summaries[by_choice[choice]]
+            else:  # the reference plan's cuts, not a plan of the frontier
+                core = f"megatron, tp={mesh.size}"
             if label and core.endswith(f", {label}"):
                 core = core[: -len(label) - 2]
             summaries.append(f"pp={p} x ({core})" + (f", {label}" if label else ""))

@@ -16,9 +16,11 @@ stage count P with P x M.size among the searched device counts:
   problem (M, k, P), labelled ``pp=P x (...)``, which merges with the others.
 
 What this leaves out, stated in the guarantee of each pipelined result: a stage's
-intra-op plan is one of the plans on the frontier of the whole micro-batched problem
-(the plan of one stage is not searched on its own, and every stage runs the same mesh
-shape), and the schedule is 1F1B (GPipe's step prices the same and holds more).
+intra-op plan is one of the plans on the frontier of the whole micro-batched problem, or
+the Megatron reference plan, whose cuts join the others so that the ``megatron+pp``
+reference is always matched or dominated (the plan of one stage is not searched on its
+own, and every stage runs the same mesh shape), and the schedule is 1F1B (GPipe's step
+prices the same and holds more).
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ def pipelined(
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
     ``recompute``), and the choice of each. Empty when the model has too few blocks.
-    ``extra``: more choices (reference plans), whose fastest cut per P goes to
-    ``fastest`` (P -> [(point, choice)]) instead. ``segments``: ``segments_of(graph)``,
-    when already found."""
+    ``extra``: more choices (reference plans), whose points join the others and whose
+    fastest cut per P also goes to ``fastest`` (P -> [(point, choice)]).
+    ``segments``: ``segments_of(graph)``, when already found."""
     fastest = {} if fastest is None else fastest
     segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
@@ -102,10 +104,10 @@ def pipelined(
         terms = tables.terms(point.choice, ws)
         choice = tuple(point.choice)
         for p, points in cut_frontiers(terms, counts, allowed, memory_budget, choice).items():
-            if n >= len(frontier):  # an extra choice: its fastest cut, apart
-                if points:
-                    fastest.setdefault(p, []).append((points[0], choice))
-                continue
+            if n >= len(frontier) and points:  # an extra choice: its fastest cut, apart
+                fastest.setdefault(p, []).append((points[0], choice))
+            # every plan's cuts join the frontier, the reference plans' too: a reference
+            # pipelined point is then always matched or dominated
             found.setdefault(p, []).extend(points)
     # each point's stage payloads are its intra-op plan's choice
     out = {}
@@ -145,8 +147,9 @@ def pipeline_search(search, variant, points, picks, segments: Segments, summarie
     devices = search.mesh.size * variant.stages
     guarantee = (
         f"pipelined ({variant.stages} stages, {SCHEDULE}): for each plan of the "
-        f"{search.mesh} frontier with {variant.micro_batches} micro-batches, the exact "
-        f"Pareto set over cuts at {len(positions(segments.count))} positions"
+        f"{search.mesh} frontier with {variant.micro_batches} micro-batches (and the "
+        f"Megatron plan there), the exact Pareto set over cuts at "
+        f"{len(positions(segments.count))} positions"
     )
     return dataclasses.replace(
         search,

@@ -138,3 +138,27 @@ def test_a_picked_pipelined_point_compiles_to_its_estimate_and_trains(gpt, tmp_p
     assert plan["pipeline"]["starts"] == row["pipeline"]["starts"]
     result = run_steps(out, 3, verify=True)
     assert result.verify is not None and result.verify.ok, result.verify.to_json()
+
+
+def test_every_megatron_pp_reference_is_matched_by_the_frontier(tmp_path, capsys):
+    """The Megatron plan's cuts join the pipelined frontier, so no megatron+pp reference
+    lies outside it. On this model at 16 devices (h100) the Megatron plan is not on the
+    8-device stage mesh's own frontier, and its pipelined point was faster than every
+    searched one."""
+    path = tmp_path / "gpt.onnx"
+    model = build_model("gpt", "paper", layers=4, hidden=256, heads=8, seq=64, batch=16)
+    save_model(model, str(path))
+    found = cli(
+        capsys, "search", path, "--devices", 16, "--axes", "split,stages", "--cluster",
+        "h100", "--optimizer", "adam", "--micro-batches", "1,2", "--stages", "2,8",
+        "--json-out", tmp_path / "s.json",
+    )  # fmt: skip
+    assert found.code == 0, found.err
+    doc = json.loads((tmp_path / "s.json").read_text())
+    refs = [r for r in doc["references"] if r["plan"] == "megatron+pp"]
+    assert refs
+    rows = doc["per_device"]["16"]
+    for ref in refs:
+        assert any(
+            r["time_s"] <= ref["time_s"] and r["memory_bytes"] <= ref["memory_bytes"] for r in rows
+        ), ref
