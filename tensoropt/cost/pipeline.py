@@ -251,14 +251,14 @@ class SegmentTables:
         # then edges, in the order the sums above add them (np.bincount adds its weights
         # in input order, so every segment's sum is the same float)
         unit_sizes = [len(u[0]) for u in self.units]
-        self._unit_offsets = np.concatenate([[0], np.cumsum(unit_sizes)[:-1]]).astype(np.int64)
+        edge_sizes = [np.asarray(e[3][0]).size for e in self.edges]
+        starts = np.cumsum([0, *unit_sizes, *edge_sizes], dtype=np.int64)[:-1]
+        self._unit_offsets = starts[: len(unit_sizes)]
+        self._edge_offsets = starts[len(unit_sizes) :]
         self._edge_src = np.array([e[0] for e in self.edges], dtype=np.int64)
         self._edge_dst = np.array([e[1] for e in self.edges], dtype=np.int64)
-        cols = [np.asarray(e[3][0]).shape[1] if self.edges else 0 for e in self.edges]
-        self._edge_cols = np.array(cols, dtype=np.int64)
-        sizes = [np.asarray(e[3][0]).size for e in self.edges]
-        self._edge_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) + sum(
-            unit_sizes
+        self._edge_cols = np.array(
+            [np.asarray(e[3][0]).shape[1] for e in self.edges], dtype=np.int64
         )
         self._flat = [
             np.concatenate(
