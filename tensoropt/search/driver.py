@@ -665,6 +665,7 @@ def _pipelined(
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
     )  # fmt: skip
     label = v.label(len(space.blocks))
+    megatron = f"megatron, tp={mesh.size}"  # the reference plan's own summary
     index = {id(p): i for i, p in enumerate(search.result.points)}
     by_choice = {tuple(p.choice): index[id(p)] for p in search.result.points}
     out = []
@@ -672,10 +673,8 @@ def _pipelined(
         staged = dataclasses.replace(v, stages=p)
         summaries = []
         for choice in picks:
-            if choice in by_choice:
-                core = search.summaries[by_choice[choice]]
-            else:  # the reference plan's cuts, not a plan of the frontier
-                core = f"megatron, tp={mesh.size}"
+            # a choice off the frontier is the reference plan's (its cuts join the points)
+            core = search.summaries[by_choice[choice]] if choice in by_choice else megatron
             if label and core.endswith(f", {label}"):
                 core = core[: -len(label) - 2]
             summaries.append(f"pp={p} x ({core})" + (f", {label}" if label else ""))
@@ -685,9 +684,7 @@ def _pipelined(
             made = dataclasses.replace(
                 made,
                 references={"megatron+pp": (q.time_s, q.memory_bytes, choice)},
-                reference_summaries={
-                    "megatron+pp": f"pp={p} x (megatron, tp={mesh.size}), {label}"
-                },
+                reference_summaries={"megatron+pp": f"pp={p} x ({megatron}), {label}"},
             )
         out.append(made)
     return out

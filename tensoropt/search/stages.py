@@ -145,10 +145,11 @@ def plan_frontier(
     cap = math.inf if memory_budget is None else float(memory_budget)
     out: list[PipelinePoint] = []
     while True:
-        t_star = _bottleneck(taus, [upper & (m <= cap) for m in mems])[0]
+        capped = [upper & (m <= cap) for m in mems]
+        t_star = _bottleneck(taus, capped)[0]
         if not math.isfinite(t_star):
             return out
-        allowed = [upper & (m <= cap) & (t <= t_star) for t, m in zip(taus, mems, strict=True)]
+        allowed = [ok & (t <= t_star) for ok, t in zip(capped, taus, strict=True)]
         m_star, cuts = _bottleneck(mems, allowed)
         chosen = [(cuts[s], cuts[s + 1]) for s in range(stages)]
         time_s = max(float(taus[s][i, k]) for s, (i, k) in enumerate(chosen))
