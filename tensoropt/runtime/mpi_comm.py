@@ -9,6 +9,9 @@ an AllReduce is a reduce-scatter (AllToAll of chunks, then a group-order sum of
 the chunk this rank owns) followed by an AllGather: bandwidth is the same as a
 ring allreduce's, and every element is summed as ``((x0 + x1) + x2) + ...`` in
 group order, bit-identical to the ``local`` backend on every rank and every run.
+Sends are views of the input where the split axis is the first one, and results
+reuse the receive buffer, so a call holds its input plus about one input-sized
+buffer (docs/design/runtime.md, "Buffers").
 
 Sub-communicators are made once per group with ``Comm.Create_group`` (collective
 over the group's members only) and cached; :meth:`MpiCommunicator.prepare`
@@ -94,26 +97,34 @@ class MpiCommunicator:
         sub = self._sub(group)
         flat = np.ascontiguousarray(x).reshape(-1)
         chunk = -(-flat.size // n)
-        padded = np.zeros(n * chunk, dtype=flat.dtype)
-        padded[: flat.size] = flat
-        recv = self._alltoall_rows(sub, padded.reshape(n, chunk))
+        if flat.size == n * chunk:
+            send = flat.reshape(n, chunk)  # a view: no copy of the input
+        else:
+            send = np.zeros((n, chunk), dtype=flat.dtype)
+            send.reshape(-1)[: flat.size] = flat
+        recv = self._alltoall_rows(sub, send)
+        del send
         mine = ordered_sum(list(recv))
-        full = self._allgather_rows(sub, mine, n).reshape(-1)
-        return full[: flat.size].reshape(x.shape)
+        # The gathered sums overwrite the received chunks (no longer needed): the
+        # call holds the input, one input-sized buffer and one chunk, as a device's
+        # out-of-place allreduce does.
+        sub.Allgather(_bytes(mine), _bytes(recv))
+        return recv.reshape(-1)[: flat.size].reshape(x.shape)
 
     def allgather(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
         n = len(group)
         if n == 1:
             return np.array(x, copy=True)
         rows = self._allgather_rows(self._sub(group), x, n)
+        if _leading(axis, x.ndim):  # the rows already lie in the result's order
+            return rows.reshape(n * x.shape[0], *x.shape[1:])
         return np.concatenate(list(rows), axis=axis)
 
     def reduce_scatter(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
         n = len(group)
         if n == 1:
             return np.array(x, copy=True)
-        send = np.stack(split_even(x, n, axis, "ReduceScatter"))
-        recv = self._alltoall_rows(self._sub(group), send)
+        recv = self._alltoall_rows(self._sub(group), _pieces(x, n, axis, "ReduceScatter"))
         return ordered_sum(list(recv))
 
     def alltoall(
@@ -122,9 +133,24 @@ class MpiCommunicator:
         n = len(group)
         if n == 1:
             return np.array(x, copy=True)
-        send = np.stack(split_even(x, n, split_axis, "AllToAll"))
-        recv = self._alltoall_rows(self._sub(group), send)
+        recv = self._alltoall_rows(self._sub(group), _pieces(x, n, split_axis, "AllToAll"))
+        if _leading(concat_axis, x.ndim):
+            return recv.reshape(n * recv.shape[1], *recv.shape[2:])
         return np.concatenate(list(recv), axis=concat_axis)
 
     def barrier(self) -> None:
         self._world.Barrier()
+
+
+def _leading(axis: int, ndim: int) -> bool:
+    """True when ``axis`` is the first dimension of a rank-``ndim`` array."""
+    return ndim > 0 and axis % ndim == 0
+
+
+def _pieces(x: np.ndarray, n: int, axis: int, what: str) -> np.ndarray:
+    """``x`` split into ``n`` equal pieces along ``axis``, stacked on a new first axis:
+    a view of a contiguous ``x`` when ``axis`` is its first, a copy otherwise."""
+    if _leading(axis, x.ndim) and x.flags.c_contiguous:
+        split_even(x, n, axis, what)  # the same refusal of an uneven split
+        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    return np.stack(split_even(x, n, axis, what))

@@ -38,6 +38,13 @@ def main() -> None:
         results[f"allgather/{name}"] = comm.allgather(x, group, 1)
         results[f"reduce_scatter/{name}"] = comm.reduce_scatter(x, group, 0)
         results[f"alltoall/{name}"] = comm.alltoall(x, group, 1, 0)
+        # the leading-axis forms (views, no copies) and a transposed (strided) input
+        results[f"allgather0/{name}"] = comm.allgather(x, group, -2)
+        results[f"reduce_scatter1/{name}"] = comm.reduce_scatter(x, group, 1)
+        results[f"reduce_scatter_t/{name}"] = comm.reduce_scatter(x.T, group, 0)
+        results[f"alltoall01/{name}"] = comm.alltoall(x, group, 0, 1)
+        results[f"alltoall00/{name}"] = comm.alltoall(x, group, 0, -2)
+        results[f"allreduce_t/{name}"] = comm.allreduce(x.T, group)
     results["allreduce_int/world"] = comm.allreduce(np.arange(5, dtype=np.int64) * comm.rank,
                                                     (0, 1, 2, 3))  # fmt: skip
     comm.barrier()

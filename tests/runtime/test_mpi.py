@@ -36,6 +36,12 @@ def test_every_collective_matches_numpy(tmp_path):
                 "allgather": expected("allgather", xs, axis=1),
                 "reduce_scatter": expected("reduce_scatter", xs, axis=0),
                 "alltoall": expected("alltoall", xs, split=1, concat=0),
+                "allgather0": expected("allgather", xs, axis=0),
+                "reduce_scatter1": expected("reduce_scatter", xs, axis=1),
+                "reduce_scatter_t": expected("reduce_scatter", [x.T for x in xs], axis=0),
+                "alltoall01": expected("alltoall", xs, split=0, concat=1),
+                "alltoall00": expected("alltoall", xs, split=0, concat=0),
+                "allreduce_t": expected("allreduce", [x.T for x in xs]),
             }
             for kind, results in want.items():
                 for i, r in enumerate(group):
