@@ -230,21 +230,27 @@ class _Pricer:
         return once * self.slots
 
 
-def param_bytes(elements: float, shard: float, states: int, isz: int, zero: ZeroStage) -> float:
+def param_bytes(
+    elements: float, shard: float, states: int, isz: int, zero: ZeroStage, in_place: bool = False
+) -> float:
     """Resident bytes of one parameter of ``elements`` local elements (``shard`` of them
     in its ZeRO shard) with ``states`` optimizer states each.
 
     The step holds the parameter and its gradient, the new parameter it returns, and
-    each optimizer state twice (in and out): the emitted graph has no in-place update
-    (measured: docs/design/measured.md). ZeRO 1 and 2 keep the states as shards; ZeRO 3
-    also the parameter in and out. ZeRO 3's full-size transients (the gathered copies
-    and the gradient before its reduce-scatter) live only around the unit's own forward
-    or backward: :func:`gathered_bound` prices them once per step, not here."""
+    each optimizer state twice (in and out). ``in_place``: the step phase of a
+    micro-batched plan writes each new state over the old one (``runtime.inplace``), so
+    each state is held once, and so is the parameter, except under ZeRO 1 and 2, whose
+    new parameter is an AllGather's result beside the old one. ZeRO 1 and 2 keep the
+    states as shards; ZeRO 3 also the parameter. ZeRO 3's full-size transients (the
+    gathered copies and the gradient before its reduce-scatter) live only around the
+    unit's own forward or backward: :func:`gathered_bound` prices them once per step,
+    not here."""
+    copies = 1 if in_place else 2  # of each state (and of a parameter updated in place)
     if zero is ZeroStage.NONE:
-        return elements * isz * (3 + 2 * states)
+        return elements * isz * (1 + copies + copies * states)
     if zero is ZeroStage.PARAMETERS:
-        return shard * (2 + 2 * states) * isz
-    return (elements * 3 + shard * 2 * states) * isz
+        return shard * copies * (1 + states) * isz
+    return (elements * 3 + shard * copies * states) * isz
 
 
 def gathered_bound(sg: SearchGraph) -> float:
@@ -420,6 +426,7 @@ class _Builder:
         grid_slots = {unit.root.inputs[i] for i in in_grid if i < len(unit.root.inputs)} - {None}
         states = self.sg.optimizer_states
         sharded = {z.index: z for z in program.shards}
+        in_place = self.micro > 1  # the step phase updates in place (runtime.inplace)
         for x, value in enumerate(unit.externals):
             if unit.kinds[x] is not Entry.PARAM or self.su.owner.get(value.name) != k:
                 continue
@@ -429,10 +436,10 @@ class _Builder:
             elements = _numel(local_shape(static_shape(value), use, self.mesh, value.name))
             updated = elements
             if z is None:
-                memory += param_bytes(elements, elements, states, isz, ZeroStage.NONE)
+                memory += param_bytes(elements, elements, states, isz, ZeroStage.NONE, in_place)
             else:
                 updated = _numel(local_shape(static_shape(value), z.shard, self.mesh))
-                memory += param_bytes(elements, updated, states, isz, program.zero)
+                memory += param_bytes(elements, updated, states, isz, program.zero, in_place)
             update = update_time(updated, states, isz, self.pricer.profile)
             if self.micro > 1:  # the gradient's accumulation buffer and its adds
                 # ZeRO 2 and 3 accumulate the gradient's shard, the others the whole of it

@@ -188,7 +188,9 @@ def _start(engine: Engine, manifest: Manifest, models: Mapping, opts: RunOptions
             loop.reference = Reference.open(manifest.outdir, opts.threads, opts.arena)
             loop.reference.tolerance = opts.tolerance
             if loop.start > 0 or not loop.reference.state:
-                loop.reference.state = {**params, **states}
+                # copies: a step-phase update writes over the ranks' own state arrays
+                # (runtime.inplace), which gathering may hand back as they are
+                loop.reference.state = {k: v.copy() for k, v in {**params, **states}.items()}
     return loop
 
 

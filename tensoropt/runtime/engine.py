@@ -73,7 +73,10 @@ def split_rank(manifest: Manifest, model: onnx.ModelProto, rank: int) -> RankPla
         return split_staged(manifest, model, rank, fed, weights)
     if manifest.micro is not None:
         dims = {i.name: i.micro_dim for i in manifest.inputs.values() if i.micro_dim is not None}
-        return split_phases(model, rank, manifest.world_size, fed, weights, manifest.micro, dims)
+        carry = manifest.carry_of(rank)
+        return split_phases(
+            model, rank, manifest.world_size, fed, weights, manifest.micro, dims, carry
+        )
     return split_graph(model, rank, manifest.world_size, fed, weights)
 
 
@@ -99,7 +102,9 @@ def initial_state(
         if info.init is InputInit.ZEROS:
             state[name] = np.zeros(local_shape(info, manifest, rank), dtype=info.dtype)
         elif name in inits:
-            state[name] = read_initializer(inits[name], manifest.outdir)
+            value = read_initializer(inits[name], manifest.outdir)
+            # writable: a step-phase update may write its new value over it (runtime.inplace)
+            state[name] = value if value.flags.writeable else value.copy()
         else:
             missing.append(name)
     if missing:

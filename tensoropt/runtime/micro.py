@@ -23,6 +23,7 @@ from onnx import helper
 from tensoropt.errors import TensorOptError
 from tensoropt.passes.micro import PHASE_KEY, MicroCut, Phase
 from tensoropt.runtime.collectives import CollectiveCall
+from tensoropt.runtime.inplace import mark_in_place
 from tensoropt.runtime.split import SplitPlan, split_graph, subgraph_reads
 
 Feeds = Mapping[str, np.ndarray]
@@ -150,14 +151,17 @@ def split_phases(
     weights: Mapping[str, np.ndarray],
     cut: MicroCut,
     micro_dims: Mapping[str, int],
+    carry: Mapping[str, str] | None = None,
 ) -> PhasedPlan:
     """Split each phase of one rank's graph (``runtime.split``); ``weights`` are the
-    rank's shared constants, read once for both phases."""
+    rank's shared constants, read once for both phases. ``carry`` (step output -> the
+    state input it replaces) marks the step phase's in-place updates
+    (``runtime.inplace``)."""
     fed = set(fed) | ({cut.index} if cut.index else set())
     micro, step = phase_models(model, cut, rank)
     micro_plan = split_graph(micro, rank, world_size, fed, weights)
     step_fed = fed | set(cut.accumulate) | set(cut.keep)
-    step_plan = split_graph(step, rank, world_size, step_fed, weights)
+    step_plan = mark_in_place(split_graph(step, rank, world_size, step_fed, weights), carry or {})
     return PhasedPlan(micro_plan, step_plan, cut, dict(micro_dims))
 
 

@@ -42,6 +42,7 @@ from tensoropt.passes.micro import MicroCut
 from tensoropt.passes.stages import P2P_OPS, RECV, SEND
 from tensoropt.runtime.collectives import CollectiveCall
 from tensoropt.runtime.comm import LocalWorld
+from tensoropt.runtime.inplace import mark_in_place
 from tensoropt.runtime.manifest import Manifest
 from tensoropt.runtime.micro import micro_feeds, phase_models, reads_of, sub_model
 from tensoropt.runtime.profiling import StepClock
@@ -256,7 +257,9 @@ def split_staged(
         backward = Part(split_graph(b_model, rank, world, b_fed, weights), b_recvs, b_sends)
     step, step_recvs, step_sends = _step_p2p(step)
     step_fed = fed | set(cut.accumulate) | set(cut.keep) | {c.value for c in step_recvs}
-    step_plan = split_graph(step, rank, world, step_fed, weights)
+    step_plan = mark_in_place(
+        split_graph(step, rank, world, step_fed, weights), manifest.carry_of(rank)
+    )
     dims = {
         i.name: i.micro_dim
         for i in manifest.inputs.values()

@@ -125,7 +125,10 @@ class RankProgram:
         if sess is None or seg is None:
             return
         t0, c0 = now(), cpu_now()
-        results = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
+        if seg.in_place:
+            results = _run_in_place(sess, seg, env)
+        else:
+            results = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
         if self.clock is not None:
             self.clock.add_compute(now() - t0, cpu_now() - c0)
         env.update(zip(seg.outputs, results, strict=True))
@@ -157,6 +160,32 @@ class RankProgram:
                 self.release_input(i, j, env)
             self.release(i, env)
         return self.finish(env)
+
+
+def _run_in_place(sess: ort.InferenceSession, seg, env: Mapping[str, np.ndarray]) -> list:
+    """Run ``seg`` with each in-place output bound to its input's buffer
+    (``runtime.inplace``); an input that is not a writable C-contiguous array keeps its
+    output apart. The other outputs are onnxruntime's, as ``session.run`` returns them."""
+    binding = sess.io_binding()
+    # np.require keeps a 0-d input 0-d (np.ascontiguousarray would make it 1-d);
+    # the list keeps any copy alive through the run
+    fed = [np.require(env[name], requirements="C") for name in seg.inputs]
+    for name, value in zip(seg.inputs, fed, strict=True):
+        binding.bind_cpu_input(name, value)
+    over = {}
+    for out, src in seg.in_place:
+        buf = env[src]
+        if isinstance(buf, np.ndarray) and buf.flags.writeable and buf.flags.c_contiguous:
+            over[out] = buf
+    for name in seg.outputs:
+        buf = over.get(name)
+        if buf is None:
+            binding.bind_output(name, "cpu")
+        else:
+            binding.bind_output(name, "cpu", 0, buf.dtype.type, list(buf.shape), buf.ctypes.data)
+    sess.run_with_iobinding(binding)
+    values = binding.get_outputs()
+    return [over[n] if n in over else values[i].numpy() for i, n in enumerate(seg.outputs)]
 
 
 def check_collective_order(by_rank: Mapping[int, Sequence[CollectiveCall]]) -> None:

@@ -76,6 +76,9 @@ class Segment:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     shared: tuple[str, ...] = ()  # inputs that are shared constants (SplitPlan.weights)
+    # (output, input) pairs whose output is written over its input's buffer
+    # (runtime.inplace: a step phase's optimizer update)
+    in_place: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)

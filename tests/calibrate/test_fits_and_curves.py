@@ -532,6 +532,30 @@ def test_activation_memory_counts_only_values_the_backward_reads(mlp_tiny_sg):
     assert memory == param_bytes * (3 + 2 * sg.optimizer_states) + saved_bytes
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_micro_batched_steps_hold_parameters_and_states_once(mlp_tiny_sg, k, monkeypatch):
+    """With micro-batches the step phase updates in place (runtime.inplace): the
+    parameter and each optimizer state are priced once, not twice; without them the
+    update shares its segment with the backward and keeps both copies."""
+    from tensoropt.cost import model as cm
+    from tensoropt.cost.model import build_problem
+    from tensoropt.ir.mesh import Mesh
+
+    sg = mlp_tiny_sg
+    param_bytes = sum(4 * math.prod(sg.graph.initializers[p].shape) for p in sg.params)
+
+    def memory() -> float:
+        mp = build_problem(sg, Mesh((1,), ("x",)), builtin("h100"), micro_batches=k)
+        return mp.problem.evaluate([0] * len(mp.problem.units))[1]
+
+    priced = memory()
+    apart = cm.param_bytes
+    monkeypatch.setattr(cm, "param_bytes", lambda *a: apart(*a[:5], False))
+    both = memory()
+    once = param_bytes * (1 + sg.optimizer_states) if k > 1 else 0
+    assert both - priced == once
+
+
 def test_column_parallel_consumer_pays_the_backward_allreduce(mlp_tiny_sg):
     """Forward R -> R needs nothing, but the gradient of a column-parallel MatMul's input
     is partial over the tp axis: the edge charges its AllReduce (Megatron's backward)."""
