@@ -45,7 +45,8 @@ class RateGrid:
     """Measured FLOP/s of a contraction against two shape keys (``tensoropt calibrate``).
 
     ``rates[i][j]`` is the rate at ``rows[i]`` and ``sides[j]``, interpolated bilinearly
-    in log space and held constant beyond the grid. MatMul: the GEMM's output rows and
+    in log space, extrapolated along the first cell's slope below the smallest rows
+    (:meth:`rate`) and held constant beyond the grid elsewhere. MatMul: the GEMM's output rows and
     the side sqrt(K * N) of the operand it packs once per call and every row reuses.
     Conv: channels and output positions (see :func:`tensoropt.cost.compute.conv_key`).
     A rate-against-FLOPs curve cannot express either: on the 2-core machine a
@@ -64,6 +65,13 @@ class RateGrid:
         r = self.rates
         low = math.log(r[i][j]) * (1 - v) + math.log(r[i][j1]) * v
         high = math.log(r[i1][j]) * (1 - v) + math.log(r[i1][j1]) * v
+        if rows < self.rows[0] and len(self.rows) > 1:
+            # Below the smallest measured rows (a micro-batch's GEMM) the rate keeps
+            # falling along the first cell's log-log slope: the call's fixed costs
+            # (packing the operand, the weight's traffic) do not shrink with the rows.
+            # The slope is capped at 1, where the call's time stops falling.
+            slope = min((high - low) / math.log(self.rows[1] / self.rows[0]), 1.0)
+            return math.exp(low + max(slope, 0.0) * math.log(rows / self.rows[0]))
         return math.exp(low * (1 - u) + high * u)
 
 

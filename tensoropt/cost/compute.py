@@ -275,3 +275,20 @@ def update_time(param_elements: float, states: int, itemsize: int, profile) -> f
     per_op = traffic / ops
     bandwidth = profile.memory_bandwidth if curve is None else curve_rate(curve, per_op)
     return max(traffic / bandwidth, ops * profile.op_floor_s)
+
+
+def accumulate_time(param_elements: float, micro: int, itemsize: int, profile) -> float:
+    """Gradient accumulation over ``micro`` micro-batches, as the runtime does it
+    (``runtime.micro.accumulate``): a copy of the first micro-batch's gradient (2
+    accesses per element), then one in-place add per further micro-batch (3: read both,
+    write the sum), each a memory-bound element-wise pass over the gradient."""
+    if micro <= 1:
+        return 0.0
+    curve = profile.op_curves.get("elementwise")
+
+    def one(accesses: int) -> float:
+        traffic = itemsize * param_elements * accesses
+        bandwidth = profile.memory_bandwidth if curve is None else curve_rate(curve, traffic)
+        return max(traffic / bandwidth, profile.op_floor_s)
+
+    return one(2) + (micro - 1) * one(3)

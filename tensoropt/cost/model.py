@@ -41,6 +41,7 @@ import onnx_ir as ir
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.cost.compute import (
     GRID_UPDATE_STATES,
+    accumulate_time,
     forward_time,
     grid_update_slots,
     op_time,
@@ -445,11 +446,13 @@ class _Builder:
                 # ZeRO 2 and 3 accumulate the gradient's shard, the others the whole of it
                 summed = updated if z is not None and scatters_first(program.zero) else elements
                 memory += summed * isz
-                seconds += (self.micro - 1) * update_time(summed, 0, isz, self.pricer.profile)
+                seconds += accumulate_time(summed, self.micro, isz, self.pricer.profile)
             if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
                 held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
                 # ZeRO: the update runs on the shard, the grid entry held the whole one
                 update = update - held if z is not None else max(update - held, 0.0)
+                # the grid entry is charged once per micro-batch slot, the update runs once
+                update -= held * (self.pricer.slots - 1)
             seconds += update
         return seconds, memory
 

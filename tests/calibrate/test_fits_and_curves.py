@@ -347,11 +347,29 @@ def test_rate_grid_interpolates_log_bilinear_and_clamps():
     grid = RateGrid((16.0, 256.0), (64.0, 1024.0), ((1e10, 4e10), (1e11, 1e11)))
     assert grid.rate(16, 64) == pytest.approx(1e10)
     assert grid.rate(256, 1024) == pytest.approx(1e11)
-    assert grid.rate(1, 1) == pytest.approx(1e10) and grid.rate(1e6, 1e6) == pytest.approx(1e11)
+    assert grid.rate(16, 1) == pytest.approx(1e10) and grid.rate(1e6, 1e6) == pytest.approx(1e11)
+    # below the smallest rows the rate falls along the first cell's log-log slope
+    # (10x over 16x rows): a 16x smaller GEMM runs 10x slower per FLOP
+    assert grid.rate(1, 1) == pytest.approx(1e9)
+    # ... at most in proportion to the rows: the call's time never grows as rows shrink
+    steep = RateGrid((16.0, 32.0), (64.0,), ((1e9,), (1e10,)))
+    assert 2 / steep.rate(2, 64) == pytest.approx(16 / steep.rate(16, 64))  # rows / rate
     assert grid.rate(16, 256) == pytest.approx(2e10)  # halfway in log side
     assert grid.rate(64, 64) == pytest.approx(math.sqrt(1e10 * 1e11))  # halfway in log rows
     middle = grid.rate(64, 256)  # the geometric mean of the four corners
     assert middle == pytest.approx((1e10 * 4e10 * 1e11 * 1e11) ** 0.25)
+
+
+def test_accumulation_is_a_copy_then_one_in_place_add_per_further_micro_batch():
+    from tensoropt.cost.compute import accumulate_time
+
+    profile = dataclasses.replace(builtin("h100"), op_floor_s=0.0, op_curves={})
+    n, isz = 1e6, 4
+    bw = profile.memory_bandwidth
+    assert accumulate_time(n, 1, isz, profile) == 0.0
+    for k in (2, 4, 8):  # the runtime: np.array(copy) of the first, np.add(out=) after
+        want = (2 + 3 * (k - 1)) * n * isz / bw
+        assert accumulate_time(n, k, isz, profile) == pytest.approx(want)
 
 
 def test_calibration_grids_take_the_grid_cases_only():
