@@ -20,6 +20,7 @@ def assert_same_run(a, b) -> None:
     assert a.params.keys() == b.params.keys()
     for name, value in a.params.items():
         np.testing.assert_array_equal(b.params[name], value, err_msg=name)
+    assert a.states.keys() == b.states.keys()
     for name, value in a.states.items():
         np.testing.assert_array_equal(b.states[name], value, err_msg=name)
 

@@ -17,17 +17,9 @@ from tensoropt.cli import main
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.verify import param_floor, rel_error
 from tests.helpers.killed import kill_after_checkpoint
+from tests.helpers.runs import assert_same_run
 from tests.passes.test_zero_equivalence import ADAM
 from tests.passes.test_zero_micro import compile_zero_micro, zoo
-
-
-def _same(full, resumed) -> None:
-    assert resumed.losses == full.losses
-    for kind in ("params", "states"):
-        a, b = getattr(full, kind), getattr(resumed, kind)
-        assert a.keys() == b.keys()
-        for key, value in a.items():
-            np.testing.assert_array_equal(b[key], value, err_msg=key)
 
 
 @pytest.mark.mpi
@@ -60,7 +52,7 @@ def test_zero3_micro_resume_equals_uninterrupted(backend, tmp_path):
     run_steps(out, 3, backend, checkpoint=tmp_path / "ck")  # stops after step 2
     resumed = run_steps(out, 5, backend, checkpoint=tmp_path / "ck", resume=True)
     assert resumed.start_step == 3
-    _same(full, resumed)
+    assert_same_run(full, resumed)
     for name, value in full.params.items():  # the states come back whole
         assert full.states[f"{name}__m"].shape == full.states[f"{name}__v"].shape == value.shape
 
@@ -101,4 +93,4 @@ def test_zero3_micro_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     full = run_steps(out, done + 3, "mpi")
     resumed = run_steps(out, done + 3, "mpi", checkpoint=ck, resume=True)
     assert resumed.start_step == done
-    _same(full, resumed)
+    assert_same_run(full, resumed)

@@ -24,6 +24,7 @@ from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.split import zero_gather
 from tensoropt.runtime.verify import param_floor, rel_error
 from tests.helpers.killed import kill_after_checkpoint
+from tests.helpers.runs import assert_same_run
 from tests.passes.test_zero_equivalence import ADAM, compile_zero
 
 
@@ -48,15 +49,6 @@ def test_zero_mpi_equals_local_and_verifies(name, plan_name, spec, stage, tmp_pa
         np.testing.assert_array_equal(mpi.params[key], value, err_msg=key)
 
 
-def _same(full, resumed) -> None:
-    assert resumed.losses == full.losses
-    for kind in ("params", "states"):
-        a, b = getattr(full, kind), getattr(resumed, kind)
-        assert a.keys() == b.keys()
-        for key, value in a.items():
-            np.testing.assert_array_equal(b[key], value, err_msg=key)
-
-
 @pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.mpi)])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_resume_equals_uninterrupted(stage, backend, tmp_path):
@@ -66,7 +58,7 @@ def test_zero_resume_equals_uninterrupted(stage, backend, tmp_path):
     run_steps(out, 3, backend, checkpoint=tmp_path / "ck")  # stops after step 2
     resumed = run_steps(out, 5, backend, checkpoint=tmp_path / "ck", resume=True)
     assert resumed.start_step == 3
-    _same(full, resumed)
+    assert_same_run(full, resumed)
     # the states come back whole, under their names: Adam's two per parameter
     for name, value in full.params.items():
         assert full.states[f"{name}__m"].shape == full.states[f"{name}__v"].shape == value.shape
@@ -135,4 +127,4 @@ def test_zero3_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     full = run_steps(out, done + 3, "mpi")
     resumed = run_steps(out, done + 3, "mpi", checkpoint=ck, resume=True)
     assert resumed.start_step == done
-    _same(full, resumed)
+    assert_same_run(full, resumed)
