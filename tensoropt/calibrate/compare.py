@@ -43,6 +43,8 @@ def profile_rates(profile: dict) -> dict[str, float]:
     for kind, fit in profile["collectives"]["per_kind"].items():
         out[f"{kind} alpha"] = fit["alpha_s"]
         out[f"{kind} bandwidth"] = fit["bandwidth"]
+    if profile.get("softmax_masked_s"):  # as a rate: masked scores per second
+        out["softmax masked scores"] = 1.0 / profile["softmax_masked_s"]
     out["link alpha"] = profile["intra"]["alpha_s"]
     out["link bandwidth"] = profile["intra"]["bandwidth"]
     return out

@@ -285,10 +285,14 @@ class KernelOptions:
         return "thread_cpu" if self.threads == 1 else "wall"
 
 
-def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, Sample]:
-    """(per-kernel time, per-``session.run`` overhead) of one case."""
+def measure_case(
+    case: KernelCase, opts: KernelOptions, x: np.ndarray | None = None
+) -> tuple[KernelResult, Sample]:
+    """(per-kernel time, per-``session.run`` overhead) of one case; its input ``x``
+    (standard normal when not given)."""
     config = SessionConfig(intra_op_threads=opts.threads)
-    x = np.random.default_rng(1).standard_normal(case.shapes[0]).astype(np.float32)
+    if x is None:
+        x = np.random.default_rng(1).standard_normal(case.shapes[0]).astype(np.float32)
     one = _runner(session(build_model(case, 1), config), x)
     for _ in range(3):
         one()  # warm-up: arena growth, first-run kernel selection
@@ -306,3 +310,37 @@ def measure_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, S
 
     per_op = steady_sample(slope, opts.repeats, opts.max_repeats)
     return KernelResult(case, per_op, copies), Sample.of(overhead)
+
+
+# Masked Softmax cases: (rows, scores per row) with a causal mask over each square block
+# of rows; two row lengths, as the slow path's cost per masked score differs with it
+# (measured 5.6 ns at 64, 4.0 ns at 256 on the development VM)
+MASKED_SOFTMAX = ((4096, 64), (1024, 256))
+MASK_FILL = -1e9  # what the zoo's causal mask adds (models.transformer)
+
+
+def causal_scores(rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """Standard normal scores [rows, cols] with every square block of ``cols`` rows
+    causally masked (above the diagonal set to MASK_FILL); and the masked count."""
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    blocks = x.reshape(-1, cols, cols)
+    above = np.triu(np.ones((cols, cols), dtype=bool), k=1)
+    blocks[:, above] = MASK_FILL
+    return x, int(above.sum()) * blocks.shape[0]
+
+
+def measure_masked_softmax(opts: KernelOptions) -> Sample:
+    """Extra forward seconds per masked score of a Softmax (``softmax_masked_s``): the
+    kernel on causally masked scores less the same kernel on plain ones, per masked
+    score, one sample per row length of MASKED_SOFTMAX. The copies stand side by side
+    on one input, so the input's values reach every copy (a chain would feed the next
+    copy probabilities, which are never masked)."""
+    per_score = []
+    for rows, cols in MASKED_SOFTMAX:
+        case = KernelCase("Softmax", ((rows, cols),), (rows, cols), (("axis", -1),), chain=False)
+        masked, count = causal_scores(rows, cols, np.random.default_rng(3))
+        plain = np.random.default_rng(3).standard_normal((rows, cols)).astype(np.float32)
+        slow, _ = measure_case(case, opts, masked)
+        fast, _ = measure_case(case, opts, plain)
+        per_score.append(max(slow.seconds.median - fast.seconds.median, 0.0) / count)
+    return Sample.of(per_score)

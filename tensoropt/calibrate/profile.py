@@ -258,9 +258,11 @@ def measure_kernels(
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
     overheads.append(overhead.median)
+    tick("masked softmax")
+    masked = kernels.measure_masked_softmax(kopts)
     results = [middle_pass(passes) for passes in by_case.values()]
     spread = pass_difference(by_case) if opts.compute_passes > 1 else {}
-    return results, floor, Sample.of(overheads), spread
+    return results, (floor, masked), Sample.of(overheads), spread
 
 
 def _curves(results) -> dict:
@@ -439,7 +441,7 @@ def calibrate(
                 )
 
     with memlink.prober(opts.ranks) as prober:
-        results, floor, overhead, passes_apart = measure_kernels(
+        results, (floor, masked), overhead, passes_apart = measure_kernels(
             opts, tick, launch, state, checkpoint
         )
         launch(opts.compute_passes)
@@ -471,6 +473,7 @@ def calibrate(
         "inter": dict(link),
         "efficiency": 1.0,
         "op_floor_s": floor.seconds.median,
+        "softmax_masked_s": masked.median,
         "op_throughput": throughput,
         "op_curves": curves,
         "op_train_grids": _train_grids(results),
@@ -479,6 +482,7 @@ def calibrate(
         "spread": {
             "op_throughput": fam_spread,
             "op_floor_s": round(floor.seconds.spread, 4),
+            "softmax_masked_s": round(masked.spread, 4),
             "collectives": {
                 k: round(float(np.median([p[2] for p in fits.points[k]])), 4) for k in fits.points
             },

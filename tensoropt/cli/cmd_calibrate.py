@@ -30,7 +30,12 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             (shorter blocks): the cost model prices an op's step as forward x (1 +
             backward ratio), and the ratio is measured against that same forward.
             Measuring processes start with the MPI ranks' malloc settings (see `run
-            --help`: heap thresholds, transparent huge pages)
+            --help`: heap thresholds, transparent huge pages). Also: a Softmax on
+            causally masked scores against plain ones (softmax_masked_s: onnxruntime's
+            CPU Softmax slows down where exp underflows). The cost model floors a
+            non-contraction op at the time to stream its bytes and its backward's at
+            the largest Add's rate: in a step those come from memory, not the cache a
+            chain of one op keeps them in
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
@@ -171,7 +176,8 @@ def _summary(profile: dict) -> str:
         f"  peak {profile['peak_flops'] / 1e9:.1f} GFLOP/s, element-wise "
         f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, op floor "
         f"{profile['op_floor_s'] * 1e6:.2f} us, session.run "
-        f"{cal['run_overhead_s'] * 1e6:.1f} us"
+        f"{cal['run_overhead_s'] * 1e6:.1f} us, masked Softmax score "
+        f"+{profile.get('softmax_masked_s', 0.0) * 1e9:.2f} ns"
     )
     lines.append(f"  {'collective':<14} {'alpha us':>9} {'GB/s':>8} {'fit err':>8} {'spread':>7}")
     per_kind = profile["collectives"]["per_kind"]

@@ -99,6 +99,10 @@ class ClusterProfile:
     inter: Link
     efficiency: float = 0.5  # fraction of peak a well-shaped kernel reaches
     op_floor_s: float = 5e-6  # smallest time of any kernel (launch overhead)
+    # extra forward seconds per masked score of a Softmax (cost.compute.masked_time):
+    # onnxruntime's CPU kernel takes a slow path where exp underflows; 0 where none was
+    # measured (the built-in GPU profiles)
+    softmax_masked_s: float = 0.0
     op_throughput: dict[str, float] = field(default_factory=dict)  # measured FLOP/s by family
     op_curves: dict[str, OpCurve] = field(default_factory=dict)  # measured rate vs size
     # measured (step - forward - update) / forward vs size: the backward's cost
@@ -323,10 +327,11 @@ def from_json(obj, where: str) -> ClusterProfile:
     if unknown:
         raise ClusterError(f"{where}: unknown keys {sorted(unknown)}")
     values = {}
-    for key in ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency", "op_floor_s"):
+    rates = ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency", "op_floor_s")
+    for key in (*rates, "softmax_masked_s"):
         if key in obj:
             values[key] = _positive(obj[key], f"{where}.{key}")
-        elif base is None and key not in ("efficiency", "op_floor_s"):
+        elif base is None and key not in ("efficiency", "op_floor_s", "softmax_masked_s"):
             raise ClusterError(f"{where}: missing rate {key!r}")
     for key in ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency"):
         if values.get(key) == 0:

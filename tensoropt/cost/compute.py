@@ -55,6 +55,8 @@ _FAMILIES = {
     "MaxPool": "pool",
     "AveragePool": "pool",
 }
+# A score at or below this is a mask's: exp(score - row max) underflows to 0.
+MASK_SCORE = -1e4
 # Ops that move no data on a device (views, shape arithmetic).
 _FREE = frozenset(
     {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Constant", "Size"}
@@ -205,6 +207,18 @@ def _kernel_time(
     return max(flops / rate, traffic / profile.memory_bandwidth)
 
 
+def masked_time(
+    op_type: str, out_shapes: Sequence[Sequence[int]], masked: float, profile: ClusterProfile
+) -> float:
+    """Extra forward seconds of a Softmax whose input holds ``masked`` (a fraction) of
+    masking scores (<= MASK_SCORE, as a causal attention mask adds): onnxruntime's CPU
+    Softmax takes a slow path for every score whose exp underflows, measured ~8x its
+    whole plain time at half the scores masked (calibrate: ``softmax_masked_s``)."""
+    if op_type != "Softmax" or masked <= 0 or not out_shapes:
+        return 0.0
+    return masked * _numel(out_shapes[0]) * profile.softmax_masked_s
+
+
 def op_time(
     op_type: str,
     attrs,
@@ -212,10 +226,18 @@ def op_time(
     out_shapes: Sequence[Sequence[int]],
     itemsize: int,
     profile: ClusterProfile,
+    masked: float = 0.0,
 ) -> float:
-    """Forward + backward seconds of one op on its local shapes."""
+    """Forward + backward seconds of one op on its local shapes; ``masked``: the
+    fraction of a Softmax's scores that a mask sets (:func:`masked_time`)."""
     if op_type in _FREE:
         return 0.0
+    return _op_time(op_type, attrs, in_shapes, out_shapes, itemsize, profile) + masked_time(
+        op_type, out_shapes, masked, profile
+    )
+
+
+def _op_time(op_type, attrs, in_shapes, out_shapes, itemsize: int, profile) -> float:
     flops, traffic = _work(op_type, attrs, in_shapes, out_shapes, itemsize)
     fam = family(op_type)
     trained = _train_time(op_type, attrs, in_shapes, out_shapes, flops, profile)
@@ -238,6 +260,7 @@ def forward_time(
     out_shapes: Sequence[Sequence[int]],
     itemsize: int,
     profile: ClusterProfile,
+    masked: float = 0.0,
 ) -> float:
     """Forward seconds of one op on its local shapes (a recomputed forward node): the
     forward part of :func:`op_time`, from the forward curves (a training-step grid holds
@@ -245,7 +268,8 @@ def forward_time(
     if op_type in _FREE:
         return 0.0
     flops, traffic = _work(op_type, attrs, in_shapes, out_shapes, itemsize)
-    return max(_kernel_time(family(op_type), flops, traffic, profile, op_type), profile.op_floor_s)
+    plain = max(_kernel_time(family(op_type), flops, traffic, profile, op_type), profile.op_floor_s)
+    return plain + masked_time(op_type, out_shapes, masked, profile)
 
 
 def _work(op_type: str, attrs, in_shapes, out_shapes, itemsize: int) -> tuple[float, float]:

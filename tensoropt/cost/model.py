@@ -41,7 +41,9 @@ import onnx_ir as ir
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.cost.compute import (
     GRID_UPDATE_STATES,
+    MASK_SCORE,
     accumulate_time,
+    family,
     forward_time,
     grid_update_slots,
     op_time,
@@ -55,6 +57,7 @@ from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
+from tensoropt.passes.autodiff import ACCUMULATES_KEY, unit_of
 from tensoropt.passes.micro import micro_axes, micro_mesh
 from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
 from tensoropt.passes.units import (
@@ -199,11 +202,20 @@ class _Pricer:
 
     def node(self, node: ir.Node, strategy: MeshSharding) -> tuple[float, float]:
         """(compute seconds, saved-output bytes) of a forward node under ``strategy``."""
-        key = (sa.view_key(node), strategy, tuple(v.name in self.sg.saved for v in node.outputs))
+        saved = tuple(v.name in self.sg.saved for v in node.outputs)
+        summed = accumulations(self.sg.graph)
+        adds = tuple(summed.get(v.name, 0) for v in node.outputs)
+        key = (sa.view_key(node), strategy, saved, masked_fraction(node), adds)
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            seconds = self._seconds(op_time, node, local)
+            seconds = max(self._seconds(op_time, node, local), self._streamed(node, local, True))
+            for j, count in enumerate(adds):  # the backward sums the output's gradients
+                if count:
+                    shape = local.output_shapes[j]
+                    isz = itemsize(node.outputs[j])
+                    add = forward_time("Add", {}, [shape, shape], [shape], isz, self.profile)
+                    seconds += count * add * self.slots
             memory = 0.0
             if node.op_type not in _VIEWS:  # a view of its input holds nothing new
                 for j, shape in enumerate(local.output_shapes):
@@ -215,20 +227,134 @@ class _Pricer:
     def recompute(self, node: ir.Node, strategy: MeshSharding) -> float:
         """Forward seconds per step of a recompute node (``passes.recompute``) under
         ``strategy``: it reruns in the backward of every micro-batch."""
-        key = ("recompute", sa.view_key(node), strategy)
+        key = ("recompute", sa.view_key(node), strategy, masked_fraction(node))
         found = self.node_cache.get(key)
         if found is None:
             local = sa.localize(node, strategy, self.mesh)
-            found = self.node_cache[key] = self._seconds(forward_time, node, local)
+            seconds = self._seconds(forward_time, node, local)
+            found = self.node_cache[key] = max(seconds, self._streamed(node, local, False))
         return found
+
+    def _streamed(self, node: ir.Node, local, backward: bool) -> float:
+        """Seconds per step for ``node`` to stream its bytes from memory: its local
+        inputs and outputs, and with ``backward`` the bytes its emitted backward nodes
+        read and write (``backward_bytes``, scaled to the local shard). A floor under
+        the measured price, for calibrated profiles only: their curves come from chains
+        of one op whose operands stay in cache, while a step reads what its forward
+        saved long before, after the rest of the model has passed through the cache.
+        Measured on ResNet-50 and GPT small: element-wise, norm and activation nodes ran
+        1.5-3x their chain rates, near this floor (docs/design/measured.md). Contractions
+        (MatMul, Gemm, Conv) are compute-bound and keep their grids; a built-in
+        profile's roofline already prices traffic at the device's memory bandwidth."""
+        if (
+            "elementwise" not in self.profile.op_curves
+            or family(node.op_type) in ("matmul", "conv") or node.op_type in _VIEWS
+        ):  # fmt: skip
+            return 0.0
+        isz = itemsize(node.outputs[0])
+        ins = [shape for shape in local.input_shapes if shape is not None]
+        moved = sum(_numel(shape) for shape in (*ins, *local.output_shapes)) * isz
+        if backward:
+            whole = _numel(static_shape(node.outputs[0]))
+            share = _numel(local.output_shapes[0]) / whole if whole else 1.0
+            moved += backward_bytes(self.sg.graph).get(unit_of(node), 0.0) * share
+        return moved / self.profile.memory_bandwidth * self.slots
 
     def _seconds(self, timer, node: ir.Node, local) -> float:
         """``timer`` (op_time or forward_time) of ``node``'s local op, per step: once per
         micro-batch."""
         attrs = sa.op_view(node).attributes
         ins, outs = local.input_shapes, local.output_shapes
-        once = timer(node.op_type, attrs, ins, outs, itemsize(node.outputs[0]), self.profile)
+        isz = itemsize(node.outputs[0])
+        once = timer(node.op_type, attrs, ins, outs, isz, self.profile, masked_fraction(node))
         return once * self.slots
+
+
+_ACCUMULATIONS_META = "tensoropt.accumulations"
+
+
+def accumulations(graph: ir.Graph) -> Mapping[str, int]:
+    """Per forward value, the Adds the backward spends summing its gradient
+    contributions (one fewer than the uses that take a gradient; ``autodiff`` marks
+    them). Each is an element-wise pass over the value's gradient, priced with the
+    value's producer. Memoised on the graph."""
+    found = graph.meta.get(_ACCUMULATIONS_META)
+    if found is None:
+        found = {}
+        for n in graph:
+            name = n.metadata_props.get(ACCUMULATES_KEY)
+            if name:
+                found[name] = found.get(name, 0) + 1
+        graph.meta[_ACCUMULATIONS_META] = found
+    return found
+
+
+_BACKWARD_BYTES_META = "tensoropt.backward_bytes"
+
+
+def backward_bytes(graph: ir.Graph) -> Mapping[str, float]:
+    """Per forward node (its unit key), the bytes its backward nodes read and write on
+    the step's global shapes, the gradient sums aside (``accumulations`` prices those).
+    Memoised on the graph."""
+    found = graph.meta.get(_BACKWARD_BYTES_META)
+    if found is None:
+        found = {}
+        for n in graph:
+            if n.metadata_props.get(ROLE_KEY) != "backward" or ACCUMULATES_KEY in n.metadata_props:
+                continue
+            if n.op_type in _VIEWS or n.op_type == "Constant":
+                continue
+            moved = 0.0
+            for v in (*n.inputs, *n.outputs):
+                if v is not None and v.shape is not None and v.dtype is not None:
+                    try:
+                        moved += _numel(static_shape(v)) * v.dtype.itemsize
+                    except (TypeError, ValueError):
+                        continue  # a symbolic dimension: not a tensor this model moves
+            key = unit_of(n)
+            found[key] = found.get(key, 0.0) + moved
+        graph.meta[_BACKWARD_BYTES_META] = found
+    return found
+
+
+_MASKED_META = "tensoropt.masked_fraction"
+
+
+def masked_fraction(node: ir.Node) -> float:
+    """The fraction of a Softmax's input scores that a constant mask sets to a masking
+    value (<= ``MASK_SCORE``), as attention masks do: ``Add(scores, mask)`` with a
+    constant mask, or ``Where(cond, scores, fill)`` with a constant condition and a
+    masking fill (either branch). Broadcasting repeats the constant evenly, so its own
+    fraction is the output's. 0 for any other op or producer (a mask computed at run
+    time cannot be seen here). Memoised on the node."""
+    if node.op_type != "Softmax" or not node.inputs or node.inputs[0] is None:
+        return 0.0
+    found = node.meta.get(_MASKED_META)
+    if found is None:
+        found = node.meta[_MASKED_META] = _masked_fraction(node.inputs[0].producer())
+    return found
+
+
+def _masked_fraction(producer: ir.Node | None) -> float:
+    from tensoropt.rules.grad.api import constant_value
+
+    if producer is None or producer.domain not in ("", "ai.onnx"):
+        return 0.0
+    consts = [None if v is None else constant_value(v) for v in producer.inputs]
+    if producer.op_type == "Add" and len(consts) == 2:
+        fractions = [float(np.mean(c <= MASK_SCORE)) for c in consts if _is_float(c)]
+        return max(fractions, default=0.0)
+    if producer.op_type == "Where" and len(consts) == 3 and consts[0] is not None:
+        cond = consts[0].astype(bool)
+        if _is_float(consts[2]) and bool(np.all(consts[2] <= MASK_SCORE)):
+            return float(np.mean(~cond))  # the fill where the condition is false
+        if _is_float(consts[1]) and bool(np.all(consts[1] <= MASK_SCORE)):
+            return float(np.mean(cond))
+    return 0.0
+
+
+def _is_float(value: np.ndarray | None) -> bool:
+    return value is not None and value.size > 0 and np.issubdtype(value.dtype, np.floating)
 
 
 def param_bytes(

@@ -31,6 +31,9 @@ _FLOAT_TYPES = {
 
 
 GRAD_OF_KEY = "tensoropt.grad_of"
+# node metadata of an Add that sums two gradient contributions of a value used more than
+# once (the value's name): the cost model prices these (cost.model.accumulations)
+ACCUMULATES_KEY = "tensoropt.accumulates"
 
 
 def mark_grad_of(grad: ir.Value, primal: ir.Value) -> None:
@@ -163,5 +166,8 @@ def _total(b: Builder, parts: list[ir.Value] | None, primal: ir.Value) -> ir.Val
     for part in parts[1:]:
         total = b.op("Add", [total, part])
         mark_grad_of(total, primal)
+        producer = total.producer()
+        assert producer is not None
+        producer.metadata_props[ACCUMULATES_KEY] = primal.name or ""
     parts[:] = [total]
     return total

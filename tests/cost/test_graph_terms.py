@@ -1,0 +1,167 @@
+"""Compute terms the cost model reads off the training-step graph: the masked Softmax's
+slow path and the backward's sums of a value's gradient contributions."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import tensoropt.cost.model as model
+from tensoropt.calibrate.kernels import MASK_FILL, causal_scores
+from tensoropt.cost.cluster import builtin, from_json
+from tensoropt.cost.compute import MASK_SCORE, forward_time, op_time
+from tensoropt.errors import ClusterError
+from tensoropt.ir.builder import static_shape
+from tensoropt.ir.mesh import Mesh
+from tensoropt.passes.autodiff import ACCUMULATES_KEY
+
+
+def _search_graph(tmp_path, name: str, preset: str = "tiny"):
+    from tensoropt.cli.common import search_graph
+    from tensoropt.models import build_model, save_model
+
+    path = tmp_path / f"{name}.onnx"
+    save_model(build_model(name, preset), str(path))
+    args = argparse.Namespace(model=str(path), input_shape=None, trainable=None, freeze=None,
+                              optimizer="sgd", momentum=0.9, loss="auto")  # fmt: skip
+    return search_graph(args)
+
+
+@pytest.fixture(scope="module")
+def gpt_sg(tmp_path_factory):
+    return _search_graph(tmp_path_factory.mktemp("gpt"), "gpt")
+
+
+def _softmax_after(producer_op: str, inputs, consts: dict[str, np.ndarray]) -> ir.Node:
+    """A graph ``Softmax(producer_op(*inputs))`` with ``consts`` as initializers."""
+    shape = [2, 4, 4]
+    nodes = [
+        helper.make_node(producer_op, inputs, ["s"], name="p"),
+        helper.make_node("Softmax", ["s"], ["y"], name="softmax", axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()],
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = ir.serde.deserialize_model(proto).graph
+    return next(n for n in g if n.op_type == "Softmax")
+
+
+def test_zoo_causal_attention_masks_the_triangle_above_the_diagonal(gpt_sg):
+    softmaxes = [n for n in gpt_sg.graph if n.op_type == "Softmax"]
+    assert softmaxes
+    for node in softmaxes:
+        seq = static_shape(node.outputs[0])[-1]
+        # the zoo's mask: -1e9 above the diagonal of [S, S], broadcast over batch and heads
+        assert model.masked_fraction(node) == pytest.approx((seq - 1) / (2 * seq), rel=1e-12)
+
+
+def test_where_masks_count_the_branch_that_holds_the_fill():
+    cond = np.tril(np.ones((4, 4), dtype=bool))
+    fill = np.array(-3.0e38, dtype=np.float32)
+    keep = _softmax_after("Where", ["c", "x", "f"], {"c": cond, "f": fill})
+    assert model.masked_fraction(keep) == pytest.approx(float(np.mean(~cond)))
+    swapped = _softmax_after("Where", ["c", "f", "x"], {"c": cond, "f": fill})
+    assert model.masked_fraction(swapped) == pytest.approx(float(np.mean(cond)))
+    mild = _softmax_after("Where", ["c", "x", "f"], {"c": cond, "f": np.array(-1.0, np.float32)})
+    assert model.masked_fraction(mild) == 0.0
+
+
+def test_only_constant_masks_at_or_below_the_mask_score_count():
+    mask = np.zeros((4, 4), dtype=np.float32)
+    mask[0, 1:] = MASK_SCORE  # 3 of 16 entries, exactly at the threshold
+    mask[1, 2] = MASK_SCORE / 2  # not a mask's score
+    added = _softmax_after("Add", ["x", "m"], {"m": mask})
+    assert model.masked_fraction(added) == 3 / 16
+    runtime = _softmax_after("Add", ["x", "x"], {})  # no constant: nothing to read
+    assert model.masked_fraction(runtime) == 0.0
+
+
+def test_masked_scores_cost_the_calibrated_time_each():
+    profile = dataclasses.replace(builtin("h100"), softmax_masked_s=3e-9)
+    shape = [8, 64, 64]
+    plain = op_time("Softmax", {"axis": -1}, [shape], [shape], 4, profile)
+    masked = op_time("Softmax", {"axis": -1}, [shape], [shape], 4, profile, masked=0.25)
+    assert masked - plain == pytest.approx(0.25 * math.prod(shape) * 3e-9, rel=1e-12)
+    fwd = forward_time("Softmax", {"axis": -1}, [shape], [shape], 4, profile, masked=0.25)
+    fwd0 = forward_time("Softmax", {"axis": -1}, [shape], [shape], 4, profile)
+    assert fwd - fwd0 == pytest.approx(masked - plain, rel=1e-12)
+    # other ops and the built-in (GPU) profiles: no such term
+    assert op_time("Relu", {}, [shape], [shape], 4, profile, masked=0.5) == op_time(
+        "Relu", {}, [shape], [shape], 4, profile
+    )
+    assert builtin("h100").softmax_masked_s == 0.0
+
+
+def _one_device_time(sg, profile) -> float:
+    mp = model.build_problem(sg, Mesh((1,), ("x",)), profile)
+    return mp.problem.evaluate([0] * len(mp.problem.units))[0]
+
+
+def test_the_search_prices_every_masked_softmax(gpt_sg):
+    base = builtin("h100")
+    slow = dataclasses.replace(base, softmax_masked_s=1e-6)
+    expected = math.fsum(
+        model.masked_fraction(n) * math.prod(static_shape(n.outputs[0])) * 1e-6
+        for n in gpt_sg.graph
+        if n.op_type == "Softmax"
+    )
+    assert expected > 0
+    extra = _one_device_time(gpt_sg, slow) - _one_device_time(gpt_sg, base)
+    assert extra == pytest.approx(expected, rel=1e-9)
+
+
+def test_gradient_sums_are_marked_and_priced_with_the_value_they_sum(gpt_sg, monkeypatch):
+    summed = model.accumulations(gpt_sg.graph)
+    assert summed  # the residual stream: each layer's input feeds a norm and an Add
+    producers = {v.name: n for n in gpt_sg.graph for v in n.outputs}
+    consumers: dict[str, int] = {}
+    for node in gpt_sg.graph:
+        if node.metadata_props.get("tensoropt.role", "forward") == "forward":
+            for v in node.inputs:
+                if v is not None:
+                    consumers[v.name] = consumers.get(v.name, 0) + 1
+    marked = [n for n in gpt_sg.graph if ACCUMULATES_KEY in n.metadata_props]
+    assert all(n.op_type == "Add" for n in marked) and len(marked) == sum(summed.values())
+    for name, count in summed.items():
+        if name in producers and name not in gpt_sg.params:
+            assert count == consumers[name] - 1  # one Add fewer than the uses
+    profile = builtin("h100")
+    with_sums = _one_device_time(gpt_sg, profile)
+    monkeypatch.setattr(model, "accumulations", lambda graph: {})
+    without = _one_device_time(gpt_sg, profile)
+    terms = []
+    for name, count in summed.items():
+        node = producers.get(name)
+        if node is None or node.metadata_props.get("tensoropt.role", "forward") != "forward":
+            continue  # a parameter's sum (tied weights) is not a forward value's
+        shape = static_shape(next(v for v in node.outputs if v.name == name))
+        terms.append(count * forward_time("Add", {}, [shape, shape], [shape], 4, profile))
+    expected = math.fsum(terms)
+    assert expected > 0
+    assert with_sums - without == pytest.approx(expected, rel=1e-9)
+
+
+def test_profiles_read_and_check_the_masked_softmax_rate():
+    obj = {"base": "h100", "softmax_masked_s": 4.5e-9}
+    assert from_json(obj, "p.json").softmax_masked_s == 4.5e-9
+    with pytest.raises(ClusterError, match=r"p\.json\.softmax_masked_s"):
+        from_json({"base": "h100", "softmax_masked_s": -1.0}, "p.json")
+
+
+def test_calibration_masks_every_block_above_its_diagonal():
+    x, count = causal_scores(32, 8, np.random.default_rng(0))
+    blocks = x.reshape(-1, 8, 8)
+    above = np.triu(np.ones((8, 8), dtype=bool), k=1)
+    assert np.all(blocks[:, above] == np.float32(MASK_FILL))
+    assert np.all(blocks[:, ~above] > MASK_SCORE)
+    assert count == 4 * 28
+    assert x.dtype == np.float32  # the kernel case's input type
