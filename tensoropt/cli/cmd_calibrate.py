@@ -64,11 +64,13 @@ other library versions. A calibration that completes removes the partial file.
 time and accuracy (2 cores, idle; benchmarks/RESULTS.md, "Calibration: time and
 accuracy per mode"): the default takes about 4 minutes (247 s), --quick about 40 s.
 `validate` right after, idle: default, 20 plans of gpt, resnet50 and mlp small and a
-torch.onnx GPT-2 export on 1 and 2 ranks: median step-time error 6.5% and 7.6% with two
-calibrations three hours apart (worst 23% and 21%), memory 10.5% and 12.5%; default, 34
-plans of gpt, bert and mlp small with every memory axis: 12.2% and 7.8%; --quick, 27
-such plans: 4.5% and 8.5%. Two calibrations agree within 15% per rate, and a model's
-signed error moves by that much between them. A loaded machine (other work on the
+torch.onnx GPT-2 export on 1 and 2 ranks: median step-time error 6.4% and 7.5% in two
+runs (worst 12.3% and 12.6%), memory 10.8% and 13.7% (the plans picked differ); 35
+plans of gpt, bert and mlp small with every memory axis: 6.5% and 8.1%. Before the
+masked Softmax, gradient-sum and streaming terms (cost model, not calibration): 7.6%
+(worst 20.8%) and 12.2%. --quick, 27 plans with every memory axis: 4.5% and 8.5% (an
+earlier cost model). Two calibrations agree within 15% per rate, and a model's signed
+error moves by that much between them. A loaded machine (other work on the
 cores) costs both time (the default took 8 minutes at load 5-7) and accuracy (2-rank
 plans 31-41% slower than estimated).
 

@@ -243,12 +243,16 @@ class _Pricer:
         of one op whose operands stay in cache, while a step reads what its forward
         saved long before, after the rest of the model has passed through the cache.
         Measured on ResNet-50 and GPT small: element-wise, norm and activation nodes ran
-        1.5-3x their chain rates, near this floor (docs/design/measured.md). Contractions
-        (MatMul, Gemm, Conv) are compute-bound and keep their grids; a built-in
-        profile's roofline already prices traffic at the device's memory bandwidth."""
+        1.5-3x their chain rates, near this floor (docs/design/measured.md). Only nodes
+        that read or make a saved value (``sg.saved``): inside a recomputed block the
+        backward reads what was recomputed just before it. Contractions (MatMul, Gemm,
+        Conv) are compute-bound and keep their grids; a built-in profile's roofline
+        already prices traffic at the device's memory bandwidth."""
+        saved = self.sg.saved
         if (
             "elementwise" not in self.profile.op_curves
             or family(node.op_type) in ("matmul", "conv") or node.op_type in _VIEWS
+            or not any(v is not None and v.name in saved for v in (*node.inputs, *node.outputs))
         ):  # fmt: skip
             return 0.0
         isz = itemsize(node.outputs[0])

@@ -165,3 +165,46 @@ def test_calibration_masks_every_block_above_its_diagonal():
     assert np.all(blocks[:, ~above] > MASK_SCORE)
     assert count == 4 * 28
     assert x.dtype == np.float32  # the kernel case's input type
+
+
+def test_a_calibrated_profile_floors_nodes_at_streaming_their_saved_bytes(gpt_sg):
+    """With a near-free kernel curve and a slow memory, a node's price is the floor: its
+    bytes and its backward's at the memory bandwidth, where it reads or makes a value
+    the backward reads; nodes that touch no saved value and contractions keep their
+    kernel price."""
+    from tensoropt.cost.cluster import OpCurve
+    from tensoropt.passes.autodiff import unit_of
+
+    fast = OpCurve("bytes", ((1.0, 1e18), (1e12, 1e18)))
+    profile = dataclasses.replace(
+        builtin("h100"), op_curves={"elementwise": fast}, memory_bandwidth=1e6
+    )
+    mesh = Mesh((1,), ("x",))
+    mp = model.build_problem(gpt_sg, mesh, profile)
+    pricer = model._Pricer(gpt_sg, mesh, profile)
+    backward = model.backward_bytes(gpt_sg.graph)
+    summed = model.accumulations(gpt_sg.graph)
+    floored = kept = 0
+    for unit in mp.units:
+        node = unit.node
+        seconds, _ = pricer.node(node, unit.strategies[0])
+        touches = any(
+            v is not None and v.name in gpt_sg.saved for v in (*node.inputs, *node.outputs)
+        )
+        contraction = node.op_type in ("MatMul", "Gemm", "Conv")
+        plain = node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+        if touches and not contraction and not plain:
+            moved = sum(
+                math.prod(static_shape(v)) * 4
+                for v in (*node.inputs, *node.outputs)
+                if v is not None
+            ) + backward.get(unit_of(node), 0.0)
+            if any(summed.get(v.name) for v in node.outputs):
+                assert seconds >= moved / 1e6 * (1 - 1e-12)  # plus its gradient sums
+            else:
+                assert seconds == pytest.approx(moved / 1e6, rel=1e-12)
+            floored += 1
+        elif contraction or not touches:
+            assert seconds < 1.0  # the kernel price: far below any floor at 1 MB/s
+            kept += 1
+    assert floored and kept
