@@ -165,6 +165,16 @@ def _check_table(table: Any, rows: int, cols: int, where: str) -> None:
             _check_cost(v, f"{where}[{r}][{c}]")
 
 
+def _plain_costs(units: tuple[Unit, ...]) -> bool:
+    """Whether every unit has strategies and every unit cost is a finite nonnegative
+    float (checked as one array; the cost model builds hundreds of problems)."""
+    values = [v for u in units for s in u.strategies for v in (s.time_s, s.memory_bytes)]
+    if not all(u.strategies for u in units) or not all(isinstance(v, float) for v in values):
+        return False
+    array = np.array(values, dtype=np.float64)
+    return bool(np.isfinite(array).all() and (array >= 0.0).all())
+
+
 def _validate_parts(
     units: tuple[Unit, ...],
     edges: tuple[Edge, ...],
@@ -175,12 +185,13 @@ def _validate_parts(
 ) -> None:
     if not units:
         raise PlanError(f"{where}.units: a cost problem needs at least one unit, found none")
-    for i, u in enumerate(units):
-        if not u.strategies:
-            raise PlanError(f"{where}.units[{i}] ({u.name!r}): a unit needs >= 1 strategy")
-        for k, s in enumerate(u.strategies):
-            _check_cost(s.time_s, f"{where}.units[{i}].strategies[{k}].time_s")
-            _check_cost(s.memory_bytes, f"{where}.units[{i}].strategies[{k}].memory_bytes")
+    if not _plain_costs(units):  # name the first bad entry
+        for i, u in enumerate(units):
+            if not u.strategies:
+                raise PlanError(f"{where}.units[{i}] ({u.name!r}): a unit needs >= 1 strategy")
+            for k, s in enumerate(u.strategies):
+                _check_cost(s.time_s, f"{where}.units[{i}].strategies[{k}].time_s")
+                _check_cost(s.memory_bytes, f"{where}.units[{i}].strategies[{k}].memory_bytes")
     n = len(units)
     for j, e in enumerate(edges):
         for name, idx in (("src", e.src), ("dst", e.dst)):

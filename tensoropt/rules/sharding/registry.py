@@ -97,6 +97,7 @@ class MeshSharding:
     inputs: tuple[Layout | None, ...] = field(init=False, compare=False, repr=False)
     outputs: tuple[Layout, ...] = field(init=False, compare=False, repr=False)
     _hash: int = field(init=False, compare=False, repr=False, default=0)
+    _str: str | None = field(init=False, compare=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         first = self.axes[0].inputs
@@ -115,8 +116,12 @@ class MeshSharding:
         return self._hash
 
     def __str__(self) -> str:
-        ins = ", ".join("-" if lay is None else str(lay) for lay in self.inputs)
-        return f"({ins}) -> ({', '.join(str(lay) for lay in self.outputs)})"
+        # memoised: every cost problem labels its strategies with it
+        if self._str is None:
+            ins = ", ".join("-" if lay is None else str(lay) for lay in self.inputs)
+            text = f"({ins}) -> ({', '.join(str(lay) for lay in self.outputs)})"
+            object.__setattr__(self, "_str", text)
+        return self._str
 
 
 def local_view(op: OpView, local: LocalOp) -> OpView:
