@@ -17,6 +17,7 @@ from tensoropt.cli.common import (
 )
 from tensoropt.cli.json_output import add_json_flag, add_json_out
 from tensoropt.cli.search_json import SCHEMA
+from tensoropt.search.memory import SHARE as SEARCH_SHARE
 
 EPILOG = """\
 what it does: builds the cost problem of the model on every mesh of every device
@@ -126,7 +127,10 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         metavar="N",
-        help="solve the mesh problems in N processes (default: one per core; 1: in this one)",
+        help="solve the mesh problems in N processes (default: one per core; 1: in this "
+        f"one). The processes share {SEARCH_SHARE * 100:.0f}%% of the memory available "
+        "when the search starts; "
+        "one that outgrows its share stops the search with exit 2 and says what to narrow",
     )
     add_model_input_options(p)
 

@@ -26,6 +26,7 @@ from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes.blocks import Blocks, find_blocks
+from tensoropt.search import memory
 from tensoropt.search.merge import MergedPoint, merge_frontiers
 from tensoropt.search.solver import SearchResult, solve
 
@@ -559,16 +560,17 @@ def explore(
     found: dict[tuple[int, tuple[int, ...]], list[MeshSearch]] = {}
     blocks = megatron_blocks(sg)
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
-        for job in work:
-            for mesh, searches in _solve_meshes(sg, job, blocks, space):
-                found[(mesh.size, tuple(mesh.shape))] = searches
-                if on_problem:
-                    on_problem(mesh)
+        with memory.limited(memory.share(1)):
+            for job in work:
+                for mesh, searches in _solve_meshes(sg, job, blocks, space):
+                    found[(mesh.size, tuple(mesh.shape))] = searches
+                    if on_problem:
+                        on_problem(mesh)
     else:
         # A forked worker inherits the search graphs from this process (initargs are not
         # pickled under fork); only the plain-data results come back.
         ctx = multiprocessing.get_context("fork")
-        init = (sg, blocks, space)
+        init = (sg, blocks, space, memory.share(workers))
         with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
             for batch in pool.imap_unordered(_solve_in_worker, work):
                 for mesh, searches in batch:
@@ -597,7 +599,10 @@ def _solve_in_worker(job) -> list[tuple[Mesh, list[MeshSearch]]]:
 
 
 def _pool_worker_init(
-    sg: SearchGraph, blocks: Blocks | None, space: SearchSpace = PLAIN_SPACE
+    sg: SearchGraph,
+    blocks: Blocks | None,
+    space: SearchSpace = PLAIN_SPACE,
+    limit: float | None = None,
 ) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
@@ -605,6 +610,7 @@ def _pool_worker_init(
     the pool's task-queue lock and hang the pool for good (seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_GRAPH[:] = [sg, blocks, space]
+    memory.set_limit(limit)  # its share of the machine (search.memory)
 
 
 def _solve_meshes(
@@ -623,6 +629,7 @@ def _solve_meshes(
     out: dict[Mesh, list[MeshSearch]] = {mesh: [] for mesh in meshes}
     done: list[MeshSearch] = []
     for _, _, _, mesh, v in order:
+        memory.solving(f"the search of {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
         built = at[mesh].build(v)
         if built is None:
             continue

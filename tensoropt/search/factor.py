@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tensoropt.search import memory
 from tensoropt.search.frontier import Filter, Table, sum_entries
 from tensoropt.search.provenance import Provenance
 
@@ -106,6 +107,7 @@ def multiply(
             a.table, ia, b.table, ib, group, math.prod(oshape), ctx.prov, ctx.flt, bound
         )
     ctx.products += 1
+    memory.check()  # the frontiers just grew: stop before the machine runs out
     if table.n_entries:
         ctx.max_frontier = max(ctx.max_frontier, int(table.sizes.max()))
     return Factor(out, oshape, table, depth)

@@ -1,0 +1,101 @@
+"""A search's share of this machine's memory, checked as its frontiers grow.
+
+Exact frontiers of large meshes can outgrow the machine: the GPT-3 175B shape at 1024
+devices reached 23 GB resident on a 24 GB machine before the kernel killed the process
+(benchmarks/RESULTS.md, "Pipeline stages"). A search instead stops with one line that
+names the device count and mesh and says what to narrow. ``explore`` gives each process
+that solves problems what it holds when the search starts and an even share of the
+memory then available (:data:`SHARE` of /proc/meminfo's MemAvailable); every factor
+product checks the
+process's resident memory against it (``factor.multiply``). Without a share (``solve``
+called directly, or no /proc) nothing is checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from tensoropt.errors import InfeasibleError
+
+SHARE = 0.85  # of the memory available at the start, split between the solving processes
+GIB = 2**30
+
+_limit: list[float | None] = [None]  # bytes this process may hold while it searches
+_where: list[str] = ["the search"]  # what it is solving now (for the message)
+
+
+class SearchMemoryError(InfeasibleError):
+    """A search outgrew its share of the machine's memory (exit code 2)."""
+
+
+def available_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> float | None:
+    """This process's resident memory (/proc/self/statm), or None where there is none."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return float(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def share(processes: int) -> float | None:
+    """Bytes each of ``processes`` solving processes may hold (None: unknown): what this
+    process holds now (a forked worker starts with it) and an even share of SHARE of
+    the memory still available."""
+    free, held = available_bytes(), resident_bytes()
+    if free is None or held is None:
+        return None
+    return held + SHARE * free / max(processes, 1)
+
+
+@contextlib.contextmanager
+def limited(limit: float | None) -> Iterator[None]:
+    """Check this process against ``limit`` bytes while the block runs."""
+    before = _limit[0]
+    _limit[0] = limit
+    try:
+        yield
+    finally:
+        _limit[0] = before
+
+
+def set_limit(limit: float | None) -> None:
+    """The limit of a pool worker, for its whole life."""
+    _limit[0] = limit
+
+
+def solving(what: str) -> None:
+    """Name what this process solves now, for the message of :func:`check`."""
+    _where[0] = what
+
+
+def check() -> None:
+    """Raise SearchMemoryError when this process holds more than its limit."""
+    limit = _limit[0]
+    if limit is None:
+        return
+    held = resident_bytes()
+    if held is None or held <= limit:
+        return
+    raise SearchMemoryError(
+        f"{_where[0]} needs more memory than this machine leaves it: {held / GIB:.1f} GiB "
+        f"held against a share of {limit / GIB:.1f} GiB (what it held at the start and "
+        f"{SHARE:.0%} of the memory then available, split between the solving processes); "
+        "search fewer or "
+        "smaller device counts (--devices), fewer axes (--axes split, --stages 1), fewer "
+        "processes (--jobs 1), or within a stated slack (--epsilon 0.05)"
+    )

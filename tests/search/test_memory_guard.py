@@ -1,0 +1,58 @@
+"""A search that outgrows its share of the machine's memory stops with one line (exit 2)
+instead of being killed by the kernel (search.memory)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensoropt.cli import main
+from tensoropt.models import build_model, save_model
+from tensoropt.search import memory
+
+
+def test_check_raises_over_the_limit_and_only_inside_it():
+    held = memory.resident_bytes()
+    assert held is not None and held > 0  # Linux: /proc/self/statm
+    memory.check()  # no limit: nothing is checked
+    with memory.limited(held * 100):
+        memory.check()
+    memory.solving("the search of 8 devices, mesh 2x4")
+    with memory.limited(1.0), pytest.raises(memory.SearchMemoryError) as err:
+        memory.check()
+    assert "the search of 8 devices, mesh 2x4 needs more memory" in str(err.value)
+    assert "--epsilon" in str(err.value) and "--devices" in str(err.value)
+    memory.check()  # the limit is gone with its block
+
+
+def test_each_solving_process_gets_an_even_share(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 8.0 * memory.GIB)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 1.0 * memory.GIB)
+    assert memory.share(1) == memory.GIB + memory.SHARE * 8.0 * memory.GIB
+    assert memory.share(4) == memory.GIB + memory.SHARE * 2.0 * memory.GIB
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)
+    assert memory.share(2) is None
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_search_beyond_its_share_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, jobs):
+    model = tmp_path / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(model))
+    out = tmp_path / "search.json"
+    # a share below what the process already holds: the first product is over it
+    held = memory.resident_bytes()
+    assert held is not None
+    monkeypatch.setattr(memory, "share", lambda processes: held / 2)
+    code = main(["search", str(model), "--devices", "2,4", "--jobs", jobs, "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "needs more memory than this machine leaves it" in lines[0]
+    assert "devices, mesh" in lines[0] and "Traceback" not in captured.err
+    assert not out.exists()  # nothing half-written
+    monkeypatch.undo()
+    assert (
+        main(["search", str(model), "--devices", "2", "--jobs", jobs, "--json-out", str(out)]) == 0
+    )
+    assert json.loads(out.read_text())["schema"].startswith("tensoropt.search")
