@@ -33,6 +33,7 @@ import numpy as np
 
 from tensoropt.errors import PlanError
 from tensoropt.ir.costs import CostProblem, FrontierPoint
+from tensoropt.search import memory
 from tensoropt.search.blocks import (
     MAX_PORT_DIM,
     Region,
@@ -171,6 +172,9 @@ def _check_args(memory_budget: float | None, epsilon: float | None) -> None:
         raise PlanError(f"epsilon must be a finite number > 0, got {epsilon!r}")
 
 
+EVAL_TERMS = 1 << 22  # cost terms gathered at once by evaluate_choices
+
+
 def evaluate_choices(problem: CostProblem, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Objectives of many choice vectors at once, each equal to `problem.evaluate(choice)`.
 
@@ -179,19 +183,31 @@ def evaluate_choices(problem: CostProblem, choices: np.ndarray) -> tuple[np.ndar
     for bit.
     """
     n = len(choices)
-    cols_t, cols_m = [], []
-    for i, u in enumerate(problem.units):
-        ut = np.array([s.time_s for s in u.strategies])
-        um = np.array([s.memory_bytes for s in u.strategies])
-        cols_t.append(ut[choices[:, i]])
-        cols_m.append(um[choices[:, i]])
-    for e in problem.edges:
-        rows, cols = choices[:, e.src], choices[:, e.dst]
-        cols_t.append(np.array(e.time_s)[rows, cols])
-        cols_m.append(np.array(e.memory_bytes)[rows, cols])
-    tt = np.stack(cols_t, axis=1).tolist() if n else []
-    mm = np.stack(cols_m, axis=1).tolist() if n else []
-    return np.array([math.fsum(r) for r in tt]), np.array([math.fsum(r) for r in mm])
+    units = [
+        (
+            np.array([s.time_s for s in u.strategies]),
+            np.array([s.memory_bytes for s in u.strategies]),
+        )
+        for u in problem.units
+    ]
+    edges = [(e.src, e.dst, np.array(e.time_s), np.array(e.memory_bytes)) for e in problem.edges]
+    times, memories = np.empty(n), np.empty(n)
+    # rows at a time, so that the terms held stay near EVAL_TERMS (a 1024-device frontier
+    # of 64,886 points x 4,045 terms held them all as Python floats: ~20 GB)
+    step = max(1, EVAL_TERMS // max(len(units) + len(edges), 1))
+    for lo in range(0, n, step):
+        part = choices[lo : lo + step]
+        cols_t = [ut[part[:, i]] for i, (ut, _) in enumerate(units)]
+        cols_m = [um[part[:, i]] for i, (_, um) in enumerate(units)]
+        for src, dst, et, em in edges:
+            cols_t.append(et[part[:, src], part[:, dst]])
+            cols_m.append(em[part[:, src], part[:, dst]])
+        tt = np.stack(cols_t, axis=1).tolist()
+        mm = np.stack(cols_m, axis=1).tolist()
+        times[lo : lo + step] = [math.fsum(r) for r in tt]
+        memories[lo : lo + step] = [math.fsum(r) for r in mm]
+        memory.check()
+    return times, memories
 
 
 def _exact_points(
