@@ -14,12 +14,13 @@ from tensoropt.models import build_model, save_model
 from tensoropt.search import memory
 
 
-def test_check_raises_over_the_limit_and_only_inside_it():
+def test_check_raises_over_the_limit_and_only_inside_it(monkeypatch):
     held = memory.resident_bytes()
     assert held is not None and held > 0  # Linux: /proc/self/statm
     memory.check()  # no limit: nothing is checked
     with memory.limited(held * 100):
         memory.check()
+    monkeypatch.setattr(memory, "_where", ["the search"])  # restored after the test
     memory.solving("the search of 8 devices, mesh 2x4")
     with memory.limited(1.0), pytest.raises(memory.SearchMemoryError) as err:
         memory.check()
