@@ -45,7 +45,7 @@ def op_view(node: ir.Node) -> OpView:
     if cached is not None and cached[0] == tuple(node.inputs):
         return cached[1]
     view = _make_view(node)
-    node.meta[_VIEW_META] = (tuple(node.inputs), view, _view_key(view))
+    node.meta[_VIEW_META] = (tuple(node.inputs), view, view.key())
     return view
 
 
@@ -159,27 +159,6 @@ def view_key(node: ir.Node) -> tuple:
     """A hashable key of the node's plain-data view: equal for identical ops."""
     op_view(node)
     return node.meta[_VIEW_META][2]
-
-
-def _hashable(value):
-    if isinstance(value, np.ndarray):
-        return ("nd", value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
-    return value
-
-
-def _view_key(view: OpView) -> tuple:
-    return (
-        view.op_type,
-        tuple(sorted((k, _hashable(v)) for k, v in view.attributes.items())),
-        view.input_shapes,
-        view.input_dtypes,
-        view.output_shapes,
-        view.output_dtypes,
-        tuple(_hashable(c) for c in view.const_inputs),
-        view.reduced_indices,
-    )
 
 
 def input_layout(strategy: MeshSharding, i: int) -> Layout | None:

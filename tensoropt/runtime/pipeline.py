@@ -514,6 +514,10 @@ class PipelineMpiEngine:
             if kind == FORWARD and plan.backward is not None:
                 stash[i] = {n: outs.get(n, f.get(n)) for n in plan.stash}
             add_cut(total, outs, plan.cut)
+            # drop this action's feeds and outputs now: held into the next action, a
+            # backward's micro-batch gradients (already summed) would sit beside the
+            # next forward's activations
+            del f, outs
         for c in plan.step_sends:
             sent.append(self._p2p.isend(total[c.value], dest=c.peer, tag=c.tag))
         for c in plan.step_recvs:

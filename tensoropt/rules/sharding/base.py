@@ -34,6 +34,14 @@ R = Replicate()
 P = Partial()
 
 
+def _hashable(value):
+    if isinstance(value, np.ndarray):
+        return ("nd", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class OpView:
     """What a rule sees of one node: plain data, no onnx-ir objects.
@@ -54,6 +62,19 @@ class OpView:
     # A MaxPool whose Indices output is read only modulo its input's spatial plane (what
     # the gradient rule reads): the offsets a batch or channel split changes cancel there.
     reduced_indices: bool = False
+
+    def key(self) -> tuple:
+        """A hashable key of this view: equal for identical ops (memo keys)."""
+        return (
+            self.op_type,
+            tuple(sorted((k, _hashable(v)) for k, v in self.attributes.items())),
+            self.input_shapes,
+            self.input_dtypes,
+            self.output_shapes,
+            self.output_dtypes,
+            tuple(_hashable(c) for c in self.const_inputs),
+            self.reduced_indices,
+        )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attributes", MappingProxyType(dict(self.attributes)))

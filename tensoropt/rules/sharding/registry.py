@@ -11,6 +11,7 @@ slicing order (axis 0 outermost) matches the order of composition.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -150,7 +151,7 @@ def strategies_nd(
     The order is lexicographic over axes (axis 0 slowest); indices into this list are what
     a plan's ``index`` refers to.
     """
-    return [MeshSharding(tuple(c)) for c in _compose(op, tuple(mesh_shape), registry)]
+    return [MeshSharding(c) for c in _compose(op, tuple(mesh_shape), registry)]
 
 
 def strategies_2d(
@@ -160,20 +161,36 @@ def strategies_2d(
     return strategies_nd(op, (n0, n1), registry)
 
 
+# (registry, op view key, mesh shape) -> the per-axis strategy tuples of _compose, most
+# recent last. The local views of different strategies and meshes coincide often: the
+# replicated strategy of a micro mesh's sequential axis leaves the op as it was, and one
+# layer's ops recur in every layer; the bound keeps a long-lived process from growing.
+_COMPOSED: OrderedDict = OrderedDict()
+_COMPOSED_MAX = 20_000
+
+
 def _compose(
     op: OpView, shape: tuple[int, ...], registry: ShardingRegistry
-) -> list[list[OpSharding]]:
+) -> tuple[tuple[OpSharding, ...], ...]:
     if not shape:
-        return [[]]
-    out: list[list[OpSharding]] = []
+        return ((),)
+    key = (registry, op.key(), shape)
+    found = _COMPOSED.get(key)
+    if found is not None:
+        _COMPOSED.move_to_end(key)
+        return found
+    out: list[tuple[OpSharding, ...]] = []
     legal = registry.strategies(op, shape[0])
     if shape[0] > 1:
         # localize checks that each strategy is legal; these came from the rule itself
         remember_legal(registry.rule(op.op_type), op, shape[0], legal)
     for s in legal:
         view = local_view(op, registry.localize(op, s, shape[0]))
-        out += [[s, *rest] for rest in _compose(view, shape[1:], registry)]
-    return out
+        out += [(s, *rest) for rest in _compose(view, shape[1:], registry)]
+    _COMPOSED[key] = found = tuple(out)
+    if len(_COMPOSED) > _COMPOSED_MAX:
+        _COMPOSED.popitem(last=False)
+    return found
 
 
 def localize_nd(
