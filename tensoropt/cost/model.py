@@ -923,7 +923,7 @@ def priced_collectives(mp: MeshProblem, choice: Sequence[int]) -> list[PricedCol
 
 
 def _table(array: np.ndarray) -> tuple[tuple[float, ...], ...]:
-    return tuple(tuple(float(x) for x in row) for row in array)
+    return tuple(map(tuple, np.asarray(array, dtype=np.float64).tolist()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,7 +151,22 @@ def strategies_nd(
     The order is lexicographic over axes (axis 0 slowest); indices into this list are what
     a plan's ``index`` refers to.
     """
-    return [MeshSharding(c) for c in _compose(op, tuple(mesh_shape), registry)]
+    return [_interned(c) for c in _compose(op, tuple(mesh_shape), registry)]
+
+
+# per-axis strategies -> their MeshSharding: ops of the same arity and ranks share most
+# strategies, and building one computes every layout it holds
+_INTERNED: dict[tuple[OpSharding, ...], MeshSharding] = {}
+_INTERNED_MAX = 200_000
+
+
+def _interned(axes: tuple[OpSharding, ...]) -> MeshSharding:
+    found = _INTERNED.get(axes)
+    if found is None:
+        if len(_INTERNED) >= _INTERNED_MAX:
+            _INTERNED.clear()
+        found = _INTERNED[axes] = MeshSharding(axes)
+    return found
 
 
 def strategies_2d(
