@@ -500,24 +500,7 @@ class PipelineMpiEngine:
         stash: dict[int, dict[str, np.ndarray]] = {}
         sent: list[Any] = []
         for kind, i in plan.actions:
-            part = plan.part(kind)
-            if part is None:
-                continue
-            f = micro_feeds(mine, plan.cut, plan.micro_dims, i)
-            for c in part.recvs:
-                f[c.value] = self._p2p.recv(source=c.peer, tag=c.tag)
-            if kind == BACKWARD:
-                f.update(stash.pop(i))
-            outs = self._parts[kind].run(f, self.comm)
-            for c in part.sends:
-                sent.append(self._p2p.isend(outs[c.value], dest=c.peer, tag=c.tag))
-            if kind == FORWARD and plan.backward is not None:
-                stash[i] = {n: outs.get(n, f.get(n)) for n in plan.stash}
-            add_cut(total, outs, plan.cut)
-            # drop this action's feeds and outputs now: held into the next action, a
-            # backward's micro-batch gradients (already summed) would sit beside the
-            # next forward's activations
-            del f, outs
+            self._act(kind, i, mine, total, stash, sent)
         for c in plan.step_sends:
             sent.append(self._p2p.isend(total[c.value], dest=c.peer, tag=c.tag))
         for c in plan.step_recvs:
@@ -527,6 +510,26 @@ class PipelineMpiEngine:
         out = self._step.run({**rest, **total}, self.comm)
         out[self._loss] = self.comm.world.bcast(out.get(self._loss), root=self._loss_rank)
         return {rank: out}
+
+    def _act(self, kind: str, i: int, mine: Feeds, total, stash, sent: list) -> None:
+        """Run action (kind, i): its feeds and outputs live only here, so that a
+        backward's micro-batch gradients (summed into ``total``) are gone before the next
+        action makes its activations."""
+        plan = self._plan
+        part = plan.part(kind)
+        if part is None:
+            return
+        f = micro_feeds(mine, plan.cut, plan.micro_dims, i)
+        for c in part.recvs:
+            f[c.value] = self._p2p.recv(source=c.peer, tag=c.tag)
+        if kind == BACKWARD:
+            f.update(stash.pop(i))
+        outs = self._parts[kind].run(f, self.comm)
+        for c in part.sends:
+            sent.append(self._p2p.isend(outs[c.value], dest=c.peer, tag=c.tag))
+        if kind == FORWARD and plan.backward is not None:
+            stash[i] = {n: outs.get(n, f.get(n)) for n in plan.stash}
+        add_cut(total, outs, plan.cut)
 
     def enable_profiling(self) -> dict[int, StepClock]:
         clock = StepClock()
