@@ -12,8 +12,9 @@ micro-batch counts, plus pipelines over them). Per device count: the fastest poi
 least memory of each, and whether the frontier with stages holds a point that equals or
 dominates the best non-pipelined one; the `megatron+pp` reference (Megatron within each
 stage, its fastest cut) against the frontier, and Megatron-LM's own layout (tensor
-parallelism over one node's 8 devices in every stage, one stage per node: tp=8, pp=16 at
-128 devices) when the stage counts include devices/8. Results go to benchmarks/RESULTS.md
+parallelism over one node's 8 devices in every stage, 16 stages, data parallelism over
+the rest: tp=8 x pp=16 at 128 devices, dp=8 x tp=8 x pp=16 at 1024) when the stage
+counts include 16. Results go to benchmarks/RESULTS.md
 ("## Pipeline stages") with --write.
 """
 
@@ -38,6 +39,7 @@ from tensoropt.search.driver import device_frontier, explore, mesh_label
 
 SECTION = "## Pipeline stages"
 NODE = 8  # h100 devices per node
+LM_STAGES = 16  # Megatron-LM's pipeline stages for GPT-3 175B
 GIB = 2**30
 
 
@@ -114,7 +116,7 @@ def main() -> int:
         "",
         "| devices | fastest without | fastest with stages | least memory without | "
         "least memory with stages | best non-pipelined matched | megatron+pp | "
-        "megatron+pp matched | Megatron-LM layout (tp=8 per stage, pp=devices/8) | "
+        "megatron+pp matched | Megatron-LM layout (dp x tp=8 per stage, pp=16) | "
         "matched |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -131,11 +133,13 @@ def main() -> int:
             [s for s in staged.searches if s.devices == d], with_
         )
         # Megatron-LM's layout: tensor parallelism over one node's 8 devices in every
-        # stage, as many stages as nodes (its GPT-3 175B run: tp=8, pp=16 per replica)
+        # stage, 16 stages, data parallelism over the replicas (its GPT-3 175B run:
+        # tp=8 x pp=16, dp=8 at 1024 devices)
+        lm_mesh = (NODE,) if d == NODE * LM_STAGES else (d // (NODE * LM_STAGES), NODE)
         lm_cell, lm_matched = _reference_cells(
             [
                 s for s in staged.searches
-                if s.devices == d and s.mesh.shape == (NODE,) and s.variant.stages == d // NODE
+                if s.devices == d and s.mesh.shape == lm_mesh and s.variant.stages == LM_STAGES
             ],
             with_,
         )  # fmt: skip

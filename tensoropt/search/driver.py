@@ -672,7 +672,7 @@ def _pipelined(
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
     )  # fmt: skip
     label = v.label(len(space.blocks))
-    megatron = f"megatron, tp={mesh.size}"  # the reference plan's own summary
+    megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary
     index = {id(p): i for i, p in enumerate(search.result.points)}
     by_choice = {tuple(p.choice): index[id(p)] for p in search.result.points}
     out = []
@@ -697,15 +697,19 @@ def _pipelined(
     return out
 
 
+def megatron_label(shape: Sequence[int]) -> str:
+    """How the Megatron plan uses a mesh: tensor parallelism on the last axis, data
+    parallelism on the others ("tp=8", "dp=8 x tp=8")."""
+    return " x ".join([f"dp={n}" for n in shape[:-1]] + [f"tp={shape[-1]}"])
+
+
 def _megatron_in(b: _Built, at: _MeshProblems) -> tuple[int, ...] | None:
-    """The Megatron plan as a choice of a micro-batched problem of a 1-D mesh without
-    other axes (the ``megatron+pp`` reference), when the plain problem has it."""
+    """The Megatron plan (tensor parallelism on the mesh's last axis, data parallelism
+    on the others) as a choice of a micro-batched problem without other axes (the
+    ``megatron+pp`` reference), when the plain problem has it."""
     v = b.variant
     plain = at.plain_refs.get("megatron")
-    if (
-        plain is None or at.plain_infos is None or b.reals is None or v.zero or v.recompute
-        or at.mesh.ndim != 1
-    ):  # fmt: skip
+    if plain is None or at.plain_infos is None or b.reals is None or v.zero or v.recompute:
         return None
     choice = []
     for k, (info, s) in enumerate(zip(at.plain_infos, plain, strict=True)):

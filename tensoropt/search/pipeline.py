@@ -77,7 +77,7 @@ def pipelined(
     fastest = {} if fastest is None else fastest
     segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
-    if not counts or not frontier:
+    if not counts or not (frontier or extra):  # a reference is priced on its own too
         return {}
     m, mesh = family.micro_batches, family.plan_mesh
 

@@ -162,3 +162,29 @@ def test_every_megatron_pp_reference_is_matched_by_the_frontier(tmp_path, capsys
         assert any(
             r["time_s"] <= ref["time_s"] and r["memory_bytes"] <= ref["memory_bytes"] for r in rows
         ), ref
+
+
+def test_megatron_pp_reference_on_a_two_d_stage_mesh(tmp_path, capsys):
+    """Megatron-LM's layout at scale is data x tensor parallelism within each stage
+    (dp=8 x tp=8 x pp=16 at 1024 devices). At 8 devices in 2 stages the 2x2 stage mesh
+    gives a megatron+pp reference (dp=2 x tp=2) beside the 1-D one, although its
+    micro-batched problem's own frontier is empty there (plans of the 4-device meshes
+    dominate it), and the frontier matches both."""
+    path = tmp_path / "gpt.onnx"
+    model = build_model("gpt", "paper", layers=2, hidden=192, heads=6, seq=32, batch=8)
+    save_model(model, str(path))
+    found = cli(
+        capsys, "search", path, "--devices", 8, "--axes", "split,stages", "--cluster",
+        "h100", "--optimizer", "adam", "--micro-batches", "2", "--stages", "2",
+        "--json-out", tmp_path / "s.json",
+    )  # fmt: skip
+    assert found.code == 0, found.err
+    doc = json.loads((tmp_path / "s.json").read_text())
+    refs = {tuple(r["mesh"]): r for r in doc["references"] if r["plan"] == "megatron+pp"}
+    assert set(refs) == {(4,), (2, 2)}, refs
+    assert "dp=2 x tp=2" in refs[(2, 2)]["summary"], refs[(2, 2)]
+    for ref in refs.values():
+        assert any(
+            r["time_s"] <= ref["time_s"] and r["memory_bytes"] <= ref["memory_bytes"]
+            for r in doc["per_device"]["8"]
+        ), ref
