@@ -43,14 +43,16 @@ LM_STAGES = 16  # Megatron-LM's pipeline stages for GPT-3 175B
 GIB = 2**30
 
 
-def _search(path: str, axes: str, devices, micro: str, stages: str):
+def _search(path: str, axes: str, devices, micro: str, stages: str, epsilon=None):
     args = build_parser().parse_args(
         ["search", path, "--optimizer", "adam", "--axes", axes, "--micro-batches", micro,
          "--stages", stages]
     )  # fmt: skip
     sg = search_graph(args)
     start = time.process_time()
-    exp = explore(sg, devices, "auto", builtin("h100"), jobs=1, space=search_space(args, sg))
+    exp = explore(
+        sg, devices, "auto", builtin("h100"), jobs=1, epsilon=epsilon, space=search_space(args, sg)
+    )
     return exp, time.process_time() - start
 
 
@@ -81,6 +83,9 @@ def main() -> int:
     ap.add_argument("--devices", default="64")
     ap.add_argument("--micro-batches", default="1,32")
     ap.add_argument("--stages", default="2,4,8,16")
+    ap.add_argument(
+        "--epsilon", type=float, default=None, help="both searches within (1+E) in time"
+    )
     args = ap.parse_args()
     devices = [int(d) for d in args.devices.split(",")]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -101,9 +106,13 @@ def main() -> int:
             ),
             path,
         )  # fmt: skip
-        plain, t_plain = _search(path, "split,micro", devices, args.micro_batches, args.stages)
+        plain, t_plain = _search(
+            path, "split,micro", devices, args.micro_batches, args.stages, args.epsilon
+        )
         print(f"without stages: {t_plain:.1f} s CPU", flush=True)
-        staged, t_staged = _search(path, "split,stages", devices, args.micro_batches, args.stages)
+        staged, t_staged = _search(
+            path, "split,stages", devices, args.micro_batches, args.stages, args.epsilon
+        )
         print(f"with stages: {t_staged:.1f} s CPU", flush=True)
     lines = [
         f"### {shape}, Adam, h100",
@@ -111,7 +120,9 @@ def main() -> int:
         where,
         "",
         f"Devices {args.devices}; micro-batch counts {args.micro_batches}; stage counts "
-        f"{args.stages}. Search CPU time (one process): {t_plain:.1f} s without stages, "
+        f"{args.stages}; "
+        + ("exact" if args.epsilon is None else f"epsilon {args.epsilon}")
+        + f". Search CPU time (one process): {t_plain:.1f} s without stages, "
         f"{t_staged:.1f} s with ({t_staged / t_plain:.2f}x).",
         "",
         "| devices | fastest without | fastest with stages | least memory without | "

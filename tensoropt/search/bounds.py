@@ -17,8 +17,9 @@ dominated by the plan of q; the frontier plans themselves are never dropped (a f
 value cannot be strictly dominated). The frontier is therefore unchanged, point for point.
 
 Floating point: incumbents are inflated by a relative 1e-9 before the test, so a rounding
-error in the DP's sums cannot turn a tie into a drop. Epsilon mode does not prune (the
-epsilon cover argument would compound with it; see docs/design/search.md).
+error in the DP's sums cannot turn a tie into a drop. Epsilon mode prunes with external
+incumbents only (plans returned by other problems): the problem's own incumbents are not
+returned, and the epsilon cover argument would compound through them (docs/design/search.md).
 """
 
 from __future__ import annotations
@@ -373,6 +374,7 @@ def compute_bounds(
     leaves: dict[int, Table],
     convex: bool = True,
     external: tuple[np.ndarray, np.ndarray] | None = None,
+    own: bool = True,
 ) -> BoundSet | None:
     """Bounds for every product of the schedule: key (step index, product index), where
     the products of a step with n inputs are numbered 0..max(n-2, 0) and the last one
@@ -385,7 +387,12 @@ def compute_bounds(
     weight only (5 of 17): the external staircase already bounds most of the frontier,
     and the own plans cost an inside and an outside pass per weight (measured on
     GPT-2-medium at 4 devices, every axis: solves 17.7 -> 13.2 s of CPU, the same
-    frontier; one weight: 13.9 s)."""
+    frontier; one weight: 13.9 s).
+    own: False leaves the problem's own incumbents out (epsilon mode: a plan dropped for
+    one of them would be covered only by a plan that is not returned); None when there
+    are then no incumbents."""
+    if not own and (external is None or not len(external[0])):
+        return None
     plain = {i: _leaf_channels(sched, i, tb, np.zeros((0, 2))) for i, tb in leaves.items()}
     lows = _inside(sched, plain)
     t_min = sum(float(lows[r][0].reshape(-1)[0]) for r in sched.roots)
@@ -396,9 +403,11 @@ def compute_bounds(
     weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
     ts: list[np.ndarray] = []
     ms: list[np.ndarray] = []
-    own = weights if external is None or not len(external[0]) else weights[::4]
-    for lo in range(0, len(own), BATCH):  # a few channels at a time: bounded memory
-        t_part, m_part = _incumbents(sched, leaves, own[lo : lo + BATCH])
+    own_w = weights if external is None or not len(external[0]) else weights[::4]
+    if not own:
+        own_w = weights[:0]
+    for lo in range(0, len(own_w), BATCH):  # a few channels at a time: bounded memory
+        t_part, m_part = _incumbents(sched, leaves, own_w[lo : lo + BATCH])
         ts.append(t_part)
         ms.append(m_part)
     if external is not None:

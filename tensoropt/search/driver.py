@@ -205,6 +205,15 @@ def guarantee_of(exp: Exploration) -> str:
     its pipelined points are when it has any."""
     plain = [s for s in exp.searches if s.variant.stages == 1]
     parts = [plain[0].result.guarantee] if plain else []
+    if plain and exp.epsilon is not None:  # the meshes of a count cover each other
+        where = "every plan"
+        if exp.memory_budget is not None:
+            where += f" with memory <= {exp.memory_budget!r}"
+        parts = [
+            f"epsilon={exp.epsilon!r}: for {where} P on N devices there is a point Q of "
+            f"the N-device frontier with Q.memory <= P.memory and Q.time <= "
+            f"(1 + {exp.epsilon!r}) * P.time"
+        ]
     if len(plain) < len(exp.searches):
         parts.append(PIPELINED_GUARANTEE)
     return "; ".join(parts)
@@ -550,7 +559,7 @@ def explore(
     groups: dict[int, list[Mesh]] = {}
     for m in meshes:
         groups.setdefault(m.size, []).append(m)
-    chained = epsilon is None and not whole_frontiers
+    chained = not whole_frontiers
     work = []
     for d in sorted(groups, reverse=True):  # the largest counts first: the longest jobs
         ordered = sorted(groups[d], key=_solve_order) if chained else groups[d]
@@ -634,7 +643,7 @@ def _solve_meshes(
         if built is None:
             continue
         incumbents = None
-        if chained and epsilon is None and done:
+        if chained and done:
             incumbents = (
                 [p.time_s for s in done for p in s.result.points],
                 [p.memory_bytes for s in done for p in s.result.points],

@@ -129,7 +129,7 @@ def eliminate(
 ) -> list[Factor]:
     """Eliminate every unit of `factors` not in `keep`; returns the factors left over `keep`.
 
-    With ``ctx.bounding`` (exact mode), once a step's inputs hold ``ctx.bound_trigger``
+    With ``ctx.bounding``, once a step's inputs hold ``ctx.bound_trigger``
     points, the remaining steps drop partial plans that cannot reach the frontier
     (:mod:`tensoropt.search.bounds`; needs ``keep`` empty, so that the rest is known)."""
     variables = {v for f in factors for v in f.scope}
@@ -143,7 +143,9 @@ def eliminate(
         if start < 0 and _wants_bounds(ctx, inputs, keep):
             sched = Schedule(steps[j:], scopes, dims, roots)
             leaves = {i: f.table for i, f in live.items() if f.table is not None}
-            bounds = compute_bounds(sched, leaves, ctx.convex_bounds, ctx.external)
+            bounds = compute_bounds(
+                sched, leaves, ctx.convex_bounds, ctx.external, own=ctx.own_incumbents
+            )
             start = j
             ctx.notes.append(f"bound pruning from step {j} of {len(steps)}")
         for i in st.inputs:

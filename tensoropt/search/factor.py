@@ -48,7 +48,10 @@ class Context:
     prov: Provenance
     flt: Filter
     symbolic: bool = False
-    bounding: bool = False  # exact bound pruning allowed (exact mode only)
+    bounding: bool = False  # bound pruning allowed (:mod:`tensoropt.search.bounds`)
+    # the bounds' own incumbents (weighted-sum decodes of this problem) join `external`;
+    # epsilon mode takes `external` only (their plans are returned elsewhere)
+    own_incumbents: bool = True
     bound_trigger: int = 0  # ... once a step's inputs hold this many points
     convex_bounds: bool = False  # ... with weighted (convex) lower bounds too
     # (time, memory) of plans of other problems that join the bounds' incumbents

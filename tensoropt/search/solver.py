@@ -18,6 +18,13 @@ delta = (1 + epsilon) ** (1 / D) - 1 the result satisfies:
 
 Memory is never approximated: the minimum-memory point is exact, and a memory budget stays
 exact too (a point that fits is represented by one that also fits).
+
+With incumbents (plans of other problems, e.g. the other meshes of a device count), the
+bounds drop a partial plan all of whose completions an incumbent strictly dominates, and the
+guarantee holds for the returned points and the incumbents together: a plan is covered by a
+kept point or, once its cover is dropped, by the incumbent that dominates the cover's
+completions. The bounds' own incumbents (weighted-sum decodes) are left out in this mode:
+their plans are not returned, so covering through them would compound.
 """
 
 from __future__ import annotations
@@ -114,19 +121,26 @@ def _exact_guarantee(budget: float | None, external=None) -> str:
     return f"exact: the points are the Pareto frontier of {where}"
 
 
-def _eps_guarantee(eps: float, budget: float | None) -> str:
+def _eps_guarantee(eps: float, budget: float | None, external=None) -> str:
     where = "every plan" if budget is None else f"every plan with memory <= {budget!r}"
+    among = "a returned point"
+    if external is not None:
+        among = f"a point among the returned ones and the {len(external[0])} given plans"
     return (
-        f"epsilon={eps!r}: for {where} P there is a returned point Q with "
+        f"epsilon={eps!r}: for {where} P there is {among} Q with "
         f"Q.memory <= P.memory and Q.time <= (1 + {eps!r}) * P.time"
     )
 
 
-def _schedule(ctx: Context, prep: Prepared, regions: list[Region], adaptive: bool) -> Factor:
-    """Compose the regions, eliminate everything, return the single scope-() factor."""
-    factors: list[Factor] = []
-    for r in regions:
-        factors += chain_pieces(ctx, prep, r, adaptive)
+def _pieces(ctx: Context, prep: Prepared, regions: list[Region]) -> list[Factor]:
+    """The composed repeated blocks (adaptive squaring, see :mod:`blocks`)."""
+    return [f for r in regions for f in chain_pieces(ctx, prep, r, adaptive=True)]
+
+
+def _schedule(ctx: Context, prep: Prepared, regions: list[Region], pieces: list[Factor]) -> Factor:
+    """Eliminate everything around the composed blocks ``pieces``, return the single
+    scope-() factor."""
+    factors: list[Factor] = list(pieces)
     factors += [
         prep.unit_factor(ctx, i)
         for i in range(prep.n_units)
@@ -302,14 +316,13 @@ def solve(
     blocks: how repeated blocks are recognised (the result does not depend on it).
     pruning: exact bound pruning in exact mode (the result does not depend on it).
     incumbents: (times, memories) of plans found elsewhere, e.g. on another mesh of the
-    same device count (exact mode only). The points that one of them strictly dominates
-    are left out, and partial plans that can only lead to such points are dropped early
-    by the bounds; every other frontier point is returned, so the frontier of this
-    problem together with the incumbents' is unchanged.
+    same device count. The points that one of them strictly dominates are left out, and
+    partial plans that can only lead to such points are dropped early by the bounds;
+    every other frontier point is returned, so the frontier of this problem together
+    with the incumbents' is unchanged. With epsilon the guarantee holds for the returned
+    points and the incumbents together (module docstring).
     """
     _check_args(memory_budget, epsilon)
-    if incumbents is not None and epsilon is not None:
-        raise PlanError("incumbents prune exact searches only; leave them out with epsilon")
     external = None
     if incumbents is not None:
         external = tuple(np.asarray(x, dtype=np.float64) for x in incumbents)
@@ -325,18 +338,27 @@ def solve(
     regions = _regions(problem, prep, blocks)
     budget = math.inf if memory_budget is None else float(memory_budget)
     delta = None
+    ctx = Context(Provenance(), Filter(budget))
+    # The repeated blocks are composed exactly (no thinning: depth 0), adaptively as in the
+    # exact mode; the epsilon slack is spread over the filtering steps around them.
+    pieces = _pieces(ctx, prep, regions)
     if epsilon is not None:
+        pieces = [Factor(f.scope, f.shape, f.table) for f in pieces]  # exact: depth 0
         dry = Context(Provenance(1), Filter(budget), symbolic=True)
-        depth = _schedule(dry, prep, regions, adaptive=False).depth
+        shadows = [Factor(f.scope, f.shape, None) for f in pieces]
+        depth = _schedule(dry, prep, regions, shadows).depth
         delta = (1.0 + epsilon) ** (1.0 / max(depth, 1)) - 1.0
-    ctx = Context(Provenance(), Filter(budget, delta))
-    ctx.bounding = epsilon is None and pruning is not Pruning.OFF
+        ctx.flt = Filter(budget, delta)
+    # Epsilon mode prunes with the given plans only (module docstring): the bounds' own
+    # incumbents are plans this search does not return.
+    ctx.bounding = pruning is not Pruning.OFF and (epsilon is None or external is not None)
+    ctx.own_incumbents = epsilon is None
     ctx.bound_trigger = 0 if pruning is Pruning.ALWAYS else BOUND_TRIGGER
     ctx.convex_bounds = pruning is Pruning.ALWAYS
     if external is not None and len(external[0]) and pruning is not Pruning.OFF:
         ctx.external = external
         ctx.bound_trigger = 0  # incumbents from elsewhere prune from the first step
-    final = _schedule(ctx, prep, regions, adaptive=epsilon is None)
+    final = _schedule(ctx, prep, regions, pieces)
     assert final.table is not None and final.scope == ()
     choices = ctx.prov.recover(final.table.prov, prep.n_units)
     points = _exact_points(problem, choices, external)
@@ -352,7 +374,7 @@ def solve(
     guarantee = (
         _exact_guarantee(memory_budget, external)
         if epsilon is None
-        else _eps_guarantee(epsilon, memory_budget)
+        else _eps_guarantee(epsilon, memory_budget, external)
     )
     log.debug(
         "solved devices=%d mesh=%s: %d points, %s",

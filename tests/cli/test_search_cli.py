@@ -199,3 +199,23 @@ def test_pick_budget_and_index_errors(zoo_file, capsys, tmp_path):
     )
     assert_bad_input(out, "compile", "frontier at 2 devices has")
     assert not (tmp_path / "o").exists()
+
+
+def test_epsilon_search_states_the_device_count_guarantee(zoo_file, tmp_path, capsys):
+    """With --epsilon the meshes of a count prune each other as in the exact search, and
+    the guarantee is stated for each count's frontier, in the table and the JSON."""
+    out = cli(
+        capsys,
+        "search",
+        zoo_file("gpt"),
+        "--devices",
+        "4",
+        "--epsilon",
+        "0.05",
+        "--json-out",
+        tmp_path / "s.json",
+    )
+    assert out.code == 0, out.err
+    line = "epsilon=0.05: for every plan P on N devices there is a point Q of the N-device"
+    assert line in out.out
+    assert json.loads((tmp_path / "s.json").read_text())["guarantee"].startswith(line)

@@ -36,11 +36,16 @@ def test_transformer_blocks_detected_and_exact(mesh: tuple[int, ...]) -> None:
         assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
 
 
-def test_squaring_used_in_epsilon_mode_and_guarantee_holds() -> None:
+def test_epsilon_mode_composes_blocks_exactly_and_guarantee_holds() -> None:
+    """Epsilon mode composes the repeated blocks as the exact mode does (adaptive
+    squaring, no thinning inside them): the same pieces, and the slack is spread over
+    the filtering steps around them only (fewer than the exact run's products)."""
     problem = transformer_problem(9, (2,))
     exact = solve(problem, blocks=BlockMode.OFF)
+    composed = solve(problem)
     approx = solve(problem, epsilon=0.05)
-    assert "powers=[1, 2, 4, 8] pieces=1" in approx.stats.blocks[0]
+    assert approx.stats.blocks == composed.stats.blocks and "composed=8" in approx.stats.blocks[0]
+    assert 0 < approx.stats.filter_depth < composed.stats.filter_depth
     got = values(approx)
     for t, m in values(exact):
         assert any(qm <= m and qt <= 1.05 * t * (1 + 1e-12) for qt, qm in got)

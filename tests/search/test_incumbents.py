@@ -111,3 +111,64 @@ def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
     assert merged(chained) == merged(whole)
     kept = sum(len(s.result.points) for s in chained.searches)
     assert kept < sum(len(s.result.points) for s in whole.searches)
+
+
+def _covered(points, by, eps: float) -> bool:
+    """Whether every (t, m) of ``points`` has a (t', m') in ``by`` with m' <= m and
+    t' <= (1 + eps) t (a relative 1e-12 of rounding on top)."""
+    by = sorted(by)
+    for t, m in points:
+        if not any(bm <= m and bt <= t * (1.0 + eps) * (1.0 + 1e-12) for bt, bm in by):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("pruning", [Pruning.AUTO, Pruning.ALWAYS])
+@pytest.mark.parametrize("eps", [0.01, 0.1])
+@pytest.mark.parametrize(("mesh", "other"), [((4,), (2, 2)), ((2, 4), (4, 2)), ((8,), (2, 4))])
+def test_epsilon_with_incumbents_covers_the_frontier(mesh, other, eps, pruning):
+    """Epsilon mode with incumbents: every exact frontier point is covered within
+    (1 + eps) in time, with no more memory, by a returned point or an incumbent; no
+    returned point is strictly dominated by an incumbent; and the incumbents prune (fewer
+    points than the same epsilon search without them)."""
+    problem = transformer_problem(3, mesh, seed=1)
+    whole = _values(solve(problem).points)
+    alone = solve(problem, epsilon=eps)
+    incumbents = _values(solve(transformer_problem(3, other, seed=2)).points)
+    incumbents += [(t * 0.999, m) for t, m in whole[1::3]]  # strictly dominating some
+    inc_t = np.array([t for t, _ in incumbents])
+    inc_m = np.array([m for _, m in incumbents])
+    got = solve(problem, epsilon=eps, incumbents=(inc_t, inc_m), pruning=pruning)
+    values = _values(got.points)
+    assert _covered(whole, values + incumbents, eps)
+    assert not _covered(whole, incumbents, eps)  # the returned points are needed
+    t = np.array([v[0] for v in values])
+    m = np.array([v[1] for v in values])
+    assert not strictly_dominated(t, m, inc_t, inc_m).any()
+    assert len(values) < len(alone.points)
+    for p in got.points:
+        assert problem.evaluate(p.choice) == (p.time_s, p.memory_bytes)
+    assert "given plans" in got.guarantee and f"epsilon={eps!r}" in got.guarantee
+
+
+def test_explore_chained_epsilon_covers_each_device_count(tmp_path):
+    """Chained meshes in epsilon mode: each device count's merged frontier covers that
+    count's exact frontier within (1 + eps) in time, with no more memory."""
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.models import build_model, save_model
+    from tensoropt.search.driver import device_frontier, explore
+
+    path = tmp_path / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    args = build_parser().parse_args(["search", str(path), "--devices", "4,8"])
+    sg = search_graph(args)
+    exact = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1)
+    eps = 0.05
+    approx = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1, epsilon=eps)
+    for d in (4, 8):
+        want = [(p.time_s, p.memory_bytes) for _, p in device_frontier(exact, d)]
+        have = [(p.time_s, p.memory_bytes) for _, p in device_frontier(approx, d)]
+        assert _covered(want, have, eps), d
+        assert len(have) <= len(want)
