@@ -540,9 +540,9 @@ def explore(
     frontiers. ``space``: the axes searched besides the split (default: none).
 
     The meshes of one device count are solved one after the other in one job, the most
-    balanced 2-D mesh first, and each mesh's variants after its plain problem: each exact
-    search gets the points already found for its device count as incumbents, and leaves
-    out what they strictly dominate (points that no per-device table, merged frontier or
+    balanced 2-D mesh first, and each mesh's variants after its plain problem: each search
+    (exact or epsilon) gets the points already found for its device count as incumbents,
+    and leaves out what they strictly dominate (points that no per-device table, merged frontier or
     ``--pick`` can show), which spares most of the work on problems whose plans are all
     slower and larger than another's. ``whole_frontiers``: every problem's complete
     frontier instead (``--dump-costs`` records them for an external solver). Jobs are
@@ -626,8 +626,8 @@ def _solve_meshes(
     sg: SearchGraph, job, blocks: Blocks | None = None, space: SearchSpace = PLAIN_SPACE
 ) -> list[tuple[Mesh, list[MeshSearch]]]:
     """The problems of one job's meshes, level by level (:func:`axis_level`), each level's
-    meshes in the job's order; with ``chained``, each exact search gets the points found
-    before it in the job as incumbents."""
+    meshes in the job's order; with ``chained``, each search gets the points found before
+    it in the job as incumbents."""
     meshes, profile, budget, epsilon, chained = job
     at = {mesh: _MeshProblems(sg, space, mesh, profile) for mesh in meshes}
     order = sorted(
