@@ -137,6 +137,12 @@ def _pieces(ctx: Context, prep: Prepared, regions: list[Region]) -> list[Factor]
     return [f for r in regions for f in chain_pieces(ctx, prep, r, adaptive=True)]
 
 
+def _guarantee(eps: float | None, budget: float | None, external) -> str:
+    if eps is None:
+        return _exact_guarantee(budget, external)
+    return _eps_guarantee(eps, budget, external)
+
+
 def _schedule(ctx: Context, prep: Prepared, regions: list[Region], pieces: list[Factor]) -> Factor:
     """Eliminate everything around the composed blocks ``pieces``, return the single
     scope-() factor."""
@@ -330,9 +336,9 @@ def solve(
     if external is not None and pruning is not Pruning.OFF and surely_dominated(problem, *external):
         note = ("every plan strictly dominated by an incumbent (surely_dominated)",)
         stats = SearchStats(0, 0, 0, 0, 0, note, time.perf_counter() - start)
-        guarantee = _exact_guarantee(memory_budget, external)
+        guarantee = _guarantee(epsilon, memory_budget, external)
         return SearchResult(
-            problem.devices, problem.mesh, (), None, memory_budget, None, guarantee, stats
+            problem.devices, problem.mesh, (), epsilon, memory_budget, None, guarantee, stats
         )
     prep = prepare(problem)
     regions = _regions(problem, prep, blocks)
@@ -371,11 +377,7 @@ def solve(
         blocks=tuple(ctx.notes),
         seconds=time.perf_counter() - start,
     )
-    guarantee = (
-        _exact_guarantee(memory_budget, external)
-        if epsilon is None
-        else _eps_guarantee(epsilon, memory_budget, external)
-    )
+    guarantee = _guarantee(epsilon, memory_budget, external)
     log.debug(
         "solved devices=%d mesh=%s: %d points, %s",
         problem.devices,

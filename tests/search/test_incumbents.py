@@ -172,3 +172,16 @@ def test_explore_chained_epsilon_covers_each_device_count(tmp_path):
         have = [(p.time_s, p.memory_bytes) for _, p in device_frontier(approx, d)]
         assert _covered(want, have, eps), d
         assert len(have) <= len(want)
+
+
+def test_epsilon_search_proved_empty_keeps_its_epsilon():
+    """A problem that the incumbents surely dominate returns nothing, and still says it
+    is an epsilon result with the epsilon guarantee."""
+    problem = transformer_problem(2, (2, 2), seed=3)
+    whole = solve(problem).points
+    inc_t = np.array([p.time_s * 0.5 for p in whole])
+    inc_m = np.array([p.memory_bytes * 0.5 for p in whole])
+    assert surely_dominated(problem, inc_t, inc_m)
+    got = solve(problem, epsilon=0.05, incumbents=(inc_t, inc_m))
+    assert got.points == () and got.epsilon == 0.05
+    assert got.guarantee.startswith("epsilon=0.05") and "given plans" in got.guarantee
