@@ -542,9 +542,9 @@ def explore(
     The meshes of one device count are solved one after the other in one job, the most
     balanced 2-D mesh first, and each mesh's variants after its plain problem: each search
     (exact or epsilon) gets the points already found for its device count as incumbents,
-    and leaves out what they strictly dominate (points that no per-device table, merged frontier or
-    ``--pick`` can show), which spares most of the work on problems whose plans are all
-    slower and larger than another's. ``whole_frontiers``: every problem's complete
+    and leaves out what they strictly dominate (points that no per-device table, merged
+    frontier or ``--pick`` can show), which spares most of the work on problems whose
+    plans are all slower and larger than another's. ``whole_frontiers``: every problem's complete
     frontier instead (``--dump-costs`` records them for an external solver). Jobs are
     spread over ``jobs`` worker processes (fork; default: one per core, at most one per
     job; 1 = in this process). ``on_problem`` is called once per mesh.

@@ -6,11 +6,13 @@ into a single frontier, then recover each point's choice vector from its back-po
 re-evaluate it with :meth:`CostProblem.evaluate` (correctly rounded sums, so the reported
 numbers are exactly what anyone gets from the dumped tables).
 
-Epsilon mode (see docs/design/search.md for the proof). Every filtering step (the pruning
-at the end of each factor product) may in addition drop a point p when a kept point q of the
-same entry has q.memory <= p.memory and q.time <= (1 + delta) * p.time. Along any path of
-the computation at most D filtering steps happen (D = `filter_depth`, computed by running
-the same schedule symbolically first), and sums preserve a relative error, so with
+Epsilon mode (see docs/design/search.md for the proof). The repeated blocks are composed
+exactly, as in the exact mode. Every filtering step around them (the pruning at the end of
+each factor product) may in addition drop a point p when a kept point q of the same entry
+has q.memory <= p.memory and q.time <= (1 + delta) * p.time. Along any path of the
+computation at most D such steps happen (D = `filter_depth`, computed by running the
+elimination around the composed blocks symbolically first), and sums preserve a relative
+error, so with
 delta = (1 + epsilon) ** (1 / D) - 1 the result satisfies:
 
     for every plan P (in particular every exact frontier point) there is a returned point Q
@@ -320,7 +322,8 @@ def solve(
     as soon as they appear; sound since costs are nonnegative). The result may be empty.
     epsilon: approximate, with the guarantee stated in the result (module docstring).
     blocks: how repeated blocks are recognised (the result does not depend on it).
-    pruning: exact bound pruning in exact mode (the result does not depend on it).
+    pruning: exact bound pruning (the result does not depend on it); in epsilon mode only
+    with incumbents, and only against them.
     incumbents: (times, memories) of plans found elsewhere, e.g. on another mesh of the
     same device count. The points that one of them strictly dominates are left out, and
     partial plans that can only lead to such points are dropped early by the bounds;
