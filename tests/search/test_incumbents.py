@@ -78,20 +78,25 @@ def test_strictly_dominated_keeps_equal_points():
     assert strictly_dominated(t, m, inc_t, inc_m).tolist() == [False, True, False, False, False]
 
 
-def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
-    """The tiny gpt over 4 and 8 devices: solving each count's meshes in a chain with
-    incumbents leaves points out of some meshes, but no per-device frontier changes."""
+def _tiny_gpt_graph(tmp_path):
+    """The search graph of the zoo's tiny gpt (plain SGD step)."""
     from tensoropt.cli import build_parser
     from tensoropt.cli.common import search_graph
-    from tensoropt.cost.cluster import builtin
     from tensoropt.models import build_model, save_model
-    from tensoropt.search.driver import explore
-    from tensoropt.search.merge import merge_frontiers
 
     path = tmp_path / "gpt.onnx"
     save_model(build_model("gpt", "tiny"), str(path))
-    args = build_parser().parse_args(["search", str(path), "--devices", "4,8"])
-    sg = search_graph(args)
+    return search_graph(build_parser().parse_args(["search", str(path), "--devices", "4,8"]))
+
+
+def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
+    """The tiny gpt over 4 and 8 devices: solving each count's meshes in a chain with
+    incumbents leaves points out of some meshes, but no per-device frontier changes."""
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.search.driver import explore
+    from tensoropt.search.merge import merge_frontiers
+
+    sg = _tiny_gpt_graph(tmp_path)
 
     def per_device(exp):
         out = {}
@@ -116,7 +121,6 @@ def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
 def _covered(points, by, eps: float) -> bool:
     """Whether every (t, m) of ``points`` has a (t', m') in ``by`` with m' <= m and
     t' <= (1 + eps) t (a relative 1e-12 of rounding on top)."""
-    by = sorted(by)
     for t, m in points:
         if not any(bm <= m and bt <= t * (1.0 + eps) * (1.0 + 1e-12) for bt, bm in by):
             return False
@@ -154,16 +158,10 @@ def test_epsilon_with_incumbents_covers_the_frontier(mesh, other, eps, pruning):
 def test_explore_chained_epsilon_covers_each_device_count(tmp_path):
     """Chained meshes in epsilon mode: each device count's merged frontier covers that
     count's exact frontier within (1 + eps) in time, with no more memory."""
-    from tensoropt.cli import build_parser
-    from tensoropt.cli.common import search_graph
     from tensoropt.cost.cluster import builtin
-    from tensoropt.models import build_model, save_model
     from tensoropt.search.driver import device_frontier, explore
 
-    path = tmp_path / "gpt.onnx"
-    save_model(build_model("gpt", "tiny"), str(path))
-    args = build_parser().parse_args(["search", str(path), "--devices", "4,8"])
-    sg = search_graph(args)
+    sg = _tiny_gpt_graph(tmp_path)
     exact = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1)
     eps = 0.05
     approx = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1, epsilon=eps)
@@ -172,6 +170,8 @@ def test_explore_chained_epsilon_covers_each_device_count(tmp_path):
         have = [(p.time_s, p.memory_bytes) for _, p in device_frontier(approx, d)]
         assert _covered(want, have, eps), d
         assert len(have) <= len(want)
+    # the meshes were chained: later problems got the earlier points as incumbents
+    assert any("given plans" in s.result.guarantee for s in approx.searches)
 
 
 def test_epsilon_search_proved_empty_keeps_its_epsilon():
