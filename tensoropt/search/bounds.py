@@ -403,9 +403,12 @@ def compute_bounds(
     weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
     ts: list[np.ndarray] = []
     ms: list[np.ndarray] = []
-    own_w = weights if external is None or not len(external[0]) else weights[::4]
     if not own:
         own_w = weights[:0]
+    elif external is None or not len(external[0]):
+        own_w = weights
+    else:
+        own_w = weights[::4]
     for lo in range(0, len(own_w), BATCH):  # a few channels at a time: bounded memory
         t_part, m_part = _incumbents(sched, leaves, own_w[lo : lo + BATCH])
         ts.append(t_part)
