@@ -558,6 +558,10 @@ class _Builder:
         states = self.sg.optimizer_states
         sharded = {z.index: z for z in program.shards}
         in_place = self.micro > 1  # the step phase updates in place (runtime.inplace)
+        charged = 0.0  # the root's compute per micro-batch slot, which holds the grid update
+        if grid_slots:
+            i = next(i for i, n in enumerate(unit.nodes) if n is unit.root)
+            charged = self.pricer.node(unit.root, program.strategies[i])[0] / self.pricer.slots
         for x, value in enumerate(unit.externals):
             if unit.kinds[x] is not Entry.PARAM or self.su.owner.get(value.name) != k:
                 continue
@@ -579,6 +583,10 @@ class _Builder:
                 seconds += accumulate_time(summed, self.micro, isz, self.pricer.profile)
             if value in grid_slots:  # op_time's grid entry holds a momentum-SGD update of it
                 held = update_time(elements, GRID_UPDATE_STATES, isz, self.pricer.profile)
+                # never more than the grid entry charged per slot (a calibration can
+                # find the trained GEMM faster than the element-wise update priced alone)
+                held = min(held, charged)
+                charged -= held
                 # ZeRO: the update runs on the shard, the grid entry held the whole one
                 update = update - held if z is not None else max(update - held, 0.0)
                 # the grid entry is charged once per micro-batch slot, the update runs once

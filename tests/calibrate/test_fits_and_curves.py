@@ -425,6 +425,21 @@ def test_grid_ops_weights_are_not_updated_twice(mlp_tiny_sg, monkeypatch):
     assert totals[1] - totals[0] == pytest.approx(held, rel=1e-9)
 
 
+def test_grid_update_deduction_never_exceeds_what_the_grid_charged(mlp_tiny_sg):
+    """A grid that finds the trained GEMM faster than the element-wise update priced
+    alone (here: a very high rate, no floor): the weight's update is taken out of the
+    unit only up to what the grid entry charged, so no unit costs less than nothing."""
+    import tensoropt.cost.model as model
+    from tensoropt.ir.mesh import Mesh
+
+    grid = RateGrid((1.0, 1e4), (1.0, 1e4), ((1e18, 1e18), (1e18, 1e18)))
+    profile = dataclasses.replace(_grid_profile(matmul=((1, grid),)), op_floor_s=0.0)
+    # micro-batches: the entry is charged once per slot, the update taken out once per step
+    mp = model.build_problem(mlp_tiny_sg, Mesh((1,), ("x",)), profile, micro_batches=4)
+    times = [s.time_s for u in mp.problem.units for s in u.strategies]  # validated >= 0
+    assert min(times) >= 0.0 and max(times) > 0.0
+
+
 def _grid_profile(**grids):
     curve = OpCurve("flops", ((1e6, 1e10), (1e9, 2e11)))
     return dataclasses.replace(_calibrated(matmul=curve, conv=curve), op_train_grids=grids)
