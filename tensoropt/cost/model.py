@@ -14,7 +14,9 @@ emits for those programs:
 - Edge cost of (s_u, s_w): for every value one of the two units holds and the other
   reads (forward activations, parameters and data inputs read by a second unit,
   gradients flowing back), the conversion from the holder's layout to the reader's entry
-  layout. Memory: the converted buffer of forward values.
+  layout. Memory: the converted buffer of forward values that the backward reads (a
+  value no backward node reads lives from its conversion to its reader, like a forward
+  output that is not saved).
 
 Every total is a plain sum of unit and edge entries, as the frontier DP needs.
 
@@ -597,9 +599,12 @@ class _Builder:
     def _crossing(self, c: Crossing, programs) -> tuple[np.ndarray, np.ndarray]:
         """(time, memory) tables [source strategy][target strategy] of one crossing.
 
-        Each distinct (holder layout, entry layout) pair is priced once."""
+        Each distinct (holder layout, entry layout) pair is priced once. The converted
+        buffer counts as memory only when the backward reads the value (it is saved, as
+        a node's output is); otherwise it lives from the conversion to its reader."""
         shape = static_shape(c.value)
         isz = itemsize(c.value)
+        kept = c.forward and c.value.name in self.sg.saved
         # programs are shared objects (ProgramCache), alive for the whole build
         key = (
             tuple(map(id, programs[c.source])),
@@ -607,15 +612,17 @@ class _Builder:
             tuple(map(id, programs[c.target])),
             c.index,
             c.forward,
+            kept,
             shape,
             isz,
         )
         found = self.crossing_cache.get(key)
         if found is None:
-            found = self.crossing_cache[key] = self._crossing_tables(c, programs, shape, isz)
+            found = self._crossing_tables(c, programs, shape, isz, kept)
+            self.crossing_cache[key] = found
         return found
 
-    def _crossing_tables(self, c: Crossing, programs, shape, isz):
+    def _crossing_tables(self, c: Crossing, programs, shape, isz, kept: bool):
         haves, rows = _distinct([p.layout(c.source_ref) for p in programs[c.source]])
         needs, cols = _distinct([p.entries[c.index] for p in programs[c.target]])
         times = np.zeros((len(haves), len(needs)))
@@ -625,7 +632,7 @@ class _Builder:
             for n, need in enumerate(needs):
                 t, buf = self.pricer.convert(have, need, shape, isz, order)
                 times[h, n] = t
-                if c.forward:
+                if kept:
                     mems[h, n] = buf * self.pricer.saved_scale
         return times[rows][:, cols], mems[rows][:, cols]
 

@@ -565,6 +565,29 @@ def test_activation_memory_counts_only_values_the_backward_reads(mlp_tiny_sg):
     assert memory == param_bytes * (3 + 2 * sg.optimizer_states) + saved_bytes
 
 
+def test_conversion_buffers_count_only_when_the_backward_reads_the_value(mlp_tiny_sg):
+    """A forward conversion's result is memory of the step only when the value is saved
+    for the backward (as a node's output is); otherwise it lives from the conversion to
+    its reader and is not resident (measured: docs/design/measured.md)."""
+    from tensoropt.cost.model import ProblemFamily
+    from tensoropt.ir.mesh import Mesh
+
+    sg = mlp_tiny_sg
+    family = ProblemFamily(sg, Mesh((2,), ("x",)), builtin("h100"))
+    mp = family.problem()
+    kept = passing = 0
+    for c in mp.crossings:
+        if c.source == c.target or not c.forward:
+            continue
+        times, mems = family.builder._crossing(c, mp.programs)
+        if c.value.name in sg.saved:
+            kept += bool(mems.any())
+        else:
+            assert not mems.any(), c.value.name
+            passing += bool(times.any())  # converted (it costs time), yet holds nothing
+    assert kept and passing
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_micro_batched_steps_hold_parameters_and_states_once(mlp_tiny_sg, k, monkeypatch):
     """With micro-batches the step phase updates in place (runtime.inplace): the
