@@ -491,6 +491,9 @@ class _Builder:
         # backward saves; a crossing's tables by its two units' programs, ends and value.
         self.unit_cache: dict = {}
         self.crossing_cache: dict = {}
+        # summed tables of an edge by the ids of its crossings' cached tables (alive in
+        # crossing_cache as long as this builder)
+        self.edge_cache: dict = {}
         self.signatures: dict[int, tuple] = {}
 
     def infos(self) -> list[UnitInfo]:
@@ -645,15 +648,21 @@ class _Builder:
             pairs.setdefault((min(c.source, c.target), max(c.source, c.target)), []).append(c)
         edges = []
         for (a, b), cs in sorted(pairs.items()):
-            times = np.zeros((len(infos[a].strategies), len(infos[b].strategies)))
-            mems = np.zeros_like(times)
-            for c in cs:
-                t, m = self._crossing(c, programs)
-                if c.source != a:  # tables are indexed [strategy of a][strategy of b]
-                    t, m = t.T, m.T
-                times += t
-                mems += m
-            edges.append(Edge(a, b, _table(times), _table(mems)))
+            parts = [(*self._crossing(c, programs), c.source != a) for c in cs]
+            # repeated layers sum the same cached crossing tables: one table object for
+            # all of them (built once, and validated once by CostProblem)
+            key = tuple((id(t), id(m), flip) for t, m, flip in parts)
+            tables = self.edge_cache.get(key)
+            if tables is None:
+                times = np.zeros((len(infos[a].strategies), len(infos[b].strategies)))
+                mems = np.zeros_like(times)
+                for t, m, flip in parts:
+                    if flip:  # tables are indexed [strategy of a][strategy of b]
+                        t, m = t.T, m.T
+                    times += t
+                    mems += m
+                tables = self.edge_cache[key] = (_table(times), _table(mems))
+            edges.append(Edge(a, b, *tables))
         return edges, found
 
 
@@ -819,26 +828,33 @@ class ProblemFamily:
         take it (:meth:`zero_stage`). ``working_set``: add the recompute working set's
         bound (:meth:`working_set`, :class:`WorkingSetBound`) to the memory entries."""
         builder, infos, stage = self.builder, self.infos, dict(zero or {})
-        programs = [
-            tuple(
-                builder.programs.program(
-                    k,
-                    s,
-                    stage.get(info.node.name, ZeroStage.NONE)
-                    if zero_all is ZeroStage.NONE
-                    else self.zero_stage(k, s, zero_all),
-                )
-                for s in info.strategies
-            )
-            for k, info in enumerate(infos)
-        ]
+        su = self.sg.units
+        programs = []
         units = []
+        # A unit's programs and prices depend on its structure, what it places and saves
+        # (``_signature``), its strategies and its ZeRO stage: repeated layers share one
+        # row of each (the same objects builder.program and builder.unit would give).
+        rows: dict[tuple, tuple[tuple[Program, ...], tuple[Strategy, ...]]] = {}
         for k, info in enumerate(infos):
-            strategies = []
-            for s, program in zip(info.strategies, programs[k], strict=True):
-                t, m = builder.unit(k, s, program)
-                strategies.append(Strategy(str(s), t, m))
-            units.append(Unit(info.node.name, tuple(strategies)))
+            asked = stage.get(info.node.name, ZeroStage.NONE)
+            key = (su.units[k].key, builder._signature(k), tuple(info.strategies), asked)
+            row = rows.get(key)
+            if row is None:
+                ps = tuple(
+                    builder.programs.program(
+                        k,
+                        s,
+                        asked if zero_all is ZeroStage.NONE else self.zero_stage(k, s, zero_all),
+                    )
+                    for s in info.strategies
+                )
+                priced = []
+                for s, program in zip(info.strategies, ps, strict=True):
+                    t, m = builder.unit(k, s, program)
+                    priced.append(Strategy(str(s), t, m))
+                row = rows[key] = (ps, tuple(priced))
+            programs.append(row[0])
+            units.append(Unit(info.node.name, row[1]))
         edges, found = builder.edges(infos, programs)
         problem = CostProblem(
             tuple(units), tuple(edges), self.plan_mesh.size, tuple(self.plan_mesh.shape)

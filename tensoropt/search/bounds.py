@@ -355,6 +355,52 @@ def _leaf_channels(sched: Schedule, fid: int, table: Table, weights: np.ndarray)
     return np.stack(chans).reshape((len(chans), *sched.shape(fid)))
 
 
+class Dominated(Exception):
+    """Raised by :func:`compute_bounds` when the given incumbents strictly dominate every
+    plan of the problem (:func:`beyond`): the search has nothing to return."""
+
+
+_LOWERED = 1.0 - 1e-9  # the DP's float sums, lowered to stay lower bounds
+
+
+def beyond(
+    t_low: float,
+    m_low: float,
+    weights: np.ndarray,
+    w_low: np.ndarray,
+    inc_t: np.ndarray,
+    inc_m: np.ndarray,
+) -> bool:
+    """Whether every point x with x >= (t_low, m_low) and w.x >= w_low[c] for each weight
+    row w = weights[c] (both components >= 0) is strictly dominated by one of the
+    incumbents (inc_t, inc_m): no more time, no more memory, not equal in both.
+
+    Proof: a point that no incumbent strictly dominates lies at or below a corner of the
+    incumbents' staircase: (t_1, inf), (t_(i+1), m_i) or (inf, m_n) (time ascending). That
+    corner then satisfies every bound (they only grow up and to the right), so when no
+    corner does, there is no such point. The infinite corners meet the bounds unless the
+    ideal point is beyond the first time and the last memory."""
+    if not len(inc_t):
+        return False
+    keep = prune_groups(np.zeros(len(inc_t), dtype=np.int64), inc_t, inc_m)
+    st, sm = inc_t[keep], inc_m[keep]  # staircase: time ascending, memory descending
+    if not (t_low > st[0] and m_low > sm[-1]):
+        return False
+    a, b = st[1:], sm[:-1]  # the staircase's inner corners
+    inside = (t_low <= a) & (m_low <= b)
+    if len(weights):
+        wt, wm = weights[:, 0], weights[:, 1]
+        vc = wt[:, None] * a[None, :] + wm[:, None] * b[None, :]
+        inside &= np.all(vc >= np.asarray(w_low)[:, None], axis=0)
+    return not bool(inside.any())
+
+
+def _root_lows(sched: Schedule, ins: dict[int, np.ndarray]) -> np.ndarray:
+    """Per channel, the least value over every plan: the sum over the roots, lowered."""
+    total = sum(ins[r].reshape(ins[r].shape[0]).astype(np.float64) for r in sched.roots)
+    return np.asarray(total) * _LOWERED
+
+
 class BoundSet:
     """A Bound per product of the schedule, handed out once each (then freed: the stored
     bounds shrink as the sweep advances)."""
@@ -401,6 +447,21 @@ def compute_bounds(
         return None
     frac = np.linspace(0.0, 1.0, WEIGHTS + 2)[1:-1]
     weights = np.stack([frac / max(t_min, 1e-300), (1.0 - frac) / max(m_min, 1e-300)], axis=1)
+    lw = weights[np.unique(np.linspace(0, WEIGHTS - 1, LB_WEIGHTS).round().astype(np.int64))]
+    ext = None
+    if external is not None and len(external[0]):
+        ext = (np.asarray(external[0], dtype=np.float64), np.asarray(external[1], dtype=np.float64))
+        ideal = _root_lows(sched, lows)
+        if beyond(ideal[0], ideal[1], weights[:0], ideal[:0], *ext):
+            raise Dominated
+    lw_inside = None
+    if convex:  # the weighted channels' inside pass: also an exact test of the whole
+        leaf = {i: _leaf_channels(sched, i, tb, lw) for i, tb in leaves.items()}
+        lw_inside = _inside(sched, leaf)
+        if ext is not None:
+            low = _root_lows(sched, lw_inside)
+            if beyond(low[0], low[1], lw, low[2:], *ext):
+                raise Dominated
     ts: list[np.ndarray] = []
     ms: list[np.ndarray] = []
     if not own:
@@ -420,9 +481,8 @@ def compute_bounds(
     if not convex:
         prod = _outside(sched, {i: v[:2] for i, v in lows.items()})
         return BoundSet({key: Bound(v[0], v[1], inc_t, inc_m) for key, v in prod.items()})
-    lw = weights[np.unique(np.linspace(0, WEIGHTS - 1, LB_WEIGHTS).round().astype(np.int64))]
-    leaf = {i: _leaf_channels(sched, i, tb, lw) for i, tb in leaves.items()}
-    prod = _outside(sched, _inside(sched, leaf))
+    assert lw_inside is not None
+    prod = _outside(sched, lw_inside)
     per = {
         key: Bound(_down32(v[0]), _down32(v[1]), inc_t, inc_m, _down32(v[2:]), lw)
         for key, v in prod.items()

@@ -491,9 +491,7 @@ def _solve_one(
         result=result,
         references=refs,
         unit_names=tuple(u.node.name for u in mp.units),
-        unit_layouts=tuple(
-            tuple((tuple(s.inputs), tuple(s.outputs)) for s in unit) for unit in strategies
-        ),
+        unit_layouts=_layouts_of(strategies),
         summaries=tuple(summarize(p.choice) + suffix for p in result.points),
         reference_summaries=ref_summaries,
         strategy_kinds=kinds,
@@ -509,6 +507,20 @@ def _solve_one(
         else (),
         blocks=space.blocks if v.recompute else (),
     )
+
+
+def _layouts_of(strategies) -> tuple[UnitLayouts, ...]:
+    """Per unit, per strategy: (input layouts, output layouts). Repeated layers offer
+    equal strategy tuples: each distinct one is converted once, and shared."""
+    seen: dict[tuple, UnitLayouts] = {}
+    out = []
+    for unit in strategies:
+        key = tuple(unit)
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = tuple((tuple(s.inputs), tuple(s.outputs)) for s in unit)
+        out.append(found)
+    return tuple(out)
 
 
 def _mapped(choice: Sequence[int], infos, mp: MeshProblem) -> tuple[int, ...] | None:

@@ -52,6 +52,7 @@ from tensoropt.search.blocks import (
     port_dim,
     worthwhile,
 )
+from tensoropt.search.bounds import Dominated, beyond
 from tensoropt.search.elimination import eliminate
 from tensoropt.search.factor import Context, Factor, multiply_all
 from tensoropt.search.frontier import Filter, prune_groups
@@ -259,15 +260,11 @@ def surely_dominated(problem: CostProblem, inc_t: np.ndarray, inc_m: np.ndarray)
     """Whether an incumbent strictly dominates every plan of ``problem``, proved without
     searching it: a relaxation that prices each unit and each edge at its own least
     (nonnegative entries) bounds every plan's (t, m) from below by t >= T, m >= M and
-    w.(t, m) >= L_w for RELAXED_WEIGHTS weights w > 0. A plan that no incumbent strictly
-    dominates lies at or below a corner (a, b) of the incumbents' staircase: (t_1, inf),
-    (t_(i+1), m_i) or (inf, m_n). Such a plan then makes the corner satisfy every bound
-    (they only grow up and to the right), so when no corner does, there is none.
-    False whenever the proof does not go through (negative entries, no incumbent)."""
+    w.(t, m) >= L_w for RELAXED_WEIGHTS weights w > 0, and :func:`bounds.beyond` tests
+    that region against the incumbents' staircase. False whenever the proof does not go
+    through (negative entries, no incumbent)."""
     if not len(inc_t) or not problem.units:
         return False
-    keep = prune_groups(np.zeros(len(inc_t), dtype=np.int64), inc_t, inc_m)
-    st, sm = inc_t[keep], inc_m[keep]  # staircase: time ascending, memory descending
     tables = [
         (
             np.array([s.time_s for s in u.strategies]),
@@ -279,18 +276,13 @@ def surely_dominated(problem: CostProblem, inc_t: np.ndarray, inc_m: np.ndarray)
         return False
     t_low = math.fsum(float(t.min()) for t, _ in tables) * _ROUNDING
     m_low = math.fsum(float(m.min()) for _, m in tables) * _ROUNDING
-    if t_low <= st[0] or m_low <= sm[-1]:
-        return False
     frac = np.linspace(0.0, 1.0, RELAXED_WEIGHTS + 2)[1:-1]
     wt, wm = frac / max(t_low, 1e-300), (1.0 - frac) / max(m_low, 1e-300)
     low = np.zeros(len(frac))
     for t, m in tables:
         low += (wt[:, None] * t[None, :] + wm[:, None] * m[None, :]).min(axis=1)
     low *= _ROUNDING
-    a, b = st[1:], sm[:-1]  # the staircase's inner corners
-    inside = (t_low <= a) & (m_low <= b)
-    inside &= np.all(wt[:, None] * a[None, :] + wm[:, None] * b[None, :] >= low[:, None], axis=0)
-    return not bool(inside.any())
+    return beyond(t_low, m_low, np.stack([wt, wm], axis=1), low, inc_t, inc_m)
 
 
 def strictly_dominated(
@@ -367,7 +359,18 @@ def solve(
     if external is not None and len(external[0]) and pruning is not Pruning.OFF:
         ctx.external = external
         ctx.bound_trigger = 0  # incumbents from elsewhere prune from the first step
-    final = _schedule(ctx, prep, regions, pieces)
+        # Epsilon mode prunes with these alone, and the ideal point of the rest is a weak
+        # bound against them: the convex channels cut the sweep (docs/design/search.md).
+        ctx.convex_bounds = ctx.convex_bounds or epsilon is not None
+    try:
+        final = _schedule(ctx, prep, regions, pieces)
+    except Dominated:  # the scalar DPs of the bounds proved it: every plan is beaten
+        note = ("every plan strictly dominated by an incumbent (exact lower bounds)",)
+        stats = SearchStats(0, 0, 0, ctx.products, 0, note, time.perf_counter() - start)
+        guarantee = _guarantee(epsilon, memory_budget, external)
+        return SearchResult(
+            problem.devices, problem.mesh, (), epsilon, memory_budget, delta, guarantee, stats
+        )
     assert final.table is not None and final.scope == ()
     choices = ctx.prov.recover(final.table.prov, prep.n_units)
     points = _exact_points(problem, choices, external)

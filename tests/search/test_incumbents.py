@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tensoropt.search.bounds import beyond
 from tensoropt.search.solver import Pruning, solve, strictly_dominated, surely_dominated
 from tensoropt.search.synthetic import transformer_problem
 
@@ -69,6 +70,65 @@ def test_surely_dominated_is_only_said_of_problems_with_nothing_left(mesh):
             assert _values(got.points) == _values(exact.points)
     assert any(said) and not all(said)
     assert not surely_dominated(problem, t, m)  # the frontier itself: ties stay
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2), (2, 4)])
+@pytest.mark.parametrize("eps", [None, 0.05])
+def test_exact_lower_bounds_prove_what_the_relaxation_cannot(mesh, eps):
+    """Incumbents 10% below the frontier in both coordinates: the per-unit relaxation
+    cannot prove the problem empty, the scalar DPs over the elimination can (the search
+    stops before the sweep), and the answer is the one of the search without bounds."""
+    problem = transformer_problem(2, mesh, seed=3)
+    whole = solve(problem).points
+    inc_t = np.array([p.time_s * 0.9 for p in whole])
+    inc_m = np.array([p.memory_bytes * 0.9 for p in whole])
+    assert not surely_dominated(problem, inc_t, inc_m)
+    got = solve(problem, epsilon=eps, incumbents=(inc_t, inc_m))
+    assert got.points == ()
+    assert got.stats.blocks[-1].endswith("(exact lower bounds)")
+    assert solve(problem, incumbents=(inc_t, inc_m), pruning=Pruning.OFF).points == ()
+    assert got.epsilon == eps and "given plans" in got.guarantee
+    # the fastest frontier point left undominated (the others lose only memory): no
+    # proof, and that point comes back (with epsilon: it is covered by a returned point
+    # or an incumbent)
+    inc_t, inc_m = inc_t / 0.9, inc_m.copy()
+    inc_t[0], inc_m[0] = whole[0].time_s * 1.01, whole[0].memory_bytes * 1.01
+    again = solve(problem, epsilon=eps, incumbents=(inc_t, inc_m))
+    assert "exact lower bounds" not in "".join(again.stats.blocks)
+    fastest = [(whole[0].time_s, whole[0].memory_bytes)]
+    if eps is None:
+        assert _values(again.points) == fastest
+    else:
+        given = list(zip(inc_t.tolist(), inc_m.tolist(), strict=True))
+        assert _covered(fastest, _values(again.points) + given, eps)
+
+
+def test_beyond_claims_only_regions_that_incumbents_strictly_dominate():
+    """Random staircases and lower bounds: whenever ``beyond`` says every point of the
+    region {x >= ideal, w.x >= low_w} is strictly dominated, no point of a fine grid in
+    that region escapes (ties with an incumbent included); it says so sometimes, and
+    not always."""
+    rng = np.random.default_rng(7)
+    said = []
+    axis = np.linspace(0.0, 12.0, 97)
+    gt, gm = np.meshgrid(axis, axis)
+    gt, gm = gt.ravel(), gm.ravel()
+    for _ in range(300):
+        k = int(rng.integers(1, 6))
+        inc_t = np.sort(rng.choice(np.arange(1, 11), k, replace=False)).astype(float)
+        inc_m = np.sort(rng.choice(np.arange(1, 11), k, replace=False))[::-1].astype(float)
+        t_low, m_low = (float(x) for x in rng.integers(0, 12, 2))
+        weights = rng.uniform(0.05, 1.0, (int(rng.integers(0, 4)), 2))
+        w_low = np.array([w @ (t_low, m_low) for w in weights]) + rng.uniform(0, 6, len(weights))
+        sure = beyond(t_low, m_low, weights, w_low, inc_t, inc_m)
+        said.append(sure)
+        if not sure:
+            continue
+        inside = (gt >= t_low) & (gm >= m_low)
+        for w, b in zip(weights, w_low, strict=True):
+            inside &= w[0] * gt + w[1] * gm >= b
+        assert strictly_dominated(gt[inside], gm[inside], inc_t, inc_m).all()
+    assert any(said) and not all(said)
 
 
 def test_strictly_dominated_keeps_equal_points():
