@@ -32,8 +32,8 @@ times as slow with no more memory (memory is never approximated: budgets and the
 least-memory point stay exact; repeated blocks are composed exactly and the slack is
 spread over the steps around them). For large models on many devices, whose exact
 frontiers reach tens of thousands of points 0.01% apart: the GPT-3 175B shape on 64,
-256 and 1024 devices takes about 110 s of CPU with --epsilon 0.05 against about 950 s
-exact (benchmarks/RESULTS.md, "Pipeline stages").
+256 and 1024 devices takes about 255 s of CPU with --epsilon 0.05; exact took 950 s
+when the same epsilon search took 110 s (benchmarks/RESULTS.md, "Pipeline stages").
 
 memory axes (--axes split,zero,recompute,micro; split alone by default, as every
 axis multiplies the search time): besides the split of every op, each mesh is
