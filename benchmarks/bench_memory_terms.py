@@ -27,25 +27,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_validate import export_model
+from bench_validate import model_file
 from results import RESULTS, write_section
 
 SECTION = "## Estimates against measurements"
 SUBSECTION = "### Memory term by term"
 MODELS = ("gpt:small", "resnet50:small", "mlp:small", "export:gpt2")
 MIB = 2**20
-
-
-def model_file(model: str, tmp: Path) -> Path:
-    from tensoropt.models import build_model, save_model
-
-    name, preset = model.split(":")
-    path = tmp / f"{name}-{preset}.onnx"
-    if name == "export":
-        export_model(preset, path)
-    else:
-        save_model(build_model(name, preset), str(path))
-    return path
 
 
 def terms(args, plan, cluster: str) -> tuple[float, float, float]:

@@ -77,7 +77,8 @@ def export_model(name: str, path: Path) -> None:
     )  # fmt: skip
 
 
-def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
+def model_file(model: str, tmp: Path) -> Path:
+    """The ONNX file of ``model`` (zoo NAME:PRESET, or export:gpt2) written under ``tmp``."""
     from tensoropt.models import build_model, save_model
 
     name, preset = model.split(":")
@@ -86,7 +87,12 @@ def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
         export_model(preset, path)
     else:
         save_model(build_model(name, preset), str(path))
-    out = tmp / f"{name}-{preset}.json"
+    return path
+
+
+def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
+    path = model_file(model, tmp)
+    out = path.with_suffix(".json")
     argv = ["validate", str(path), "--devices", "1,2", "--cluster", str(cluster),
             "--points", str(args.points), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--json-out", str(out),
