@@ -45,6 +45,7 @@ def profile_rates(profile: dict) -> dict[str, float]:
         out[f"{kind} bandwidth"] = fit["bandwidth"]
     if profile.get("softmax_masked_s"):  # as a rate: masked scores per second
         out["softmax masked scores"] = 1.0 / profile["softmax_masked_s"]
+    out["memory bandwidth"] = profile["memory_bandwidth"]  # the streaming floor's rate
     out["link alpha"] = profile["intra"]["alpha_s"]
     out["link bandwidth"] = profile["intra"]["bandwidth"]
     return out

@@ -21,7 +21,7 @@ the medians of launches spread over the calibration):
   really costs, instead of the roofline's fixed 2x;
 * ``op_throughput``: per family one FLOP/s number (median over the family's
   sizes), for readers and for code that does not use the curves;
-* ``peak_flops`` (best MatMul), ``memory_bandwidth`` (largest element-wise Add),
+* ``peak_flops`` (best MatMul), ``memory_bandwidth`` (:func:`streaming_bandwidth`),
   ``op_floor_s`` (one tiny kernel inside a graph), ``efficiency`` = 1 (the rates
   are already achieved ones);
 * ``intra`` = ``inter``: the joint alpha-beta fit of the collectives (one host);
@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -357,6 +358,23 @@ def _backward(results, curves: dict) -> dict:
     }
 
 
+def streaming_bandwidth(probes, results) -> tuple[float, str]:
+    """(bytes/s, where it comes from) of the profile's ``memory_bandwidth``: the rate at
+    which a step streams what its forward saved (the cost model's streaming floor).
+
+    The median of the memory-link probes' one-process rates (``memlink``: ``dst = src +
+    1`` over twice the last-level cache, 0.25 s each, before every compute pass and after
+    the last) where there are any; else the largest element-wise Add case's rate. The
+    probes are the steadier: 0.25 s of streaming each, against one timed case whose
+    operands exceed a 32 MiB L3 by little (two calibrations two hours apart: 38.5 and
+    38.5 GB/s from the probes, 27.8 and 40.2 from the Add; docs/design/measured.md)."""
+    alone = sorted(p.alone for p in probes)
+    if alone:
+        return float(statistics.median(alone)), f"memory-link probes (median of {len(alone)})"
+    streams = [r for r in results if r.case.op_type == "Add"]
+    return max(streams, key=lambda r: r.case.work).rate, "largest Add case"
+
+
 def _throughput(results) -> tuple[dict[str, float], dict[str, float]]:
     """Per family: median FLOP/s over its cases, and the median spread."""
     rates: dict[str, list[float]] = {}
@@ -454,8 +472,7 @@ def calibrate(
     throughput, fam_spread = _throughput(results)
     curves = _curves(results)
     matmul = [r.rate for r in results if r.case.family == "matmul"]
-    streams = [r for r in results if r.case.op_type == "Add"]
-    bandwidth = max(streams, key=lambda r: r.case.work).rate
+    bandwidth, bandwidth_from = streaming_bandwidth(link_probes, results)
     machine = machine_info()
     return {
         "schema": SCHEMA,
@@ -499,6 +516,7 @@ def calibrate(
             "compute_caches": "cold" if _kernel_options(opts).cold else "warm",
             "compute_neighbours": opts.neighbours,
             "memory_link": [p.to_json() for p in link_probes],
+            "memory_bandwidth_from": bandwidth_from,
             "repeats": opts.compute_repeats,
             "max_repeats": _kernel_options(opts).max_repeats,
             "compute_passes": opts.compute_passes,

@@ -34,8 +34,10 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             causally masked scores against plain ones (softmax_masked_s: onnxruntime's
             CPU Softmax slows down where exp underflows). The cost model floors a
             non-contraction op at the time to stream its bytes and its backward's at
-            the largest Add's rate: in a step those come from memory, not the cache a
-            chain of one op keeps them in
+            memory_bandwidth: in a step those come from memory, not the cache a chain
+            of one op keeps them in. memory_bandwidth is the median one-process rate of
+            the memory-link probes (0.25 s streams over twice the L3, before each pass
+            and after the last; the largest Add case's rate with one rank or one core)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
@@ -175,7 +177,7 @@ def _summary(profile: dict) -> str:
     for fam, rate in profile["op_throughput"].items():
         lines.append(f"  {fam:<12} {rate / 1e9:>9.2f} {spreads[fam]:>7.2f}")
     lines.append(
-        f"  peak {profile['peak_flops'] / 1e9:.1f} GFLOP/s, element-wise "
+        f"  peak {profile['peak_flops'] / 1e9:.1f} GFLOP/s, memory "
         f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, op floor "
         f"{profile['op_floor_s'] * 1e6:.2f} us, session.run "
         f"{cal['run_overhead_s'] * 1e6:.1f} us, masked Softmax score "

@@ -63,6 +63,10 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     if (os.cpu_count() or 1) >= 2:
         assert [p["processes"] for p in cal["memory_link"]] == [2, 2]
         assert all(p["alone_Bps"] > 0 and p["together_Bps"] > 0 for p in cal["memory_link"])
+        # the streaming floor's rate: the probes' median one-process rate
+        alone = sorted(p["alone_Bps"] for p in cal["memory_link"])
+        assert data["memory_bandwidth"] == pytest.approx((alone[0] + alone[1]) / 2, rel=1e-6)
+        assert cal["memory_bandwidth_from"] == "memory-link probes (median of 2)"
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
     assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]

@@ -22,7 +22,7 @@ def test_every_rate_kind_is_compared(quick_profile):
     rates = profile_rates(data)
     assert {f"compute {fam}" for fam in data["op_throughput"]} <= set(rates)
     assert {f"{kind} alpha" for kind in data["collectives"]["per_kind"]} <= set(rates)
-    assert {"link alpha", "link bandwidth"} <= set(rates)
+    assert {"link alpha", "link bandwidth", "memory bandwidth"} <= set(rates)
     assert any(" grid " in name for name in rates)  # the training-step grids
     assert all(r.change == 0 for r in compare(data, data))
 

@@ -27,6 +27,21 @@ def test_a_link_is_shared_when_processes_together_get_much_less_than_one_alone()
     }
 
 
+def test_the_streaming_floor_takes_the_probes_median_else_the_largest_add():
+    from types import SimpleNamespace
+
+    from tensoropt.calibrate.profile import streaming_bandwidth
+
+    def result(op_type: str, work: float, rate: float):
+        return SimpleNamespace(case=SimpleNamespace(op_type=op_type, work=work), rate=rate)
+
+    results = [result("Add", 1e6, 9e9), result("Add", 5e7, 2.5e10), result("Relu", 9e7, 5e10)]
+    probes = [memlink.LinkProbe(alone=a, together=a / 2, processes=2) for a in (4e10, 3e10, 5e10)]
+    assert streaming_bandwidth(probes, results) == (4e10, "memory-link probes (median of 3)")
+    assert streaming_bandwidth(probes[:2], results)[0] == 3.5e10
+    assert streaming_bandwidth([], results) == (2.5e10, "largest Add case")
+
+
 def test_one_rank_or_one_core_is_not_probed(monkeypatch):
     with memlink.prober(1) as prober:
         assert prober is None
