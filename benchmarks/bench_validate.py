@@ -122,6 +122,15 @@ def _link(probe: dict | None) -> str:
     return f"{'shared' if probe['shared'] else 'own'} {probe['ratio']:.2f}"
 
 
+def _host(ratio: float | None) -> str:
+    """The reference's time around a plan over its calibrated time (hostspeed)."""
+    return "-" if ratio is None else f"x{ratio:.2f}"
+
+
+def _hosted(plans: list[dict]) -> list[dict]:
+    return [p for p in plans if p.get("time_rel_error_host_corrected") is not None]
+
+
 def _on_link(plans: list[dict], shared: bool) -> list[dict]:
     return [p for p in plans if (p["measured"].get("memory_link") or {}).get("shared") is shared]
 
@@ -134,9 +143,9 @@ def _uses_axes(plan: dict) -> bool:
 def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
     rows = [
         "| model | dev | mesh | pt | est ms | meas ms | time err | est comp ms | meas comp"
-        " ms (cpu) | comp err | link | model comm ms | graph comm ms (coll.) | meas comm ms"
+        " ms (cpu) | comp err | link | host | model comm ms | graph comm ms (coll.) | meas comm ms"
         " | est MiB | +state MiB | liveness MiB | meas MiB | mem err | +state err |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:"
         "|---:|---:|---:|",
     ]
     for p in plans:
@@ -147,7 +156,7 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
             f"| {e['time_s'] * 1e3:.2f} | {m['time_s'] * 1e3:.2f} | {p['time_rel_error']:+.0%} "
             f"| {e['compute_s'] * 1e3:.2f} | {m['compute_s'] * 1e3:.2f} "
             f"({m['compute_cpu_s'] * 1e3:.2f}) | {p['compute_rel_error']:+.0%} "
-            f"| {_link(m.get('memory_link'))} "
+            f"| {_link(m.get('memory_link'))} | {_host(m.get('host_speed_ratio'))} "
             f"| {e['comm_s'] * 1e3:.2f} | {e['graph_comm_s'] * 1e3:.2f} ({e['graph_collectives']})"
             f" | {m['comm_s'] * 1e3:.2f} | {e['memory_bytes'] / 2**20:.2f} "
             f"| {plus / 2**20:.2f} | {e['liveness_peak_bytes'] / 2**20:.2f} "
@@ -171,6 +180,8 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
         line(f"step time, all {len(plans)} plans", plans, lambda p: p["time_rel_error"]),
         line(f"step time, {len(one)} plans on 1 device", one, lambda p: p["time_rel_error"]),
         line(f"step time, {len(two)} plans on 2 devices", two, lambda p: p["time_rel_error"]),
+        line(f"step time, estimates scaled by the host's speed, {len(_hosted(plans))} plans",
+             _hosted(plans), lambda p: p["time_rel_error_host_corrected"]),
         line("compute term (vs segment time), all", plans, lambda p: p["compute_rel_error"]),
         line("compute term, 1 device", one, lambda p: p["compute_rel_error"]),
         line("compute term, 2 devices", two, lambda p: p["compute_rel_error"]),
@@ -200,6 +211,17 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
             f"| step time, worst ({worst['model']}, {worst['devices']} device(s), point "
             f"{worst['point']}) | {abs(worst['time_rel_error']):.1%} |"
         )
+    hosted = _hosted(plans)
+    if hosted:
+        worst = max(hosted, key=lambda p: abs(p["time_rel_error_host_corrected"]))
+        ratios = [p["measured"]["host_speed_ratio"] for p in hosted]
+        summary += [
+            f"| step time scaled by the host's speed, worst ({worst['model']}, "
+            f"{worst['devices']} device(s), point {worst['point']}) | "
+            f"{abs(worst['time_rel_error_host_corrected']):.1%} |",
+            f"| host: reference time over calibrated, median (range) | "
+            f"x{statistics.median(ratios):.2f} (x{min(ratios):.2f}..x{max(ratios):.2f}) |",
+        ]
     summary += ["", *one_sided(plans)]
     return rows, summary
 
@@ -208,16 +230,20 @@ def one_sided(plans: list[dict]) -> list[str]:
     """Per model and device count: the signed median step-time error (an error of one
     sign across a model's plans is a bias of the model, not noise)."""
     out = [
-        "| model | devices | plans | signed median step-time error | range |",
-        "|---|---:|---:|---:|---|",
+        "| model | devices | plans | signed median step-time error | range | scaled by the"
+        " host's speed |",
+        "|---|---:|---:|---:|---|---:|",
     ]
-    groups: dict[tuple[str, int], list[float]] = {}
+    groups: dict[tuple[str, int], list[dict]] = {}
     for p in plans:
-        groups.setdefault((p["model"], p["devices"]), []).append(p["time_rel_error"])
-    for (model, devices), errs in sorted(groups.items()):
+        groups.setdefault((p["model"], p["devices"]), []).append(p)
+    for (model, devices), group in sorted(groups.items()):
+        errs = [p["time_rel_error"] for p in group]
+        hosted = [p["time_rel_error_host_corrected"] for p in _hosted(group)]
+        scaled = f"{statistics.median(hosted):+.1%}" if hosted else "-"
         out.append(
             f"| {model} | {devices} | {len(errs)} | {statistics.median(errs):+.1%} "
-            f"| {min(errs):+.0%}..{max(errs):+.0%} |"
+            f"| {min(errs):+.0%}..{max(errs):+.0%} | {scaled} |"
         )
     return out
 

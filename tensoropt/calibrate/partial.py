@@ -54,13 +54,15 @@ def _probe(d: dict) -> LinkProbe:
 
 @dataclass(slots=True)
 class PartialState:
-    """What a calibration has finished: passes (in order), MPI runs, probes, seconds."""
+    """What a calibration has finished: passes (in order), MPI runs, probes, seconds,
+    host-speed reference timings."""
 
     fingerprint: dict
     passes: list[list[tuple[KernelResult, float | None]]] = field(default_factory=list)
     runs: list[dict] = field(default_factory=list)
     probes: list[LinkProbe] = field(default_factory=list)
     seconds: float = 0.0
+    references: list[float] = field(default_factory=list)  # hostspeed.Reference timings
 
     def to_json(self) -> dict:
         return {
@@ -70,6 +72,7 @@ class PartialState:
             "runs": self.runs,
             "probes": [p.to_json() for p in self.probes],
             "seconds": self.seconds,
+            "references": self.references,
         }
 
     def write(self, path: str) -> None:
@@ -122,6 +125,7 @@ def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> Partial
             list(data["runs"]),
             [_probe(p) for p in data["probes"]],
             float(data["seconds"]),
+            [float(x) for x in data.get("references", [])],
         )
     except TensorOptError:
         raise

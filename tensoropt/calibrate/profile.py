@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensoropt.calibrate import collectives as coll
-from tensoropt.calibrate import kernels, memlink
+from tensoropt.calibrate import hostspeed, kernels, memlink
 from tensoropt.calibrate.machine import (
     machine_info,
     memory_bytes,
@@ -445,13 +445,15 @@ def calibrate(
     def on_point() -> None:
         tick("collectives")
 
-    # the collectives' MPI launches and the host's memory-link state, taken before each
-    # pass and after the last (kept in ``state`` with the pass that follows them)
+    # the collectives' MPI launches, the host's memory-link state and its speed, taken
+    # before each pass and after the last (kept in ``state`` with the pass that follows)
     slots = coll.launch_slots(opts.launches, opts.compute_passes)
+    reference = hostspeed.Reference()  # the host's speed, timed with each probe
 
     def launch(index: int) -> None:
         if prober is not None:
             state.probes.append(prober.probe())
+        state.references.append(reference.measure())
         if opts.backend is CommBackend.MPI:
             for _ in range(slots.count(index)):
                 state.runs.append(
@@ -517,6 +519,9 @@ def calibrate(
             "compute_neighbours": opts.neighbours,
             "memory_link": [p.to_json() for p in link_probes],
             "memory_bandwidth_from": bandwidth_from,
+            # hostspeed.Reference: median seconds, timed before each pass and after the last
+            "host_reference_s": statistics.median(state.references),
+            "host_references_s": [round(x, 7) for x in state.references],
             "repeats": opts.compute_repeats,
             "max_repeats": _kernel_options(opts).max_repeats,
             "compute_passes": opts.compute_passes,

@@ -60,6 +60,9 @@ class PlanCheck:
     link: LinkProbe | None = None  # the host's memory link just before the run (memlink)
     # the memory axes the plan uses (search.driver.Variant.to_json); None: the split alone
     axes: dict | None = None
+    # the host's reference time around the run over the calibration's (hostspeed; > 1:
+    # the host ran slower than when calibrated); None: the profile has no reference
+    host: float | None = None
 
     @property
     def measured_time_s(self) -> float:
@@ -84,6 +87,13 @@ class PlanCheck:
     @property
     def time_error(self) -> float:
         return rel_error(self.est_time_s, self.measured_time_s)
+
+    @property
+    def host_time_error(self) -> float | None:
+        """The step-time error with the estimate scaled by the host's speed then."""
+        if self.host is None:
+            return None
+        return rel_error(self.est_time_s * self.host, self.measured_time_s)
 
     @property
     def memory_error(self) -> float:
@@ -121,8 +131,10 @@ class PlanCheck:
                 "step_spread": max(r.step_spread for r in ranks),
                 "ranks": [r.to_json() for r in ranks],
                 "memory_link": self.link.to_json() if self.link else None,
+                "host_speed_ratio": self.host,
             },
             "time_rel_error": self.time_error,
+            "time_rel_error_host_corrected": self.host_time_error,
             "compute_rel_error": self.compute_error,
             "memory_rel_error": self.memory_error,
             "liveness_rel_error": self.liveness_error,
@@ -183,6 +195,9 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
         "median_graph_comm_rel_error": _median_abs(
             [rel_error(c.graph_comm_s, c.measured_comm_s) for c in checks if c.devices > 1]
         ),
+        "median_time_rel_error_host_corrected": _median_abs(
+            [c.host_time_error for c in checks if c.host_time_error is not None]
+        ),
         "plans_on_shared_memory_link": sum(1 for c in checks if c.link and c.link.shared),
         "error_definition": "|estimate - measured| / measured (medians); signed per plan",
         "results": [c.to_json() for c in checks],
@@ -192,7 +207,7 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
 def table(checks: Sequence[PlanCheck]) -> str:
     head = (
         f"{'dev':>3} {'mesh':>5} {'pt':>3}  {'est ms':>8} {'meas ms':>8} {'err':>6} "
-        f"{'comp err':>8} {'link':>11}  "
+        f"{'comp err':>8} {'link':>11} {'host':>5}  "
         f"{'est MiB':>8} {'live MiB':>8} {'meas MiB':>8} {'err':>6}  plan"
     )
     lines = [head]
@@ -200,7 +215,7 @@ def table(checks: Sequence[PlanCheck]) -> str:
         lines.append(
             f"{c.devices:>3} {'x'.join(map(str, c.mesh)):>5} {c.index:>3}  "
             f"{c.est_time_s * 1e3:>8.3f} {c.measured_time_s * 1e3:>8.3f} {c.time_error:>+6.0%} "
-            f"{c.compute_error:>+8.0%} {link_label(c.link):>11}  "
+            f"{c.compute_error:>+8.0%} {link_label(c.link):>11} {host_label(c.host):>5}  "
             f"{c.est_memory_bytes / 2**20:>8.2f} {c.liveness_peak_bytes / 2**20:>8.2f} "
             f"{c.measured_memory_bytes / 2**20:>8.2f} {c.memory_error:>+6.0%}  {c.summary}"
         )
@@ -211,6 +226,14 @@ def table(checks: Sequence[PlanCheck]) -> str:
         f"median |relative error| over {len(checks)} plans: step time {t:.1%}, "
         f"memory (search estimate) {m:.1%}, memory (static liveness) {live:.1%}"
     )
+    hosted = [c.host_time_error for c in checks if c.host_time_error is not None]
+    if hosted:
+        ratio = float(np.median([c.host for c in checks if c.host is not None]))
+        lines.append(
+            f"host: the reference ran x{ratio:.2f} its calibrated time (median over the plans; "
+            f"> 1 slower); step time with each estimate scaled by its plan's ratio: "
+            f"{_median_abs(hosted):.1%}"
+        )
     probed = [c for c in checks if c.link is not None]
     shared = sum(1 for c in probed if c.link.shared)
     if shared:
@@ -227,6 +250,11 @@ def link_label(link: LinkProbe | None) -> str:
     if link is None:
         return "-"
     return f"{'shared' if link.shared else 'own'} {link.ratio:.2f}"
+
+
+def host_label(host: float | None) -> str:
+    """The table's host column: the reference's time around the run over the calibrated."""
+    return "-" if host is None else f"x{host:.2f}"
 
 
 def plot(checks: Sequence[PlanCheck], path: str) -> None:

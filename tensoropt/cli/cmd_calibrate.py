@@ -37,7 +37,10 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             memory_bandwidth: in a step those come from memory, not the cache a chain
             of one op keeps them in. memory_bandwidth is the median one-process rate of
             the memory-link probes (0.25 s streams over twice the L3, before each pass
-            and after the last; the largest Add case's rate with one rank or one core)
+            and after the last; the largest Add case's rate with one rank or one core).
+            Before each pass and after the last, a fixed 1-thread graph (MatMul, Tanh,
+            Mul) is timed too: calibration.host_reference_s, the host's speed then,
+            which `validate` times again around every plan (a VM's speed drifts)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
             sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the

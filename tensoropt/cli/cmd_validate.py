@@ -29,6 +29,11 @@ as `compile --pick` does, runs it with `run --profile` (--steps steps, medians a
           once, against one alone; "shared" under 0.75). Some VM hosts put two vCPUs
           on one link at times, and then memory-bound ops run up to 2x slower than
           the calibration (timed alone) says
+  host    the host's speed: a fixed 1-thread onnxruntime graph (MatMul, Tanh, Mul),
+          timed before and after each plan, over its time when the profile was
+          calibrated (x1.10: the host ran 10% slower). A VM's speed drifts with its
+          neighbours; the summary adds the step-time error with each estimate scaled
+          by its plan's ratio, beside the raw error (for profiles from calibrate)
 
 relative error = (estimate - measured) / measured; the summary is the median of
 |error| over all plans. Plans that do not fit the profile's memory_bytes are not
@@ -174,8 +179,21 @@ def _check_args(args) -> None:
         )
 
 
+def _calibrated_reference(cluster: str | None) -> float | None:
+    """The host-speed reference time that ``cluster`` was calibrated with, if any."""
+    from tensoropt.calibrate.hostspeed import calibrated_reference
+
+    if not cluster or not os.path.isfile(cluster):
+        return None  # a built-in profile
+    try:
+        with open(cluster, encoding="utf-8") as f:
+            return calibrated_reference(json.load(f))
+    except (OSError, ValueError, AttributeError):
+        return None  # _explore has read the profile already; nothing to report here
+
+
 def run(args: argparse.Namespace) -> int:
-    from tensoropt.calibrate import memlink
+    from tensoropt.calibrate import hostspeed, memlink
     from tensoropt.calibrate.validate import (
         PlanCheck,
         graph_facts,
@@ -210,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     checks = []
     bar = progress(picks, total=len(picks), desc="validate")
     ranks = max(devices) if args.backend == "mpi" else 1  # local: the ranks take turns
+    calibrated = _calibrated_reference(args.cluster)
+    reference = hostspeed.Reference() if calibrated else None
     with (
         tempfile.TemporaryDirectory(prefix="tensoropt-validate-") as tmp,
         memlink.prober(ranks) as prober,
@@ -219,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             outdir = os.path.join(tmp, f"plan_{n}")
             compile_step(build_step(args), plan, None, outdir)
             link = prober.probe() if prober is not None and d > 1 else None
+            around = [reference.measure()] if reference else []
             result = run_steps(
                 outdir,
                 args.steps,
@@ -228,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
                 profile_warmup=args.warmup,
             )
             assert result.profile is not None
+            if reference:
+                around.append(reference.measure())
             summary = search.summaries[search.result.points.index(point)]
             facts = graph_facts(outdir, profile.intra)
             checks.append(
@@ -236,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
                     point.memory_bytes, facts.liveness_peak, result.profile,
                     compute_only(plan), facts.state_bytes, facts.comm_s,
                     facts.collectives, link, search.variant.to_json(len(search.blocks)),
+                    hostspeed.host_ratio(around, calibrated),
                 )
             )  # fmt: skip
     if not args.json:  # with --json, stdout is the document alone

@@ -67,6 +67,9 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
         alone = sorted(p["alone_Bps"] for p in cal["memory_link"])
         assert data["memory_bandwidth"] == pytest.approx((alone[0] + alone[1]) / 2, rel=1e-6)
         assert cal["memory_bandwidth_from"] == "memory-link probes (median of 2)"
+    # the host-speed reference (calibrate.hostspeed), timed before the pass and after it
+    assert len(cal["host_references_s"]) == 2 and all(x > 0 for x in cal["host_references_s"])
+    assert cal["host_reference_s"] == pytest.approx(sum(cal["host_references_s"]) / 2, abs=1e-6)
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
     assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]

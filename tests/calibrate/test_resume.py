@@ -81,6 +81,12 @@ def test_interrupted_calibration_resumes_from_its_finished_pass(tmp_path):
     cal = data["calibration"]
     assert cal["resumed"] is True and cal["compute_passes"] == 2
     assert set(cal["passes_apart"]) == {"median", "max", "max_case"}
+    # the host-speed reference: timed before each pass and after the last, the kept
+    # timings first
+    assert len(cal["host_references_s"]) == 3 and kept["references"]
+    assert cal["host_references_s"][: len(kept["references"])] == pytest.approx(
+        kept["references"], abs=1e-6
+    )
     # the forward kernels are timed in the first pass only: the kept pass was used, not
     # measured again (a re-measured pass would never equal its timings to the last bit)
     final = {}

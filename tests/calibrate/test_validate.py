@@ -58,8 +58,18 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
             assert link is None
         else:
             assert link["processes"] == 2 and link["alone_Bps"] > 0 and link["ratio"] > 0
+        # the host's speed around the run against the calibration's (hostspeed)
+        host = meas["host_speed_ratio"]
+        assert host > 0
+        assert r["time_rel_error_host_corrected"] == pytest.approx(
+            rel_error(est["time_s"] * host, meas["time_s"])
+        )
     shared = [r for r in results if (r["measured"]["memory_link"] or {}).get("shared")]
     assert data["plans_on_shared_memory_link"] == len(shared)
+    corrected = sorted(abs(r["time_rel_error_host_corrected"]) for r in results)
+    assert data["median_time_rel_error_host_corrected"] == pytest.approx(
+        (corrected[(len(corrected) - 1) // 2] + corrected[len(corrected) // 2]) / 2
+    )
     errors = sorted(abs(r["time_rel_error"]) for r in results)
     median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
     assert data["median_time_rel_error"] == pytest.approx(median)
@@ -70,7 +80,8 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
     summary = [i for i, line in enumerate(table) if line.startswith("median |relative error|")]
     assert summary == [len(results) + 1]  # after the header and one line per plan
     assert table[summary[0]].startswith(f"median |relative error| over {len(results)} plans")
-    assert "link" in table[0].split()
+    assert "link" in table[0].split() and "host" in table[0].split()
+    assert table[summary[0] + 1].startswith("host: the reference ran x")
     if shared:  # the plans that ran on a shared link are counted under the median
         assert table[-1].startswith(f"{len(shared)} of ")
 
