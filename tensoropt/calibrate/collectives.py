@@ -128,8 +128,9 @@ def measure_comm(
     one sample of every (collective, size) point, so that a slow phase of the processes
     (the first seconds after start measured 1.5-1.8x slower small AllReduces than the
     rest) spreads over every point instead of shifting the latency of whichever
-    collective would be measured first. ``slowest(t)`` returns the max of ``t`` over
-    ranks; ``on_round`` is called after each round.
+    collective would be measured first; each round takes the points in its own order
+    (seeded by the round), so no point always follows the same one. ``slowest(t)``
+    returns the max of ``t`` over ranks; ``on_round`` is called after each round.
     """
     n = comm.size
     group = tuple(range(n))
@@ -140,8 +141,12 @@ def measure_comm(
         for _ in range(2):
             calls[kind](inputs[kind, size])  # warm-up (buffers, sub-communicators)
     times: dict[tuple, list[float]] = {point: [] for point in points}
-    for _ in range(samples_per_point(spec)):
-        for kind, size in points:
+    for r in range(samples_per_point(spec)):
+        # each round in its own order, the same on every rank (their calls must match):
+        # in a fixed order each collective's smallest size ran right after the previous
+        # one's 32 MiB call and measured 1.5-2x its 1 KiB point (docs/design/measured.md)
+        for i in np.random.default_rng(r).permutation(len(points)):
+            kind, size = points[i]
             evict_caches()  # the compute between collectives
             fresh = inputs[kind, size].copy()  # written just before, as a segment's output is
             comm.barrier()
