@@ -1,11 +1,8 @@
 """How fast this host computes now, against when the profile was calibrated.
 
-A VM's vCPUs run at the speed the host gives them at the moment. On this project's
-machines the same one-device step of gpt small, idle both times, measured 72 ms in one
-hour and 75-96 ms (median 81) in the next, while a 1-thread 256x1024x1024 MatMul
-beside it moved with it (correlation 0.78 over 2.5 minutes; docs/design/measured.md,
-"Host speed"). An estimate is made at the calibration's speed; a measurement is taken at
-the speed of its minute.
+A VM's vCPUs run at the speed the host gives them at the moment: an estimate is made at
+the calibration's speed, a measurement is taken at the speed of its minute
+(docs/design/measured.md, "Host speed").
 
 :class:`Reference` times a fixed onnxruntime graph on one thread (a MatMul of
 ``ROWS x SIDE`` by ``SIDE x SIDE``, a Tanh and a Mul: compute-bound and element-wise
@@ -13,7 +10,8 @@ work). ``calibrate`` times it before every compute pass and after the last, and 
 the median in the profile (``calibration.host_reference_s``); ``validate`` times it
 before and after every plan. Their ratio (:func:`host_ratio`: > 1, the host ran slower
 than at calibration) scales the estimate in validate's host-corrected error, reported
-beside the raw error, which stays the one the targets are judged by.
+beside the raw error: the raw one is the estimate's error, the corrected one what is
+left of it once the host's drift is taken out.
 """
 
 from __future__ import annotations

@@ -43,13 +43,15 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             which `validate` times again around every plan (a VM's speed drifts)
   comm      AllReduce, AllGather, ReduceScatter, AllToAll through the runtime's
             communicator (mpi: mpiexec with --ranks ranks; local: in-process), message
-            sizes from 64 B to 32 MiB; alpha and bandwidth fitted by least squares on the
-            DESIGN section 4 volume model, per collective and jointly (the profile's link);
-            with mpi, every point is the mean of the medians of --launches fresh
-            process sets, run before, between and after the compute passes (one set's
-            rates can sit 30-50% from another's, and the host changed state over
-            minutes), its spread the larger of the in-launch IQR/median and the
-            across-launch range/mean
+            sizes from 64 B to 32 MiB, sampled in rounds of every (collective, size),
+            each round in its own order (a call right after a 32 MiB one runs slower,
+            and a fixed order put that on the 64 B points); alpha and bandwidth fitted
+            by least squares on the DESIGN section 4 volume model, per collective and
+            jointly (the profile's link); with mpi, every point is the mean of the
+            medians of --launches fresh process sets, run before, between and after the
+            compute passes (one set's rates can sit 30-50% from another's, and the host
+            changed state over minutes), its spread the larger of the in-launch
+            IQR/median and the across-launch range/mean
 
 output: a cluster JSON file for `tensoropt search --cluster FILE.json` (and compile,
 validate): rates, rate-vs-size curves per op family, every point with its spread,
