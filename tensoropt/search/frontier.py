@@ -114,7 +114,7 @@ def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
 # strided sample of itself (_drop_dominated_by_sample). On the GPT-3 175B shape at 64
 # devices (epsilon 0.05, split and micro-batches), groups of 16k-256k candidates took 24
 # s of the 29 s of pruning, ~44 ns per candidate, most of it the sort; with the sample,
-# the search's CPU time went from 68.3-68.7 s to 49.9-56 s, the same frontiers.
+# the search's CPU time went from 68.3-68.7 s to 49.9-55.6 s, the same frontiers.
 SAMPLED = 4096
 SAMPLE_STRIDE = 16
 
