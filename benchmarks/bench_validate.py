@@ -32,6 +32,8 @@ from pathlib import Path
 
 from results import RESULTS, write_section
 
+from tensoropt.calibrate.validate import host_label
+
 SECTION = "## Estimates against measurements"
 SUBSECTION = "### Latest validate run"
 AXES_SUBSECTION = "### Latest validate run with the memory axes"
@@ -122,11 +124,6 @@ def _link(probe: dict | None) -> str:
     return f"{'shared' if probe['shared'] else 'own'} {probe['ratio']:.2f}"
 
 
-def _host(ratio: float | None) -> str:
-    """The reference's time around a plan over its calibrated time (hostspeed)."""
-    return "-" if ratio is None else f"x{ratio:.2f}"
-
-
 def _hosted(plans: list[dict]) -> list[dict]:
     return [p for p in plans if p.get("time_rel_error_host_corrected") is not None]
 
@@ -156,7 +153,7 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
             f"| {e['time_s'] * 1e3:.2f} | {m['time_s'] * 1e3:.2f} | {p['time_rel_error']:+.0%} "
             f"| {e['compute_s'] * 1e3:.2f} | {m['compute_s'] * 1e3:.2f} "
             f"({m['compute_cpu_s'] * 1e3:.2f}) | {p['compute_rel_error']:+.0%} "
-            f"| {_link(m.get('memory_link'))} | {_host(m.get('host_speed_ratio'))} "
+            f"| {_link(m.get('memory_link'))} | {host_label(m.get('host_speed_ratio'))} "
             f"| {e['comm_s'] * 1e3:.2f} | {e['graph_comm_s'] * 1e3:.2f} ({e['graph_collectives']})"
             f" | {m['comm_s'] * 1e3:.2f} | {e['memory_bytes'] / 2**20:.2f} "
             f"| {plus / 2**20:.2f} | {e['liveness_peak_bytes'] / 2**20:.2f} "
