@@ -10,6 +10,8 @@ from tensoropt.calibrate import hostspeed
 def test_the_reference_times_a_fixed_graph_on_one_thread():
     ref = hostspeed.Reference()
     assert ref.measure(0.05) > 0
+    opts = ref._session.get_session_options()
+    assert opts.intra_op_num_threads == 1 and opts.inter_op_num_threads == 1
     model = hostspeed.reference_model()
     assert [n.op_type for n in model.graph.node] == ["MatMul", "Tanh", "Mul"]
 
