@@ -7,15 +7,16 @@ memory strictly descending: no point dominates another and no two are equal.
 
 The two operations of Frontier Tracking, ``⊕`` (Minkowski sum, then prune) and ``∪`` (union,
 then prune), are done for all entries of a factor product at once by :func:`sum_entries`:
-given pairs of entries (a_k of table A, b_k of table B) and an output group g_k, it forms every
-sum a + b, drops points over the memory budget, and keeps the non-dominated points of each
-group. Several pairs sharing a group is the union. There is no Python loop over points or
-entries, only over chunks of at most ``CHUNK`` candidate points (to bound memory).
+given pairs of entries (a_k of table A, b_k of table B) and an output group g_k, it keeps the
+non-dominated sums a + b of each group, with points over the memory budget dropped. Several
+pairs sharing a group is the union. The compiled kernel (:mod:`tensoropt.search.paretosum`)
+does it without forming every sum.
 
-Pruning is exact: after sorting each group by (time, memory, input order), a point is kept
-iff its memory is strictly below the memory of every earlier point of its group. Equal
-points therefore keep the first one in input order, which is a deterministic function of
-the problem, so solving the same problem twice returns the same choices.
+Pruning is exact: ordered by (time, memory, input order), a point is kept iff its memory is
+strictly below the memory of every earlier point of its group. Equal points therefore keep
+the first one in input order (for sums, the order of :func:`_pairs`), which is a
+deterministic function of the problem, so solving the same problem twice returns the same
+choices.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Protocol
 
 import numpy as np
 
+from tensoropt.search.paretosum import pareto_sums
 from tensoropt.search.provenance import Provenance
 
-CHUNK = 1 << 21
+# Stand-ins for B when `sum_entries` has none (one empty entry, never read).
+_NO_B_T = np.zeros(1, dtype=np.float64)
+_NO_B_OFF = np.zeros(2, dtype=np.int64)
 
 
 class PointFilter(Protocol):
@@ -204,8 +208,8 @@ def _pairs(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For entry pairs of sizes (sa, sb): pair index, offset in a, offset in b of each sum.
 
-    The fast-moving offset walks one entry in time order, so the candidates come out as
-    sorted runs (which the stable sort in `prune_groups` merges cheaply).
+    This is the input order of the candidate sums, which breaks ties between equal points
+    (the kernel computes each candidate's position in it; tests form the sums with it).
     """
     c = sa * sb
     total = int(c.sum())
@@ -216,21 +220,6 @@ def _pairs(
         return pair, local % na, local // na
     nb = sb[pair]
     return pair, local // nb, local % nb
-
-
-def _chunks(cost: np.ndarray) -> list[slice]:
-    """Split a pair list into consecutive runs of at most CHUNK candidates (>= 1 pair)."""
-    cum = np.cumsum(cost)
-    if len(cum) == 0 or cum[-1] <= CHUNK:
-        return [slice(0, len(cost))]
-    out, start = [], 0
-    while start < len(cost):
-        base = cum[start - 1] if start else 0
-        stop = int(np.searchsorted(cum, base + CHUNK, side="right"))
-        stop = max(stop, start + 1)
-        out.append(slice(start, stop))
-        start = stop
-    return out
 
 
 def sum_entries(
@@ -258,33 +247,30 @@ def sum_entries(
         assert ib is not None
         ib = ib[order]
         sb = B.sizes[ib]
-    kept_a, kept_b, kept_g = [], [], []
     a_fast = bool(sa.sum() >= sb.sum())
-    for sl in _chunks(sa * sb):
-        pair, la, lb = _pairs(sa[sl], sb[sl], a_fast)
-        pa = A.offsets[ia[sl]][pair] + la
-        t, m = A.t[pa], A.m[pa]
-        if B is not None:
-            pb = B.offsets[ib[sl]][pair] + lb
-            t, m = t + B.t[pb], m + B.m[pb]
-        else:
-            pb = pa
-        g = group[sl][pair]
-        if flt.budget != math.inf:
-            fits = m <= flt.budget
-            pa, pb, t, m, g = pa[fits], pb[fits], t[fits], m[fits], g[fits]
-        keep = prune_groups(g, t, m)
-        if bound is not None:  # after pruning: far fewer points to test (exact either way)
-            keep = keep[bound.keep(g[keep], t[keep], m[keep])]
-        kept_a.append(pa[keep])
-        kept_b.append(pb[keep])
-        kept_g.append(g[keep])
-    pa, pb, g = np.concatenate(kept_a), np.concatenate(kept_b), np.concatenate(kept_g)
+    if B is None:
+        bt, bm, boff, ib_ = _NO_B_T, _NO_B_T, _NO_B_OFF, np.zeros(len(ia), dtype=np.int64)
+    else:
+        bt, bm, boff, ib_ = B.t, B.m, B.offsets, ib
+    pa, pb, g = pareto_sums(
+        A.t,
+        A.m,
+        A.offsets,
+        ia,
+        bt,
+        bm,
+        boff,
+        ib_,
+        B is not None,
+        group,
+        a_fast,
+        float(flt.budget),
+    )
     t, m = A.t[pa], A.m[pa]
     if B is not None:
         t, m = t + B.t[pb], m + B.m[pb]
-    if len(kept_a) > 1:
-        keep = prune_groups(g, t, m)
+    if bound is not None:  # after pruning: far fewer points to test (exact either way)
+        keep = bound.keep(g, t, m)
         pa, pb, g, t, m = pa[keep], pb[keep], g[keep], t[keep], m[keep]
     if flt.delta is not None:
         keep = epsilon_thin(g, t, flt.delta)
