@@ -35,35 +35,6 @@ def _less(t1, m1, i1, t2, m2, i2):
     return i1 < i2
 
 
-@njit(cache=True, inline="always")
-def _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, f):
-    """Time and memory of run point f (the fixed entry's point s plus the moving one's f),
-    added in the order `sum_entries` adds them (A's value first)."""
-    i_a = f if moving_a else s
-    i_b = s if moving_a else f
-    if has_b:
-        return at[a0 + i_a] + bt[b0 + i_b], am[a0 + i_a] + bm[b0 + i_b]
-    return at[a0 + i_a], am[a0 + i_a]
-
-
-@njit(cache=True)
-def _settle(at, am, bt, bm, a0, b0, has_b, moving_a, s, f, n_moving):
-    """The least key of a run from point f on. Rounding can give neighbouring points of a
-    run equal times (memory then falls): the least key is the first point of the equal-time
-    block with the block's least memory; the points before it are strictly dominated."""
-    t0, m_best = _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, f)
-    best = f
-    j = f + 1
-    while j < n_moving:
-        t, m = _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, j)
-        if t != t0:
-            break
-        if m < m_best:
-            m_best, best = m, j
-        j += 1
-    return best
-
-
 @njit(cache=True)
 def _sift_down(ht, hm, hi, hr, n, pos):
     t, m, i, r = ht[pos], hm[pos], hi[pos], hr[pos]
@@ -80,44 +51,45 @@ def _sift_down(ht, hm, hi, hr, n, pos):
     ht[pos], hm[pos], hi[pos], hr[pos] = t, m, i, r
 
 
-@njit(cache=True, inline="always")
-def _index(base, na, nb, a_fast, moving_a, s, f):
-    """The candidate's position in `frontier._pairs` order: the tie-breaker."""
-    i_a = f if moving_a else s
-    i_b = s if moving_a else f
-    if a_fast:
-        return base + i_b * na + i_a
-    return base + i_a * nb + i_b
-
-
 @njit(cache=True)
-def _jump(at, am, bt, bm, a0, b0, has_b, moving_a, s, lo, n_moving, bound):
-    """The run's least key among its points from lo on whose memory is below `bound`
-    (n_moving if none). Memory does not rise along a run, so the first such point is found
-    by galloping from lo (it is usually near) and then a binary search; every point passed
-    is dominated by a kept one or over budget."""
-    if lo >= n_moving:
-        return n_moving
-    if _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, lo)[1] >= bound:
-        # Invariant: point lo is not below the bound.
-        step = 1
-        while (
-            lo + step < n_moving
-            and _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, lo + step)[1] >= bound
-        ):
+def _head(mt, mm, off, n, ft, fm, lo, bound):
+    """A run's least key from its point lo on among the points with memory below `bound`,
+    or n if there is none. The run's points are (ft + mt[off + f], fm + mm[off + f]): IEEE
+    addition is commutative, so these are the sums `sum_entries` forms.
+
+    Memory does not rise along a run, so the first point below the bound is found by
+    galloping from lo (it is usually near) and a binary search; every point passed is
+    dominated by a kept one or over budget. Rounding can give neighbouring points equal
+    times (memory then falls): the least key is the first point of the equal-time block
+    with the block's least memory, and the points before it are strictly dominated.
+    """
+    if lo >= n:
+        return n
+    if fm + mm[off + lo] >= bound:
+        step = 1  # invariant: point lo is not below the bound
+        while lo + step < n and fm + mm[off + lo + step] >= bound:
             lo += step
             step *= 2
-        hi = min(lo + step, n_moving)  # below the bound, or the end
+        hi = min(lo + step, n)  # below the bound, or the end
         lo += 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, mid)[1] < bound:
+            if fm + mm[off + mid] < bound:
                 hi = mid
             else:
                 lo = mid + 1
-        if lo == n_moving:
-            return lo
-    return _settle(at, am, bt, bm, a0, b0, has_b, moving_a, s, lo, n_moving)
+        if lo == n:
+            return n
+    t0 = ft + mt[off + lo]
+    m_best = fm + mm[off + lo]
+    best = lo
+    j = lo + 1
+    while j < n and ft + mt[off + j] == t0:
+        m = fm + mm[off + j]
+        if m < m_best:
+            m_best, best = m, j
+        j += 1
+    return best
 
 
 @njit(cache=True)
@@ -162,10 +134,18 @@ def pareto_sums(at, am, aoff, ia, bt, bm, boff, ib, has_b, group, a_fast, budget
         n_runs = 0
         for k in range(start, stop):
             n_runs += min(sa[k], sb[k])
-        # Run r: pair run_k[r], point run_s[r] of the shorter entry (fixed), and the
-        # longer entry (moving) from its point run_f[r] on.
-        run_k = np.empty(n_runs, np.int64)
-        run_s = np.empty(n_runs, np.int64)
+        # Run r: one point of a pair's shorter entry (fixed: time run_ft, memory run_fm,
+        # position run_fp) plus the longer entry (moving: positions run_off + f, f < run_n,
+        # in A when run_ma), from point run_f on. Its candidate index is
+        # run_i0 + f * run_di.
+        run_ft = np.empty(n_runs, np.float64)
+        run_fm = np.empty(n_runs, np.float64)
+        run_fp = np.empty(n_runs, np.int64)
+        run_off = np.empty(n_runs, np.int64)
+        run_n = np.empty(n_runs, np.int64)
+        run_ma = np.empty(n_runs, np.bool_)
+        run_i0 = np.empty(n_runs, np.int64)
+        run_di = np.empty(n_runs, np.int64)
         run_f = np.empty(n_runs, np.int64)
         # The heap of run heads, keyed (time, memory, candidate index).
         ht = np.empty(n_runs, np.float64)
@@ -180,41 +160,59 @@ def pareto_sums(at, am, aoff, ia, bt, bm, boff, ib, has_b, group, a_fast, budget
             b0 = boff[ib[k]] if has_b else 0
             moving_a = sa[k] >= sb[k]
             n_fixed = sb[k] if moving_a else sa[k]
-            n_moving = sa[k] if moving_a else sb[k]
             for s in range(n_fixed):
-                run_k[r], run_s[r] = k, s
-                f = _jump(at, am, bt, bm, a0, b0, has_b, moving_a, s, 0, n_moving, best)
-                if f < n_moving:
+                if moving_a:
+                    run_off[r], run_n[r], run_fp[r] = a0, sa[k], b0 + s
+                    run_ft[r] = bt[b0 + s] if has_b else 0.0
+                    run_fm[r] = bm[b0 + s] if has_b else 0.0
+                    # f walks A: i_a = f, i_b = s.
+                    run_i0[r] = base[k] + (s * sa[k] if a_fast else s)
+                    run_di[r] = 1 if a_fast else sb[k]
+                else:
+                    run_off[r], run_n[r], run_fp[r] = b0, sb[k], a0 + s
+                    run_ft[r], run_fm[r] = at[a0 + s], am[a0 + s]
+                    # f walks B: i_a = s, i_b = f.
+                    run_i0[r] = base[k] + (s if a_fast else s * sb[k])
+                    run_di[r] = sa[k] if a_fast else 1
+                run_ma[r] = moving_a
+                mt, mm = (at, am) if moving_a else (bt, bm)
+                f = _head(mt, mm, run_off[r], run_n[r], run_ft[r], run_fm[r], 0, best)
+                if f < run_n[r]:
                     run_f[r] = f
-                    ht[n_heap], hm[n_heap] = _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, f)
-                    hi[n_heap] = _index(base[k], sa[k], sb[k], a_fast, moving_a, s, f)
+                    ht[n_heap] = run_ft[r] + mt[run_off[r] + f]
+                    hm[n_heap] = run_fm[r] + mm[run_off[r] + f]
+                    hi[n_heap] = run_i0[r] + f * run_di[r]
                     hr[n_heap] = r
                     n_heap += 1
                 r += 1
         for pos in range(n_heap // 2 - 1, -1, -1):
             _sift_down(ht, hm, hi, hr, n_heap, pos)
+        g = group[start]
         while n_heap > 0:
             r = hr[0]
-            k, s, f = run_k[r], run_s[r], run_f[r]
-            a0 = aoff[ia[k]]
-            b0 = boff[ib[k]] if has_b else 0
-            moving_a = sa[k] >= sb[k]
-            n_moving = sa[k] if moving_a else sb[k]
+            f = run_f[r]
+            moving_a = run_ma[r]
             if hm[0] < best:
                 best = hm[0]
                 if n_out == cap:
                     cap *= 2
                     out_a, out_b, out_g = _grow(out_a, cap), _grow(out_b, cap), _grow(out_g, cap)
-                i_a = f if moving_a else s
-                out_a[n_out] = a0 + i_a
-                out_b[n_out] = b0 + (s if moving_a else f) if has_b else a0 + i_a
-                out_g[n_out] = group[k]
+                if moving_a:
+                    out_a[n_out] = run_off[r] + f
+                    out_b[n_out] = run_fp[r] if has_b else run_off[r] + f
+                else:
+                    out_a[n_out] = run_fp[r]
+                    out_b[n_out] = run_off[r] + f
+                out_g[n_out] = g
                 n_out += 1
-            f = _jump(at, am, bt, bm, a0, b0, has_b, moving_a, s, f + 1, n_moving, best)
-            if f < n_moving:
+            mt, mm = (at, am) if moving_a else (bt, bm)
+            off, n = run_off[r], run_n[r]
+            f = _head(mt, mm, off, n, run_ft[r], run_fm[r], f + 1, best)
+            if f < n:
                 run_f[r] = f
-                ht[0], hm[0] = _point(at, am, bt, bm, a0, b0, has_b, moving_a, s, f)
-                hi[0] = _index(base[k], sa[k], sb[k], a_fast, moving_a, s, f)
+                ht[0] = run_ft[r] + mt[off + f]
+                hm[0] = run_fm[r] + mm[off + f]
+                hi[0] = run_i0[r] + f * run_di[r]
             else:
                 n_heap -= 1
                 ht[0], hm[0], hi[0], hr[0] = ht[n_heap], hm[n_heap], hi[n_heap], hr[n_heap]
