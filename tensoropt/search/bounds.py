@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from tensoropt.search.frontier import Table, prune_groups
 
@@ -98,18 +99,26 @@ class Bound:
         b = w[:, :1] * t + w[:, 1:] * m + self.lb_w[:, g]  # (channels, n)
         ct, cm = self.inc_t[1:], self.inc_m[:-1]  # corners 1..k-1 (index j - 1)
         vc = w[:, :1] * ct + w[:, 1:] * cm  # (channels, corners)
-        ok = np.ones(len(g), dtype=bool)
-        live = np.arange(len(g))
-        for d in range(int((hi - lo).max()) + 1):
-            j = lo[live] + d
-            act = j <= hi[live]
-            live, j = live[act], j[act]
-            if not len(live):
+        return _all_corners_cut(np.ascontiguousarray(b), np.ascontiguousarray(vc), lo, hi)
+
+
+@njit(cache=True)
+def _all_corners_cut(b, vc, lo, hi):
+    """ok[i]: every corner j in lo[i]..hi[i] has a channel c with b[c, i] >= vc[c, j - 1]
+    (compiled: one loop per candidate that stops at its first corner no channel cuts)."""
+    n_ch, n = b.shape
+    ok = np.ones(n, dtype=np.bool_)
+    for i in range(n):
+        for j in range(lo[i], hi[i] + 1):
+            cut = False
+            for c in range(n_ch):
+                if b[c, i] >= vc[c, j - 1]:
+                    cut = True
+                    break
+            if not cut:
+                ok[i] = False
                 break
-            cut = (b[:, live] >= vc[:, j - 1]).any(axis=0)
-            ok[live[~cut]] = False
-            live = live[cut]
-        return ok
+    return ok
 
 
 @dataclass(frozen=True, slots=True)
