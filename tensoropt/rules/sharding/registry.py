@@ -199,8 +199,10 @@ def _compose(
     if shape[0] > 1:
         # localize checks that each strategy is legal; these came from the rule itself
         remember_legal(registry.rule(op.op_type), op, shape[0], legal)
-    for s in legal:
-        view = local_view(op, registry.localize(op, s, shape[0]))
+    # Every strategy is localized before any recursion: the recursion remembers the legal
+    # strategies of the local ops, and a check against this op would enumerate them again.
+    views = [local_view(op, registry.localize(op, s, shape[0])) for s in legal]
+    for s, view in zip(legal, views, strict=True):
         out += [(s, *rest) for rest in _compose(view, shape[1:], registry)]
     _COMPOSED[key] = found = tuple(out)
     if len(_COMPOSED) > _COMPOSED_MAX:
