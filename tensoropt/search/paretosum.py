@@ -126,32 +126,36 @@ def pareto_sums(at, am, aoff, ia, bt, bm, boff, ib, has_b, group, a_fast, budget
         total += sa[k] * sb[k]
     # The inclusive budget as a strict bound: m <= budget iff m < nextafter(budget, inf).
     limit = np.nextafter(budget, np.inf)
+    # The most runs of one group: the run and heap arrays are allocated once, that long.
+    most, runs, start = 0, 0, 0
+    for k in range(n_pairs):
+        if group[k] != group[start]:
+            most, runs, start = max(most, runs), 0, k
+        runs += min(sa[k], sb[k])
+    most = max(most, runs)
+    # Run r: one point of a pair's shorter entry (fixed: time run_ft, memory run_fm,
+    # position run_fp) plus the longer entry (moving: positions run_off + f, f < run_n,
+    # in A when run_ma), from point run_f on. Its candidate index is
+    # run_i0 + f * run_di.
+    run_ft = np.empty(most, np.float64)
+    run_fm = np.empty(most, np.float64)
+    run_fp = np.empty(most, np.int64)
+    run_off = np.empty(most, np.int64)
+    run_n = np.empty(most, np.int64)
+    run_ma = np.empty(most, np.bool_)
+    run_i0 = np.empty(most, np.int64)
+    run_di = np.empty(most, np.int64)
+    run_f = np.empty(most, np.int64)
+    # The heap of run heads, keyed (time, memory, candidate index).
+    ht = np.empty(most, np.float64)
+    hm = np.empty(most, np.float64)
+    hi = np.empty(most, np.int64)
+    hr = np.empty(most, np.int64)
     start = 0
     while start < n_pairs:
         stop = start
         while stop < n_pairs and group[stop] == group[start]:
             stop += 1
-        n_runs = 0
-        for k in range(start, stop):
-            n_runs += min(sa[k], sb[k])
-        # Run r: one point of a pair's shorter entry (fixed: time run_ft, memory run_fm,
-        # position run_fp) plus the longer entry (moving: positions run_off + f, f < run_n,
-        # in A when run_ma), from point run_f on. Its candidate index is
-        # run_i0 + f * run_di.
-        run_ft = np.empty(n_runs, np.float64)
-        run_fm = np.empty(n_runs, np.float64)
-        run_fp = np.empty(n_runs, np.int64)
-        run_off = np.empty(n_runs, np.int64)
-        run_n = np.empty(n_runs, np.int64)
-        run_ma = np.empty(n_runs, np.bool_)
-        run_i0 = np.empty(n_runs, np.int64)
-        run_di = np.empty(n_runs, np.int64)
-        run_f = np.empty(n_runs, np.int64)
-        # The heap of run heads, keyed (time, memory, candidate index).
-        ht = np.empty(n_runs, np.float64)
-        hm = np.empty(n_runs, np.float64)
-        hi = np.empty(n_runs, np.int64)
-        hr = np.empty(n_runs, np.int64)
         n_heap = 0
         r = 0
         best = limit  # the running minimum M of memory kept in this group
