@@ -28,9 +28,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from tensoropt.search.frontier import Table, prune_groups
+from tensoropt.search.jit import compiled
 
 INFLATE = 1e-9  # relative slack on incumbents (rounding of the DP's float sums)
 WEIGHTS = 17  # scalarisations tried for incumbents (time weight 0..1, both ends excluded)
@@ -102,7 +102,7 @@ class Bound:
         return _all_corners_cut(np.ascontiguousarray(b), np.ascontiguousarray(vc), lo, hi)
 
 
-@njit(cache=True)
+@compiled()
 def _all_corners_cut(b, vc, lo, hi):
     """ok[i]: every corner j in lo[i]..hi[i] has a channel c with b[c, i] >= vc[c, j - 1]
     (compiled: one loop per candidate that stops at its first corner no channel cuts)."""

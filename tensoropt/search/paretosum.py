@@ -23,10 +23,11 @@ exactly ``prune_groups`` of all candidates (property-tested in tests/search).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from tensoropt.search.jit import compiled
 
 
-@njit(cache=True, inline="always")
+@compiled(inline="always")
 def _less(t1, m1, i1, t2, m2, i2):
     if t1 != t2:
         return t1 < t2
@@ -35,7 +36,7 @@ def _less(t1, m1, i1, t2, m2, i2):
     return i1 < i2
 
 
-@njit(cache=True)
+@compiled()
 def _sift_down(ht, hm, hi, hr, n, pos):
     t, m, i, r = ht[pos], hm[pos], hi[pos], hr[pos]
     while True:
@@ -51,7 +52,7 @@ def _sift_down(ht, hm, hi, hr, n, pos):
     ht[pos], hm[pos], hi[pos], hr[pos] = t, m, i, r
 
 
-@njit(cache=True)
+@compiled()
 def _head(mt, mm, off, n, ft, fm, lo, bound):
     """A run's least key from its point lo on among the points with memory below `bound`,
     or n if there is none. The run's points are (ft + mt[off + f], fm + mm[off + f]): IEEE
@@ -92,14 +93,14 @@ def _head(mt, mm, off, n, ft, fm, lo, bound):
     return best
 
 
-@njit(cache=True)
+@compiled()
 def _grow(arr, cap):
     grown = np.empty(cap, np.int64)
     grown[: len(arr)] = arr
     return grown
 
 
-@njit(cache=True)
+@compiled()
 def pareto_sums(at, am, aoff, ia, bt, bm, boff, ib, has_b, group, a_fast, budget):
     """Kept (position in A, position in B, group) of every group, sorted by (group, time).
 

@@ -4,6 +4,9 @@ the same positions in A and B, the same groups, in the same order, ties included
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 from hypothesis import given, settings
@@ -126,3 +129,26 @@ def test_sum_entries_returns_the_pareto_set_of_the_sums(seed, sizes):
         (a + b, c + d) for a, c in zip(A.t, A.m, strict=True) for b, d in zip(B.t, B.m, strict=True)
     ]
     assert list(zip(out.t.tolist(), out.m.tolist(), strict=True)) == pareto(sums)
+
+
+def test_the_kernels_run_where_numba_cannot_write_a_cache():
+    """With no cache location numba refuses ``cache=True``; the kernels then compile in
+    the process (here: numba told to look only inside zip files)."""
+    code = (
+        "import numpy as np\n"
+        "from tensoropt.search import bounds, frontier, paretosum\n"
+        "from tensoropt.search.provenance import Provenance\n"
+        "assert type(paretosum.pareto_sums._cache).__name__ == 'NullCache'\n"
+        "assert type(bounds._all_corners_cut._cache).__name__ == 'NullCache'\n"
+        "A = frontier.Table(np.array([0, 2]), np.array([1.0, 2.0]), np.array([2.0, 1.0]),"
+        " np.zeros(2, dtype=np.int64))\n"
+        "one = np.zeros(1, dtype=np.int64)\n"
+        "out = frontier.sum_entries(A, one, A, one, one, 1, Provenance(), frontier.Filter())\n"
+        "print(out.t.tolist(), out.m.tolist())\n"
+    )
+    env = dict(os.environ, NUMBA_CACHE_LOCATOR_CLASSES="ZipCacheLocator")
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[2.0, 3.0, 4.0] [4.0, 3.0, 2.0]"
