@@ -10,8 +10,8 @@ longer one. Both entries are sorted by time with memory strictly falling, so a r
 itself sorted by time with memory not rising. A heap merges a group's runs by the key
 (time, memory, candidate index) and keeps a popped point iff its memory is strictly below
 the least memory kept so far (the running minimum M); the budget is a second bound on
-memory. After each pop its run jumps, by binary search, to its first point with memory
-below M: every point it passes is dominated by a kept one (or over budget) and would be
+memory. After each pop its run jumps (galloping, then a binary search) to its first point
+with memory below M: every point it passes is dominated by a kept one (or over budget) and would be
 dropped anyway. The work then follows the points kept and the runs, not the pairs.
 
 The candidate index is the position a candidate has in `frontier._pairs`'s order (pairs
