@@ -184,6 +184,33 @@ _COMPOSED: OrderedDict = OrderedDict()
 _COMPOSED_MAX = 20_000
 
 
+# (registry, op view key, axis size) -> the op's legal strategies along one axis and the
+# local view of each: meshes with the same first axis (2x32, 2x128) share them.
+_AXIS: OrderedDict = OrderedDict()
+_AXIS_MAX = 20_000
+
+
+def _axis_step(
+    op: OpView, n: int, registry: ShardingRegistry
+) -> tuple[list[OpSharding], list[OpView]]:
+    key = (registry, op.key(), n)
+    found = _AXIS.get(key)
+    if found is not None:
+        _AXIS.move_to_end(key)
+        return found
+    legal = registry.strategies(op, n)
+    if n > 1:
+        # localize checks that each strategy is legal; these came from the rule itself
+        remember_legal(registry.rule(op.op_type), op, n, legal)
+    # Every strategy is localized before any recursion: the recursion remembers the legal
+    # strategies of the local ops, and a check against this op would enumerate them again.
+    views = [local_view(op, registry.localize(op, s, n)) for s in legal]
+    _AXIS[key] = found = (legal, views)
+    if len(_AXIS) > _AXIS_MAX:
+        _AXIS.popitem(last=False)
+    return found
+
+
 def _compose(
     op: OpView, shape: tuple[int, ...], registry: ShardingRegistry
 ) -> tuple[tuple[OpSharding, ...], ...]:
@@ -195,13 +222,7 @@ def _compose(
         _COMPOSED.move_to_end(key)
         return found
     out: list[tuple[OpSharding, ...]] = []
-    legal = registry.strategies(op, shape[0])
-    if shape[0] > 1:
-        # localize checks that each strategy is legal; these came from the rule itself
-        remember_legal(registry.rule(op.op_type), op, shape[0], legal)
-    # Every strategy is localized before any recursion: the recursion remembers the legal
-    # strategies of the local ops, and a check against this op would enumerate them again.
-    views = [local_view(op, registry.localize(op, s, shape[0])) for s in legal]
+    legal, views = _axis_step(op, shape[0], registry)
     for s, view in zip(legal, views, strict=True):
         out += [(s, *rest) for rest in _compose(view, shape[1:], registry)]
     _COMPOSED[key] = found = tuple(out)
