@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensoropt.cost.pipeline import in_flight, stage_time
+from tensoropt.search.jit import compiled
 
 __all__ = [
     "PipelinePoint",
@@ -141,40 +142,52 @@ def plan_frontier(
     n = len(positions)
     if stages < 1 or n < stages + 1:
         return []
-    upper = np.triu(np.ones((n, n), dtype=bool), k=1)  # a stage is non-empty: i < k
+    tau = np.ascontiguousarray(np.stack(taus), dtype=np.float64)
+    mem = np.ascontiguousarray(np.stack(mems), dtype=np.float64)
     cap = math.inf if memory_budget is None else float(memory_budget)
     out: list[PipelinePoint] = []
     while True:
-        capped = [upper & (m <= cap) for m in mems]
-        t_star = _bottleneck(taus, capped)[0]
+        t_star = _bottleneck(tau, mem, tau, cap, math.inf)[0]
         if not math.isfinite(t_star):
             return out
-        allowed = [ok & (t <= t_star) for ok, t in zip(capped, taus, strict=True)]
-        m_star, cuts = _bottleneck(mems, allowed)
-        chosen = [(cuts[s], cuts[s + 1]) for s in range(stages)]
+        m_star, cuts = _bottleneck(mem, mem, tau, cap, t_star)
+        chosen = [(int(cuts[s]), int(cuts[s + 1])) for s in range(stages)]
         time_s = max(float(taus[s][i, k]) for s, (i, k) in enumerate(chosen))
         memory = max(float(mems[s][i, k]) for s, (i, k) in enumerate(chosen))
         out.append(
-            PipelinePoint(time_s, memory, tuple(positions[c] for c in cuts), (payload,) * stages)
+            PipelinePoint(
+                time_s, memory, tuple(positions[int(c)] for c in cuts), (payload,) * stages
+            )
         )
         cap = math.nextafter(m_star, -math.inf)
 
 
-def _bottleneck(costs: Sequence[np.ndarray], allowed: Sequence[np.ndarray]):
-    """The least max_s costs[s][c_s, c_(s+1)] over the cuts 0 = c_0 < ... < c_P = n - 1
-    whose stages are all ``allowed``, and those cuts (inf and [] when there are none)."""
-    n = costs[0].shape[0]
+@compiled()
+def _bottleneck(cost, mem, tau, cap, t_limit):
+    """The least max_s cost[s, c_s, c_(s+1)] over the cuts 0 = c_0 < ... < c_P = n - 1
+    whose stages are all allowed (non-empty, mem <= cap, tau <= t_limit), and those cuts
+    (inf and no cuts when there are none). Per stage and end position, the first start of
+    the least value wins, as numpy's argmin picks it (compiled: P n^2 steps, no arrays)."""
+    stages, n = cost.shape[0], cost.shape[1]
     best = np.full(n, np.inf)
     best[0] = 0.0  # costs are nonnegative: max(0, x) = x
-    back = []
-    for cost, ok in zip(costs, allowed, strict=True):
-        cand = np.where(ok, np.maximum(best[:, None], cost), np.inf)
-        arg = np.argmin(cand, axis=0)
-        best = cand[arg, np.arange(n)]
-        back.append(arg)
-    if not math.isfinite(best[-1]):
-        return math.inf, []
-    cuts = [n - 1]
-    for arg in reversed(back):
-        cuts.append(int(arg[cuts[-1]]))
-    return float(best[-1]), cuts[::-1]
+    nxt = np.empty(n)
+    back = np.zeros((stages, n), dtype=np.int64)
+    for s in range(stages):
+        for k in range(n):
+            value, arg = np.inf, 0
+            for i in range(k):
+                if mem[s, i, k] <= cap and tau[s, i, k] <= t_limit:
+                    v = max(best[i], cost[s, i, k])
+                    if v < value:
+                        value, arg = v, i
+            nxt[k] = value
+            back[s, k] = arg
+        best, nxt = nxt, best
+    cuts = np.empty(stages + 1, dtype=np.int64)
+    if not math.isfinite(best[n - 1]):
+        return math.inf, cuts[:0]
+    cuts[stages] = n - 1
+    for s in range(stages - 1, -1, -1):
+        cuts[s] = back[s, cuts[s + 1]]
+    return best[n - 1], cuts
