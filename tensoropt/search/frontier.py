@@ -95,10 +95,10 @@ class Filter:
 def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Indices of the non-dominated points of every group, sorted by (group, time).
 
-    `g` must be non-decreasing (callers generate candidates group by group). Equal points
-    keep the first in input order. Large groups are sorted one at a time by time with a
-    stable sort, which is fast on the sorted runs that Minkowski sums produce; many small
-    groups are sorted together with one lexsort.
+    `g` must be non-decreasing. Equal points keep the first in input order. Large groups are
+    sorted one at a time by time with a stable sort; many small groups are sorted together
+    with one lexsort. Sums of staircases go through the kernel of :func:`sum_entries`
+    instead; this prunes the other point sets (merged frontiers, the bounds' incumbents).
     """
     n = len(t)
     if n == 0:
@@ -114,45 +114,9 @@ def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.concatenate(out)
 
 
-# A group of at least this many candidates is first thinned against the staircase of a
-# strided sample of itself (_drop_dominated_by_sample). On the GPT-3 175B shape at 64
-# devices (epsilon 0.05, split and micro-batches), groups of 16k-256k candidates took 24
-# s of the 29 s of pruning, ~44 ns per candidate, most of it the sort; with the sample,
-# the search's CPU time went from 68.3-68.7 s to 49.9-55.6 s, the same frontiers.
-SAMPLED = 4096
-SAMPLE_STRIDE = 16
-
-
 def _prune_one(t: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Non-dominated indices of one group, by time. A stable sort by time alone suffices:
     of points with equal time, all but the last kept one (the least memory) are dropped."""
-    if len(t) >= SAMPLED:
-        rest = _drop_dominated_by_sample(t, m)
-        return rest[_sorted_prune(t[rest], m[rest])]
-    return _sorted_prune(t, m)
-
-
-def _drop_dominated_by_sample(t: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Indices (ascending) of the points no point of a strided sample strictly dominates.
-
-    The sample's own staircase (every SAMPLE_STRIDE-th point, pruned) is sorted by time
-    with strictly falling memory, so the staircase point with the largest time <= t has
-    the least memory of those: one binary search per point decides. Only strictly
-    dominated points go, which can be neither kept nor the reason another is dropped
-    (whatever dominates them dominates that one too), so pruning the rest in their input
-    order keeps exactly the indices pruning all would."""
-    ts, ms = t[::SAMPLE_STRIDE], m[::SAMPLE_STRIDE]
-    stair = _sorted_prune(ts, ms)
-    st, sm = ts[stair], ms[stair]
-    pos = np.searchsorted(st, t, side="right") - 1
-    at = np.maximum(pos, 0)
-    wt, wm = st[at], sm[at]
-    dominated = (pos >= 0) & (wm <= m) & ((wt < t) | (wm < m))
-    return np.flatnonzero(~dominated)
-
-
-def _sorted_prune(t: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """:func:`_prune_one` by one stable sort of every point."""
     order = np.argsort(t, kind="stable")
     ms = m[order]
     keep = np.empty(len(ms), dtype=bool)
