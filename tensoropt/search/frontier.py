@@ -14,7 +14,8 @@ does it without forming every sum.
 
 Pruning is exact: ordered by (time, memory, input order), a point is kept iff its memory is
 strictly below the memory of every earlier point of its group. Equal points therefore keep
-the first one in input order (for sums, the order of :func:`_pairs`), which is a
+the first one in input order (for sums, the candidate order of
+:mod:`tensoropt.search.paretosum`), which is a
 deterministic function of the problem, so solving the same problem twice returns the same
 choices.
 """
@@ -165,25 +166,6 @@ def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
     rep_of = rep[np.searchsorted(rep, np.arange(n))]
     ok = t[rep_of] <= t * (1.0 + delta)
     return last | ~ok
-
-
-def _pairs(
-    sa: np.ndarray, sb: np.ndarray, a_fast: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For entry pairs of sizes (sa, sb): pair index, offset in a, offset in b of each sum.
-
-    This is the input order of the candidate sums, which breaks ties between equal points
-    (the kernel computes each candidate's position in it; tests form the sums with it).
-    """
-    c = sa * sb
-    total = int(c.sum())
-    pair = np.repeat(np.arange(len(c), dtype=np.int64), c)
-    local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
-    if a_fast:
-        na = sa[pair]
-        return pair, local % na, local // na
-    nb = sb[pair]
-    return pair, local // nb, local % nb
 
 
 def sum_entries(

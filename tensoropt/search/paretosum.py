@@ -14,10 +14,12 @@ memory. After each pop its run jumps (galloping, then a binary search) to its fi
 with memory below M: every point it passes is dominated by a kept one (or over budget) and would be
 dropped anyway. The work then follows the points kept and the runs, not the pairs.
 
-The candidate index is the position a candidate has in `frontier._pairs`'s order (pairs
-in group order, the fast offset walking the entry chosen by `a_fast`), so ties (equal
-time and memory) keep the same point the sort-based pruning keeps: the kept points are
-exactly ``prune_groups`` of all candidates (property-tested in tests/search).
+Candidate order, which breaks ties (equal time and memory): pairs in group order; within
+pair k (entry sizes na, nb), the sum of A's point i and B's point j has position
+``base_k + j * na + i`` when `a_fast` (A's offset moves fastest), else
+``base_k + i * nb + j``, with base_k the candidates of the pairs before it. The kept points
+are exactly those of forming every candidate in that order and pruning them with
+``frontier.prune_groups`` (property-tested in tests/search/test_paretosum.py).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def pareto_sums(at, am, aoff, ia, bt, bm, boff, ib, has_b, group, a_fast, budget
     out_b = np.empty(cap, np.int64)
     out_g = np.empty(cap, np.int64)
     n_out = 0
-    # Per pair: entry sizes and the index of its first candidate in `_pairs` order.
+    # Per pair: entry sizes and the position of its first candidate (base_k).
     sa = np.empty(n_pairs, np.int64)
     sb = np.empty(n_pairs, np.int64)
     base = np.empty(n_pairs, np.int64)

@@ -39,6 +39,19 @@ def _table(
     return frontier.Table(offsets, t, m, np.arange(len(t), dtype=np.int64))
 
 
+def _listing(sa: np.ndarray, sb: np.ndarray, a_fast: bool):
+    """Every candidate of pairs with entry sizes (sa, sb), in the kernel's candidate order
+    (tensoropt/search/paretosum.py): pair index, offset in A, offset in B of each sum."""
+    c = sa * sb
+    pair = np.repeat(np.arange(len(c), dtype=np.int64), c)
+    local = np.arange(int(c.sum()), dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
+    if a_fast:
+        na = sa[pair]
+        return pair, local % na, local // na
+    nb = sb[pair]
+    return pair, local // nb, local % nb
+
+
 def _reference(A, ia, B, ib, group, budget):
     """What `sum_entries` did before the kernel: every candidate, then `prune_groups`."""
     order = np.argsort(group, kind="stable")
@@ -46,7 +59,7 @@ def _reference(A, ia, B, ib, group, budget):
     sa = A.sizes[ia]
     sb = B.sizes[ib[order]] if B is not None else np.ones_like(sa)
     a_fast = bool(sa.sum() >= sb.sum())
-    pair, la, lb = frontier._pairs(sa, sb, a_fast)
+    pair, la, lb = _listing(sa, sb, a_fast)
     pa = A.offsets[ia][pair] + la
     t, m = A.t[pa], A.m[pa]
     if B is not None:
