@@ -15,9 +15,8 @@ does it without forming every sum.
 Pruning is exact: ordered by (time, memory, input order), a point is kept iff its memory is
 strictly below the memory of every earlier point of its group. Equal points therefore keep
 the first one in input order (for sums, the candidate order of
-:mod:`tensoropt.search.paretosum`), which is a
-deterministic function of the problem, so solving the same problem twice returns the same
-choices.
+:mod:`tensoropt.search.paretosum`), which is a deterministic function of the problem, so
+solving the same problem twice returns the same choices.
 """
 
 from __future__ import annotations

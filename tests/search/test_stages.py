@@ -8,7 +8,13 @@ import itertools
 import numpy as np
 import pytest
 
-from tensoropt.search.stages import in_flight, plan_frontier, stage_frontier, stage_time
+from tensoropt.search.stages import (
+    _bottleneck,
+    in_flight,
+    plan_frontier,
+    stage_frontier,
+    stage_time,
+)
 
 
 def _pareto_values(values):
@@ -129,3 +135,41 @@ def test_1f1b_pricing():
     # the first stage holds p micro-batches in flight, the last one; never more than m
     assert [in_flight(s, 8, 4) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight(s, 2, 4) for s in range(4)] == [2, 2, 2, 1]
+
+
+def _bottleneck_by_sweeps(cost, mem, tau, cap, t_limit):
+    """The bottleneck program as whole-array numpy steps (np.argmin: first minimum)."""
+    stages, n = cost.shape[0], cost.shape[1]
+    upper = np.triu(np.ones((n, n), dtype=bool), k=1)
+    best = np.full(n, np.inf)
+    best[0] = 0.0
+    back = []
+    for s in range(stages):
+        ok = upper & (mem[s] <= cap) & (tau[s] <= t_limit)
+        cand = np.where(ok, np.maximum(best[:, None], cost[s]), np.inf)
+        arg = np.argmin(cand, axis=0)
+        best = cand[arg, np.arange(n)]
+        back.append(arg)
+    if not np.isfinite(best[-1]):
+        return np.inf, []
+    cuts = [n - 1]
+    for arg in reversed(back):
+        cuts.append(int(arg[cuts[-1]]))
+    return float(best[-1]), cuts[::-1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_compiled_bottleneck_picks_the_cuts_numpy_argmin_picks(seed):
+    """Small integer prices make many cuts tie; the compiled program must return the
+    same least value and the same cuts (the first start of the least value)."""
+    rng = np.random.default_rng(seed)
+    stages, n = int(rng.integers(1, 5)), int(rng.integers(2, 9))
+    tau = rng.integers(0, 4, (stages, n, n)).astype(np.float64)
+    mem = rng.integers(0, 4, (stages, n, n)).astype(np.float64)
+    tau[rng.random(tau.shape) < 0.1] = np.inf
+    for cap, t_limit in ((np.inf, np.inf), (2.0, np.inf), (3.0, 2.0)):
+        for cost in (tau, mem):
+            value, cuts = _bottleneck(cost, mem, tau, cap, t_limit)
+            want_value, want_cuts = _bottleneck_by_sweeps(cost, mem, tau, cap, t_limit)
+            assert value == want_value
+            assert [int(c) for c in cuts] == want_cuts
