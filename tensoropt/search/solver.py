@@ -42,7 +42,6 @@ import numpy as np
 
 from tensoropt.errors import PlanError
 from tensoropt.ir.costs import CostProblem, FrontierPoint
-from tensoropt.search import memory
 from tensoropt.search.blocks import (
     MAX_PORT_DIM,
     Region,
@@ -54,6 +53,7 @@ from tensoropt.search.blocks import (
 )
 from tensoropt.search.bounds import Dominated, beyond
 from tensoropt.search.elimination import eliminate
+from tensoropt.search.evaluate import evaluate_rows, flat_tables, relaxed_lows
 from tensoropt.search.factor import Context, Factor, multiply_all
 from tensoropt.search.frontier import Filter, prune_groups
 from tensoropt.search.hubs import find_splits, split_factors
@@ -195,42 +195,11 @@ def _check_args(memory_budget: float | None, epsilon: float | None) -> None:
         raise PlanError(f"epsilon must be a finite number > 0, got {epsilon!r}")
 
 
-EVAL_TERMS = 1 << 22  # cost terms gathered at once by evaluate_choices
-
-
 def evaluate_choices(problem: CostProblem, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Objectives of many choice vectors at once, each equal to `problem.evaluate(choice)`.
-
-    The terms are gathered with numpy and each row is summed with math.fsum (correctly
-    rounded, hence independent of order), so the numbers match the scalar evaluation bit
-    for bit.
-    """
-    n = len(choices)
-    units = [
-        (
-            np.array([s.time_s for s in u.strategies]),
-            np.array([s.memory_bytes for s in u.strategies]),
-        )
-        for u in problem.units
-    ]
-    edges = [(e.src, e.dst, np.array(e.time_s), np.array(e.memory_bytes)) for e in problem.edges]
-    times, memories = np.empty(n), np.empty(n)
-    # rows at a time, so that the terms held stay near EVAL_TERMS (a 1024-device frontier
-    # of 64,886 points x 4,045 terms held them all as Python floats: ~20 GB)
-    step = max(1, EVAL_TERMS // max(len(units) + len(edges), 1))
-    for lo in range(0, n, step):
-        part = choices[lo : lo + step]
-        cols_t = [ut[part[:, i]] for i, (ut, _) in enumerate(units)]
-        cols_m = [um[part[:, i]] for i, (_, um) in enumerate(units)]
-        for src, dst, et, em in edges:
-            cols_t.append(et[part[:, src], part[:, dst]])
-            cols_m.append(em[part[:, src], part[:, dst]])
-        tt = np.stack(cols_t, axis=1).tolist()
-        mm = np.stack(cols_m, axis=1).tolist()
-        times[lo : lo + step] = [math.fsum(r) for r in tt]
-        memories[lo : lo + step] = [math.fsum(r) for r in mm]
-        memory.check()
-    return times, memories
+    """Objectives of many choice vectors at once, each equal to `problem.evaluate(choice)`
+    bit for bit: the correctly rounded sum of its terms (:mod:`tensoropt.search.evaluate`,
+    compiled), gathered from the tables without holding them per row."""
+    return evaluate_rows(problem, choices)
 
 
 def _exact_points(
@@ -265,23 +234,16 @@ def surely_dominated(problem: CostProblem, inc_t: np.ndarray, inc_m: np.ndarray)
     through (negative entries, no incumbent)."""
     if not len(inc_t) or not problem.units:
         return False
-    tables = [
-        (
-            np.array([s.time_s for s in u.strategies]),
-            np.array([s.memory_bytes for s in u.strategies]),
-        )
-        for u in problem.units
-    ] + [(np.asarray(e.time_s).ravel(), np.asarray(e.memory_bytes).ravel()) for e in problem.edges]
-    if any(t.min() < 0 or m.min() < 0 for t, m in tables):
+    flat = flat_tables(problem)
+    if flat.times.size and (flat.times.min() < 0 or flat.memories.min() < 0):
         return False
-    t_low = math.fsum(float(t.min()) for t, _ in tables) * _ROUNDING
-    m_low = math.fsum(float(m.min()) for _, m in tables) * _ROUNDING
+    least_t = np.minimum.reduceat(flat.times, flat.table_at)[flat.tables]
+    least_m = np.minimum.reduceat(flat.memories, flat.table_at)[flat.tables]
+    t_low = math.fsum(least_t.tolist()) * _ROUNDING
+    m_low = math.fsum(least_m.tolist()) * _ROUNDING
     frac = np.linspace(0.0, 1.0, RELAXED_WEIGHTS + 2)[1:-1]
     wt, wm = frac / max(t_low, 1e-300), (1.0 - frac) / max(m_low, 1e-300)
-    low = np.zeros(len(frac))
-    for t, m in tables:
-        low += (wt[:, None] * t[None, :] + wm[:, None] * m[None, :]).min(axis=1)
-    low *= _ROUNDING
+    low = relaxed_lows(flat, wt, wm) * _ROUNDING
     return beyond(t_low, m_low, np.stack([wt, wm], axis=1), low, inc_t, inc_m)
 
 

@@ -63,9 +63,9 @@ def test_search_beyond_its_share_is_one_line_and_exit_2(tmp_path, capsys, monkey
 
 @given(problem=problems())
 @settings(max_examples=40, deadline=None)
-def test_frontier_points_are_evaluated_in_bounded_chunks_bit_for_bit(problem):
-    """Every plan's (time, memory) from the chunked evaluation equals the scalar
-    evaluation exactly, with chunks of one row and of everything at once."""
+def test_frontier_points_are_evaluated_bit_for_bit(problem):
+    """Every plan's (time, memory) from the compiled evaluation, which gathers the terms
+    of one row at a time, equals the scalar evaluation exactly."""
     import itertools
 
     import numpy as np
@@ -75,8 +75,5 @@ def test_frontier_points_are_evaluated_in_bounded_chunks_bit_for_bit(problem):
     sizes = [len(u.strategies) for u in problem.units]
     choices = np.array(list(itertools.product(*map(range, sizes))), dtype=np.int64)
     expected = [problem.evaluate(tuple(row)) for row in choices.tolist()]
-    for terms in (1, 1 << 22):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(solver, "EVAL_TERMS", terms)
-            times, memories = solver.evaluate_choices(problem, choices)
-        assert list(zip(times.tolist(), memories.tolist(), strict=True)) == expected
+    times, memories = solver.evaluate_choices(problem, choices)
+    assert list(zip(times.tolist(), memories.tolist(), strict=True)) == expected
