@@ -279,12 +279,39 @@ def table_work(prep: Prepared, regions: list[Region]) -> int:
     return work + sum(_transfer_work(prep, r) for r in regions)
 
 
+def work_floor(prep: Prepared) -> int:
+    """A lower bound of ``table_work(prep, [])``. In a connected part of the graph every
+    unit but the last one eliminated still has a neighbour, whose domain is at least the
+    smallest: such a step costs at least its unit's domain times that."""
+    parent = list(range(prep.n_units))
+
+    def root(u: int) -> int:
+        while parent[u] != u:
+            parent[u] = parent[parent[u]]
+            u = parent[u]
+        return u
+
+    for a, b in prep.edges:
+        parent[root(a)] = root(b)
+    total: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    for u, d in enumerate(prep.dims):
+        r = root(u)
+        total[r] = total.get(r, 0) + d
+        largest[r] = max(largest.get(r, 0), d)
+    least = min(prep.dims, default=1)
+    return least * sum(total[r] - largest[r] for r in total)
+
+
 def worthwhile(prep: Prepared, regions: list[Region]) -> list[Region]:
-    """The regions that lower the estimated table work, added one at a time."""
+    """The regions that lower the estimated table work, added one at a time. The work
+    without regions (a greedy order over the whole graph) is computed only when a region
+    does not already beat its lower bound (:func:`work_floor`)."""
     chosen: list[Region] = []
     if not regions:
         return chosen
-    best = table_work(prep, [])
+    floor = work_floor(prep)
+    best: int | None = None
     for r in regions:
         if port_dim(prep, r) > MAX_PORT_DIM:
             log.info(
@@ -294,7 +321,9 @@ def worthwhile(prep: Prepared, regions: list[Region]) -> list[Region]:
             )
             continue
         work = table_work(prep, chosen + [r])
-        if work < best:
+        if best is None and work >= floor:
+            best = table_work(prep, [])
+        if best is None or work < best:
             chosen.append(r)
             best = work
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
-from search_strategies import block_chains, values
+from search_strategies import block_chains, problems, values
 
 from tensoropt.errors import PlanError
 from tensoropt.ir.costs import BlockHint, CostProblem
@@ -56,3 +56,37 @@ def test_wrong_hint_is_a_plan_error() -> None:
     bad = CostProblem(problem.units, problem.edges, 2, (2,), (BlockHint(1, 11, 4),))
     with pytest.raises(PlanError, match=r"blocks\[0\]"):
         solve(bad)
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(max_units=12, max_strategies=5))
+def test_work_floor_bounds_the_greedy_work(problem) -> None:
+    """Every greedy order's table work is at least the floor: the bound that lets
+    `worthwhile` skip the whole-graph order when a region already beats it."""
+    from tensoropt.search.blocks import table_work, work_floor
+    from tensoropt.search.prepared import prepare
+
+    prep = prepare(problem)
+    assert work_floor(prep) <= table_work(prep, [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_chains(max_units=40))
+def test_worthwhile_decides_as_with_the_whole_graph_work(case) -> None:
+    """The regions chosen with the floor are those chosen by comparing every region
+    with the exact work of the graph without regions."""
+    from tensoropt.search import blocks
+    from tensoropt.search.prepared import prepare
+
+    problem, _ = case
+    prep = prepare(problem)
+    found = blocks.detect_regions(prep)
+    chosen, best = [], blocks.table_work(prep, [])
+    for r in found:
+        if blocks.port_dim(prep, r) > blocks.MAX_PORT_DIM:
+            continue
+        work = blocks.table_work(prep, chosen + [r])
+        if work < best:
+            chosen.append(r)
+            best = work
+    assert blocks.worthwhile(prep, found) == chosen
