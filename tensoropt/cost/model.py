@@ -476,6 +476,7 @@ class _Builder:
         chosen: dict | None = None,
         slots: int | None = None,
         saved_scale: float = 1.0,
+        programs: ProgramCache | None = None,
     ):
         self.zero = dict(zero or {})
         self.sg = sg
@@ -483,7 +484,7 @@ class _Builder:
         self.mesh = mesh
         self.micro = mesh.shape[0] if mesh.sequential_axis == 0 else 1
         self.pricer = _Pricer(sg, mesh, profile, self.micro, slots, saved_scale)
-        self.programs = ProgramCache(self.su, mesh, chosen)
+        self.programs = ProgramCache(self.su, mesh, chosen) if programs is None else programs
         self.only = only
         self.update_cache: dict = {}
         # Repeated layers price alike: a unit's (time, memory) under a strategy is keyed by
@@ -746,6 +747,9 @@ class ProblemFamily:
     ``choices``: the strategies of each unit (unit name -> strategies; default: every
     strategy :func:`unit_strategies` allows), on the micro mesh when ``micro_batches`` > 1.
     ``chosen``: the nodes' choices shared with other families (``ProgramCache``).
+    ``slots`` and ``saved_scale`` change the pricing only (``_Pricer``); ``programs``: the
+    unit programs of a family of the same graph, mesh and micro-batch count, which they
+    do not change.
     """
 
     def __init__(
@@ -759,14 +763,18 @@ class ProblemFamily:
         chosen: dict | None = None,
         slots: int | None = None,
         saved_scale: float = 1.0,
+        programs: ProgramCache | None = None,
     ):
         self.sg = sg
         self.plan_mesh = mesh
         self.micro_batches = micro_batches
         self.mesh = micro_mesh(mesh, micro_batches) if micro_batches > 1 else mesh
         self.builder = _Builder(
-            sg, self.mesh, profile, choices, chosen=chosen, slots=slots, saved_scale=saved_scale
-        )
+            sg, self.mesh, profile, choices, chosen=chosen, slots=slots,
+            saved_scale=saved_scale, programs=programs,
+        )  # fmt: skip
+        if programs is not None and (programs.su is not sg.units or programs.mesh != self.mesh):
+            raise ValueError("programs: a cache of another graph or mesh")
         self.infos = self.builder.infos()
         self._bound: WorkingSetBound | None = None
         self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard

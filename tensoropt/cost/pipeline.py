@@ -58,6 +58,7 @@ from tensoropt.ir.builder import static_shape
 from tensoropt.ir.layout import local_shape
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
+from tensoropt.passes.units import Crossing
 from tensoropt.rules.sharding import MeshSharding
 
 
@@ -286,6 +287,7 @@ class SegmentTables:
         ]
         self._bins = np.array(list(self.segment_of) + [e[2] for e in self.edges], dtype=np.int64)
         self._traffic: dict = {}  # (value, source unit, its strategy) -> local bytes
+        self._spans = cut_spans(sg, self.segment_of)
         # unit 0 holds the problem's constants (ZeRO-3's gathered bound): every stage does
         self.gathered = 0.0
         if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
@@ -311,7 +313,7 @@ class SegmentTables:
         )
         base[self.segment_of[0]] -= self.gathered
         fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
-            self.sg, self.plain, choice, self.segment_of, n, self._traffic
+            self.plain, choice, self._spans, n, self._traffic
         )
         collectives = sum(c.times for c in priced_collectives(self.plain, choice)) if count else 0
         return PipelineTerms(
@@ -371,46 +373,62 @@ def plan_terms(
     return tables.terms(choice, working_set, count=True)
 
 
-def _cut_traffic(
-    sg: SearchGraph,
-    mp: MeshProblem,
-    choice: Sequence[int],
-    segment_of: Sequence[int],
-    n: int,
-    memo: dict | None = None,
-):
-    """Per cut position: bytes and messages of the forward values that cross it per
-    micro-batch, and of their gradients (floating-point values that are not data).
-    ``memo``: a value's local bytes by (value, source unit, its strategy), kept across
-    the choices of one problem."""
-    memo = {} if memo is None else memo
-    fwd_bytes = np.zeros(n + 1)
-    fwd_count = np.zeros(n + 1)
-    bwd_bytes = np.zeros(n + 1)
-    bwd_count = np.zeros(n + 1)
-    span: dict[str, tuple[int, int, float, bool]] = {}  # value -> (made, last read, ...)
+def cut_spans(sg: SearchGraph, segment_of: Sequence[int]) -> list[tuple[int, int, Crossing, bool]]:
+    """The forward values that cross a segment boundary: per value, (segment made, last
+    segment that reads it, its first such crossing, whether its gradient goes back: a
+    floating-point value that is not data)."""
+    span: dict[str, tuple[int, int, Crossing, bool]] = {}
     for c in sg.units.crossings:
         made, read = segment_of[c.source], segment_of[c.target]
         if read <= made or not c.forward:
             continue
         name = c.value.name
-        if name in span:
-            first, last, nbytes, grad = span[name]
-            span[name] = (first, max(last, read), nbytes, grad)
+        found = span.get(name)
+        if found is not None:
+            span[name] = (found[0], max(found[1], read), found[2], found[3])
             continue
-        key = (name, c.source, choice[c.source])
-        nbytes = memo.get(key)
-        if nbytes is None:
+        grad = c.value.dtype.is_floating_point() and name not in sg.data_inputs
+        span[name] = (made, read, c, grad)
+    return list(span.values())
+
+
+def _cut_traffic(
+    mp: MeshProblem,
+    choice: Sequence[int],
+    spans: Sequence[tuple[int, int, Crossing, bool]],
+    n: int,
+    memo: dict | None = None,
+):
+    """Per cut position: bytes and messages of the forward values that cross it per
+    micro-batch, and of their gradients (``spans``: :func:`cut_spans`). ``memo``: a
+    value's local bytes by (value, source unit, its strategy), kept across the choices
+    of one problem. Byte counts are integers, so the sums are exact in any order."""
+    memo = {} if memo is None else memo
+    k = len(spans)
+    first = np.empty(k, dtype=np.int64)
+    stop = np.empty(k, dtype=np.int64)
+    nbytes = np.empty(k)
+    grad = np.empty(k, dtype=bool)
+    for i, (made, last, c, g) in enumerate(spans):
+        key = (c.value.name, c.source, choice[c.source])
+        found = memo.get(key)
+        if found is None:
             layout = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
             shape = local_shape(static_shape(c.value), layout, mp.mesh)
-            nbytes = memo[key] = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
-        grad = c.value.dtype.is_floating_point() and name not in sg.data_inputs
-        span[name] = (made, read, nbytes, grad)
-    for made, last, nbytes, grad in span.values():
-        for j in range(made + 1, last + 1):
-            fwd_bytes[j] += nbytes
-            fwd_count[j] += 1
-            if grad:
-                bwd_bytes[j] += nbytes
-                bwd_count[j] += 1
-    return fwd_bytes, fwd_count, bwd_bytes, bwd_count
+            found = memo[key] = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
+        first[i], stop[i], nbytes[i], grad[i] = made + 1, last + 1, found, g
+
+    def spread(weights: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        # +w at the first position a value crosses, -w after its last: a running sum
+        diff = np.bincount(first[mask], weights[mask], minlength=n + 2)
+        diff -= np.bincount(stop[mask], weights[mask], minlength=n + 2)
+        return np.cumsum(diff)[: n + 1]
+
+    every = np.ones(k, dtype=bool)
+    ones = np.ones(k)
+    return (
+        spread(nbytes, every),
+        spread(ones, every),
+        spread(nbytes, grad),
+        spread(ones, grad),
+    )

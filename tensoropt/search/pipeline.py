@@ -84,7 +84,7 @@ def pipelined(
     def problem(slots: int, scale: float):
         f = ProblemFamily(
             graph, mesh, profile, micro_batches=m, choices=choices, chosen=chosen,
-            slots=slots, saved_scale=scale,
+            slots=slots, saved_scale=scale, programs=family.builder.programs,
         )  # fmt: skip
         return f.problem(zero_all=zero)
 

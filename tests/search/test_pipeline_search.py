@@ -59,6 +59,37 @@ def _entry_sums(tables, choice):
     return [np.concatenate([[0.0], np.cumsum(x)]) for x in sums]
 
 
+def _cut_traffic(tables, choice):
+    """Per cut position j, by a plain loop over the step's crossings: the bytes and count
+    of the forward values made before j and read at or after it (once per value, in the
+    layout of its first crossing's source), and of those whose gradient comes back."""
+    import numpy as np
+
+    from tensoropt.ir.builder import static_shape
+    from tensoropt.ir.layout import local_shape
+    from tensoropt.passes.units import itemsize
+
+    mp, sg, seg = tables.plain, tables.sg, tables.segment_of
+    first, last = {}, {}
+    for c in sg.units.crossings:
+        if c.forward and seg[c.target] > seg[c.source]:
+            first.setdefault(c.value.name, c)
+            last[c.value.name] = max(last.get(c.value.name, 0), seg[c.target])
+    out = [np.zeros(tables.segments + 1) for _ in range(4)]
+    for name, c in first.items():
+        layout = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
+        nbytes = float(np.prod(local_shape(static_shape(c.value), layout, mp.mesh)))
+        nbytes *= itemsize(c.value)
+        grad = c.value.dtype.is_floating_point() and name not in sg.data_inputs
+        for j in range(seg[c.source] + 1, last[name] + 1):
+            out[0][j] += nbytes
+            out[1][j] += 1
+            if grad:
+                out[2][j] += nbytes
+                out[3][j] += 1
+    return out
+
+
 @pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
 def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, k):
     sg = graph_of(str(gpt))
@@ -96,6 +127,9 @@ def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, 
             _entry_sums(tables, point.choice),
             strict=True,
         ):
+            assert got.tolist() == want.tolist()
+        traffic = (terms.fwd_bytes, terms.fwd_count, terms.bwd_bytes, terms.bwd_count)
+        for got, want in zip(traffic, _cut_traffic(tables, point.choice), strict=True):
             assert got.tolist() == want.tolist()
     for p in counts:
         rows = []
