@@ -580,6 +580,18 @@ def explore(
     workers = max(1, min(len(work), jobs or os.cpu_count() or 1))
     found: dict[tuple[int, tuple[int, ...]], list[MeshSearch]] = {}
     blocks = megatron_blocks(sg)
+    with memory.fewer_collections():  # forked workers inherit the thresholds
+        _run_jobs(sg, work, workers, blocks, space, found, on_problem)
+    searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))] if s.devices in wanted]
+    merged = merge_frontiers({s.key: s.result for s in searches})
+    if memory_budget is not None and not merged:
+        raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
+    return Exploration(tuple(searches), merged, epsilon, memory_budget)
+
+
+def _run_jobs(sg, work, workers, blocks, space, found, on_problem) -> None:
+    """Solve the jobs of ``work`` in this process or ``workers`` forked ones, filling
+    ``found`` ((devices, mesh shape) -> its searches)."""
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         with memory.limited(memory.share(1)):
             for job in work:
@@ -598,11 +610,6 @@ def explore(
                     found[(mesh.size, tuple(mesh.shape))] = searches
                     if on_problem:
                         on_problem(mesh)
-    searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))] if s.devices in wanted]
-    merged = merge_frontiers({s.key: s.result for s in searches})
-    if memory_budget is not None and not merged:
-        raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
-    return Exploration(tuple(searches), merged, epsilon, memory_budget)
 
 
 def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:

@@ -14,6 +14,7 @@ called directly, or no /proc) nothing is checked.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 
@@ -24,6 +25,26 @@ GIB = 2**30
 
 _limit: list[float | None] = [None]  # bytes this process may hold while it searches
 _where: list[str] = ["the search"]  # what it is solving now (for the message)
+
+
+# The cycle collector's thresholds while a search runs. A full collection traverses every
+# object the process holds, and a search holds millions (the search graph, programs,
+# tables): on the GPT-3 175B shape with stages at 64, 256 and 1024 devices, 8 full
+# collections took 15.4 s of a 107 s search. With these, young objects are collected
+# every 100k allocations and the older generations in effect not until the search ends
+# (measured: no full collection, 2.6 s in all).
+SEARCH_GC_THRESHOLDS = (100_000, 50, 1000)
+
+
+@contextlib.contextmanager
+def fewer_collections() -> Iterator[None]:
+    """Run the body with :data:`SEARCH_GC_THRESHOLDS`; the thresholds before, after."""
+    old = gc.get_threshold()
+    gc.set_threshold(*SEARCH_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 class SearchMemoryError(InfeasibleError):

@@ -77,3 +77,38 @@ def test_frontier_points_are_evaluated_bit_for_bit(problem):
     expected = [problem.evaluate(tuple(row)) for row in choices.tolist()]
     times, memories = solver.evaluate_choices(problem, choices)
     assert list(zip(times.tolist(), memories.tolist(), strict=True)) == expected
+
+
+def test_a_search_runs_with_fewer_collections_and_restores_the_thresholds(tmp_path):
+    """The collector's thresholds are the search's while it solves (full collections
+    traverse every object the process holds) and the caller's afterwards, also when the
+    search stops with an error."""
+    import gc
+
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.search.driver import explore
+    from tests.helpers.program import graph_of
+
+    path = tmp_path / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(path))
+    sg = graph_of(path)
+    before = gc.get_threshold()
+    assert before != memory.SEARCH_GC_THRESHOLDS
+    seen = []
+    explore(
+        sg,
+        [2],
+        "auto",
+        builtin("a100"),
+        jobs=1,
+        on_problem=lambda m: seen.append(gc.get_threshold()),
+    )
+    assert seen and set(seen) == {memory.SEARCH_GC_THRESHOLDS}
+    assert gc.get_threshold() == before
+
+    def stop(mesh):
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        explore(sg, [2], "auto", builtin("a100"), jobs=1, on_problem=stop)
+    assert gc.get_threshold() == before
