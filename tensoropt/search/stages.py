@@ -137,7 +137,8 @@ def plan_frontier(
     C, none holds less within T*), every frontier point is reached this way, and the
     next one has memory below M*: C becomes the float below M*. Each program is P
     vectorised min-max steps over the positions, so a plan costs (frontier points) x 2P
-    array steps where the Pareto sets cost P x positions^2 Python products."""
+    array steps where the Pareto sets cost P x positions^2 Python products. The loop is
+    compiled (`_sweep`), with the bottleneck program below."""
     stages = len(taus)
     n = len(positions)
     if stages < 1 or n < stages + 1:
@@ -145,21 +146,38 @@ def plan_frontier(
     tau = np.ascontiguousarray(np.stack(taus), dtype=np.float64)
     mem = np.ascontiguousarray(np.stack(mems), dtype=np.float64)
     cap = math.inf if memory_budget is None else float(memory_budget)
-    out: list[PipelinePoint] = []
+    times, memories, cuts = _sweep(tau, mem, cap)
+    at = list(positions)
+    plans = (payload,) * stages
+    return [
+        PipelinePoint(t, m, tuple(at[c] for c in row), plans)
+        for t, m, row in zip(times.tolist(), memories.tolist(), cuts.tolist(), strict=True)
+    ]
+
+
+@compiled()
+def _sweep(tau, mem, cap):
+    """The epsilon-constraint loop of :func:`plan_frontier`: per frontier point, its
+    time, memory (the largest stage entries of its cuts) and cut indices."""
+    stages = tau.shape[0]
+    times, memories, found = [], [], []
     while True:
         t_star = _bottleneck(tau, mem, tau, cap, math.inf)[0]
         if not math.isfinite(t_star):
-            return out
+            break
         m_star, cuts = _bottleneck(mem, mem, tau, cap, t_star)
-        chosen = [(int(cuts[s]), int(cuts[s + 1])) for s in range(stages)]
-        time_s = max(float(taus[s][i, k]) for s, (i, k) in enumerate(chosen))
-        memory = max(float(mems[s][i, k]) for s, (i, k) in enumerate(chosen))
-        out.append(
-            PipelinePoint(
-                time_s, memory, tuple(positions[int(c)] for c in cuts), (payload,) * stages
-            )
-        )
-        cap = math.nextafter(m_star, -math.inf)
+        time_s, memory = 0.0, 0.0
+        for s in range(stages):
+            time_s = max(time_s, tau[s, cuts[s], cuts[s + 1]])
+            memory = max(memory, mem[s, cuts[s], cuts[s + 1]])
+        times.append(time_s)
+        memories.append(memory)
+        found.append(cuts)
+        cap = np.nextafter(m_star, -math.inf)
+    out = np.empty((len(found), stages + 1), dtype=np.int64)
+    for r in range(len(found)):
+        out[r] = found[r]
+    return np.array(times), np.array(memories), out
 
 
 @compiled()
