@@ -103,7 +103,10 @@ def flat_tables(problem: CostProblem) -> FlatTables:
 
 @compiled(inline="always")
 def _add(p, n, x):
-    """Add ``x`` to the partials p[:n]; return their new count (-1: overflow)."""
+    """Add ``x`` to the partials p[:n]; return their new count (-1: ``x`` is not finite,
+    or the sum overflows)."""
+    if not np.isfinite(x):
+        return -1
     i = 0
     for j in range(n):
         y = p[j]
@@ -157,28 +160,16 @@ def _row_sums(choices, values, unit_at, edge_at, edge_cols, edge_src, edge_dst, 
     for r in range(choices.shape[0]):
         row = choices[r]
         n = 0
-        good = True
         for u in range(n_units):
-            x = values[unit_at[u] + row[u]]
-            if not np.isfinite(x):
-                good = False
-                break
-            n = _add(p, n, x)
+            n = _add(p, n, values[unit_at[u] + row[u]])
             if n < 0:
-                good = False
                 break
-        if good:
-            for e in range(edge_at.size):
-                x = values[edge_at[e] + row[edge_src[e]] * edge_cols[e] + row[edge_dst[e]]]
-                if not np.isfinite(x):
-                    good = False
-                    break
-                n = _add(p, n, x)
-                if n < 0:
-                    good = False
-                    break
-        ok[r] = good
-        out[r] = _round(p, n) if good else 0.0
+        for e in range(edge_at.size if n >= 0 else 0):
+            n = _add(p, n, values[edge_at[e] + row[edge_src[e]] * edge_cols[e] + row[edge_dst[e]]])
+            if n < 0:
+                break
+        ok[r] = n >= 0
+        out[r] = _round(p, n) if n >= 0 else 0.0
 
 
 def evaluate_rows(
