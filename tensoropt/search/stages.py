@@ -166,8 +166,8 @@ def _sweep(tau, mem, cap):
         if not math.isfinite(t_star):
             break
         m_star, cuts = _bottleneck(mem, mem, tau, cap, t_star)
-        time_s, memory = 0.0, 0.0
-        for s in range(stages):
+        time_s, memory = tau[0, cuts[0], cuts[1]], mem[0, cuts[0], cuts[1]]
+        for s in range(1, stages):
             time_s = max(time_s, tau[s, cuts[s], cuts[s + 1]])
             memory = max(memory, mem[s, cuts[s], cuts[s + 1]])
         times.append(time_s)
