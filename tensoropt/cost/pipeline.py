@@ -161,39 +161,6 @@ class PipelineTerms:
         )
         return StageCost((i, j), time_s, memory, slots * p2p, sent)
 
-    def stage_arrays(
-        self, positions: Sequence[int], stages: int, schedule: str
-    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per stage s: the times and memories of :meth:`stage` over every pair of
-        ``positions`` (rows: the start i, columns: the end j; meaningful for i < j), with
-        the same operations in the same order, so every entry is the float ``stage``
-        gives."""
-        pos = np.asarray(positions, dtype=np.int64)
-        i, j = pos[:, None], pos[None, :]
-        m = self.micro_batches
-        n = self.mesh.size
-        taus, mems = [], []
-        for s in range(stages):
-            link = stage_link(self.profile, s, n)
-            fwd = self.fwd_count[pos] * link.alpha_s + self.fwd_bytes[pos] / link.bandwidth
-            fwd = np.where(pos < self.segments, fwd, 0.0)
-            bwd = np.zeros(len(pos))
-            if s > 0:
-                link = stage_link(self.profile, s - 1, n)
-                bwd = self.bwd_count[pos] * link.alpha_s + self.bwd_bytes[pos] / link.bandwidth
-            bwd = np.where(pos > 0, bwd, 0.0)
-            p2p = fwd[None, :] + bwd[:, None]
-            per_micro = self.a[j] - self.a[i] + p2p
-            taus.append((m + stages - 1) * per_micro + (self.b[j] - self.b[i]))
-            held = self.act[j] - self.act[i] + np.where(i > 0, self.fwd_bytes[i], 0.0)
-            mems.append(
-                self.base[j]
-                - self.base[i]
-                + held_micro_batches(s, m, stages, schedule) * held
-                + self.constant
-            )
-        return taus, mems
-
     def price(self, cuts: Sequence[int], schedule: str) -> tuple[Estimate, list[StageCost]]:
         """The plan cut at segment positions ``cuts`` (0 = c_0 < ... < c_P = segments)."""
         stages = len(cuts) - 1

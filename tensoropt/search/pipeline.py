@@ -28,12 +28,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.cost.model import ProblemFamily, SearchGraph
-from tensoropt.cost.pipeline import SegmentTables
+from tensoropt.cost.pipeline import PipelineTerms, SegmentTables, held_micro_batches, stage_link
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.passes.stages import Segments, step_segments
+from tensoropt.search.jit import compiled
 from tensoropt.search.stages import PipelinePoint, pareto, plan_frontier
 
 MAX_POSITIONS = 65
@@ -125,9 +128,63 @@ def cut_frontiers(
     positions (:func:`~tensoropt.search.stages.plan_frontier`)."""
     out = {}
     for p in counts:
-        taus, mems = terms.stage_arrays(allowed, p, SCHEDULE)
+        taus, mems = stage_grids(terms, allowed, p, SCHEDULE)
         out[p] = plan_frontier(allowed, taus, mems, payload, memory_budget)
     return out
+
+
+def stage_grids(
+    terms: PipelineTerms, positions: Sequence[int], stages: int, schedule: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage s, the time and memory of ``terms.stage(positions[i], positions[j], s,
+    stages, schedule)`` at [s, i, j] for every i < j (inf elsewhere): the same float
+    operations in the same order, so each entry is the float ``stage`` gives, in one
+    compiled loop."""
+    pos = np.asarray(positions, dtype=np.int64)
+    links = [stage_link(terms.profile, s, terms.mesh.size) for s in range(stages)]
+    held = [held_micro_batches(s, terms.micro_batches, stages, schedule) for s in range(stages)]
+    taus = np.empty((stages, len(pos), len(pos)))
+    mems = np.empty_like(taus)
+    _grids(
+        terms.a, terms.b, terms.base, terms.act, terms.fwd_bytes, terms.fwd_count,
+        terms.bwd_bytes, terms.bwd_count, pos,
+        np.array([link.alpha_s for link in links], dtype=np.float64),
+        np.array([link.bandwidth for link in links], dtype=np.float64),
+        np.array(held, dtype=np.float64), float(terms.micro_batches + stages - 1),
+        float(terms.constant), terms.segments, taus, mems,
+    )  # fmt: skip
+    return taus, mems
+
+
+@compiled()
+def _grids(
+    a, b, base, act, fwd_bytes, fwd_count, bwd_bytes, bwd_count, pos, alpha, bandwidth,
+    held, slots, constant, segments, taus, mems,
+):  # fmt: skip
+    """:func:`stage_grids`' loop: stage s sends forward over its own link (``alpha[s]``,
+    ``bandwidth[s]``) and its gradients back over stage s - 1's."""
+    stages, n = taus.shape[0], pos.size
+    for s in range(stages):
+        for x in range(n):
+            i = pos[x]
+            bwd = 0.0
+            if s > 0 and i > 0:
+                bwd = bwd_count[i] * alpha[s - 1] + bwd_bytes[i] / bandwidth[s - 1]
+            for y in range(n):
+                j = pos[y]
+                if y <= x:
+                    taus[s, x, y] = np.inf
+                    mems[s, x, y] = np.inf
+                    continue
+                p2p = 0.0
+                if j < segments:
+                    p2p += fwd_count[j] * alpha[s] + fwd_bytes[j] / bandwidth[s]
+                if i > 0:
+                    p2p += bwd
+                per_micro = a[j] - a[i] + p2p
+                taus[s, x, y] = slots * per_micro + (b[j] - b[i])
+                stash = act[j] - act[i] + (fwd_bytes[i] if i > 0 else 0.0)
+                mems[s, x, y] = base[j] - base[i] + held[s] * stash + constant
 
 
 def starts_of(segments: Segments, cuts: Sequence[int]) -> tuple[str, ...]:

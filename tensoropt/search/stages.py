@@ -143,8 +143,9 @@ def plan_frontier(
     n = len(positions)
     if stages < 1 or n < stages + 1:
         return []
-    tau = np.ascontiguousarray(np.stack(taus), dtype=np.float64)
-    mem = np.ascontiguousarray(np.stack(mems), dtype=np.float64)
+    tau = np.ascontiguousarray(taus if isinstance(taus, np.ndarray) else np.stack(taus))
+    mem = np.ascontiguousarray(mems if isinstance(mems, np.ndarray) else np.stack(mems))
+    tau, mem = tau.astype(np.float64, copy=False), mem.astype(np.float64, copy=False)
     cap = math.inf if memory_budget is None else float(memory_budget)
     times, memories, cuts = _sweep(tau, mem, cap)
     at = list(positions)

@@ -222,3 +222,56 @@ def test_megatron_pp_reference_on_a_two_d_stage_mesh(tmp_path, capsys):
             r["time_s"] <= ref["time_s"] and r["memory_bytes"] <= ref["memory_bytes"]
             for r in doc["per_device"]["8"]
         ), ref
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
+def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedule):
+    """Every (stage, start, end) entry of the compiled grids that a cut can use (the first
+    stage starts at 0, the last ends at the end) equals PipelineTerms.stage bit for bit,
+    on several intra-op plans and stage counts (a fused multiply-add or another order of
+    the additions would change some)."""
+    import math
+
+    from tensoropt.cost.pipeline import SegmentTables
+    from tensoropt.search.pipeline import positions, stage_grids
+
+    sg = graph_of(str(gpt))
+    profile = builtin("a100")
+    plan_mesh = Mesh(mesh, ("dp",))
+    offered = micro_choices(sg, plan_mesh, k)
+    choices = {name: [c for c, _ in pairs] for name, pairs in offered.items()}
+    family = ProblemFamily(sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={})
+    segments = segments_of(sg)
+
+    def problem(slots, scale):
+        f = ProblemFamily(
+            sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={},
+            slots=slots, saved_scale=scale,
+        )  # fmt: skip
+        return f.problem()
+
+    plain = family.problem()
+    tables = SegmentTables(
+        sg, plain, problem(k + 1, 1.0), problem(k, 0.0),
+        [segments.segment_of(u.root.name) for u in sg.units.units], segments.count,
+        profile, family.plan_mesh,
+    )  # fmt: skip
+    allowed = positions(segments.count)
+    checked = 0
+    for point in solve(plain.problem).points[:4]:
+        terms = tables.terms(point.choice, working_set=123.0)
+        for p in (1, 2, 3, 4):
+            taus, mems = stage_grids(terms, allowed, p, schedule)
+            for s in range(p):
+                for x, i in enumerate(allowed):
+                    for y, j in enumerate(allowed):
+                        if y <= x:
+                            assert math.isinf(taus[s, x, y]) and math.isinf(mems[s, x, y])
+                            continue
+                        if (s == 0 and x > 0) or (s == p - 1 and y < len(allowed) - 1):
+                            continue  # no cut gives the first stage a later start
+                        want = terms.stage(i, j, s, p, schedule)
+                        assert (taus[s, x, y], mems[s, x, y]) == (want.time_s, want.memory_bytes)
+                        checked += 1
+    assert checked >= 50
