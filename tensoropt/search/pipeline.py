@@ -138,8 +138,9 @@ def stage_grids(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per stage s, the time and memory of ``terms.stage(positions[i], positions[j], s,
     stages, schedule)`` at [s, i, j] for every i < j (inf elsewhere): the same float
-    operations in the same order, so each entry is the float ``stage`` gives, in one
-    compiled loop."""
+    operations in the same order, so each entry a cut can use is the float ``stage``
+    gives, in one compiled loop (the first stage's entries with a later start, which no
+    cut uses, are priced without a backward send)."""
     pos = np.asarray(positions, dtype=np.int64)
     links = [stage_link(terms.profile, s, terms.mesh.size) for s in range(stages)]
     held = [held_micro_batches(s, terms.micro_batches, stages, schedule) for s in range(stages)]
