@@ -90,21 +90,19 @@ def _cut_traffic(tables, choice):
     return out
 
 
-@pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
-def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, k):
+def _micro_tables(gpt, mesh, k):
+    """The tiny GPT's micro-batched family on ``mesh`` with ``k`` micro-batches, its
+    offered strategies, segments and segment tables (priced independently of the
+    search's own, with fresh unit programs)."""
+    from tensoropt.cost.pipeline import SegmentTables
+
     sg = graph_of(str(gpt))
     profile = builtin("a100")
     plan_mesh = Mesh(mesh, ("dp",))
     offered = micro_choices(sg, plan_mesh, k)
     choices = {name: [c for c, _ in pairs] for name, pairs in offered.items()}
     family = ProblemFamily(sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={})
-    frontier = solve(family.problem().problem).points[:3]
     segments = segments_of(sg)
-    counts = [2, 3, 4]
-    found = pipelined(
-        sg, family, choices, {}, ZeroStage.NONE, False, profile, frontier, counts, None
-    )
-    from tensoropt.cost.pipeline import SegmentTables
 
     def problem(slots, scale):
         f = ProblemFamily(
@@ -113,12 +111,22 @@ def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, 
         )  # fmt: skip
         return f.problem()
 
-    plain = family.problem()
-    segment_of = [segments.segment_of(u.root.name) for u in sg.units.units]
     tables = SegmentTables(
-        sg, plain, problem(k + 1, 1.0), problem(k, 0.0), segment_of, segments.count, profile,
-        plan_mesh,
+        sg, family.problem(), problem(k + 1, 1.0), problem(k, 0.0),
+        [segments.segment_of(u.root.name) for u in sg.units.units], segments.count,
+        profile, plan_mesh,
     )  # fmt: skip
+    return sg, profile, family, choices, segments, tables
+
+
+@pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
+def test_each_plans_pipelined_points_are_the_pareto_set_of_every_cut(gpt, mesh, k):
+    sg, profile, family, choices, segments, tables = _micro_tables(gpt, mesh, k)
+    frontier = solve(family.problem().problem).points[:3]
+    counts = [2, 3, 4]
+    found = pipelined(
+        sg, family, choices, {}, ZeroStage.NONE, False, profile, frontier, counts, None
+    )
     n = segments.count
     for point in frontier:  # the gathered sums are the per-entry sums, float for float
         terms = tables.terms(point.choice)
@@ -233,33 +241,12 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
     the additions would change some)."""
     import math
 
-    from tensoropt.cost.pipeline import SegmentTables
     from tensoropt.search.pipeline import positions, stage_grids
 
-    sg = graph_of(str(gpt))
-    profile = builtin("a100")
-    plan_mesh = Mesh(mesh, ("dp",))
-    offered = micro_choices(sg, plan_mesh, k)
-    choices = {name: [c for c, _ in pairs] for name, pairs in offered.items()}
-    family = ProblemFamily(sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={})
-    segments = segments_of(sg)
-
-    def problem(slots, scale):
-        f = ProblemFamily(
-            sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={},
-            slots=slots, saved_scale=scale,
-        )  # fmt: skip
-        return f.problem()
-
-    plain = family.problem()
-    tables = SegmentTables(
-        sg, plain, problem(k + 1, 1.0), problem(k, 0.0),
-        [segments.segment_of(u.root.name) for u in sg.units.units], segments.count,
-        profile, family.plan_mesh,
-    )  # fmt: skip
+    _, _, family, _, segments, tables = _micro_tables(gpt, mesh, k)
     allowed = positions(segments.count)
     checked = 0
-    for point in solve(plain.problem).points[:4]:
+    for point in solve(family.problem().problem).points[:4]:
         terms = tables.terms(point.choice, working_set=123.0)
         for p in (1, 2, 3, 4):
             taus, mems = stage_grids(terms, allowed, p, schedule)
