@@ -135,17 +135,16 @@ def plan_frontier(
     gives the least M* = max_s mem_s over the cuts whose stages all take at most T* and
     hold at most C, and its cuts. (T*, M*) is a frontier point (no cut is faster within
     C, none holds less within T*), every frontier point is reached this way, and the
-    next one has memory below M*: C becomes the float below M*. Each program is P
-    vectorised min-max steps over the positions, so a plan costs (frontier points) x 2P
-    array steps where the Pareto sets cost P x positions^2 Python products. The loop is
-    compiled (`_sweep`), with the bottleneck program below."""
+    next one has memory below M*: C becomes the float below M*. A plan costs (frontier
+    points) x 2 P positions^2 compiled steps (`_sweep` and `_bottleneck`) where the
+    Pareto sets cost P x positions^2 Python products per point of every set."""
     stages = len(taus)
     n = len(positions)
     if stages < 1 or n < stages + 1:
         return []
-    tau = np.ascontiguousarray(taus if isinstance(taus, np.ndarray) else np.stack(taus))
-    mem = np.ascontiguousarray(mems if isinstance(mems, np.ndarray) else np.stack(mems))
-    tau, mem = tau.astype(np.float64, copy=False), mem.astype(np.float64, copy=False)
+    # (stage_grids gives 3-D arrays; np.stack would copy them again)
+    tau = np.ascontiguousarray(taus if isinstance(taus, np.ndarray) else np.stack(taus), np.float64)
+    mem = np.ascontiguousarray(mems if isinstance(mems, np.ndarray) else np.stack(mems), np.float64)
     cap = math.inf if memory_budget is None else float(memory_budget)
     times, memories, cuts = _sweep(tau, mem, cap)
     at = list(positions)
