@@ -385,17 +385,11 @@ def _cut_traffic(
             found = memo[key] = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
         first[i], stop[i], nbytes[i], grad[i] = made + 1, last + 1, found, g
 
-    def spread(weights: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def spread(weights: np.ndarray) -> np.ndarray:
         # +w at the first position a value crosses, -w after its last: a running sum
-        diff = np.bincount(first[mask], weights[mask], minlength=n + 2)
-        diff -= np.bincount(stop[mask], weights[mask], minlength=n + 2)
+        diff = np.bincount(first, weights, minlength=n + 2)
+        diff -= np.bincount(stop, weights, minlength=n + 2)
         return np.cumsum(diff)[: n + 1]
 
-    every = np.ones(k, dtype=bool)
-    ones = np.ones(k)
-    return (
-        spread(nbytes, every),
-        spread(ones, every),
-        spread(nbytes, grad),
-        spread(ones, grad),
-    )
+    back = grad.astype(np.float64)  # 1 where the gradient goes back, else 0 (exact)
+    return spread(nbytes), spread(np.ones(k)), spread(nbytes * back), spread(back)
