@@ -172,12 +172,10 @@ def _row_sums(choices, values, unit_at, edge_at, edge_cols, edge_src, edge_dst, 
         out[r] = _round(p, n) if n >= 0 else 0.0
 
 
-def evaluate_rows(
-    problem: CostProblem, choices: np.ndarray, flat: FlatTables | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def evaluate_rows(problem: CostProblem, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(times, memories) of every row of ``choices``, each equal to
     ``problem.evaluate(row)``."""
-    flat = flat_tables(problem) if flat is None else flat
+    flat = flat_tables(problem)
     choices = np.ascontiguousarray(choices, dtype=np.int64).reshape(len(choices), -1)
     out = []
     for values in (flat.times, flat.memories):

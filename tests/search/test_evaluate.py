@@ -112,6 +112,6 @@ def test_shared_edge_tables_are_flattened_once():
     flat = evaluate.flat_tables(problem)
     assert flat.times.size == 4 * 2 + 4  # four unit tables, one edge table
     choices = np.array([[0, 1, 0, 1], [1, 1, 0, 0]], dtype=np.int64)
-    times, memories = evaluate.evaluate_rows(problem, choices, flat)
+    times, memories = evaluate.evaluate_rows(problem, choices)
     for row, tt, mm in zip(choices.tolist(), times.tolist(), memories.tolist(), strict=True):
         assert (tt, mm) == problem.evaluate(row)
