@@ -724,12 +724,14 @@ class WorkingSetBound:
     constant: float
     floors: Mapping[tuple[int, str], float]  # (unit index, block) -> r(u, b)
 
-    def excess(self, k: int, unit, program: Program, mesh: Mesh) -> float:
-        """sum_b (w(u, b, s) - r(u, b)) of unit ``k`` under ``program``."""
-        return sum(
-            nbytes - self.floors[(k, block)]
-            for block, nbytes in _unit_working_set(unit, program, mesh).items()
-        )
+    def excess(
+        self, k: int, unit, program: Program, mesh: Mesh, sets: UnitWorkingSets | None = None
+    ) -> float:
+        """sum_b (w(u, b, s) - r(u, b)) of unit ``k`` under ``program`` (``sets``: a memo
+        of the w terms, :class:`UnitWorkingSets`)."""
+        sets = UnitWorkingSets(mesh) if sets is None else sets
+        found = sets.of(unit, program)
+        return sum(nbytes - self.floors[(k, block)] for block, nbytes in found.items())
 
     def of(self, mp: MeshProblem, choice: Sequence[int]) -> float:
         """The bound under ``choice`` of ``mp`` (a problem on the same mesh and step)."""
@@ -779,6 +781,7 @@ class ProblemFamily:
         self._bound: WorkingSetBound | None = None
         self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard
         self._excess: dict = {}  # (unit, id(program)) -> its working-set excess
+        self._sets = UnitWorkingSets(self.mesh)
 
     def zero_stage(self, k: int, strategy: MeshSharding, stage: ZeroStage) -> ZeroStage:
         """``stage`` where unit ``k`` under ``strategy`` has parameters ZeRO can shard
@@ -807,7 +810,7 @@ class ProblemFamily:
             for k, (unit, info) in enumerate(zip(self.sg.units.units, self.infos, strict=True)):
                 for s in info.strategies:
                     program = self.builder.programs.program(k, s)
-                    for block, nbytes in _unit_working_set(unit, program, self.mesh).items():
+                    for block, nbytes in self._sets.of(unit, program).items():
                         key = (k, block)
                         floors[key] = min(floors.get(key, nbytes), nbytes)
             per_block: dict[str, float] = {}
@@ -821,7 +824,8 @@ class ProblemFamily:
         key = (k, id(program))
         found = self._excess.get(key)
         if found is None:
-            found = self._excess[key] = bound.excess(k, self.sg.units.units[k], program, self.mesh)
+            unit = self.sg.units.units[k]
+            found = self._excess[key] = bound.excess(k, unit, program, self.mesh, self._sets)
         return found
 
     def problem(
@@ -1072,19 +1076,57 @@ def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, f
     return out
 
 
+class UnitWorkingSets:
+    """:func:`_unit_working_set` of (unit, program) pairs on one mesh, memoised so that
+    repeated layers localise their recompute nodes once: units of one structure
+    (``UnitNodes.key``, the same ops and shapes) whose recompute nodes sit at the same
+    positions make the same bytes per node under the same program; only the block each
+    node serves differs. The sums per block add the same floats in the same node order
+    as :func:`_unit_working_set`, so the results are equal, not just close."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self._nodes: dict[int, tuple[object, tuple[int, ...], tuple[str, ...]]] = {}
+        self._bytes: dict[tuple, tuple[Program, tuple[float, ...]]] = {}
+
+    def of(self, unit, program: Program) -> dict[str, float]:
+        found = self._nodes.get(id(unit))
+        if found is None:  # the unit is kept with its entry, so its id is not reused
+            at, blocks = [], []
+            for i, node in enumerate(unit.nodes):
+                block = node.metadata_props.get(RECOMPUTE_KEY)
+                if block is None or node.op_type == "Constant" or node.op_type in _VIEWS:
+                    continue
+                at.append(i)
+                blocks.append(block)
+            found = self._nodes[id(unit)] = (unit, tuple(at), tuple(blocks))
+        _, at, blocks = found
+        out: dict[str, float] = {}
+        if not at:
+            return out
+        key = (unit.key, at, id(program))
+        sized = self._bytes.get(key)
+        if sized is None:  # the program is kept with its entry, so its id is not reused
+            sized = self._bytes[key] = (program, _node_bytes(unit, program, self.mesh, at))
+        for block, nbytes in zip(blocks, sized[1], strict=True):
+            out[block] = out.get(block, 0.0) + nbytes
+        return out
+
+
+def _node_bytes(unit, program: Program, mesh: Mesh, at: Sequence[int]) -> tuple[float, ...]:
+    """Local bytes of the outputs of the unit's nodes at positions ``at``."""
+    out = []
+    for i in at:
+        node = unit.nodes[i]
+        local = sa.localize(node, program.strategies[i], mesh)
+        shapes = enumerate(local.output_shapes)
+        out.append(sum(_numel(shape) * itemsize(node.outputs[j]) for j, shape in shapes))
+    return tuple(out)
+
+
 def _unit_working_set(unit, program: Program, mesh: Mesh) -> dict[str, float]:
     """Per recomputed block: local bytes of the recompute nodes of one unit's program."""
-    out: dict[str, float] = {}
-    for i, node in enumerate(unit.nodes):
-        block = node.metadata_props.get(RECOMPUTE_KEY)
-        if block is None or node.op_type == "Constant" or node.op_type in _VIEWS:
-            continue
-        local = sa.localize(node, program.strategies[i], mesh)
-        nbytes = sum(
-            _numel(shape) * itemsize(node.outputs[j]) for j, shape in enumerate(local.output_shapes)
-        )
-        out[block] = out.get(block, 0.0) + nbytes
-    return out
+    return UnitWorkingSets(mesh).of(unit, program)
 
 
 @dataclass(frozen=True, slots=True)

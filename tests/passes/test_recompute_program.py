@@ -22,6 +22,7 @@ from tensoropt.cli.common import build_step
 from tensoropt.cost.cluster import builtin
 from tensoropt.cost.model import (
     ProblemFamily,
+    UnitWorkingSets,
     _unit_working_set,
     block_terms,
     build_problem,
@@ -217,3 +218,39 @@ def test_the_working_set_bound_holds_for_every_plan_and_is_a_sum(models, spec):
         assert extra >= working * (1 - 1e-12)
         if choice == tuple(floors):
             assert extra == pytest.approx(working, rel=1e-12)
+
+
+@pytest.mark.parametrize("spec", ["2", "2x2"])
+def test_working_sets_memoised_across_repeated_layers_equal_a_direct_count(models, spec):
+    """UnitWorkingSets, shared by every unit of the recomputed gpt, gives for each (unit,
+    program) exactly the per-block bytes of a node-by-node count, and localises each
+    structure's recompute nodes once (the repeated layers share the entries)."""
+    from tensoropt.cost.model import _numel, itemsize
+    from tensoropt.passes import sharding_adapter as sa
+    from tests.helpers.compile import make_mesh
+
+    # no bytes of their own: constants and views of another node's output
+    skipped = ("Constant", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+    step, _ = _recomputed_step(models["gpt"])
+    sg = search_graph_of(step)
+    family = ProblemFamily(sg, make_mesh(spec, "megatron"), builtin("h100"))
+    mp = family.problem()
+    sets = UnitWorkingSets(mp.mesh)
+    pairs = 0
+    for unit, programs in zip(sg.units.units, mp.programs, strict=True):
+        for program in programs:
+            direct: dict[str, float] = {}
+            for i, node in enumerate(unit.nodes):
+                block = node.metadata_props.get(RECOMPUTE_KEY)
+                if block is None or node.op_type in skipped:
+                    continue
+                local = sa.localize(node, program.strategies[i], mp.mesh)
+                direct[block] = direct.get(block, 0.0) + sum(
+                    _numel(shape) * itemsize(node.outputs[j])
+                    for j, shape in enumerate(local.output_shapes)
+                )
+            found = sets.of(unit, program)
+            assert found == direct, (unit.root.name, program)
+            pairs += bool(direct)
+    assert pairs > 0
+    assert len(sets._bytes) < pairs  # repeated layers localised once
