@@ -112,7 +112,7 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         "zero (ZeRO stage 1, 2 or 3 of every unit that can shard its parameters), "
         "recompute (every block recomputed in the backward), micro (micro-batches with "
         "gradient accumulation), stages (pipeline stages over the micro-batched plans; "
-        "implies micro); default split; split,zero,recompute,micro takes about 18x the "
+        "implies micro); default split; split,zero,recompute,micro takes about 10x the "
         "search time of split alone on GPT-2-medium, 1..64 devices",
     )
     p.add_argument(
