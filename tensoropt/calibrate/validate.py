@@ -182,6 +182,24 @@ def _median_abs(values: Sequence[float]) -> float | None:
     return float(np.median(np.abs(values))) if values else None
 
 
+def by_memory_link(checks: Sequence[PlanCheck]) -> dict[str, dict]:
+    """Step-time errors of the probed (multi-device) plans, split by the memory link the
+    probe found before each ran: per group ("own", "shared") the plan count, the median
+    |error| and the signed median. The estimate assumes a memory link per rank (design.md
+    decision 41), so the "own" group measures the model and the gap to "shared" the
+    host's co-location of the ranks."""
+    out = {}
+    for name, shared in (("own", False), ("shared", True)):
+        errors = [c.time_error for c in checks if c.link is not None and c.link.shared is shared]
+        if errors:
+            out[name] = {
+                "plans": len(errors),
+                "median_time_rel_error": _median_abs(errors),
+                "signed_median_time_rel_error": float(np.median(errors)),
+            }
+    return out
+
+
 def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
     """The ``--json`` document: summary errors, then every plan."""
     return {
@@ -199,6 +217,7 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
             [c.host_time_error for c in checks if c.host_time_error is not None]
         ),
         "plans_on_shared_memory_link": sum(1 for c in checks if c.link and c.link.shared),
+        "time_rel_error_by_memory_link": by_memory_link(checks),
         "error_definition": "|estimate - measured| / measured (medians); signed per plan",
         "results": [c.to_json() for c in checks],
     }
@@ -241,6 +260,15 @@ def table(checks: Sequence[PlanCheck]) -> str:
             f"{shared} of {len(probed)} multi-device plans ran while the ranks shared a "
             "memory link (link: processes streaming at once got under 75% of one alone's "
             "bandwidth each); their memory-bound ops ran slower than calibrated"
+        )
+        groups = by_memory_link(checks)
+        lines.append(
+            "step time by memory link (the estimate assumes one per rank): "
+            + "; ".join(
+                f"{name} {g['median_time_rel_error']:.1%} over {g['plans']} plan(s), signed "
+                f"median {g['signed_median_time_rel_error']:+.1%}"
+                for name, g in groups.items()
+            )
         )
     return "\n".join(lines)
 

@@ -28,7 +28,9 @@ as `compile --pick` does, runs it with `run --profile` (--steps steps, medians a
           of its own? (the per-process bandwidth of processes streaming memory at
           once, against one alone; "shared" under 0.75). Some VM hosts put two vCPUs
           on one link at times, and then memory-bound ops run up to 2x slower than
-          the calibration (timed alone) says
+          the calibration (timed alone) says; the summary gives the step-time error
+          of the plans on own links and of those on a shared one apart (the estimate
+          assumes a link per rank, as a device has its own memory)
   host    the host's speed: a fixed 1-thread onnxruntime graph (MatMul, Tanh, Mul),
           timed before and after each plan, over its time when the profile was
           calibrated (x1.10: the host ran 10% slower). A VM's speed drifts with its

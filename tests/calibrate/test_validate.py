@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tensoropt.calibrate.validate import rel_error, select_points
+from tensoropt.calibrate.validate import by_memory_link, rel_error, select_points
 from tensoropt.cli import main
 
 from .conftest import load
@@ -26,6 +26,27 @@ def test_select_points_keeps_both_ends_evenly_spaced():
 def test_rel_error_sign():
     assert rel_error(1.2, 1.0) == pytest.approx(0.2)
     assert rel_error(0.5, 1.0) == pytest.approx(-0.5)
+
+
+def test_step_time_errors_split_by_the_memory_link_probed_before_each_plan():
+    from types import SimpleNamespace
+
+    from tensoropt.calibrate.memlink import LinkProbe
+
+    own, shared = LinkProbe(4e10, 3.9e10, 2), LinkProbe(4e10, 2e10, 2)
+    checks = [
+        SimpleNamespace(time_error=e, link=link)
+        for e, link in [(0.1, own), (-0.3, own), (0.05, own), (-0.4, shared), (0.2, None)]
+    ]
+    groups = by_memory_link(checks)
+    assert groups["own"] == {
+        "plans": 3,
+        "median_time_rel_error": pytest.approx(0.1),
+        "signed_median_time_rel_error": pytest.approx(0.05),
+    }
+    assert groups["shared"]["plans"] == 1
+    assert groups["shared"]["signed_median_time_rel_error"] == pytest.approx(-0.4)
+    assert by_memory_link(checks[4:]) == {}  # unprobed plans (one device) count nowhere
 
 
 def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys):
@@ -82,8 +103,21 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
     assert table[summary[0]].startswith(f"median |relative error| over {len(results)} plans")
     assert "link" in table[0].split() and "host" in table[0].split()
     assert table[summary[0] + 1].startswith("host: the reference ran x")
+    probed = [r for r in results if r["measured"]["memory_link"] is not None]
+    groups = data["time_rel_error_by_memory_link"]
+    assert sum(g["plans"] for g in groups.values()) == len(probed)
+    for name, g in groups.items():
+        signed = sorted(
+            r["time_rel_error"]
+            for r in probed
+            if r["measured"]["memory_link"]["shared"] is (name == "shared")
+        )
+        assert g["plans"] == len(signed)
+        mid = (signed[(len(signed) - 1) // 2] + signed[len(signed) // 2]) / 2
+        assert g["signed_median_time_rel_error"] == pytest.approx(mid)
     if shared:  # the plans that ran on a shared link are counted under the median
-        assert table[-1].startswith(f"{len(shared)} of ")
+        assert table[-2].startswith(f"{len(shared)} of ")
+        assert table[-1].startswith("step time by memory link (the estimate assumes one per")
 
 
 def test_validate_takes_the_memory_axes_and_prices_their_compute(
