@@ -585,7 +585,7 @@ def explore(
     searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))] if s.devices in wanted]
     merged = merge_frontiers({s.key: s.result for s in searches})
     if memory_budget is not None and not merged:
-        raise InfeasibleError(_infeasible_message(sg, searches, memory_budget, profile))
+        raise InfeasibleError(_infeasible_message(searches, memory_budget, space))
     return Exploration(tuple(searches), merged, epsilon, memory_budget)
 
 
@@ -748,8 +748,13 @@ def _megatron_in(b: _Built, at: _MeshProblems) -> tuple[int, ...] | None:
     return tuple(choice)
 
 
-def _infeasible_message(sg, searches, budget, profile) -> str:
-    """Smallest reachable memory per device count (memory is exact even with epsilon)."""
+# the axes that trade step time for memory, as --axes names them
+MEMORY_AXES = (Axis.ZERO, Axis.RECOMPUTE, Axis.MICRO)
+
+
+def _infeasible_message(searches, budget, space: SearchSpace) -> str:
+    """Smallest reachable memory per device count (memory is exact even with epsilon),
+    and the memory axes the search left out, which may reach below it."""
     best: dict[int, float] = {}
     for s in searches:
         if s.variant.stages > 1:
@@ -758,13 +763,22 @@ def _infeasible_message(sg, searches, budget, profile) -> str:
         if free.points:
             low = free.points[-1].memory_bytes
             best[s.devices] = min(best.get(s.devices, low), low)
-    parts = ", ".join(f"{d} devices: {_gib(m)}" for d, m in sorted(best.items()))
+    parts = ", ".join(
+        f"{d} {'device' if d == 1 else 'devices'}: {_gib(m)}" for d, m in sorted(best.items())
+    )
     fits = [d for d, m in sorted(best.items()) if m <= budget]
     advice = (
         f"the fewest devices that fit is {fits[0]}"
         if fits
         else "no searched device count fits; search more devices"
     )
+    missing = [a.value for a in MEMORY_AXES if a not in space.axes]
+    if missing:
+        every = ",".join(a.value for a in (Axis.SPLIT, *MEMORY_AXES))
+        advice += (
+            f", trade step time for memory with --axes {every} ({', '.join(missing)} "
+            "not searched here)"
+        )
     return (
         f"no plan fits the memory budget of {_gib(budget)} per device; the smallest "
         f"memory per device reachable is {parts}; {advice}, or raise --memory-budget"

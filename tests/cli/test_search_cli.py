@@ -63,8 +63,20 @@ def test_search_prints_tables_and_writes_json_plot_costs(zoo_file, tmp_path, cap
 
 def test_memory_budget_below_reach_names_the_smallest_memory(zoo_file, capsys):
     out = cli(capsys, "search", zoo_file("gpt"), "--devices", "1,2", "--memory-budget", "1KiB")
-    line = assert_bad_input(out, "search", "1 devices:", "2 devices:", "smallest memory")
+    line = assert_bad_input(out, "search", "1 device:", "2 devices:", "smallest memory")
     assert "fewest devices" in line or "search more devices" in line
+    # the split alone was searched: the advice names the axes that trade time for memory
+    assert "--axes split,zero,recompute,micro (zero, recompute, micro not searched" in line
+
+
+def test_memory_budget_advice_names_only_the_memory_axes_left_out(zoo_file, capsys):
+    argv = ["search", zoo_file("gpt"), "--devices", "1,2", "--memory-budget", "1KiB"]
+    out = cli(capsys, *argv, "--axes", "split,zero")
+    line = assert_bad_input(out, "search", "smallest memory")
+    assert "(recompute, micro not searched here)" in line
+    out = cli(capsys, *argv, "--axes", "split,zero,recompute,micro")
+    line = assert_bad_input(out, "search", "smallest memory")
+    assert "--axes" not in line
 
 
 def test_budget_reports_the_fewest_devices_that_fit(zoo_file, capsys, tmp_path):
@@ -80,7 +92,7 @@ def test_budget_reports_the_fewest_devices_that_fit(zoo_file, capsys, tmp_path):
     out = cli(
         capsys, "search", zoo_file("gpt"), "--devices", "1", "--memory-budget", f"{int(budget)}B"
     )
-    assert_bad_input(out, "search", "1 devices:")
+    assert_bad_input(out, "search", "1 device:")
 
 
 @pytest.mark.parametrize(

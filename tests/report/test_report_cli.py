@@ -95,7 +95,7 @@ def test_failure_keeps_the_previous_report(gpt_file, tmp_path, capsys, monkeypat
     ("argv", "fragments"),
     [
         (["--cluster", "tpu-v9"], ["unknown cluster profile", "h100"]),
-        (["--memory-budget", "1KiB"], ["smallest memory", "1 devices:"]),
+        (["--memory-budget", "1KiB"], ["smallest memory", "1 device:"]),
         (["--detail-devices", "8"], ["--detail-devices 8", "1,2"]),
         (["--epsilon", "3"], ["--epsilon"]),
     ],
