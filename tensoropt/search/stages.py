@@ -142,9 +142,9 @@ def plan_frontier(
     n = len(positions)
     if stages < 1 or n < stages + 1:
         return []
-    # (stage_grids gives 3-D arrays; np.stack would copy them again)
-    tau = np.ascontiguousarray(taus if isinstance(taus, np.ndarray) else np.stack(taus), np.float64)
-    mem = np.ascontiguousarray(mems if isinstance(mems, np.ndarray) else np.stack(mems), np.float64)
+    # a 3-D array (stage_grids) passes through uncopied; a list of 2-D ones is stacked
+    tau = np.ascontiguousarray(taus, dtype=np.float64)
+    mem = np.ascontiguousarray(mems, dtype=np.float64)
     cap = math.inf if memory_budget is None else float(memory_budget)
     times, memories, cuts = _sweep(tau, mem, cap)
     at = list(positions)
