@@ -528,8 +528,9 @@ REPLICATED_NOTE = "every device computes the whole step: no faster than 1 device
 
 def replicates_all_work(result) -> bool:
     """A plan on several devices that needs no collective splits no work: each device
-    runs the single-device step (any split work needs at least the gradient reduction)."""
-    return result.world_size > 1 and result.collectives == 0
+    runs the single-device step (any split work needs at least the gradient reduction),
+    unless pipeline stages share the step out."""
+    return result.world_size > 1 and result.collectives == 0 and result.stages == 1
 
 
 def _pipeline_json(plan) -> dict | None:

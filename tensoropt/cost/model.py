@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -143,6 +143,9 @@ class PricedCollective:
     axes: tuple[int, ...]  # of the problem's mesh (the micro mesh when micro-batched)
     in_bytes: int
     times: int = 1  # issued per step: the micro-batch count in the micro phase
+    # the unit whose program emits it (a crossing's: the reading unit); not part of
+    # what the device graph shows, so equality ignores it
+    unit: int = field(default=-1, compare=False)
 
 
 class _Pricer:
@@ -944,24 +947,27 @@ def priced_collectives(mp: MeshProblem, choice: Sequence[int]) -> list[PricedCol
     su = mp.sg.units
     out: list[PricedCollective] = []
 
-    def add(value: ir.Value, have: Layout, need: Layout, order: tuple[bool, bool]) -> None:
+    def add(
+        value: ir.Value, have: Layout, need: Layout, order: tuple[bool, bool], unit: int
+    ) -> None:
         isz = itemsize(value)
         first, per_step = order
         steps = conversion_steps(have, need, static_shape(value), mp.mesh, scatter_first=first)
         for cs, axes, times in issued(steps, mp.mesh, mp.micro_batches, per_step):
             nbytes = int(_numel(cs.in_shape)) * isz
-            out.append(PricedCollective(OP_TYPE[cs.step.kind], axes, nbytes, times))
+            out.append(PricedCollective(OP_TYPE[cs.step.kind], axes, nbytes, times, unit))
 
     for k, unit in enumerate(su.units):
         program = mp.programs[k][choice[k]]
         for conv in program.conversions:
-            add(_value_at(unit, conv.ref), conv.have, conv.need, conversion_order(program, conv))
+            order = conversion_order(program, conv)
+            add(_value_at(unit, conv.ref), conv.have, conv.need, order, k)
     for c in mp.crossings:
         if c.source == c.target:
             continue
         have = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
         target = mp.programs[c.target][choice[c.target]]
-        add(c.value, have, target.entries[c.index], conversion_order(target))
+        add(c.value, have, target.entries[c.index], conversion_order(target), c.target)
     return out
 
 

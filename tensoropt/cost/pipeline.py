@@ -110,6 +110,7 @@ class StageCost:
     memory_bytes: float
     p2p_s: float  # of time_s: its sends per step
     p2p_bytes: float  # sent per micro-batch (activations forward, gradients back)
+    collectives: int = 0  # issued per step by each of its devices (point-to-point aside)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,9 @@ class PipelineTerms:
     bwd_bytes: np.ndarray
     bwd_count: np.ndarray
     constant: float
-    collectives: int  # per device and step (0 when not counted: SegmentTables.terms)
+    # prefix sums over segments of the collectives a device issues per step (zeros when
+    # not counted: SegmentTables.terms); a stage's devices issue those of its segments
+    collectives: np.ndarray
 
     @property
     def segments(self) -> int:
@@ -159,7 +162,8 @@ class PipelineTerms:
             + held_micro_batches(s, m, stages, schedule) * held
             + self.constant
         )
-        return StageCost((i, j), time_s, memory, slots * p2p, sent)
+        count = int(self.collectives[j] - self.collectives[i])
+        return StageCost((i, j), time_s, memory, slots * p2p, sent, count)
 
     def price(self, cuts: Sequence[int], schedule: str) -> tuple[Estimate, list[StageCost]]:
         """The plan cut at segment positions ``cuts`` (0 = c_0 < ... < c_P = segments)."""
@@ -168,7 +172,7 @@ class PipelineTerms:
         estimate = Estimate(
             max(c.time_s for c in costs),
             max(c.memory_bytes for c in costs),
-            self.collectives,
+            max(c.collectives for c in costs),  # the busiest stage's devices
             self.profile.name,
         )
         return estimate, costs
@@ -282,7 +286,10 @@ class SegmentTables:
         fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
             self.plain, choice, self._spans, n, self._traffic
         )
-        collectives = sum(c.times for c in priced_collectives(self.plain, choice)) if count else 0
+        collectives = np.zeros(n, dtype=np.int64)
+        if count:
+            for c in priced_collectives(self.plain, choice):
+                collectives[self.segment_of[c.unit]] += c.times
         return PipelineTerms(
             self.mesh,
             self.profile,
@@ -296,7 +303,7 @@ class SegmentTables:
             bwd_bytes,
             bwd_count,
             self.gathered + working_set,
-            collectives,
+            _prefix(collectives),
         )
 
 

@@ -41,9 +41,9 @@ from tensoropt.ir.files import mkdtemp_public
 from tensoropt.ir.layout import Layout, Partial, Shard
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import Plan, UnitStrategy, ZeroStage
-from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
 from tensoropt.passes import micro, pipeline, stages
 from tensoropt.passes.annotate import Annotation
+from tensoropt.passes.device_stats import collectives_per_step
 from tensoropt.passes.infra import CompileState
 from tensoropt.passes.partition import lower_for_rank
 from tensoropt.passes.recompute import find_blocks
@@ -59,7 +59,8 @@ class CompileResult:
     outdir: str
     world_size: int
     files: tuple[str, ...]
-    collectives: int
+    collectives: int  # issued per step by the busiest device (device_stats.collectives_per_step)
+    stages: int = 1  # pipeline stages: each runs its part of the step
 
 
 def _sharding_annotations(proto: onnx.ModelProto, ann: Annotation, names: Mapping) -> None:
@@ -238,7 +239,8 @@ def compile_step(
     # the reference step gets parameters and states fed, so it stores neither.
     _drop_initializers(template.proto.graph, set(sig.states))
     _drop_initializers(annotated.graph, {*sig.params, *sig.states})
-    collectives = sum(1 for n in template.proto.graph.node if n.domain == COLLECTIVE_DOMAIN)
+    k = plan.micro_batches
+    collectives = collectives_per_step(template.proto.graph, k)
     devices = [(template, _lowered(rank)) for rank in range(mesh.size)]
     if plan.stages:
         staged = stages.cut_stages(template, plan, blocks, set(sig.params), set(sig.states))
@@ -248,9 +250,7 @@ def compile_step(
             for r in range(mesh.size)
         ]
         _manifest_stages(manifest, plan, staged)
-        collectives = max(
-            sum(1 for n in t.proto.graph.node if n.domain == COLLECTIVE_DOMAIN) for t in staged
-        )
+        collectives = max(collectives_per_step(t.proto.graph, k) for t in staged)
     tmp = prepare_outdir(outdir)
     try:
         digests = DigestCache()
@@ -277,8 +277,9 @@ def compile_step(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return CompileResult(
-        os.path.abspath(outdir), plan.world_size, tuple(sorted(files)), collectives
-    )
+        os.path.abspath(outdir), plan.world_size, tuple(sorted(files)), collectives,
+        plan.num_stages,
+    )  # fmt: skip
 
 
 def _manifest_stages(manifest: dict, plan: Plan, staged) -> None:

@@ -157,6 +157,19 @@ def device_stats(model: onnx.ModelProto, params: list[str], states: list[str]) -
     )
 
 
+def collectives_per_step(graph: onnx.GraphProto, micro_batches: int = 1) -> int:
+    """The collectives a device graph issues per step: those of the micro phase once per
+    micro-batch, the others once; point-to-point Send and Recv between pipeline stages
+    are not collectives (no group) and do not count. The figure every command reports as
+    "collectives per device" (the cost model's ``Estimate.collectives``)."""
+    micro_phase = Phase.MICRO.value
+    return sum(
+        micro_batches if _phase(node) == micro_phase else 1
+        for node in graph.node
+        if node.domain == COLLECTIVE_DOMAIN and node.op_type in _COLLECTIVE_OPS
+    )
+
+
 def _stage(model: onnx.ModelProto) -> dict | None:
     raw = next((p.value for p in model.metadata_props if p.key == PIPELINE_KEY), None)
     return None if raw is None else json.loads(raw)

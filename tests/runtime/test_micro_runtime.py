@@ -153,3 +153,34 @@ def test_inspect_shows_micro_batches_and_per_step_collectives(gpt, tmp_path, cap
     for device in devices:
         assert device["micro_batches"] == 2
         assert sum(c["count"] for c in device["collectives"]) == per_step
+
+
+@pytest.mark.parametrize(
+    ("devices", "extra", "none"),
+    [
+        (2, ("--mesh", "2", "--plan", "megatron", "--micro-batches", 4), False),
+        (4, ("--mesh", "2", "--plan", "megatron", "--stages", 2, "--micro-batches", 2), False),
+        (4, ("--mesh", "1", "--plan", "data-parallel", "--stages", 4, "--micro-batches", 2), True),
+    ],
+    ids=["micro", "pp2-tp2", "pp4"],
+)
+def test_collectives_per_device_is_one_figure(gpt, tmp_path, capsys, devices, extra, none):
+    """Compile's line and JSON, the plan's estimate and inspect name the same count: the
+    collectives the busiest device issues per step (micro-phase ones once per
+    micro-batch; a pipeline's Send/Recv are not collectives)."""
+    out = tmp_path / "out"
+    done = cli(capsys, "compile", gpt, "--devices", devices, *extra, "-o", out, "--json")
+    assert done.code == 0, done.err
+    doc = json.loads(done.out)
+    result = cli(capsys, "inspect", out, "--json")
+    assert result.code == 0, result.err
+    counts = [
+        sum(c["count"] for c in device["collectives"] if c["kind"] not in ("Send", "Recv"))
+        for device in json.loads(result.out)["devices"]
+    ]
+    assert doc["collectives_per_device"] == doc["estimate"]["collectives_per_device"]
+    assert doc["collectives_per_device"] == max(counts)
+    assert (max(counts) == 0) is none
+    # every plan here splits the step (a pipeline of one device per stage with no
+    # collective at all included): none is the plan that replicates each device's work
+    assert doc["replicates_all_work"] is False
