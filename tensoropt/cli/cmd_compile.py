@@ -162,7 +162,8 @@ def add_parser(sub) -> None:
         choices=("1f1b", "gpipe"),
         default=None,
         help="pipeline schedule: 1f1b (each stage alternates forwards and backwards, so "
-        "stage s holds at most P - s micro-batches; default) or gpipe (every forward first)",
+        "stage s holds at most P - s micro-batches; default) or gpipe (every forward first); "
+        "with --stages or a pipelined --plan file (a --pick point keeps its own)",
     )
     add_training_options(p)
     p.add_argument(
@@ -445,10 +446,16 @@ def with_stages(args: argparse.Namespace, step, plan):
     import dataclasses
 
     count = stage_count(args)
-    schedule = getattr(args, "schedule", None) or plan.schedule
+    given = getattr(args, "schedule", None)
+    schedule = given or plan.schedule
     if count == 1:
         if getattr(args, "stages", None) is not None:
-            return dataclasses.replace(plan, stages=(), schedule=schedule)
+            plan = dataclasses.replace(plan, stages=())
+        if given is not None and not plan.stages:  # a schedule of nothing: refused
+            raise TensorOptError(
+                f"--schedule {given}: the plan has no pipeline stages to schedule; give "
+                "--stages P (2 or more) and --micro-batches M with it"
+            )
         return dataclasses.replace(plan, schedule=schedule)
     from tensoropt.passes.recompute import find_blocks
     from tensoropt.passes.stages import even_starts
@@ -601,6 +608,14 @@ def run(args: argparse.Namespace) -> int:
             f"--zero {args.zero} applies to --plan (data-parallel, megatron, fsdp or a "
             "PLAN.json); a --pick point carries its own choices: drop --zero"
         )
+    if args.pick:
+        for flag, given in (("--stages", args.stages), ("--schedule", args.schedule)):
+            if given is not None:
+                raise TensorOptError(
+                    f"{flag} {given} applies to --plan; a --pick point carries its own "
+                    f"stages and schedule (search --axes ...,stages prices 1f1b): drop "
+                    f"{flag}, or compile the picked plan.json with --plan and {flag}"
+                )
     if args.pick and args.search:
         return _compile_from_search(args)
     if args.pick:

@@ -55,6 +55,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 
 
 M, O, P, OUT = "{model}", "{outdir}", "{plan}", "{out}"
+PICKED = ["compile", M, "--devices", "2", "--pick", "fastest"]
 CASES: list[tuple[list[str], str]] = [
     # the command line itself
     (["frobnicate"], "invalid choice"),
@@ -121,6 +122,10 @@ CASES: list[tuple[list[str], str]] = [
     (["compile", M, "--devices", "2", "--pick", "fastest-under:10", "-o", f"{OUT}/c"], "unit"),
     (["compile", M, "--devices", "2", "--pick", "slowest", "-o", f"{OUT}/c"], "slowest"),
     (["compile", M, "--devices", "2", "--pick", "999", "-o", f"{OUT}/c"], "999"),
+    # a picked point carries its stages and schedule; a schedule needs stages
+    ([*PICKED, "--stages", "2", "-o", f"{OUT}/c"], "--stages 2 applies to --plan"),
+    ([*PICKED, "--schedule", "gpipe", "-o", f"{OUT}/c"], "--schedule gpipe applies to --plan"),
+    (["compile", M, "--devices", "2", "--schedule", "gpipe", "-o", f"{OUT}/c"], "no pipeline"),
     (["compile", M, "--devices", "2", "--pick", "fastest-under:1KiB", "-o", f"{OUT}/c"], "memory"),
     (
         ["compile", M, "--devices", "2", "--pick", "fewest-devices-under:1KiB", "-o", f"{OUT}/c"],
