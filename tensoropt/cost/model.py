@@ -60,7 +60,7 @@ from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
 from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.autodiff import ACCUMULATES_KEY, unit_of
-from tensoropt.passes.micro import micro_axes, micro_mesh
+from tensoropt.passes.micro import MICRO_INDEX, micro_axes, micro_mesh
 from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
 from tensoropt.passes.units import (
     Conversion,
@@ -804,6 +804,33 @@ class ProblemFamily:
                 found = False
             self._shardable[key] = found
         return stage if found else ZeroStage.NONE
+
+    def stores_whole(self) -> tuple[tuple[bool, ...], ...]:
+        """Per unit, per strategy: whether every parameter the unit places is stored
+        whole on the micro axis (replicated over the micro-batches). A strategy that
+        splits one with the batch would have each micro-batch update a piece of it,
+        which compile refuses (``passes.micro.annotate_micro``): a micro-batched search
+        must not offer it. All true without micro-batches."""
+        su = self.sg.units
+        out = []
+        for k, info in enumerate(self.infos):
+            unit = su.units[k]
+            placed = [
+                x
+                for x, value in enumerate(unit.externals)
+                if unit.kinds[x] is Entry.PARAM and su.owner.get(value.name) == k
+            ]
+            row = []
+            for s in info.strategies:
+                ok = True
+                if self.micro_batches > 1 and placed:
+                    entries = self.builder.programs.program(k, s).entries
+                    ok = all(
+                        isinstance(entries[x].placements[MICRO_INDEX], Replicate) for x in placed
+                    )
+                row.append(ok)
+            out.append(tuple(row))
+        return tuple(out)
 
     def working_set(self) -> WorkingSetBound:
         """The bound of the recompute working set over the plans of this family

@@ -384,6 +384,8 @@ class _MeshProblems:
                     choices=choices,
                     chosen=self.chosen,
                 )
+                if choices is not None and reals is not None:
+                    family, choices, reals = _stored_whole(family, choices, reals)
                 self.families[key] = (family, reals)
                 self.choices[key] = choices
             except MicroError as exc:
@@ -399,6 +401,42 @@ class _MeshProblems:
             return None
         same.append(mp)
         return _Built(v, mp, graph, reals)
+
+
+def _stored_whole(family: ProblemFamily, choices: dict, reals: tuple):
+    """A micro-batched family without the strategies that would split a parameter with
+    the batch (``ProblemFamily.stores_whole``: compile refuses them), and its choices and
+    plan-mesh strategies to match. Raises MicroError when a unit keeps none."""
+    from tensoropt.passes.micro import MicroError
+
+    whole = family.stores_whole()
+    if all(all(row) for row in whole):
+        return family, choices, reals
+    units = family.sg.units.units
+    for unit, row in zip(units, whole, strict=True):
+        if not any(row):
+            raise MicroError(
+                f"--micro-batches {family.micro_batches}: unit {unit.root.name!r} "
+                f"({unit.root.op_type}) splits a parameter with the batch under every "
+                "strategy"
+            )
+    kept = {
+        unit.root.name: [c for c, ok in zip(choices[unit.root.name], row, strict=True) if ok]
+        for unit, row in zip(units, whole, strict=True)
+    }
+    reals = tuple(
+        tuple(r for r, ok in zip(rs, row, strict=True) if ok)
+        for rs, row in zip(reals, whole, strict=True)
+    )
+    narrowed = ProblemFamily(
+        family.sg,
+        family.plan_mesh,
+        family.builder.pricer.profile,
+        micro_batches=family.micro_batches,
+        choices=kept,
+        programs=family.builder.programs,  # the same programs: nothing runs again
+    )
+    return narrowed, kept, reals
 
 
 def axis_level(v: Variant) -> int:

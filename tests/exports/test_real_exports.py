@@ -209,3 +209,31 @@ def test_train_mode_export_is_the_eval_graph(tmp_path):
     export(CASES["resnet"], str(path), train_mode=True)
     ops = {n.op_type for n in onnx.load(str(path)).graph.node}
     assert "BatchNormalization" not in ops and "Conv" in ops
+
+
+@pytest.mark.slow
+def test_every_micro_batched_point_the_search_offers_compiles(exported, tmp_path, capsys):
+    """The ViT export folds its class token into a [batch, 1, D] initializer that the
+    Concat reads: under micro-batches every strategy splits it with the batch, which
+    compile refuses (each micro-batch would update a piece of a parameter). The search
+    must not offer such points: every 1-device point of the split and micro axes
+    compiles, and the 2-micro-batch problem is not searched there."""
+    from tensoropt.cli.search_json import load_search
+
+    model = exported("vit")
+    doc = tmp_path / "s.json"
+    argv = ["search", str(model), "--devices", "1", "--axes", "split,micro"]
+    assert main([*argv, "--micro-batches", "1,2", "--json-out", str(doc)]) == 0
+    capsys.readouterr()
+    frontier = load_search(str(doc)).rows(1)
+    assert frontier, "no 1-device point"
+    assert all(row["axes"]["micro_batches"] == 1 for row in frontier)
+    for index in range(len(frontier)):
+        out = tmp_path / f"p{index}"
+        code = main(["compile", str(model), "--search", str(doc), "--devices", "1",
+                     "--pick", str(index), "-o", str(out)])  # fmt: skip
+        assert code == 0, capsys.readouterr().err
+    # the batch-sized parameter is compile's reason, stated for the plan itself
+    assert main(["compile", str(model), "--devices", "1", "--micro-batches", "2",
+                 "-o", str(tmp_path / "refused")]) == 2  # fmt: skip
+    assert "is split with the batch" in capsys.readouterr().err
