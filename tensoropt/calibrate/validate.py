@@ -157,6 +157,7 @@ def graph_facts(outdir: str, link) -> GraphFacts:
     import json
 
     from tensoropt.passes.device_stats import device_stats
+    from tensoropt.passes.stages import P2P_OPS
 
     with open(os.path.join(outdir, "manifest.json")) as f:
         step = json.load(f)["step"]
@@ -166,7 +167,9 @@ def graph_facts(outdir: str, link) -> GraphFacts:
             continue
         model = onnx.load(os.path.join(outdir, name))
         stats = device_stats(model, list(step["params"]), list(step["states"]))
-        count = sum(c.count for c in stats.collectives)
+        # collectives per step as every command counts them (device_stats.
+        # collectives_per_step): a pipeline's Sends are traffic, not collectives
+        count = sum(c.count for c in stats.collectives if c.kind not in P2P_OPS)
         alphas = sum(c.count * (2 if c.kind == "AllReduce" else 1) for c in stats.collectives)
         seconds = alphas * link.alpha_s + stats.bytes_sent / link.bandwidth
         facts.append(GraphFacts(stats.peak_bytes, stats.state_bytes, count, seconds))

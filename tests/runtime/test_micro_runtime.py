@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 
+from tensoropt.calibrate.validate import graph_facts
+from tensoropt.cost.cluster import builtin
 from tensoropt.models import build_model
 from tensoropt.models.io import save_model
 from tensoropt.runtime.run import run_steps
@@ -180,6 +182,8 @@ def test_collectives_per_device_is_one_figure(gpt, tmp_path, capsys, devices, ex
     ]
     assert doc["collectives_per_device"] == doc["estimate"]["collectives_per_device"]
     assert doc["collectives_per_device"] == max(counts)
+    # validate's graph_collectives counts them alike
+    assert graph_facts(str(out), builtin("h100").intra).collectives == max(counts)
     assert (max(counts) == 0) is none
     # every plan here splits the step (a pipeline of one device per stage with no
     # collective at all included): none is the plan that replicates each device's work
