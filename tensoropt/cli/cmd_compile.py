@@ -49,6 +49,10 @@ plans:
                                               counts: a list 1,2,4, a range 1-8 (every
                                               count) or 1..8 (powers of two); a single N
                                               means the powers of two below N, and N
+  --axes LIST     with --pick (not --search): what that search explores, as `search
+                  --axes` (default split; split,zero,recompute,micro adds the memory
+                  axes, ...,stages pipelined points), so a budget the split alone cannot
+                  meet can pick a point that trades step time for memory
   without --plan or --pick: --plan data-parallel
   MEM takes a unit: 16GiB, 80GB, 512MiB
   near-ties: a policy ranks points by their estimates alone. When the --cluster profile
@@ -134,6 +138,13 @@ def add_parser(sub) -> None:
         "--pick",
         help="fastest | min-memory | fastest-under:MEM | "
         "fewest-devices-under:MEM | INDEX (searches first; see below)",
+    )
+    p.add_argument(
+        "--axes",
+        default=None,
+        metavar="LIST",
+        help="with --pick: what its search explores, as `search --axes` (default split; "
+        "split,zero,recompute,micro adds the memory axes)",
     )
     p.add_argument(
         "--zero",
@@ -298,9 +309,9 @@ def _load_plan_file(path: str, mesh, stages: int | None = None):
 
 def _compile_picked(args: argparse.Namespace) -> int:
     """Search, pick a point by policy, and compile its plan through the same passes."""
-    from tensoropt.cli.cmd_search import explore_from_args
+    from tensoropt.cli.cmd_search import explore_from_args, parse_axes
     from tensoropt.cost.accuracy import band_of, near_tie_note
-    from tensoropt.search.driver import device_frontier, pick, plan_of_point
+    from tensoropt.search.driver import device_frontier, mesh_label, pick, plan_of_point
 
     check_policy(args.pick)
     if args.pick.startswith("fewest-devices-under:"):
@@ -310,7 +321,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     args.epsilon = None
     args.memory_budget = None
     _, _, exp = explore_from_args(args, counts)
-    chosen = pick(exp, max(counts), args.pick, parse_bytes)
+    chosen = pick(exp, max(counts), args.pick, parse_bytes, parse_axes(args.axes or "split"))
     search, point = chosen.search, chosen.point
     band, tie = band_of(args.cluster), None
     if band is not None:  # the frontier is merged again only for the note
@@ -326,7 +337,8 @@ def _compile_picked(args: argparse.Namespace) -> int:
     plan = with_micro_batches(plan_of_point(search, point, source), args)
     picked = (
         f"picked {args.pick}: point {chosen.index} at {search.devices} devices, mesh "
-        f"{search.mesh}; {search.summaries[search.result.points.index(point)]}"
+        f"{mesh_label(search.mesh.shape, search.variant.stages)}; "
+        f"{search.summaries[search.result.points.index(point)]}"
     )
     summary, estimate, result = _compile_searched(args, plan)
     print(picked, file=sys.stderr)
@@ -364,6 +376,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     )
     from tensoropt.cost.accuracy import band_of, near_tie_note
     from tensoropt.cost.cluster import load_cluster
+    from tensoropt.search.driver import mesh_label
 
     check_policy(args.pick)
     if args.mesh is not None:
@@ -394,7 +407,8 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     summary, estimate, result = _compile_searched(args, plan)
     print(
         f"picked {args.pick} from {args.search}: point {chosen.index} at {chosen.devices} "
-        f"devices, mesh {plan.mesh}; {chosen.row.get('summary', '')}",
+        f"devices, mesh {mesh_label(plan.mesh.shape, plan.num_stages)}; "
+        f"{chosen.row.get('summary', '')}",
         file=sys.stderr,
     )
     if tie:
@@ -607,6 +621,12 @@ def run(args: argparse.Namespace) -> int:
         raise TensorOptError(
             f"--zero {args.zero} applies to --plan (data-parallel, megatron, fsdp or a "
             "PLAN.json); a --pick point carries its own choices: drop --zero"
+        )
+    if args.axes is not None and (not args.pick or args.search):
+        where = "--search FILE holds its search's points" if args.search else "give --pick"
+        raise TensorOptError(
+            f"--axes {args.axes} chooses what --pick searches; {where} (a --plan "
+            "compiles its own choices: --zero, --recompute, --micro-batches, --stages)"
         )
     if args.pick:
         for flag, given in (("--stages", args.stages), ("--schedule", args.schedule)):

@@ -790,6 +790,18 @@ def _megatron_in(b: _Built, at: _MeshProblems) -> tuple[int, ...] | None:
 MEMORY_AXES = (Axis.ZERO, Axis.RECOMPUTE, Axis.MICRO)
 
 
+def memory_axes_advice(axes: frozenset[Axis]) -> str:
+    """ ", trade step time for memory with --axes ..." naming the memory axes a search
+    left out ("" when it searched them all): what an infeasible budget can still try."""
+    missing = [a.value for a in MEMORY_AXES if a not in axes]
+    if not missing:
+        return ""
+    every = ",".join(a.value for a in (Axis.SPLIT, *MEMORY_AXES))
+    return (
+        f", trade step time for memory with --axes {every} ({', '.join(missing)} not searched here)"
+    )
+
+
 def _infeasible_message(searches, budget, space: SearchSpace) -> str:
     """Smallest reachable memory per device count (memory is exact even with epsilon),
     and the memory axes the search left out, which may reach below it."""
@@ -810,13 +822,7 @@ def _infeasible_message(searches, budget, space: SearchSpace) -> str:
         if fits
         else "no searched device count fits; search more devices"
     )
-    missing = [a.value for a in MEMORY_AXES if a not in space.axes]
-    if missing:
-        every = ",".join(a.value for a in (Axis.SPLIT, *MEMORY_AXES))
-        advice += (
-            f", trade step time for memory with --axes {every} ({', '.join(missing)} "
-            "not searched here)"
-        )
+    advice += memory_axes_advice(space.axes)
     return (
         f"no plan fits the memory budget of {_gib(budget)} per device; the smallest "
         f"memory per device reachable is {parts}; {advice}, or raise --memory-budget"
@@ -860,11 +866,17 @@ def device_frontier(exp: Exploration, devices: int) -> list[tuple[MeshSearch, Fr
 
 
 def pick_index(
-    policy: str, memories: Sequence[float], devices: int, parse_bytes, where: str = ""
+    policy: str,
+    memories: Sequence[float],
+    devices: int,
+    parse_bytes,
+    where: str = "",
+    advice: str = "",
 ) -> int:
     """The index that a per-count policy (fastest | min-memory | fastest-under:MEM | INDEX)
     names in one device count's frontier, given its memories (fastest point first).
-    ``where``: what holds the frontier, for the messages (e.g. a search file)."""
+    ``where``: what holds the frontier, for the messages (e.g. a search file);
+    ``advice``: :func:`memory_axes_advice` of the search, when no plan fits."""
     name, _, arg = policy.partition(":")
     at = f"at {devices} devices{where}"
     if name == "fastest":
@@ -877,7 +889,7 @@ def pick_index(
         if not fits:
             raise InfeasibleError(
                 f"--pick {policy}: the smallest memory {at} is {_gib(memories[-1])} "
-                "per device; raise the budget or add devices"
+                f"per device; add devices{advice}, or raise the budget"
             )
         return fits[0]
     if policy.isdigit():
@@ -894,10 +906,18 @@ def pick_index(
     )
 
 
-def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
+def pick(
+    exp: Exploration,
+    devices: int,
+    policy: str,
+    parse_bytes,
+    axes: frozenset[Axis] = frozenset(MEMORY_AXES),
+) -> Pick:
     """Apply a policy: fastest | min-memory | fastest-under:MEM | fewest-devices-under:MEM |
-    INDEX (into the frontier of ``devices``, fastest first)."""
+    INDEX (into the frontier of ``devices``, fastest first). ``axes``: those the search
+    explored, for the advice when no plan fits."""
     name, _, arg = policy.partition(":")
+    advice = memory_axes_advice(axes)
     if name == "fewest-devices-under":
         budget = parse_bytes(arg, "--pick fewest-devices-under")
         counts = sorted({s.devices for s in exp.searches})
@@ -907,11 +927,11 @@ def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
                     return Pick(s, p, k, policy)
         raise InfeasibleError(
             f"--pick {policy}: no plan at {', '.join(map(str, counts))} devices fits "
-            f"{_gib(budget)} per device; add devices or raise the budget"
+            f"{_gib(budget)} per device; add devices{advice}, or raise the budget"
         )
     rows = device_frontier(exp, devices)
     if not rows:
         raise InfeasibleError(f"no plan found at {devices} devices")
-    k = pick_index(policy, [p.memory_bytes for _, p in rows], devices, parse_bytes)
+    k = pick_index(policy, [p.memory_bytes for _, p in rows], devices, parse_bytes, "", advice)
     s, p = rows[k]
     return Pick(s, p, k, policy)

@@ -213,6 +213,49 @@ def test_pick_budget_and_index_errors(zoo_file, capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_compile_pick_searches_the_axes_it_is_given(zoo_file, capsys, tmp_path):
+    """`compile --pick --axes LIST` picks from the frontier `search --axes LIST` shows: its
+    least-memory point at 2 devices is the search's (same estimate), below the split
+    alone's; a budget only the memory axes meet is met with them and refused without,
+    naming them."""
+    every = "split,zero,recompute,micro"
+    model = zoo_file("gpt")
+    found = cli(capsys, "search", model, "--devices", "2", "--axes", every, "--json")
+    assert found.code == 0, found.err
+    rows = json.loads(found.out)["per_device"]["2"]
+    least = rows[-1]
+    done = cli(capsys, "compile", model, "--devices", "2", "--pick", "min-memory",
+               "--axes", every, "-o", tmp_path / "all", "--json")  # fmt: skip
+    assert done.code == 0, done.err
+    estimate = json.loads(done.out)["estimate"]
+    assert estimate["memory_bytes"] == least["memory_bytes"]
+    assert estimate["time_s"] == pytest.approx(least["time_s"], rel=1e-9)
+    split = cli(capsys, "compile", model, "--devices", "2", "--pick", "min-memory",
+                "-o", tmp_path / "split", "--json")  # fmt: skip
+    assert split.code == 0, split.err
+    assert json.loads(split.out)["estimate"]["memory_bytes"] > least["memory_bytes"]
+    budget = f"{least['memory_bytes']}B"
+    argv = ["compile", model, "--devices", "2", "--pick", f"fastest-under:{budget}"]
+    refused = cli(capsys, *argv, "-o", tmp_path / "no")
+    assert_bad_input(refused, "compile", "smallest memory at 2 devices", f"--axes {every}")
+    assert not (tmp_path / "no").exists()
+    met = cli(capsys, *argv, "--axes", every, "-o", tmp_path / "yes")
+    assert met.code == 0, met.err
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--axes", "split,zero"], "give --pick"),
+        (["--pick", "fastest", "--axes", "split,bogus"], "unknown axis 'bogus'"),
+    ],
+)
+def test_compile_axes_needs_a_pick_search(zoo_file, capsys, tmp_path, extra, fragment):
+    out = cli(capsys, "compile", zoo_file("mlp"), "--devices", "2", *extra, "-o", tmp_path / "o")
+    assert_bad_input(out, "compile", fragment)
+    assert not (tmp_path / "o").exists()
+
+
 def test_epsilon_search_states_the_device_count_guarantee(zoo_file, tmp_path, capsys):
     """With --epsilon the meshes of a count prune each other as in the exact search, and
     the guarantee is stated for each count's frontier, in the table and the JSON."""
