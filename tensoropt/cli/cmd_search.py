@@ -469,7 +469,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:  # with --json, stdout is the document alone
         print_tables(sg, exp, band=band)
     if args.json or args.json_out:
-        body = search_document(sg, profile, exp, args.model, step_options(args), band)
+        axes = parse_axes(args.axes or "split")
+        body = search_document(sg, profile, exp, args.model, step_options(args), band, axes)
         emit(args, document(SCHEMA, body), compact=True)
     if args.plot:
         plot(exp, args.plot)

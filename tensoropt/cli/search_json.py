@@ -42,12 +42,13 @@ def step_options(args) -> dict:
     return {name: getattr(args, name, None) for name in STEP_OPTIONS}
 
 
-def search_document(sg, profile, exp, model_path: str, options: dict, band=None) -> dict:
+def search_document(sg, profile, exp, model_path: str, options: dict, band=None, axes=None) -> dict:
     """The body of the search JSON (without ``schema``; see json_output.document).
-    ``band``: the profile's ErrorBand (cost.accuracy), or None."""
+    ``band``: the profile's ErrorBand (cost.accuracy), or None; ``axes``: the axes the
+    search explored (``search --axes``), recorded as ``axes_searched``."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import ALL_REPLICATED
-    from tensoropt.search.driver import device_frontier, guarantee_of
+    from tensoropt.search.driver import Axis, device_frontier, guarantee_of
 
     shared = exp.searches[0].unit_names if exp.searches else ()
     tables = {id(s): _StrategyTable(s) for s in exp.searches}
@@ -89,6 +90,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
         "epsilon": exp.epsilon,
         "guarantee": guarantee_of(exp),
         "memory_budget_bytes": exp.memory_budget,
+        "axes_searched": [a.value for a in Axis if a in axes] if axes is not None else None,
         "error_band": band.to_json() if band is not None else None,
         "units": list(shared),
         "meshes": {
@@ -240,7 +242,14 @@ def pick_row(
 ) -> PickedRow:
     """Apply a ``--pick`` policy to the file's frontiers, as ``search.driver.pick`` does to
     a search held in memory (same policies, same order: fastest first)."""
+    from tensoropt.search.driver import Axis, memory_axes_advice, pick_index
+
     name, _, arg = policy.partition(":")
+    searched = sf.doc.get("axes_searched")  # absent from files of older searches
+    advice = ""
+    if isinstance(searched, list):
+        advice = memory_axes_advice(frozenset(a for a in Axis if a.value in searched))
+        advice = advice.replace("--axes", "search --axes", 1)
     if name == "fewest-devices-under":
         budget = parse_bytes(arg, "--pick fewest-devices-under")
         counts = [d for d in sf.device_counts if d <= devices]
@@ -250,7 +259,7 @@ def pick_row(
                     return PickedRow(d, i, row)
         raise InfeasibleError(
             f"--pick {policy}: no plan of {sf.path} at {', '.join(map(str, counts)) or 'no'} "
-            f"devices fits {arg} per device; add devices or raise the budget"
+            f"devices fits {arg} per device; add devices{advice}, or raise the budget"
         )
     rows = sf.rows(devices)
     if not rows:
@@ -258,10 +267,8 @@ def pick_row(
             f"--search {sf.path}: no frontier at {devices} devices (it has "
             f"{', '.join(map(str, sf.device_counts))}); search that device count"
         )
-    from tensoropt.search.driver import pick_index
-
     memories = [row["memory_bytes"] for row in rows]
-    k = pick_index(policy, memories, devices, parse_bytes, f" in {sf.path}")
+    k = pick_index(policy, memories, devices, parse_bytes, f" in {sf.path}", advice)
     return PickedRow(devices, k, rows[k])
 
 

@@ -89,6 +89,24 @@ def test_fewest_devices_under_reads_the_file(searched, zoo_file, tmp_path, capsy
     assert data["world_size"] == 4 and data["estimate"]["memory_bytes"] <= budget
 
 
+def test_a_budget_the_file_cannot_meet_names_the_axes_it_left_out(
+    searched, zoo_file, tmp_path, capsys
+):
+    """The file records the axes its search explored; a --pick budget below its least
+    memory names the memory axes it did not (a file without the record: no advice)."""
+    doc = json.loads(searched.read_text())
+    assert doc["axes_searched"] == ["split"]
+    argv = ["compile", zoo_file("gpt"), "--devices", 2, "--pick", "fastest-under:1KiB"]
+    out = cli(capsys, *argv, "--search", searched, "-o", tmp_path / "o")
+    assert_bad_input(out, "compile", "smallest memory at 2 devices", "search --axes split,zero")
+    doc.pop("axes_searched")
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(doc))
+    out = cli(capsys, *argv, "--search", older, "-o", tmp_path / "o")
+    assert "--axes" not in assert_bad_input(out, "compile", "smallest memory at 2 devices")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     ("mutate", "extra", "fragment"),
     [
