@@ -164,7 +164,9 @@ def add_parser(sub) -> None:
         metavar="COSTS.json",
         help="the cost problems and answers: "
         "each problem's whole frontier (slower: the meshes of a device count are then "
-        "solved without each other's incumbents)",
+        "solved without each other's incumbents); every frontier in it is the Pareto set "
+        "of its problem's sums, so pipelined problems (--axes ...,stages: a step is its "
+        "slowest stage) are left out",
     )
     p.set_defaults(func=run)
 
@@ -475,7 +477,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(exp, args.plot)
     if args.dump_costs:
-        records = [CostRecord(s.problem, s.result.points, exp.epsilon) for s in exp.searches]
+        # a pipelined point's step is its slowest stage's, not a sum of its problem's
+        # entries: its frontier cannot be recomputed from the file, so it is not there
+        summed = [s for s in exp.searches if s.variant.stages == 1]
+        records = [CostRecord(s.problem, s.result.points, exp.epsilon) for s in summed]
+        if len(summed) < len(exp.searches):
+            print(
+                f"--dump-costs: {len(exp.searches) - len(summed)} pipelined problems left "
+                "out (a pipeline's step is its slowest stage, not a sum of entries)",
+                file=sys.stderr,
+            )
         write_atomic(args.dump_costs, json.dumps(costs_to_json(records)).encode())
     written = (("json", args.json_out), ("plot", args.plot), ("costs", args.dump_costs))
     for flag, path in written:

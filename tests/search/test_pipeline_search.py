@@ -262,3 +262,24 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
                         assert (taus[s, x, y], mems[s, x, y]) == (want.time_s, want.memory_bytes)
                         checked += 1
     assert checked >= 50
+
+
+def test_dumped_costs_recompute_with_stages_searched(gpt, tmp_path, capsys):
+    """--dump-costs with stages: every frontier in the file is the Pareto set of its own
+    problem's sums (an external solver recomputes each from the file alone); the
+    pipelined problems, whose step is a max over stages, are left out and said so."""
+    from tensoropt.ir.costs import record_from_json
+
+    path = tmp_path / "costs.json"
+    argv = ["search", gpt, "--devices", "2", "--axes", "split,micro,stages"]
+    out = cli(capsys, *argv, "--micro-batches", "1,2", "--dump-costs", path)
+    assert out.code == 0, out.err
+    assert "pipelined problems left out" in out.err
+    problems = json.loads(path.read_text())["problems"]
+    assert problems
+    for i, entry in enumerate(problems):
+        record = record_from_json(entry, f"problems[{i}]")
+        again = solve(record.problem).points
+        assert _pareto((p.time_s, p.memory_bytes) for p in again) == _pareto(
+            (p.time_s, p.memory_bytes) for p in record.frontier
+        ), i
