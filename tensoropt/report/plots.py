@@ -138,8 +138,10 @@ def frontier(
                 zorder=4,
                 label=f"_{r.name} at {devices_label(d)}",
             )
-    for marker, label in _MARKERS.values():
-        ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
+    shown = {r.name for rs in refs.values() for r in rs}  # the legend names what is drawn
+    for name, (marker, label) in _MARKERS.items():
+        if name in shown:
+            ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
     if budget is not None:
         ax.axhline(budget / scale, color="0.3", ls="--", lw=1.0, label="memory budget")
         mems.append(budget)

@@ -158,6 +158,22 @@ def test_plot_keeps_single_point_counts_visible_and_says_1_device(gpt, tmp_path,
         assert all(lines[k].get_markersize() > lines[o].get_markersize() for o in longer), k
 
 
+def test_plot_legend_names_only_the_reference_plans_drawn(gpt, tmp_path, capsys, drawn):
+    """A model without Megatron blocks (ResNet) gets no Megatron entries in the legend;
+    the tiny GPT, which has them, does."""
+    from tensoropt.models import build_model, save_model
+
+    resnet = tmp_path / "resnet.onnx"
+    save_model(build_model("resnet50", "tiny"), str(resnet))
+    for model, megatron in ((resnet, False), (gpt, True)):
+        drawn.clear()
+        out = cli(capsys, "search", model, "--devices", "2", "--plot", tmp_path / "f.png")
+        assert out.code == 0, out.err
+        labels = [t.get_text() for t in drawn[0].axes[0].get_legend().get_texts()]
+        assert "data-parallel" in labels
+        assert ("Megatron" in labels) is megatron, labels
+
+
 def test_memory_budget_draws_a_line_marks_references_and_skips_empty_tables(
     gpt, tmp_path, capsys, drawn
 ):
