@@ -226,6 +226,13 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
     }
 
 
+def mesh_text(c: PlanCheck) -> str:
+    """The plan's mesh as the search's tables show it: "2x2", a pipeline's "pp2:2"."""
+    text = "x".join(map(str, c.mesh))
+    stages = (c.axes or {}).get("stages", 1)
+    return f"pp{stages}:{text}" if stages > 1 else text
+
+
 def table(checks: Sequence[PlanCheck]) -> str:
     head = (
         f"{'dev':>3} {'mesh':>5} {'pt':>3}  {'est ms':>8} {'meas ms':>8} {'err':>6} "
@@ -235,7 +242,7 @@ def table(checks: Sequence[PlanCheck]) -> str:
     lines = [head]
     for c in checks:
         lines.append(
-            f"{c.devices:>3} {'x'.join(map(str, c.mesh)):>5} {c.index:>3}  "
+            f"{c.devices:>3} {mesh_text(c):>5} {c.index:>3}  "
             f"{c.est_time_s * 1e3:>8.3f} {c.measured_time_s * 1e3:>8.3f} {c.time_error:>+6.0%} "
             f"{c.compute_error:>+8.0%} {link_label(c.link):>11} {host_label(c.host):>5}  "
             f"{c.est_memory_bytes / 2**20:>8.2f} {c.liveness_peak_bytes / 2**20:>8.2f} "

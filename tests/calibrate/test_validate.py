@@ -49,6 +49,17 @@ def test_step_time_errors_split_by_the_memory_link_probed_before_each_plan():
     assert by_memory_link(checks[4:]) == {}  # unprobed plans (one device) count nowhere
 
 
+def test_table_labels_pipelined_meshes_as_the_search_does():
+    from types import SimpleNamespace
+
+    from tensoropt.calibrate.validate import mesh_text
+
+    plain = SimpleNamespace(mesh=(2, 2), axes={"stages": 1})
+    staged = SimpleNamespace(mesh=(1,), axes={"stages": 2})
+    bare = SimpleNamespace(mesh=(4,), axes=None)
+    assert [mesh_text(c) for c in (plain, staged, bare)] == ["2x2", "pp2:1", "4"]
+
+
 def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys):
     model = zoo_model("mlp")
     out, png = tmp_path / "v.json", tmp_path / "v.png"
