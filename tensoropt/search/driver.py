@@ -791,8 +791,9 @@ MEMORY_AXES = (Axis.ZERO, Axis.RECOMPUTE, Axis.MICRO)
 
 
 def memory_axes_advice(axes: frozenset[Axis]) -> str:
-    """ ", trade step time for memory with --axes ..." naming the memory axes a search
-    left out ("" when it searched them all): what an infeasible budget can still try."""
+    """The clause ', trade step time for memory with --axes ...' naming the memory axes
+    a search left out ("" when it searched them all): what an infeasible budget can
+    still try."""
     missing = [a.value for a in MEMORY_AXES if a not in axes]
     if not missing:
         return ""
