@@ -228,9 +228,9 @@ def report_json(checks: Sequence[PlanCheck], meta: dict) -> dict:
 
 def mesh_text(c: PlanCheck) -> str:
     """The plan's mesh as the search's tables show it: "2x2", a pipeline's "pp2:2"."""
-    text = "x".join(map(str, c.mesh))
-    stages = (c.axes or {}).get("stages", 1)
-    return f"pp{stages}:{text}" if stages > 1 else text
+    from tensoropt.search.driver import mesh_label
+
+    return mesh_label(c.mesh, (c.axes or {}).get("stages", 1))
 
 
 def table(checks: Sequence[PlanCheck]) -> str:
