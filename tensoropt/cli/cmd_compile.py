@@ -623,11 +623,12 @@ def run(args: argparse.Namespace) -> int:
             "PLAN.json); a --pick point carries its own choices: drop --zero"
         )
     if args.axes is not None and (not args.pick or args.search):
-        where = "--search FILE holds its search's points" if args.search else "give --pick"
-        raise TensorOptError(
-            f"--axes {args.axes} chooses what --pick searches; {where} (a --plan "
-            "compiles its own choices: --zero, --recompute, --micro-batches, --stages)"
+        where = (
+            "--search FILE already holds its search's points: give --axes to that search"
+            if args.search
+            else "give --pick (a --plan takes --zero, --recompute, --micro-batches, --stages)"
         )
+        raise TensorOptError(f"--axes {args.axes} chooses what --pick searches; {where}")
     if args.pick:
         for flag, given in (("--stages", args.stages), ("--schedule", args.schedule)):
             if given is not None:

@@ -149,6 +149,8 @@ def test_search_file_errors(zoo_file, searched, tmp_path, capsys):
         capsys, *base, "--devices", 4, "--mesh", "2x2", "--pick", "0", "--search", searched
     )
     assert_bad_input(meshed, "compile", "--mesh 2x2 with --search")
+    axes = cli(capsys, *base, "--devices", 2, "--pick", "0", "--search", searched, "--axes", "zero")
+    assert_bad_input(axes, "compile", "--search FILE already holds its search's points")
     assert not (tmp_path / "o").exists()
 
 
