@@ -75,6 +75,13 @@ def _save(fig, path: Path | BinaryIO) -> None:
     _pyplot().close(fig)
 
 
+def _legend(ax, **kwargs) -> None:
+    """The legend right of the axes: inside, it covers lines that reach the corners
+    (a staircase runs to the right edge, the largest device count along the top)."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              **kwargs)  # fmt: skip
+
+
 def devices_label(d: int) -> str:
     return f"{d} device" if d == 1 else f"{d} devices"
 
@@ -100,7 +107,7 @@ def frontier(
     artist is labelled ``_NAME at D devices`` (the underscore keeps it out of the
     legend), so that it can be found and checked against the search's figures."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(9.0, 4.8))
     mems = [p.memory_bytes for ps in rows.values() for p in ps]
     mems += [r.memory_bytes for rs in refs.values() for r in rs]
     times = [p.time_s for ps in rows.values() for p in ps]
@@ -150,7 +157,7 @@ def frontier(
     ax.set_ylabel(f"memory per device ({unit})")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax)
     _save(fig, path)
 
 
@@ -165,7 +172,7 @@ def capacity(
     counts (black staircase, dots coloured by the device count that reaches each step)
     and, thin, the best at each device count alone."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    fig, ax = plt.subplots(figsize=(9.0, 4.4))
     mems = [p.memory_bytes for ps in rows.values() for p in ps]
     # the axis covers the model's range: beyond the fastest plan more memory buys nothing
     top = max(mems, default=1.0) * 1.6
@@ -205,7 +212,7 @@ def capacity(
     ax.set_ylabel("best step time (ms)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, title="devices (thin: that count alone)", title_fontsize=7)
+    _legend(ax, title="devices (thin: that count alone)", title_fontsize=7)
     _save(fig, path)
 
 
@@ -216,7 +223,7 @@ def fewest_devices(curves: Mapping[str, Sequence[Point]], path: Path, title: str
     count; for any target between two such times the fewer-device point's count holds.
     """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(9.0, 4.2))
     times = [p.time_s for pts in curves.values() for p in pts]
     right = max(times, default=1.0) * 1.5 * 1e3
     for label, pts in curves.items():
@@ -239,7 +246,7 @@ def fewest_devices(curves: Mapping[str, Sequence[Point]], path: Path, title: str
     ax.set_ylabel("fewest devices")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, title="memory per device", title_fontsize=7)
+    _legend(ax, title="memory per device", title_fontsize=7)
     _save(fig, path)
 
 
@@ -278,7 +285,7 @@ def heatmap(tr: Track, columns: Sequence[int], path: Path, title: str, unit_scal
     ax.set_ylabel("weight units, graph order")
     ax.set_title(title, fontsize=10)
     handles = [Patch(color=colors[k], label=k) for k in kinds]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax, handles=handles)
     _save(fig, path)
 
 

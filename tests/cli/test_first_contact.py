@@ -174,6 +174,36 @@ def test_plot_legend_names_only_the_reference_plans_drawn(gpt, tmp_path, capsys,
         assert ("Megatron" in labels) is megatron, labels
 
 
+def test_legends_cover_no_plotted_area(gpt, tmp_path, capsys, drawn):
+    """Every legend of ``search --plot`` and ``report`` sits beside its axes: inside, the
+    fewest-devices legend covered the largest count's line along the top, and the
+    frontier's covered staircases that reach the corners."""
+    out = cli(capsys, "search", gpt, "--devices", "1,2,4", "--plot", tmp_path / "f.png")
+    assert out.code == 0, out.err
+    out = cli(capsys, "report", gpt, "--devices", "1,2,4", "-o", tmp_path / "report")
+    assert out.code == 0, out.err
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    legends = 0
+    for fig in drawn:
+        canvas = FigureCanvasAgg(fig)  # saved figures are closed: draw them again
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        figure_box = fig.bbox
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue
+            legends += 1
+            box = legend.get_window_extent(renderer)
+            area = ax.get_window_extent(renderer)
+            assert not box.overlaps(area), (ax.get_title(), box, area)
+            assert figure_box.contains(box.x0, box.y0) and figure_box.contains(box.x1, box.y1), (
+                ax.get_title(), box, figure_box
+            )  # the legend is not cut off by the saved image
+    assert legends >= 4  # the search's frontier and report's frontier, capacity, devices
+
+
 def test_memory_budget_draws_a_line_marks_references_and_skips_empty_tables(
     gpt, tmp_path, capsys, drawn
 ):
