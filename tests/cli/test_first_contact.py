@@ -199,7 +199,9 @@ def test_legends_cover_no_plotted_area(gpt, tmp_path, capsys, drawn):
             area = ax.get_window_extent(renderer)
             assert not box.overlaps(area), (ax.get_title(), box, area)
             assert figure_box.contains(box.x0, box.y0) and figure_box.contains(box.x1, box.y1), (
-                ax.get_title(), box, figure_box
+                ax.get_title(),
+                box,
+                figure_box,
             )  # the legend is not cut off by the saved image
     assert legends >= 4  # the search's frontier and report's frontier, capacity, devices
 
