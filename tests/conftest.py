@@ -52,19 +52,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory) -> Callable[[str], Path]:
-    """``exported(name)``: the path of ``name``'s dynamo export (exported on first use)."""
+    """``exported(name)``: the path of ``name``'s dynamo export (exported on first use;
+    tests read it and write what they make elsewhere)."""
     from tests.exports.models import CASES, export
+    from tests.helpers.shared import made_once
 
-    folder = tmp_path_factory.mktemp("exports")
-    made: dict[str, Path] = {}
+    def make(path: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            export(CASES[path.stem], str(path))
 
-    def get(name: str) -> Path:
-        if name not in made:
-            path = folder / f"{name}.onnx"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                export(CASES[name], str(path))
-            made[name] = path
-        return made[name]
+    def get(name: str) -> Path:  # exported once per test run, shared by the xdist workers
+        return made_once(tmp_path_factory, f"{name}.onnx", make)
 
     return get

@@ -10,15 +10,18 @@ import pytest
 
 from tensoropt.cli import main
 from tensoropt.models import build_model, save_model
+from tests.helpers.shared import made_once
 
 
 @pytest.fixture(scope="session")
 def quick_profile(tmp_path_factory) -> Path:
-    """``tensoropt calibrate --quick`` on the default (mpi, 2 ranks) backend, run once."""
-    path = tmp_path_factory.mktemp("calibrate") / "here.json"
-    code = main(["calibrate", "-o", str(path), "--quick", "--repeats", "3"])
-    assert code == 0
-    return path
+    """``tensoropt calibrate --quick`` on the default (mpi, 2 ranks) backend, run once
+    per test run (shared by the xdist workers; tests only read it)."""
+
+    def calibrate(path: Path) -> None:
+        assert main(["calibrate", "-o", str(path), "--quick", "--repeats", "3"]) == 0
+
+    return made_once(tmp_path_factory, "here.json", calibrate)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from tensoropt.calibrate.compare import MOVED, compare, load_baseline, moved_rep
 from tensoropt.cli import main
 from tensoropt.cost.cluster import builtin
 from tensoropt.errors import TensorOptError
+from tests.helpers.modes import umask, unreadable
 
 from .conftest import load
 
@@ -77,11 +78,17 @@ def test_a_bad_baseline_is_one_line_before_anything_is_measured(
 
 
 def test_calibrate_against_the_last_profile_prints_what_moved(quick_profile, tmp_path, capsys):
-    out = tmp_path / "new.json"
+    """Also: under umask 022 the profile is readable by others (tests/cli/test_umask.py
+    checks the other commands)."""
+    root = tmp_path / "outputs"
+    root.mkdir()
+    out = root / "new.json"
     argv = ["calibrate", "-o", str(out), "--quick", "--repeats", "3", "--backend", "local"]
-    code = main([*argv, "--against", str(quick_profile)])
+    with umask(0o022):
+        code = main([*argv, "--against", str(quick_profile)])
     stdout = capsys.readouterr().out
     assert code == 0 and out.exists()
+    assert unreadable(root) == []
     (line,) = [ln for ln in stdout.splitlines() if ln.startswith(f"against {quick_profile}")]
     assert "rates within 20%" in line or "rates moved more than 20%" in line
 

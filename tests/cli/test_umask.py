@@ -1,39 +1,27 @@
 """Under umask 022 every file and directory a command writes is readable by others
 (issue 15, item 4): compiled directories go to a launcher that may run as another
 user. Outputs are written to private temporaries and renamed into place; the modes
-must still be what the umask says."""
+must still be what the umask says. (``calibrate`` is checked where its other test
+calibrates: tests/calibrate/test_compare.py.)"""
 
 from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
 from tensoropt.cli import main
+from tests.helpers.modes import umask
+from tests.helpers.modes import unreadable as _unreadable
 
 pytest.importorskip("matplotlib")
 
 
 @pytest.fixture
 def umask_022():
-    previous = os.umask(0o022)
-    try:
+    with umask(0o022):
         yield
-    finally:
-        os.umask(previous)
-
-
-def _unreadable(root: Path) -> list[str]:
-    """Entries under ``root`` that others cannot read (or, for directories, enter)."""
-    bad = []
-    for path in [root, *root.rglob("*")]:
-        mode = path.stat().st_mode
-        want = 0o755 if stat.S_ISDIR(mode) else 0o644
-        if stat.S_IMODE(mode) != want:
-            bad.append(f"{path.relative_to(root.parent)} {stat.filemode(mode)}")
-    return bad
 
 
 def test_every_command_writes_files_others_can_read(tmp_path, umask_022):
@@ -73,13 +61,3 @@ def test_a_private_umask_keeps_outputs_private(tmp_path):
     for path in [out, *out.iterdir()]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o077 == 0, (path, oct(mode))
-
-
-@pytest.mark.slow
-def test_calibrate_writes_a_profile_others_can_read(tmp_path, umask_022):
-    root = tmp_path / "outputs"
-    root.mkdir()
-    argv = ["calibrate", "-o", str(root / "here.json"), "--quick", "--backend", "local"]
-    assert main(argv) == 0
-    assert (root / "here.json").is_file()
-    assert _unreadable(root) == []

@@ -1,9 +1,10 @@
 """A partitioned training step trains exactly like the single-device one.
 
 For every tiny zoo model, data-parallel and (where blocks exist) megatron plans on
-meshes 2, 4, 8, 2x2 and 2x4: three steps on the local backend, verified against
-the unpartitioned graph; the largest relative error of the loss and of every
-parameter must be <= 1e-4 (float32).
+meshes 2, 4, 8, 2x2 and 2x4 (inception_v3, 15-25 s a case at 8 devices, on the meshes
+of 2 and 4 devices: seven other models cover 8 and 2x4): three steps on the local
+backend, verified against the unpartitioned graph; the largest relative error of the
+loss and of every parameter must be <= 1e-4 (float32).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ QUICK = {("mlp", "data-parallel", "2"), ("gpt", "megatron", "2x2"), ("gpt", "dat
 def _cases():
     for name in MODEL_NAMES:
         for mesh in MESHES:
+            if name == "inception_v3" and mesh in ("8", "2x4"):
+                continue
             plans = ["data-parallel"] + (["megatron"] if name in BLOCK_MODELS else [])
             for plan in plans:
                 marks = () if (name, plan, mesh) in QUICK else (pytest.mark.slow,)

@@ -1,9 +1,11 @@
 """The plan is the program: what the cost model priced is what compile emits.
 
-For every frontier point of four models (zoo gpt, bert and resnet50 tiny, and a real
-torch.onnx export of GPT-2) on meshes 2, 4 and 2x2:
+For the frontiers of four models (zoo gpt, bert and resnet50 tiny, and a real torch.onnx
+export of GPT-2) on meshes 2, 4 and 2x2:
 
-- the conversions the partitioner inserts for the point's plan
+- for points that take every unit's every choice on the frontier and every edge's every
+  pair of choices (``tests.helpers.program.covering``), the conversions the partitioner
+  inserts for the point's plan
   (``insert_redistribution.planned_conversions``, the inserter's own decisions) give, as a
   multiset of (kind, mesh axes, local input bytes), exactly the collectives the cost model
   priced (``cost.model.priced_collectives``);
@@ -37,6 +39,7 @@ from tensoropt.search.driver import mesh_shapes, plan_from_choice
 from tensoropt.search.solver import solve
 from tests.cli.cli_run import cli
 from tests.helpers.program import (
+    covering,
     emitted,
     graph_of,
     inserted,
@@ -81,7 +84,7 @@ def test_every_frontier_point_emits_what_was_priced(models, name, spec):
     assert len(points) > 1
     collectives = 0
     cache = ProgramCache(sg.units, mp.mesh)
-    for point in points:
+    for point in covering(mp.problem, points):
         roots = {u.node.name: u.strategies[k] for u, k in zip(mp.units, point.choice, strict=True)}
         found = inserted(sg, annotate_roots(sg.graph, sg.units, roots, mp.mesh, cache))
         assert found == priced_axes(mp, point.choice), (name, spec, point)

@@ -1,7 +1,9 @@
 """Recomputed plans are programs too: what the cost model prices is what compile emits.
 
-For every frontier point of recomputed steps (every block recomputed) of zoo gpt and
-resnet50 tiny and a real GPT-2 export, on meshes 2, 4 and 2x2, the partitioner's
+For the frontier points of recomputed steps (every block recomputed) of zoo gpt and
+resnet50 tiny and a real GPT-2 export, on meshes 2, 4 and 2x2, that take every unit's
+every choice and every edge's every pair of choices (``tests.helpers.program.covering``),
+the partitioner's
 conversions equal the priced collectives as a multiset (the recomputed forward's
 conversions included: they are priced and emitted again); for the fastest and the
 least-memory point the compiled device graphs hold exactly the priced collectives. The
@@ -40,6 +42,7 @@ from tensoropt.passes.units import ProgramCache
 from tensoropt.search.driver import mesh_shapes, plan_from_choice
 from tensoropt.search.solver import solve
 from tests.helpers.program import (
+    covering,
     emitted,
     inserted_collectives,
     priced,
@@ -122,7 +125,7 @@ def _check_frontier(path, spec):
     sg, mp, points = _frontier(path, spec)
     cache = ProgramCache(sg.units, mp.mesh)
     recomputed = 0
-    for point in points:
+    for point in covering(mp.problem, points):
         inserted, touching = _inserted(sg, mp, point.choice, cache)
         assert inserted == priced_axes(mp, point.choice), (path, spec, point)
         recomputed += touching

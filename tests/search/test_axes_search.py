@@ -135,10 +135,13 @@ def test_axes_restrict_the_space(models):
             assert len(variants) > 1, axes
 
 
-def _searched_points(exp, devices):
-    """The fastest and least-memory point of every problem at ``devices``."""
+def _searched_points(exp, devices, ndim=None):
+    """The fastest and least-memory point of every problem at ``devices`` (on meshes of
+    ``ndim`` dimensions only, when given)."""
     for s in exp.searches:
         if s.mesh.size != devices or not s.result.points:
+            continue
+        if ndim is not None and s.mesh.ndim != ndim:
             continue
         for k in sorted({0, len(s.result.points) - 1}):
             yield s, s.result.points[k]
@@ -154,10 +157,11 @@ def _estimate(args, plan):
 @pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_searched_point_is_priced_by_compile_as_the_search_priced_it(models, devices):
     """The plan of a point (its split, ZeRO stages, micro-batches and recomputed blocks)
-    priced the way `compile` prices it gives the point's own figures."""
+    priced the way `compile` prices it gives the point's own figures. At 4 devices the
+    2-D mesh only: every variant on a 1-D mesh is checked at 2."""
     args, _, _, exp = _explore(models["gpt"], [devices])
     seen = set()
-    for s, point in _searched_points(exp, devices):
+    for s, point in _searched_points(exp, devices, ndim=None if devices == 2 else 2):
         plan = plan_from_choice(s, point.choice, "test")
         got = _estimate(args, plan)
         assert got.time_s == pytest.approx(point.time_s, rel=1e-9), s.key
