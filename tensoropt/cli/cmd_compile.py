@@ -538,6 +538,9 @@ def estimate_of(step, plan, data_axes, cluster):
     from tensoropt.cost.model import estimate_plan
 
     if plan.stages:
+        from tensoropt.passes.stages import require_micro_batches
+
+        require_micro_batches(plan)  # before pricing, which assumes a micro mesh
         terms, segments = pipeline_terms_of(step, plan, data_axes, cluster)
         return terms.price(segments.cuts(plan.stages), plan.schedule)[0]
     sg, roots, zero, profile = _priced(step, plan, data_axes, cluster)

@@ -325,6 +325,15 @@ def _p2p(op: str, value: str, peer: int, tag: int, unit: str, phase: Phase) -> o
     return node
 
 
+def require_micro_batches(plan: Plan) -> None:
+    """A pipelined ``plan`` must run 2 or more micro-batches (PlanError otherwise)."""
+    if plan.stages and plan.micro_batches < 2:
+        raise PlanError(
+            f"a pipelined plan runs micro-batches through its {plan.num_stages} stages; "
+            "give --micro-batches 2 or more"
+        )
+
+
 def cut_stages(
     template: LocalTemplate,
     plan: Plan,
@@ -333,11 +342,7 @@ def cut_stages(
     states: set[str],
 ) -> list[LocalTemplate]:
     """One local template per stage of ``plan`` (see the module doc)."""
-    if plan.micro_batches < 2:
-        raise PlanError(
-            f"a pipelined plan runs micro-batches through its {plan.num_stages} stages; "
-            "give --micro-batches 2 or more"
-        )
+    require_micro_batches(plan)
     proto = template.proto
     graph = proto.graph
     stage = stage_of_nodes(graph, plan.stages, blocks, params)

@@ -126,6 +126,14 @@ CASES: list[tuple[list[str], str]] = [
     ([*PICKED, "--stages", "2", "-o", f"{OUT}/c"], "--stages 2 applies to --plan"),
     ([*PICKED, "--schedule", "gpipe", "-o", f"{OUT}/c"], "--schedule gpipe applies to --plan"),
     (["compile", M, "--devices", "2", "--schedule", "gpipe", "-o", f"{OUT}/c"], "no pipeline"),
+    # stages without micro-batches, on every built-in plan (fsdp's recompute priced first)
+    *[
+        (
+            ["compile", M, "--devices", "4", "--plan", p, "--stages", "2", "-o", f"{OUT}/c"],
+            "--micro-batches 2 or more",
+        )
+        for p in ("data-parallel", "megatron", "fsdp")
+    ],  # fmt: skip
     (["compile", M, "--devices", "2", "--pick", "fastest-under:1KiB", "-o", f"{OUT}/c"], "memory"),
     (
         ["compile", M, "--devices", "2", "--pick", "fewest-devices-under:1KiB", "-o", f"{OUT}/c"],
