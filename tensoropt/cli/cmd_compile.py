@@ -144,7 +144,7 @@ def add_parser(sub) -> None:
         default=None,
         metavar="LIST",
         help="with --pick: what its search explores, as `search --axes` (default split; "
-        "split,zero,recompute,micro adds the memory axes)",
+        "split,zero,recompute,micro adds the memory axes, all every axis)",
     )
     p.add_argument(
         "--zero",

@@ -112,7 +112,8 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         "zero (ZeRO stage 1, 2 or 3 of every unit that can shard its parameters), "
         "recompute (every block recomputed in the backward), micro (micro-batches with "
         "gradient accumulation), stages (pipeline stages over the micro-batched plans; "
-        "implies micro); default split; split,zero,recompute,micro takes about 10x the "
+        "implies micro); all: every one of them; default split; split,zero,recompute,micro "
+        "takes about 10x the "
         "search time of split alone on GPT-2-medium, 1..64 devices",
     )
     p.add_argument(
@@ -218,18 +219,21 @@ AXES_ORDER = ("split", "zero", "recompute", "micro", "stages")
 
 
 def parse_axes(text: str):
-    """``--axes split,zero,recompute,micro`` (any subset; split is always searched)."""
+    """``--axes split,zero,recompute,micro`` (any subset; split is always searched);
+    ``all`` is every axis."""
     from tensoropt.errors import TensorOptError
     from tensoropt.search.driver import Axis
 
     names = [t.strip() for t in str(text).split(",") if t.strip()]
     known = {a.value: a for a in Axis}
+    if "all" in names:
+        names = [n for n in names if n != "all"] + list(known)
     bad = [n for n in names if n not in known]
     if bad or not names:
         what = f"unknown axis {bad[0]!r}" if bad else "no axis"
         raise TensorOptError(
             f"--axes {text!r}: {what}; give a comma list of split, zero, recompute, micro, "
-            "stages (e.g. --axes split,zero)"
+            "stages, or all (e.g. --axes split,zero)"
         )
     axes = {Axis.SPLIT, *(known[n] for n in names)}
     if Axis.STAGES in axes:  # a pipeline runs micro-batches through its stages

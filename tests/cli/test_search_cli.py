@@ -274,3 +274,27 @@ def test_epsilon_search_states_the_device_count_guarantee(zoo_file, tmp_path, ca
     line = "epsilon=0.05: for every plan P on N devices there is a point Q of the N-device"
     assert line in out.out
     assert json.loads((tmp_path / "s.json").read_text())["guarantee"].startswith(line)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("all", {"split", "zero", "recompute", "micro", "stages"}),
+        ("split,all", {"split", "zero", "recompute", "micro", "stages"}),
+        ("zero", {"split", "zero"}),
+        ("stages", {"split", "micro", "stages"}),  # a pipeline runs micro-batches
+    ],
+)
+def test_axes_lists_and_all(text, want):
+    from tensoropt.cli.cmd_search import parse_axes
+
+    assert {a.value for a in parse_axes(text)} == want
+
+
+def test_axes_help_and_refusal_name_all(zoo_file, capsys):
+    out = cli(capsys, "search", zoo_file("mlp"), "--devices", "2", "--axes", "everything")
+    assert_bad_input(out, "search", "or all")
+    from tensoropt.cli import main
+
+    assert main(["search", "--help"]) == 0
+    assert "all: every one of them" in " ".join(capsys.readouterr().out.split())
