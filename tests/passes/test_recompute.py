@@ -7,8 +7,7 @@
   plan without recompute), and the backward reads no activation of a recomputed block
   but its input;
 - partitioned and recomputed, every zoo model (and real torch.onnx exports) trains like
-  the single-device plain step within 1e-4 on meshes 2, 4 and 2x2 (inception_v3 on 2x2
-  alone), local backend, and
+  the single-device plain step within 1e-4 on meshes 2, 4 and 2x2, local backend, and
   on the MPI backend for a few cases;
 - the estimate drops the saved activations and adds the forward time again;
 - refusals: a random op in a chosen block, a block name the model does not have.
@@ -244,8 +243,6 @@ MPI = (("gpt", "megatron", "2x2"), ("mlp", "data-parallel", "2"))
 def _cases():
     for name in MODEL_NAMES:
         for mesh in MESHES:
-            if name == "inception_v3" and mesh != "2x2":
-                continue  # 11-15 s a case; the 1-D meshes by the other convolutional nets
             plans = ["data-parallel"] + (["megatron"] if name in BLOCK_MODELS else [])
             for plan in plans:
                 marks = () if (name, plan, mesh) in QUICK else (pytest.mark.slow,)
