@@ -113,8 +113,7 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         "recompute (every block recomputed in the backward), micro (micro-batches with "
         "gradient accumulation), stages (pipeline stages over the micro-batched plans; "
         "implies micro); all: every one of them; default split; split,zero,recompute,micro "
-        "takes about 10x the "
-        "search time of split alone on GPT-2-medium, 1..64 devices",
+        "takes about 10x the search time of split alone on GPT-2-medium, 1..64 devices",
     )
     p.add_argument(
         "--stages",
