@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator, Sequence
+from multiprocessing import resource_tracker
 
 from tensoropt.calibrate import kernels
 from tensoropt.errors import TensorOptError
@@ -63,19 +64,37 @@ def start_child(proc: multiprocessing.process.BaseProcess) -> None:
     (:func:`tensoropt.runtime.malloc.spawn_environment`: its huge-page tunable is read
     only when a process starts), so kernels are measured on the memory a rank runs on.
 
-    SIGINT ignored (a fresh Python keeps an ignored SIGINT): a terminal's Ctrl-C reaches
-    the whole process group; the parent alone turns it into one line and stops its
-    children (SIGTERM), where each child would otherwise print a KeyboardInterrupt
-    traceback of its own."""
+    SIGINT blocked in the child: a terminal's Ctrl-C reaches the whole process group;
+    the parent alone turns it into one line and stops its children (SIGTERM), where
+    each child would otherwise print a KeyboardInterrupt traceback of its own. The
+    calling thread blocks SIGINT while it spawns, and the child inherits that mask
+    across the exec (multiprocessing does not restore signals), so SIGINT stays
+    pending in the child and is never delivered.
+
+    A Ctrl-C that reaches the parent during the start is neither lost nor raised
+    half-way through it: other threads (the BLAS pool's) may take a process-wide
+    SIGINT even while this thread blocks it, so the main thread's handler only notes
+    it until the child is started, and the signal is raised again after. Ignoring
+    SIGINT during the start instead discarded such a Ctrl-C, and the calibration went
+    on measuring."""
+    # multiprocessing starts its resource tracker with the first spawned child, and
+    # unblocks SIGINT when it has: start it first, so that the block holds for the
+    # whole start
+    resource_tracker.ensure_running()
+    in_main = threading.current_thread() is threading.main_thread()
+    noted: list[int] = []
     with spawn_environment():
-        if threading.current_thread() is not threading.main_thread():
-            proc.start()
-            return
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if in_main:
+            previous = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             proc.start()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
+    if noted:
+        signal.raise_signal(signal.SIGINT)
 
 
 class Pacer:

@@ -132,3 +132,47 @@ def test_spawned_children_start_with_the_runtimes_malloc_environment(monkeypatch
     assert tunables == child_env()[TUNABLES] and HUGETLB_TUNABLE in tunables
     assert threshold == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
     assert TUNABLES not in os.environ  # the parent's own environment is unchanged
+
+
+_INTERRUPTED_START = """
+import multiprocessing, os, signal, time
+from multiprocessing.context import SpawnProcess
+from tensoropt.calibrate import neighbours
+
+class Interrupted(SpawnProcess):
+    def start(self):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the child is being spawned
+        super().start()
+
+def child(queue):
+    queue.put(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Queue()
+    proc = Interrupted(target=child, args=(queue,), daemon=True)
+    try:
+        neighbours.start_child(proc)
+        time.sleep(10)
+        print("lost", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", proc.pid is not None, flush=True)
+    blocked = queue.get(timeout=60)
+    os.kill(proc.pid, signal.SIGINT)  # the child's own Ctrl-C: it stays pending there
+    time.sleep(1.0)
+    print("child", blocked, proc.is_alive(), flush=True)
+    proc.terminate()
+"""
+
+
+def test_a_ctrl_c_during_a_childs_start_reaches_the_parent_and_not_the_child(tmp_path):
+    # the parent must not lose a Ctrl-C that arrives while it spawns (calibrate would go
+    # on measuring), and the child must not turn it into a traceback of its own
+    script = tmp_path / "parent.py"
+    script.write_text(_INTERRUPTED_START)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["interrupted True", "child True True"]
+    assert "Traceback" not in done.stderr
