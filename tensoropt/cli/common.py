@@ -28,7 +28,8 @@ def add_model_input_options(parser: argparse.ArgumentParser) -> None:
         "--input-shape",
         action="append",
         metavar="NAME=D0xD1",
-        help="pin a dynamic model input, e.g. --input-shape input_ids=8x128 (repeatable)",
+        help="pin the dynamic dimensions of a model input, e.g. --input-shape "
+        "input_ids=8x128 (repeatable); its static dimensions keep their sizes",
     )
 
 

@@ -58,7 +58,10 @@ def parse_input_shapes(specs: Sequence[str] | None) -> dict[str, tuple[int, ...]
             raise DynamicShapeError(
                 f"--input-shape {spec!r} is not NAME=D0xD1x...; e.g. input_ids=8x128"
             )
-        shapes[name] = tuple(int(d) for d in dims.split("x"))
+        shape = tuple(int(d) for d in dims.split("x"))
+        if 0 in shape:
+            raise DynamicShapeError(f"--input-shape {spec!r}: every dimension must be at least 1")
+        shapes[name] = shape
     return shapes
 
 
@@ -145,6 +148,20 @@ def _pin_inputs(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]], p
                 f"{path}: input {inp.name!r} has rank {len(tshape.dim)}, but --input-shape "
                 f"gives {len(dims)} dims"
             )
+        for i, (d, size) in enumerate(zip(tshape.dim, dims, strict=True)):
+            if d.dim_value > 0 and d.dim_value != size:
+                # a static dimension is the model's own: the weights are sized to it
+                shown = "x".join(str(x.dim_value) if x.dim_value > 0 else "?" for x in tshape.dim)
+                kept = "x".join(
+                    str(x.dim_value) if x.dim_value > 0 else str(n)
+                    for x, n in zip(tshape.dim, dims, strict=True)
+                )
+                raise DynamicShapeError(
+                    f"{path}: input {inp.name!r} dimension {i} is {d.dim_value} in the "
+                    f"model ({shown}), but --input-shape gives {size}; only dynamic "
+                    f"dimensions ('?') can be pinned: give {inp.name}={kept}, or re-export "
+                    "the model with that dimension dynamic"
+                )
         for d, size in zip(tshape.dim, dims, strict=True):
             d.ClearField("dim_param")
             d.dim_value = size

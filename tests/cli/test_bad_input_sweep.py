@@ -87,6 +87,10 @@ CASES: list[tuple[list[str], str]] = [
     (["train", M, "--save-params", "/proc/p.npz"], "--save-params"),
     (["train", M, "--export-step", f"{OUT}/nodir/s.onnx"], "--export-step"),
     (["train", M, "--input-shape", "x=8by4"], "--input-shape"),
+    (["train", M, "--input-shape", "x=0x32"], "at least 1"),
+    # mlp tiny's x is a static 8x32: a pin cannot resize what the weights are sized to
+    (["search", M, "--devices", "2", "--input-shape", "x=4x3"], "give x=8x32"),
+    (["search", M, "--devices", "2", "--input-shape", "x=16x32"], "dimension 0 is 8"),
     (["train", M, "--optimizer", "rmsprop"], "--optimizer"),
     (["train", M, "--threads", "0"], "--threads"),
     # search
