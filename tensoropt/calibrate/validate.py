@@ -304,7 +304,7 @@ def plot(checks: Sequence[PlanCheck], path: str) -> None:
 
     from tensoropt.runtime.checkpoint import write_atomic
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     ms = [c.measured_time_s * 1e3 for c in checks]
     mib = [c.measured_memory_bytes / 2**20 for c in checks]
     panels = (
@@ -327,7 +327,8 @@ def plot(checks: Sequence[PlanCheck], path: str) -> None:
         ax.set_xlabel(f"measured {what}")
         ax.set_ylabel(f"estimated {what}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        # right of the axes: inside, it covered points in a corner
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.suptitle("Cost model against measurements")
     fig.tight_layout()
     buffer = io.BytesIO()

@@ -9,6 +9,7 @@ import pytest
 
 from tensoropt.calibrate.validate import by_memory_link, rel_error, select_points
 from tensoropt.cli import main
+from tests.helpers.figures import legends_beside_their_axes, record_saved
 
 from .conftest import load
 
@@ -60,8 +61,9 @@ def test_table_labels_pipelined_meshes_as_the_search_does():
     assert [mesh_text(c) for c in (plain, staged, bare)] == ["2x2", "pp2:1", "4"]
 
 
-def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys):
+def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys, monkeypatch):
     model = zoo_model("mlp")
+    drawn = record_saved(monkeypatch)
     out, png = tmp_path / "v.json", tmp_path / "v.png"
     code = main([
         "validate", str(model), "--devices", "1,2", "--cluster", str(quick_profile),
@@ -72,6 +74,8 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
     assert code == 0, captured.err
     data = json.loads(out.read_text())
     assert data["schema"] == "tensoropt.validate/1"
+    # the scatters' legends sit beside their axes, clear of the points in the corners
+    assert len(drawn) == 1 and legends_beside_their_axes(drawn) == 2
     assert data["threads_per_rank"] == load(quick_profile)["calibration"]["threads_per_rank"]
     results = data["results"]
     assert {r["devices"] for r in results} == {1, 2}

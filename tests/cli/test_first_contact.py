@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tensoropt.cli import build_parser, main
 from tests.cli.cli_run import Outcome, assert_bad_input, cli
+from tests.helpers.figures import legends_beside_their_axes, record_saved
 
 pytest.importorskip("matplotlib")
 
@@ -104,18 +105,8 @@ def test_compile_help_says_what_devices_means_for_fewest_devices_under(capsys):
 
 @pytest.fixture
 def drawn(monkeypatch) -> list:
-    """The figures ``search --plot`` saves (matplotlib's savefig, wrapped)."""
-    from matplotlib.figure import Figure
-
-    figures = []
-    original = Figure.savefig
-
-    def savefig(self, *args, **kwargs):
-        figures.append(self)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", savefig)
-    return figures
+    """The figures ``search --plot`` saves."""
+    return record_saved(monkeypatch)
 
 
 def _unit_scale(ax) -> float:
@@ -182,27 +173,7 @@ def test_legends_cover_no_plotted_area(gpt, tmp_path, capsys, drawn):
     assert out.code == 0, out.err
     out = cli(capsys, "report", gpt, "--devices", "1,2,4", "-o", tmp_path / "report")
     assert out.code == 0, out.err
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    legends = 0
-    for fig in drawn:
-        canvas = FigureCanvasAgg(fig)  # saved figures are closed: draw them again
-        canvas.draw()
-        renderer = canvas.get_renderer()
-        figure_box = fig.bbox
-        for ax in fig.axes:
-            legend = ax.get_legend()
-            if legend is None:
-                continue
-            legends += 1
-            box = legend.get_window_extent(renderer)
-            area = ax.get_window_extent(renderer)
-            assert not box.overlaps(area), (ax.get_title(), box, area)
-            assert figure_box.contains(box.x0, box.y0) and figure_box.contains(box.x1, box.y1), (
-                ax.get_title(),
-                box,
-                figure_box,
-            )  # the legend is not cut off by the saved image
+    legends = legends_beside_their_axes(drawn)
     assert legends >= 4  # the search's frontier and report's frontier, capacity, devices
 
 
