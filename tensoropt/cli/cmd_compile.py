@@ -598,6 +598,9 @@ def _report(args, result, mesh, notes, estimate, source: str, plan=None) -> None
     replicated = f" ({REPLICATED_NOTE})" if replicates_all_work(result) else ""
     if band is not None and band.time(mesh.size) is not None:
         print(f"estimate: {band.describe(mesh.size)}", file=sys.stderr)
+    link = band.link_note(result.world_size) if band is not None else None
+    if link is not None:
+        print(f"memory link: {link}", file=sys.stderr)
     where = f"on mesh {mesh}"
     if plan is not None and plan.stages:
         where = (

@@ -71,7 +71,9 @@ step times are typically off: the median |error| of the plans `tensoropt validat
 --record` measured with that profile (one device and several apart), else the
 calibration's measurement spread (a lower bound, labelled so); a built-in profile has
 none. A row marked ~ is within that band of the row above: the estimate cannot order
-the two (JSON: "error_band", and "near_tie_with_previous" per point).
+the two (JSON: "error_band", and "near_tie_with_previous" per point). With several
+devices, a line under the tables says which memory-link case the estimates assume (a
+link per rank) and what the profile measured of the host's link.
 
 examples:
   tensoropt search gpt.onnx --devices 1,2,4,8 --plot frontier.png
@@ -401,6 +403,9 @@ def print_tables(sg, exp, out=None, band=None) -> None:
             "order the two; compare them with `tensoropt validate`)",
             file=out,
         )
+    link = band.link_note(max(table, default=1)) if band is not None else None
+    if link is not None:
+        print(f"  (memory link: {link})", file=out)
     print("\nreference plans on the same cost model (best mesh per device count):", file=out)
     for d in table:
         for name in REFERENCE_NAMES:

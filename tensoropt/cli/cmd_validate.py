@@ -281,7 +281,10 @@ def run(args: argparse.Namespace) -> int:
         held = record(
             args.cluster,
             os.path.basename(args.model),
-            [(c.devices, c.time_error, c.memory_error) for c in checks],
+            [
+                (c.devices, c.time_error, c.memory_error, None if c.link is None else c.link.shared)
+                for c in checks
+            ],
         )
         print(
             f"recorded {len(checks)} plans in {args.cluster} (its accuracy record holds "

@@ -12,6 +12,14 @@ has no band at all (nothing was measured).
 
 Two frontier points whose step times differ by less than the band are a *near-tie*: the
 estimate cannot order them, and the tables say so (``near_ties``).
+
+The memory link is the host's case, not the plan's: ranks on one host either stream
+from memory on links of their own or share one, and which one a host gives can change
+from minute to minute (docs/design/measured.md). The estimate assumes a link per rank.
+``LinkRecord`` says how the profile's own measurements found the link (the calibration's
+probes) and, from the validate record, how far multi-device plans were off on each kind
+of link, so that ``search`` and ``compile`` say which case their estimates assume and
+what the other case has cost on this host.
 """
 
 from __future__ import annotations
@@ -32,6 +40,79 @@ NOTE_POINTS = 5  # near-ties named by compile's note (the nearest in step time)
 
 
 @dataclass(frozen=True, slots=True)
+class LinkRecord:
+    """How the host's memory link stood in a profile's measurements."""
+
+    probes: int  # the calibration's memory-link probes (ranks streaming at once)
+    shared_probes: int  # of them, with the ranks sharing one link
+    ratios: tuple[float, float]  # per-process bandwidth over one alone's: least, most
+    # recorded multi-device plans per link: (plans, signed median step-time error)
+    own: tuple[int, float] | None = None
+    shared: tuple[int, float] | None = None
+
+    def describe(self) -> str:
+        text = "estimates assume a memory link per rank"
+        if self.probes:
+            lo, hi = self.ratios
+            text += (
+                f"; the calibration found ranks sharing one in {self.shared_probes} of "
+                f"{self.probes} probes ({lo:.2f}-{hi:.2f} of one alone's bandwidth each)"
+            )
+        measured = [
+            f"{kind} links {found[1]:+.0%} ({_count(found[0], 'plan')})"
+            for kind, found in (("own", self.own), ("shared", self.shared))
+            if found is not None
+        ]
+        if measured:
+            text += "; validated multi-device step times, signed median: " + ", ".join(measured)
+        elif self.shared_probes:
+            text += "; memory-bound steps run slower on a shared one"
+        return text
+
+    def to_json(self) -> dict:
+        return {
+            "assumed": "own",
+            "probes": self.probes,
+            "shared_probes": self.shared_probes,
+            "ratio_range": list(self.ratios) if self.probes else None,
+            "validated": {
+                kind: None if found is None else {"plans": found[0], "signed_median": found[1]}
+                for kind, found in (("own", self.own), ("shared", self.shared))
+            },
+        }
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def link_record(obj: dict) -> LinkRecord | None:
+    """The memory link in a profile document: its calibration's probes and its
+    validate record's multi-device plans per link; None when neither says anything."""
+    probes = ((obj.get("calibration") or {}).get("memory_link")) or []
+    ratios = [float(p["ratio"]) for p in probes if "ratio" in p]
+    plans = (obj.get("accuracy") or {}).get("plans") or []
+    per_link: dict[str, list[float]] = {"own": [], "shared": []}
+    for p in plans:
+        link = p.get("link")
+        if p["devices"] > 1 and link in per_link:
+            per_link[link].append(p["time"])
+    if not ratios and not any(per_link.values()):
+        return None
+    own, shared = (
+        (len(errs), statistics.median(errs)) if errs else None
+        for errs in (per_link["own"], per_link["shared"])
+    )
+    return LinkRecord(
+        probes=len(ratios),
+        shared_probes=sum(1 for p in probes if p.get("shared")),
+        ratios=(min(ratios), max(ratios)) if ratios else (0.0, 0.0),
+        own=own,
+        shared=shared,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorBand:
     """Relative error bands of a profile's estimates (None: not known)."""
 
@@ -39,6 +120,7 @@ class ErrorBand:
     time_multi: float | None  # step time, plans on several devices
     memory: float | None  # memory per device, any plan
     source: str  # where the figures come from, for the tables
+    link: LinkRecord | None = None  # the host's memory link in the profile's measurements
 
     def time(self, devices: int) -> float | None:
         return self.time_one if devices == 1 else self.time_multi
@@ -55,7 +137,15 @@ class ErrorBand:
             "time_several_devices": self.time_multi,
             "memory": self.memory,
             "source": self.source,
+            "memory_link": self.link.to_json() if self.link is not None else None,
         }
+
+    def link_note(self, devices: int) -> str | None:
+        """Which memory-link case a multi-device estimate assumes, and what the profile
+        measured of the other; None on one device or without a word from the profile."""
+        if devices < 2 or self.link is None:
+            return None
+        return self.link.describe()
 
 
 def band_of(cluster: str) -> ErrorBand | None:
@@ -76,6 +166,7 @@ def band_of(cluster: str) -> ErrorBand | None:
             statistics.median(multi) if multi else None,
             statistics.median(memory) if memory else None,
             f"validated: median error of {len(plans)} plans in {runs} validate runs",
+            link_record(obj),
         )
     spreads = [float(x) for x in ((obj.get("spread") or {}).get("op_throughput") or {}).values()]
     if spreads:
@@ -85,6 +176,7 @@ def band_of(cluster: str) -> ErrorBand | None:
             floor,
             None,
             "calibration spread only, not validated: `tensoropt validate --record`",
+            link_record(obj),
         )
     return None
 
@@ -97,10 +189,13 @@ def near_ties(times: Sequence[float], band: float | None) -> list[bool]:
     return [k > 0 and times[k] - times[k - 1] <= band * times[k - 1] for k in range(len(times))]
 
 
-def record(cluster: str, model: str, results: Sequence[tuple[int, float, float]]) -> int:
-    """Append one validate run's plans (devices, signed time error, signed memory error)
-    to the profile file ``cluster``, keeping the last HISTORY_LIMIT plans. The file is
-    replaced whole (written next to it, then renamed). Returns the plans it now holds."""
+def record(
+    cluster: str, model: str, results: Sequence[tuple[int, float, float, bool | None]]
+) -> int:
+    """Append one validate run's plans (devices, signed time error, signed memory error,
+    whether its ranks shared a memory link: None where not probed) to the profile file
+    ``cluster``, keeping the last HISTORY_LIMIT plans. The file is replaced whole
+    (written next to it, then renamed). Returns the plans it now holds."""
     if not cluster.endswith(".json") or not os.path.isfile(cluster):
         raise TensorOptError(
             f"--record needs a profile file from `tensoropt calibrate`, not {cluster!r}"
@@ -109,11 +204,12 @@ def record(cluster: str, model: str, results: Sequence[tuple[int, float, float]]
         obj = json.load(f)
     run = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     plans = list((obj.get("accuracy") or {}).get("plans") or [])
-    for devices, time_err, memory_err in results:
+    for devices, time_err, memory_err, shared in results:
         if math.isfinite(time_err) and math.isfinite(memory_err):
+            link = None if shared is None else ("shared" if shared else "own")
             plans.append(
                 {"run": run, "model": model, "devices": devices, "time": time_err,
-                 "memory": memory_err}
+                 "memory": memory_err, "link": link}
             )  # fmt: skip
     plans = plans[-HISTORY_LIMIT:]
     obj["accuracy"] = {

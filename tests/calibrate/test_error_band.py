@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from tensoropt.cli import main
-from tensoropt.cost.accuracy import ErrorBand, band_of, near_tie_note, near_ties
+from tensoropt.cost.accuracy import ErrorBand, band_of, link_record, near_tie_note, near_ties
 from tensoropt.cost.cluster import load_cluster
 
 from .conftest import load
@@ -53,11 +53,47 @@ def test_validate_record_keeps_each_plans_errors_in_the_profile(
     assert [(p["devices"], p["time"], p["memory"]) for p in plans] == [
         (r["devices"], r["time_rel_error"], r["memory_rel_error"]) for r in results
     ]
+    assert all(p["link"] is None for p in plans)  # one device: no memory link probed
     band = band_of(str(profile))
     assert band.time_one == statistics.median(abs(r["time_rel_error"]) for r in results)
     assert band.time_multi is None  # no multi-device plan recorded
     assert band.source.startswith(f"validated: median error of {len(results)} plans")
     load_cluster(str(profile))  # the profile still loads
+
+
+def test_the_link_record_reads_the_probes_and_the_plans_per_link():
+    probe = {"alone_Bps": 1, "together_Bps": 1, "processes": 2}
+    doc = {
+        "calibration": {"memory_link": [
+            {**probe, "ratio": 0.48, "shared": True},
+            {**probe, "ratio": 0.93, "shared": False},
+            {**probe, "ratio": 0.61, "shared": True},
+        ]},
+        "accuracy": {"plans": [
+            {"devices": 2, "time": -0.30, "memory": 0.0, "link": "shared"},
+            {"devices": 2, "time": -0.40, "memory": 0.0, "link": "shared"},
+            {"devices": 2, "time": -0.05, "memory": 0.0, "link": "own"},
+            {"devices": 2, "time": 0.90, "memory": 0.0},  # recorded before links were
+            {"devices": 1, "time": 0.70, "memory": 0.0, "link": None},
+        ]},
+    }  # fmt: skip
+    link = link_record(doc)
+    assert (link.probes, link.shared_probes, link.ratios) == (3, 2, (0.48, 0.93))
+    assert link.own == (1, -0.05) and link.shared == (2, pytest.approx(-0.35))
+    text = link.describe()
+    assert "sharing one in 2 of 3 probes (0.48-0.93" in text
+    assert "own links -5% (1 plan), shared links -35% (2 plans)" in text
+    data = link.to_json()
+    assert data["assumed"] == "own" and data["validated"]["own"] == {
+        "plans": 1,
+        "signed_median": -0.05,
+    }
+    # probes only: the note says which way the other case goes
+    bare = link_record({"calibration": doc["calibration"]})
+    assert bare.own is None and "run slower on a shared one" in bare.describe()
+    assert link_record({"calibration": {}}) is None  # nothing known: no note
+    band = ErrorBand(0.05, 0.2, 0.1, "validated: test", link)
+    assert band.link_note(1) is None and band.link_note(2) == text
 
 
 def test_record_needs_a_profile_file(zoo_model, capsys):
@@ -101,7 +137,16 @@ def test_search_marks_the_points_it_cannot_order(quick_profile, zoo_model, tmp_p
     text = capsys.readouterr().out
     assert code == 0
     assert f"step time typically within +-{band:.0%} (validated: median error of 3 plans" in text
+    # the memory-link case the estimates assume, from the calibration's own probes
+    probes = load(quick_profile)["calibration"]["memory_link"]
+    if probes:
+        shared = sum(1 for p in probes if p["shared"])
+        assert "(memory link: estimates assume a memory link per rank; " in text
+        assert f"sharing one in {shared} of {len(probes)} probes" in text
     doc = json.loads(out.read_text())
+    assert doc["error_band"]["memory_link"] == (
+        link_record(load(banded)).to_json() if probes else None
+    )
     assert doc["error_band"]["time_several_devices"] == pytest.approx(band)
     rows = doc["per_device"]["2"]
     times = [r["time_s"] for r in rows]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import statistics
 
 import pytest
 
 from tensoropt.calibrate.validate import by_memory_link, rel_error, select_points
 from tensoropt.cli import main
+from tensoropt.cost.accuracy import band_of
 from tests.helpers.figures import legends_beside_their_axes, record_saved
 
 from .conftest import load
@@ -65,10 +68,12 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
     model = zoo_model("mlp")
     drawn = record_saved(monkeypatch)
     out, png = tmp_path / "v.json", tmp_path / "v.png"
+    profile = tmp_path / "p.json"
+    shutil.copy(quick_profile, profile)
     code = main([
-        "validate", str(model), "--devices", "1,2", "--cluster", str(quick_profile),
+        "validate", str(model), "--devices", "1,2", "--cluster", str(profile),
         "--points", "2", "--steps", "3", "--warmup", "1",
-        "--json-out", str(out), "--plot", str(png),
+        "--json-out", str(out), "--plot", str(png), "--record",
     ])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -102,6 +107,18 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
         )
     shared = [r for r in results if (r["measured"]["memory_link"] or {}).get("shared")]
     assert data["plans_on_shared_memory_link"] == len(shared)
+    # --record keeps each plan's memory link, and the band reports the plans per link
+    links = [
+        None if r["measured"]["memory_link"] is None
+        else ("shared" if r["measured"]["memory_link"]["shared"] else "own")
+        for r in results
+    ]  # fmt: skip
+    assert [p["link"] for p in load(profile)["accuracy"]["plans"]] == links
+    link = band_of(str(profile)).link
+    for kind in ("own", "shared"):
+        errors = [r["time_rel_error"] for r, k in zip(results, links, strict=True) if k == kind]
+        found = getattr(link, kind) if link is not None else None
+        assert found == ((len(errors), statistics.median(errors)) if errors else None)
     corrected = sorted(abs(r["time_rel_error_host_corrected"]) for r in results)
     assert data["median_time_rel_error_host_corrected"] == pytest.approx(
         (corrected[(len(corrected) - 1) // 2] + corrected[len(corrected) // 2]) / 2
