@@ -91,8 +91,9 @@ def start_child(proc: multiprocessing.process.BaseProcess) -> None:
             proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if in_main:
-                signal.signal(signal.SIGINT, previous)
+            if in_main:  # None: a handler installed outside Python; Python's is the default
+                restored = signal.default_int_handler if previous is None else previous
+                signal.signal(signal.SIGINT, restored)
     if noted:
         signal.raise_signal(signal.SIGINT)
 
