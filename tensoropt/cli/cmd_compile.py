@@ -356,12 +356,12 @@ def _compile_searched(args: argparse.Namespace, plan):
 
     step = build_step(args, load_weights=False)  # compile streams the weights itself
     summary = step.selection.summary(step.model.graph)  # the whole model: before compile
-    plan = with_recompute(args, step, plan)
+    plan, notes = with_recompute(args, step, plan)
     estimate = estimate_of(step, plan, None, args.cluster)
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
     )
-    return summary, estimate, result
+    return "\n".join((summary, *notes)), estimate, result
 
 
 def _compile_from_search(args: argparse.Namespace) -> int:
@@ -478,16 +478,19 @@ def with_stages(args: argparse.Namespace, step, plan):
     return dataclasses.replace(plan, stages=even_starts(blocks, count), schedule=schedule)
 
 
-def with_recompute(args: argparse.Namespace, step, plan):
-    """``plan`` with the blocks ``--recompute`` chooses (unchanged without the flag)."""
+def with_recompute(args: argparse.Namespace, step, plan) -> tuple[object, tuple[str, ...]]:
+    """``plan`` with the blocks ``--recompute`` chooses, and a note that says how many
+    (unchanged and no note without the flag)."""
     if args.recompute is None:
-        return plan
+        return plan, ()
     import dataclasses
 
     from tensoropt.passes.recompute import find_blocks, select_blocks
 
     blocks = find_blocks(step.model.graph, step.signature.data_inputs)
-    return dataclasses.replace(plan, recompute=select_blocks(blocks, args.recompute))
+    chosen = select_blocks(blocks, args.recompute)
+    note = f"--recompute {args.recompute}: {len(chosen)} of {len(blocks)} blocks recomputed"
+    return dataclasses.replace(plan, recompute=chosen), (note,)
 
 
 def _priced(step, plan, data_axes, cluster):
@@ -675,7 +678,8 @@ def run(args: argparse.Namespace) -> int:
     plan = with_micro_batches(plan, args)
     if args.zero is not None:
         plan, notes = _with_zero(args.zero, step, plan, data_axes, notes)
-    plan = with_recompute(args, step, plan)
+    plan, recomputed = with_recompute(args, step, plan)
+    notes = (*notes, *recomputed)
     plan = with_stages(args, step, plan)
     # Everything that can fail runs before anything is printed: an error stays one line.
     estimate = estimate_of(step, plan, data_axes, args.cluster)

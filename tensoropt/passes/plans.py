@@ -411,7 +411,10 @@ def fsdp(graph: ir.Graph, sig: StepSignature, mesh: Mesh) -> BuiltPlan:
     zeroed = with_zero(built.plan, graph, sig, built.data_axes, ZeroStage.PARAMETERS, "fsdp")
     blocks = tuple(b.name for b in find_blocks(graph, sig.data_inputs))
     plan = dataclasses.replace(zeroed.plan, source="fsdp", recompute=blocks)
-    return BuiltPlan(plan, built.data_axes, zeroed.notes)
+    recomputed = (
+        f"fsdp: all {len(blocks)} blocks recomputed" if blocks else "fsdp: no block to recompute"
+    )
+    return BuiltPlan(plan, built.data_axes, (*zeroed.notes, recomputed))
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,13 @@ def test_fsdp_is_data_parallel_with_zero_three(models, tmp_path, capsys):
     assert plan["source"] == "fsdp"
     assert plan["recompute"] == [f"block_{i}" for i in range(len(plan["recompute"]))]
     assert plan["recompute"]  # every block of the tiny gpt
+    assert f"fsdp: all {len(plan['recompute'])} blocks recomputed" in result.err
+    # --recompute replaces fsdp's blocks, and says so
+    kept = cli(capsys, "compile", models["gpt"], "--devices", 4, "--plan", "fsdp",
+               "--recompute", "none", "-o", tmp_path / "kept")  # fmt: skip
+    assert kept.code == 0, kept.err
+    assert f"--recompute none: 0 of {len(plan['recompute'])} blocks recomputed" in kept.err
+    assert not json.loads((tmp_path / "kept" / "plan.json").read_text()).get("recompute")
     shown = cli(capsys, "inspect", out)
     assert shown.out.count("  zero: stage 3 on 32 units") == 4  # one line per device
     run = cli(capsys, "run", out, "--steps", 3, "--verify")
