@@ -355,10 +355,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def print_tables(sg, exp, out=None, band=None) -> None:
+def print_tables(sg, exp, out=None, band=None, axes=None) -> None:
     """The per-device-count frontiers, the reference plans and the overall frontier.
     ``band``: the profile's ErrorBand (cost.accuracy): each table says how far its
-    estimates typically are off and marks the points it cannot order."""
+    estimates typically are off and marks the points it cannot order. ``axes``: the
+    searched axes (``--axes``), named under the guarantee with those left out."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
 
@@ -441,6 +442,23 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     )
     if exp.searches:
         print(f"\nguarantee: {guarantee_of(exp)}", file=out)
+    if axes is not None:
+        print(f"axes: {axes_line(axes)}", file=out)
+
+
+def axes_line(axes) -> str:
+    """Which axes a search explored and which it left out (the guarantee holds over the
+    plans of the first)."""
+    from tensoropt.search.driver import Axis
+
+    searched = [a.value for a in Axis if a in axes]
+    left = [a.value for a in Axis if a not in axes]
+    if not left:
+        return "searched " + ",".join(searched) + " (every axis)"
+    return (
+        f"searched {','.join(searched)}; not searched: {', '.join(left)} "
+        "(--axes all adds them; each multiplies the search time, see --help)"
+    )
 
 
 def plot(exp, path: str) -> None:
@@ -477,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
     sg, profile, exp = explore_from_args(args, devices)
     band = band_of(args.cluster)
     if not args.json:  # with --json, stdout is the document alone
-        print_tables(sg, exp, band=band)
+        print_tables(sg, exp, band=band, axes=parse_axes(args.axes or "split"))
     if args.json or args.json_out:
         axes = parse_axes(args.axes or "split")
         body = search_document(sg, profile, exp, args.model, step_options(args), band, axes)

@@ -38,6 +38,8 @@ def test_search_prints_tables_and_writes_json_plot_costs(zoo_file, tmp_path, cap
         "data-parallel",
         "samples/s",
         "guarantee: exact",
+        # the default searches the split alone, and says what it left out
+        "axes: searched split; not searched: zero, recompute, micro, stages (--axes all",
     ):
         assert fragment in out.out, fragment
     data = json.loads((tmp_path / "s.json").read_text())
@@ -286,9 +288,20 @@ def test_epsilon_search_states_the_device_count_guarantee(zoo_file, tmp_path, ca
     ],
 )
 def test_axes_lists_and_all(text, want):
-    from tensoropt.cli.cmd_search import parse_axes
+    from tensoropt.cli.cmd_search import axes_line, parse_axes
 
     assert {a.value for a in parse_axes(text)} == want
+    line = axes_line(parse_axes(text))
+    searched, _, rest = line.partition(";")
+    assert set(searched.removeprefix("searched ").split(" ")[0].split(",")) == want
+    left = {"split", "zero", "recompute", "micro", "stages"} - want
+    if left:
+        assert rest.startswith(f" not searched: {', '.join(sorted(left, key=_AXES.index))} (")
+    else:
+        assert line.endswith("(every axis)")
+
+
+_AXES = ["split", "zero", "recompute", "micro", "stages"]
 
 
 def test_axes_help_and_refusal_name_all(zoo_file, capsys):
