@@ -114,6 +114,22 @@ def _pipelined_frontier(exp, devices: int):
     ]
 
 
+def oversubscribed(ranks: int, threads: int, cores: int | None = None) -> str | None:
+    """What is wrong with running ``ranks`` ranks of ``threads`` threads on this
+    machine's cores, or None when each thread has a core: a rank stands for a device,
+    and ranks that wait for a core measure the host's crowding, not the plan."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    if ranks * threads <= cores:
+        return None
+    fits = max(1, cores // threads)
+    return (
+        f"{ranks} rank{'s' if ranks != 1 else ''} x {threads} thread(s) need "
+        f"{ranks * threads} cores and this machine "
+        f"has {cores}: the ranks wait for cores, so their measured step times are not a "
+        f"device's; validate at most {fits} device(s) here (or fewer --threads)"
+    )
+
+
 def _threads(args, devices) -> int:
     """The profile's threads per rank (what its rates were measured with), else cores//ranks."""
     if args.threads is not None:
@@ -220,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.json_out, "--json-out")
     check_output_file(args.plot, "--plot")
     threads = _threads(args, devices)
+    crowded = oversubscribed(max(devices) if args.backend == "mpi" else 1, threads)
+    if crowded:
+        print(f"validate: warning: {crowded}", file=sys.stderr)
     sg, profile, exp = _explore(args, devices)
     compute_only = _compute_only(args, profile)
     picks = []

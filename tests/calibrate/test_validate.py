@@ -191,3 +191,25 @@ def test_validate_needs_a_cluster(zoo_model, capsys):
     code = main(["validate", str(zoo_model("mlp"))])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--cluster is required" in err[0]
+
+
+def test_more_ranks_than_cores_is_named():
+    from tensoropt.cli.cmd_validate import oversubscribed
+
+    assert oversubscribed(2, 1, cores=2) is None
+    assert oversubscribed(1, 2, cores=2) is None
+    crowded = oversubscribed(4, 1, cores=2)
+    assert crowded is not None and "4 ranks x 1 thread(s) need 4 cores" in crowded
+    assert "has 2" in crowded and "at most 2 device(s)" in crowded
+    assert "at most 1 device(s)" in oversubscribed(2, 2, cores=2)
+
+
+def test_validate_warns_when_ranks_outnumber_cores(quick_profile, zoo_model, capsys):
+    cores = os.cpu_count() or 1
+    code = main([
+        "validate", str(zoo_model("mlp")), "--devices", "1", "--cluster", str(quick_profile),
+        "--threads", str(cores + 1), "--points", "1", "--steps", "2", "--warmup", "1",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"validate: warning: 1 rank x {cores + 1} thread(s) need {cores + 1} cores" in err
