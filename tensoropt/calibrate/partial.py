@@ -12,8 +12,12 @@ so it is refused. A calibration that completes removes the file.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tensoropt.calibrate.kernels import KernelCase, KernelResult
@@ -139,3 +143,27 @@ def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> Partial
             f"--resume: {path} holds no finished pass; run calibrate without --resume"
         )
     return state
+
+
+@contextlib.contextmanager
+def exclusive(output: str) -> Iterator[None]:
+    """Hold the right to calibrate into ``output`` (and its partial file) for the block;
+    refused, one line, while another calibration holds it. Two calibrations writing one
+    output would replace each other's partial file, and a ``--resume`` would then mix
+    their passes. The hold is a name in Linux's abstract socket namespace, derived from
+    the output's real path: the kernel frees it when the process ends however it ends,
+    so nothing is left on disk and no stale lock outlives a kill."""
+    key = hashlib.sha256(os.path.realpath(output).encode()).hexdigest()[:32]
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inherited by children
+    try:
+        holder.bind(f"\0tensoropt-calibrate-{key}")
+    except OSError:
+        holder.close()
+        raise TensorOptError(
+            f"calibrate: another calibration is writing {output} now; wait for it to "
+            "finish, or give another -o"
+        ) from None
+    try:
+        yield
+    finally:
+        holder.close()

@@ -67,6 +67,8 @@ SIGTERM or a kill, the same command with --resume measures only the passes that 
 not finished. --resume is refused (exit 2) when there is no partial file, or it was
 made with other options, another tensoropt timing setup, on another machine or with
 other library versions. A calibration that completes removes the partial file.
+One calibration at a time writes an output: a second one into the same file is
+refused (exit 2) while the first runs.
 
 time and accuracy (2 cores, idle; benchmarks/RESULTS.md, "Calibration: time and
 accuracy per mode"): the default takes about 4 minutes (247 s), --quick about 40 s.
@@ -239,23 +241,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from tensoropt.calibrate import kernels
-    from tensoropt.calibrate.compare import load_baseline, moved_report
-    from tensoropt.calibrate.partial import load as load_partial
-    from tensoropt.calibrate.partial import partial_path
-    from tensoropt.calibrate.profile import (
-        CalibrateOptions,
-        CommBackend,
-        calibrate,
-        collective_rounds,
-        fingerprint,
-        work_items,
-        write_profile,
-    )
-    from tensoropt.calibrate.progress import Progress
+    from tensoropt.calibrate.compare import load_baseline
+    from tensoropt.calibrate.partial import exclusive
+    from tensoropt.calibrate.profile import CalibrateOptions, CommBackend
     from tensoropt.cli.common import check_output_file
-    from tensoropt.cli.json_output import emit, integral_bytes
-    from tensoropt.cost.cluster import from_json
 
     opts = CalibrateOptions(
         backend=CommBackend(args.backend),
@@ -270,6 +259,27 @@ def _calibrate(args: argparse.Namespace) -> int:
     opts.check()
     check_output_file(args.output, "-o")
     baseline = load_baseline(args.against) if args.against else None
+    with exclusive(args.output):
+        return _measure(args, opts, baseline)
+
+
+def _measure(args: argparse.Namespace, opts, baseline) -> int:
+    """Calibrate with ``opts`` into ``args.output`` (the partial file kept per pass)."""
+    from tensoropt.calibrate import kernels
+    from tensoropt.calibrate.compare import moved_report
+    from tensoropt.calibrate.partial import load as load_partial
+    from tensoropt.calibrate.partial import partial_path
+    from tensoropt.calibrate.profile import (
+        calibrate,
+        collective_rounds,
+        fingerprint,
+        work_items,
+        write_profile,
+    )
+    from tensoropt.calibrate.progress import Progress
+    from tensoropt.cli.json_output import emit, integral_bytes
+    from tensoropt.cost.cluster import from_json
+
     partial = partial_path(args.output)
     resume = None
     if args.resume:

@@ -16,6 +16,7 @@ from tensoropt.calibrate.kernels import OWN_CURVE_OPS
 from tensoropt.cli import main
 from tensoropt.cost.cluster import load_cluster
 from tensoropt.cost.compute import family
+from tensoropt.errors import TensorOptError
 
 from .conftest import load
 
@@ -227,3 +228,49 @@ def test_bad_options_exit_2(tmp_path, capsys, flag):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and " ".join(flag) in err[0]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_second_calibration_into_the_same_output_is_refused(tmp_path):
+    # two calibrations writing one output would replace each other's partial file
+    from tensoropt.calibrate.partial import exclusive
+
+    out = tmp_path / "here.json"
+    with exclusive(str(out)):
+        busy = subprocess.run(
+            [sys.executable, "-m", "tensoropt", "calibrate", "--quick", "-o", str(out)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        with exclusive(str(tmp_path / "other.json")):  # another output is free
+            pass
+    lines = busy.stderr.strip().splitlines()
+    assert busy.returncode == 2 and len(lines) == 1, busy.stderr
+    assert "another calibration is writing" in lines[0] and str(out) in lines[0]
+    assert not out.exists() and not (tmp_path / "here.json.partial").exists()
+    with exclusive(str(out)):  # released with the block: the next one may calibrate
+        pass
+
+
+def test_the_hold_on_an_output_dies_with_its_process(tmp_path):
+    from tensoropt.calibrate.partial import exclusive
+
+    out = tmp_path / "here.json"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from tensoropt.calibrate.partial import exclusive\n"
+         f"with exclusive({str(out)!r}):\n    print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(TensorOptError, match="another calibration is writing"),
+            exclusive(str(out)),
+        ):
+            pass
+        holder.kill()  # SIGKILL: no cleanup runs, and nothing is left on disk
+        holder.wait()
+        with exclusive(str(out)):
+            pass
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        holder.kill()
