@@ -84,6 +84,7 @@ def _param_count(sg) -> int:
 
 def search_for_report(args: argparse.Namespace):
     """(header, profile, exploration, detail device counts): everything but the writing."""
+    from tensoropt.cli.cmd_search import axes_line, parse_axes
     from tensoropt.report.build import prepare_report_dir
     from tensoropt.report.render import Header
     from tensoropt.search.driver import guarantee_of
@@ -115,8 +116,29 @@ def search_for_report(args: argparse.Namespace):
         memory_budget=exp.memory_budget,
         guarantee=guarantee_of(exp),
         seconds=time.perf_counter() - start,
+        axes=axes_line(parse_axes(args.axes or "split")),
+        estimates=estimates_line(args.cluster, max(devices)),
     )
     return head, profile, exp, detail
+
+
+def estimates_line(cluster: str, devices: int) -> str | None:
+    """How far the profile's step-time estimates are typically off (one device, several)
+    and, for several devices, the memory-link case they assume; None for a built-in
+    profile (nothing was measured)."""
+    from tensoropt.cost.accuracy import band_of
+
+    band = band_of(cluster)
+    if band is None:
+        return None
+    widths = [
+        f"+-{width:.0%} on {where}"
+        for width, where in ((band.time_one, "one device"), (band.time_multi, "several"))
+        if width is not None
+    ]
+    text = f"step time typically within {', '.join(widths)} ({band.source})" if widths else ""
+    link = band.link_note(devices)
+    return "; ".join(part for part in (text, link) if part) or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,10 @@ class Header:
     memory_budget: float | None
     guarantee: str
     seconds: float
+    axes: str | None = None  # the axes searched and those left out (`search`'s axes line)
+    # how far the profile's estimates are typically off, and the memory-link case they
+    # assume (cost.accuracy); None for a built-in profile
+    estimates: str | None = None
 
 
 def fmt_time(s: float) -> str:
@@ -85,7 +89,7 @@ def header(h: Header, profile: ClusterProfile) -> list[str]:
         f"- **Model**: {h.model} (`{h.model_path}`), {fmt_count(h.params)} trained parameters, "
         f"batch {h.batch} per step, optimizer {h.optimizer}.",
         f"- **Cluster** `{profile.name}`: {profile.description}. "
-        f"{profile.peak_flops / 1e12:.0f} TFLOP/s peak at {profile.efficiency:.0%} efficiency, "
+        f"{fmt_flops(profile.peak_flops)} peak at {profile.efficiency:.0%} efficiency, "
         f"{profile.memory_bandwidth / 1e9:.0f} GB/s memory, {fmt_mem(profile.memory_bytes)} per "
         f"device, {profile.devices_per_node} devices per node; intra-node "
         f"{intra.bandwidth / 1e9:.4g} GB/s ({intra.alpha_s * 1e6:.3g} µs), inter-node "
@@ -93,9 +97,20 @@ def header(h: Header, profile: ClusterProfile) -> list[str]:
         f"- **Search**: devices {', '.join(map(str, h.devices))}; mesh {h.mesh_spec} "
         f"({h.meshes} mesh problems); {mode}; memory budget {budget}.",
         f"- **Guarantee**: {h.guarantee}",
+        *([f"- **Axes**: {h.axes}."] if h.axes else []),
+        *([f"- **Estimates**: {h.estimates}."] if h.estimates else []),
         f"- **Time taken**: {h.seconds:.1f} s.",
         "",
     ]
+
+
+def fmt_flops(rate: float) -> str:
+    """A FLOP/s rate in the unit that keeps three figures: a CPU's 92.5 GFLOP/s, not
+    '0 TFLOP/s'."""
+    for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+        if rate >= scale:
+            return f"{rate / scale:.3g} {unit}"
+    return f"{rate / 1e6:.3g} MFLOP/s"
 
 
 def frontier_section(

@@ -37,6 +37,9 @@ def test_report_has_every_section_and_its_figures(gpt_file, tmp_path, capsys):
         assert heading in text, heading
     for fragment in ("**Guarantee**: exact", "**Time taken**", "1, 2, 4", "### 4 devices"):
         assert fragment in text, fragment
+    assert "- **Axes**: searched split,zero,recompute,micro; not searched: stages (" in text
+    assert "**Estimates**" not in text  # a built-in profile: nothing was measured
+    assert "989 TFLOP/s peak" in text
     for capacity in (16, 24, 32, 40, 48, 80, 141):
         assert f"| {capacity} GiB |" in text, capacity
     assert "data parallel" in text and "Megatron" in text
@@ -148,3 +151,42 @@ def test_the_axes_section_matches_the_search_restricted_to_each_level(gpt_file):
     # pipeline stages were not searched: that level holds what the levels before it do
     assert row.least[len(levels)] == row.least[len(levels) - 1]
     assert row.least[len(levels) - 1].memory_bytes < row.least[0].memory_bytes
+
+
+def test_fmt_flops_keeps_three_figures():
+    from tensoropt.report.render import fmt_flops
+
+    assert fmt_flops(9.25e10) == "92.5 GFLOP/s"  # a CPU core pair: not "0 TFLOP/s"
+    assert fmt_flops(989e12) == "989 TFLOP/s"
+    assert fmt_flops(2.5e15) == "2.5 PFLOP/s"
+    assert fmt_flops(3e6) == "3 MFLOP/s"
+
+
+def test_a_measured_profile_states_its_estimates(gpt_file, tmp_path, capsys):
+    """A profile with a validate record and memory-link probes (the keys `calibrate` and
+    `validate --record` write): the header says how far its estimates are off and which
+    memory-link case they assume."""
+    import json
+
+    probe = {"alone_Bps": 2.0e10, "together_Bps": 1.0e10, "processes": 2}
+    profile = tmp_path / "measured.json"
+    profile.write_text(json.dumps({
+        "base": "h100",
+        "name": "measured",
+        "peak_flops": 9.25e10,
+        "calibration": {"memory_link": [{**probe, "ratio": 0.5, "shared": True}]},
+        "accuracy": {"plans": [
+            {"run": "r", "model": "m", "devices": 1, "time": 0.04, "memory": 0.1, "link": None},
+            {"run": "r", "model": "m", "devices": 2, "time": -0.3, "memory": 0.1,
+             "link": "shared"},
+        ]},
+    }))  # fmt: skip
+    out_dir = tmp_path / "report"
+    out = cli(capsys, "report", gpt_file, "--devices", "1,2", "--cluster", profile, "-o", out_dir)
+    assert out.code == 0, out.err
+    text = (out_dir / "report.md").read_text()
+    assert "92.5 GFLOP/s peak" in text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("- **Estimates**: ")]
+    assert "within +-4% on one device, +-30% on several (validated: median error of 2" in line
+    assert "sharing one in 1 of 1 probes (0.50-0.50" in line
+    assert "shared links -30% (1 plan)" in line
