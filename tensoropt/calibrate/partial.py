@@ -13,6 +13,7 @@ so it is refused. A calibration that completes removes the file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -157,12 +158,14 @@ def exclusive(output: str) -> Iterator[None]:
     holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inherited by children
     try:
         holder.bind(f"\0tensoropt-calibrate-{key}")
-    except OSError:
+    except OSError as exc:
         holder.close()
-        raise TensorOptError(
-            f"calibrate: another calibration is writing {output} now; wait for it to "
-            "finish, or give another -o"
-        ) from None
+        if exc.errno == errno.EADDRINUSE:
+            raise TensorOptError(
+                f"calibrate: another calibration is writing {output} now; wait for it to "
+                "finish, or give another -o"
+            ) from None
+        # no abstract socket namespace here (not Linux, or a sandbox): calibrate unheld
     try:
         yield
     finally:
