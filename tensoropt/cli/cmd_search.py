@@ -494,10 +494,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(path, flag)
     sg, profile, exp = explore_from_args(args, devices)
     band = band_of(args.cluster)
+    axes = parse_axes(args.axes or "split")
     if not args.json:  # with --json, stdout is the document alone
-        print_tables(sg, exp, band=band, axes=parse_axes(args.axes or "split"))
+        print_tables(sg, exp, band=band, axes=axes)
     if args.json or args.json_out:
-        axes = parse_axes(args.axes or "split")
         body = search_document(sg, profile, exp, args.model, step_options(args), band, axes)
         emit(args, document(SCHEMA, body), compact=True)
     if args.plot:
