@@ -340,18 +340,19 @@ def _compile_picked(args: argparse.Namespace) -> int:
         f"{mesh_label(search.mesh.shape, search.variant.stages)}; "
         f"{search.summaries[search.result.points.index(point)]}"
     )
-    summary, estimate, result = _compile_searched(args, plan)
+    summary, notes, estimate, result = _compile_searched(args, plan)
     print(picked, file=sys.stderr)
     if tie:
         print(tie, file=sys.stderr)
-    print(summary, file=sys.stderr)
-    _report(args, result, search.mesh, (source,), estimate, source, plan)
+    for line in (summary, *notes):
+        print(line, file=sys.stderr)
+    _report(args, result, search.mesh, (source, *notes), estimate, source, plan)
     return 0
 
 
 def _compile_searched(args: argparse.Namespace, plan):
     """Compile a searched point's plan (with ``--recompute`` applied): the trained-set
-    summary, the estimate and the compile result."""
+    summary, the notes on what the flags changed, the estimate and the compile result."""
     from tensoropt.passes.compile import compile_step
 
     step = build_step(args, load_weights=False)  # compile streams the weights itself
@@ -361,7 +362,7 @@ def _compile_searched(args: argparse.Namespace, plan):
     result = compile_step(
         step, plan, None, args.output, estimate.to_json(), _pipeline_options(args)
     )
-    return "\n".join((summary, *notes)), estimate, result
+    return summary, notes, estimate, result
 
 
 def _compile_from_search(args: argparse.Namespace) -> int:
@@ -404,7 +405,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         f"{chosen.devices} devices"
     )
     plan = with_micro_batches(plan_of(sf, chosen, source), args)
-    summary, estimate, result = _compile_searched(args, plan)
+    summary, notes, estimate, result = _compile_searched(args, plan)
     print(
         f"picked {args.pick} from {args.search}: point {chosen.index} at {chosen.devices} "
         f"devices, mesh {mesh_label(plan.mesh.shape, plan.num_stages)}; "
@@ -413,8 +414,9 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     )
     if tie:
         print(tie, file=sys.stderr)
-    print(summary, file=sys.stderr)
-    _report(args, result, plan.mesh, (source,), estimate, source, plan)
+    for line in (summary, *notes):
+        print(line, file=sys.stderr)
+    _report(args, result, plan.mesh, (source, *notes), estimate, source, plan)
     return 0
 
 

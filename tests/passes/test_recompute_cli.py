@@ -60,6 +60,13 @@ def test_plan_json_records_the_blocks_and_the_flag_overrides_a_plan_file(capsys,
     )
     assert plain.code == 0, plain.err
     assert "recompute" not in json.loads((tmp_path / "c" / "plan.json").read_text())
+    # the flag says what it chose, on a --plan and on a --pick alike (text and JSON)
+    note = "--recompute none: 0 of 5 blocks recomputed"
+    assert note in plain.err and note in json.loads(plain.out)["notes"]
+    picked = _compile(capsys, gpt, tmp_path / "d", "--pick", "fastest", "--recompute", "all")
+    assert picked.code == 0, picked.err
+    note = "--recompute all: 5 of 5 blocks recomputed"
+    assert note in picked.err and note in json.loads(picked.out)["notes"]
     # recomputing drops saved activations: less memory, more time than the same plan without
     before, after = json.loads(plain.out)["estimate"], json.loads(first.out)["estimate"]
     assert after["memory_bytes"] < before["memory_bytes"]
