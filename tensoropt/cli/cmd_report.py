@@ -123,22 +123,12 @@ def search_for_report(args: argparse.Namespace):
 
 
 def estimates_line(cluster: str, devices: int) -> str | None:
-    """How far the profile's step-time estimates are typically off (one device, several)
-    and, for several devices, the memory-link case they assume; None for a built-in
-    profile (nothing was measured)."""
+    """How far the profile's estimates are typically off, and the memory-link case they
+    assume (``ErrorBand.overview``); None for a built-in profile (nothing was measured)."""
     from tensoropt.cost.accuracy import band_of
 
     band = band_of(cluster)
-    if band is None:
-        return None
-    widths = [
-        f"+-{width:.0%} on {where}"
-        for width, where in ((band.time_one, "one device"), (band.time_multi, "several"))
-        if width is not None
-    ]
-    text = f"step time typically within {', '.join(widths)} ({band.source})" if widths else ""
-    link = band.link_note(devices)
-    return "; ".join(part for part in (text, link) if part) or None
+    return (band.overview(devices) or None) if band is not None else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -140,6 +140,17 @@ class ErrorBand:
             "memory_link": self.link.to_json() if self.link is not None else None,
         }
 
+    def overview(self, devices: int) -> str:
+        """The bands of one device and of several together, and for ``devices`` > 1 the
+        memory-link case (``report``'s header)."""
+        widths = [
+            f"+-{width:.0%} on {where}"
+            for width, where in ((self.time_one, "one device"), (self.time_multi, "several"))
+            if width is not None
+        ]
+        text = f"step time typically within {', '.join(widths)} ({self.source})" if widths else ""
+        return "; ".join(part for part in (text, self.link_note(devices)) if part)
+
     def link_note(self, devices: int) -> str | None:
         """Which memory-link case a multi-device estimate assumes, and what the profile
         measured of the other; None on one device or without a word from the profile."""
