@@ -51,9 +51,11 @@ exact sum; compile prices the same bound.
 
 pipeline stages (--axes ...,stages; implies micro): every micro-batched problem of a
 mesh M also gives pipelined points at P x M.size devices for each --stages count P: for
-each plan on that problem's frontier, the exact Pareto set of (step time, memory) over
-its cuts into P stages at block starts (every block start up to 64 blocks, else 65
-evenly spread positions), each stage on its own copy of M; 1F1B, the step priced as the
+each plan on that problem's whole frontier (solved without the budget and without the
+plans of other problems, which may beat a plan whose stages still win), the exact Pareto
+set of (step time, memory) over its cuts into P stages at block starts (every block
+start up to 64 blocks, else 65 evenly spread positions), each stage on its own copy of
+M; 1F1B, the step priced as the
 slowest stage over m + P - 1 micro-batch slots. They show as mesh ppP:M ("pp=4 x (...)"),
 compile with --pick like any point, and the reference megatron+pp is Megatron within
 each stage at its fastest cut. Device counts N/P are searched for them and not shown.

@@ -28,7 +28,7 @@ from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes.blocks import Blocks, find_blocks
 from tensoropt.search import memory
 from tensoropt.search.merge import MergedPoint, merge_frontiers
-from tensoropt.search.solver import SearchResult, solve
+from tensoropt.search.solver import SearchResult, restricted, solve
 
 log = logging.getLogger(__name__)
 
@@ -705,12 +705,38 @@ def _solve_meshes(
                 [p.time_s for s in done for p in s.result.points],
                 [p.memory_bytes for s in done for p in s.result.points],
             )
-        search = _solve_one(built, at[mesh], (mesh, profile, budget, epsilon), blocks, incumbents)
+        if _feeds_pipelines(space, mesh, v):
+            # The stages' plans come from this problem's whole frontier: a plan that an
+            # incumbent of this device count dominates, or whose whole step exceeds the
+            # budget, can still make a pipelined point that nothing beats (a stage holds
+            # part of the step, and no plan without micro-batches pipelines). The
+            # problem's own points are that frontier restricted as a chained search
+            # would return it.
+            whole = _solve_one(built, at[mesh], (mesh, profile, None, epsilon), blocks, None)
+            pipelined = _pipelined(built, at[mesh], whole, profile, budget)
+            result, kept = restricted(whole.result, budget, incumbents)
+            search = dataclasses.replace(
+                whole, result=result, summaries=tuple(whole.summaries[i] for i in kept)
+            )
+        else:
+            search = _solve_one(
+                built, at[mesh], (mesh, profile, budget, epsilon), blocks, incumbents
+            )
+            pipelined = []
         out[mesh].append(search)
+        out[mesh] += pipelined
         done.append(search)
-        if Axis.STAGES in space.axes and v.micro_batches > 1:
-            out[mesh] += _pipelined(built, at[mesh], search, profile, budget)
     return [(mesh, out[mesh]) for mesh in meshes]
+
+
+def _feeds_pipelines(space: SearchSpace, mesh: Mesh, v: Variant) -> bool:
+    """Whether the problem of ``v`` on ``mesh`` is the stages' problem of some pipelined
+    device count (:func:`_pipelined` makes points of its frontier)."""
+    return (
+        Axis.STAGES in space.axes
+        and v.micro_batches > 1
+        and any(p * mesh.size in space.pipeline_devices for p in space.stage_counts)
+    )
 
 
 def _pipelined(

@@ -31,6 +31,7 @@ their plans are not returned, so covering through them would compound.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -259,6 +260,39 @@ def strictly_dominated(
     j = np.searchsorted(st, t, side="right") - 1  # the least-memory incumbent with time <= t
     jj = np.maximum(j, 0)
     return (j >= 0) & (sm[jj] <= m) & ((st[jj] != t) | (sm[jj] != m))
+
+
+def restricted(
+    result: SearchResult,
+    memory_budget: float | None,
+    incumbents: tuple[Sequence[float], Sequence[float]] | None,
+) -> tuple[SearchResult, np.ndarray]:
+    """``result`` (a search without budget and incumbents) as :func:`solve` with
+    ``memory_budget`` and ``incumbents`` returns it: its points within the budget and not
+    strictly dominated by an incumbent, with that search's guarantee; and the indices of
+    the points kept. An exact frontier so restricted is the restricted search's frontier;
+    an epsilon one keeps its guarantee (a dropped point's cover is the incumbent that
+    dominates it)."""
+    _check_args(memory_budget, result.epsilon)
+    t = np.array([p.time_s for p in result.points], dtype=np.float64)
+    m = np.array([p.memory_bytes for p in result.points], dtype=np.float64)
+    keep = np.ones(len(t), dtype=bool)
+    if memory_budget is not None:
+        keep &= m <= memory_budget
+    external = None
+    if incumbents is not None:
+        external = tuple(np.asarray(x, dtype=np.float64) for x in incumbents)
+        keep &= ~strictly_dominated(t, m, *external)
+    kept = np.flatnonzero(keep)
+    return (
+        dataclasses.replace(
+            result,
+            points=tuple(result.points[i] for i in kept),
+            memory_budget=memory_budget,
+            guarantee=_guarantee(result.epsilon, memory_budget, external),
+        ),
+        kept,
+    )
 
 
 def solve(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -90,13 +91,13 @@ def _cut_traffic(tables, choice):
     return out
 
 
-def _micro_tables(gpt, mesh, k):
+def _micro_tables(gpt, mesh, k, optimizer="sgd"):
     """The tiny GPT's micro-batched family on ``mesh`` with ``k`` micro-batches, its
     offered strategies, segments and segment tables (priced independently of the
     search's own, with fresh unit programs)."""
     from tensoropt.cost.pipeline import SegmentTables
 
-    sg = graph_of(str(gpt))
+    sg = graph_of(str(gpt), optimizer)
     profile = builtin("a100")
     plan_mesh = Mesh(mesh, ("dp",))
     offered = micro_choices(sg, plan_mesh, k)
@@ -209,9 +210,8 @@ def test_every_megatron_pp_reference_is_matched_by_the_frontier(tmp_path, capsys
 def test_megatron_pp_reference_on_a_two_d_stage_mesh(tmp_path, capsys):
     """Megatron-LM's layout at scale is data x tensor parallelism within each stage
     (dp=8 x tp=8 x pp=16 at 1024 devices). At 8 devices in 2 stages the 2x2 stage mesh
-    gives a megatron+pp reference (dp=2 x tp=2) beside the 1-D one, although its
-    micro-batched problem's own frontier is empty there (plans of the 4-device meshes
-    dominate it), and the frontier matches both."""
+    gives a megatron+pp reference (dp=2 x tp=2) beside the 1-D one, and the frontier
+    matches both."""
     path = tmp_path / "gpt.onnx"
     model = build_model("gpt", "paper", layers=2, hidden=192, heads=6, seq=32, batch=8)
     save_model(model, str(path))
@@ -283,3 +283,50 @@ def test_dumped_costs_recompute_with_stages_searched(gpt, tmp_path, capsys):
         assert _pareto((p.time_s, p.memory_bytes) for p in again) == _pareto(
             (p.time_s, p.memory_bytes) for p in record.frontier
         ), i
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+def test_pipelined_points_come_from_the_stage_problems_whole_frontier(gpt, budgeted):
+    """Every pipelined point made of the stages' problem's whole frontier is matched or
+    dominated by the merged frontier: neither the incumbents of the stages' own device
+    count nor the budget on their whole step may prune the plans the stages are cut
+    from (a plan dominated at 2 devices, or over the budget there, can make a pipelined
+    point at 4 that nothing beats). The oracle prices the pipelines with fresh unit
+    programs from the problem's whole frontier, solved alone. (With Adam, two of its
+    points were missing when the stages' problem was solved with the incumbents.)"""
+    from tensoropt.search.driver import Axis, SearchSpace, Variant, explore
+
+    sg, profile, family, choices, segments, tables = _micro_tables(gpt, (2,), 2, "adam")
+    frontier = solve(family.problem().problem).points
+    budget = None
+    if budgeted:  # below every plan's whole step: only their stages can fit
+        budget = min(p.memory_bytes for p in frontier) * (1 - 1e-9)
+    want, _ = pipelined(
+        sg, family, choices, {}, ZeroStage.NONE, False, profile, frontier, [2], budget
+    )[2]
+    assert want  # the oracle has points to look for
+    space = SearchSpace(
+        frozenset({Axis.SPLIT, Axis.MICRO, Axis.STAGES}), micro_batches=(1, 2), stage_counts=(2,)
+    )
+    exp = explore(sg, [2, 4], "auto", profile, jobs=1, space=space, memory_budget=budget)
+    stage_problem = exp.search_of(2, (2,), Variant(micro_batches=2)).problem
+    assert [[s.label for s in u.strategies] for u in stage_problem.units] == [
+        [s.label for s in u.strategies] for u in family.problem().problem.units
+    ]  # the oracle's problem is the search's
+    merged = [(p.time_s, p.memory_bytes) for p in exp.merged if p.devices == 4]
+    missing = [
+        (q.time_s, q.memory_bytes)
+        for q in want
+        if not any(t <= q.time_s and m <= q.memory_bytes for t, m in merged)
+    ]
+    assert not missing, f"{len(missing)} of {len(want)} pipelined points missing"
+    # the stages' problem shows at 2 devices what it shows without stages searched
+    plain = explore(
+        sg, [2, 4], "auto", profile, jobs=1, memory_budget=budget,
+        space=dataclasses.replace(space, axes=frozenset({Axis.SPLIT, Axis.MICRO})),
+    )  # fmt: skip
+    for devices, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
+        got = exp.search_of(devices, mesh, Variant(micro_batches=2))
+        alone = plain.search_of(devices, mesh, Variant(micro_batches=2))
+        assert got.result.points == alone.result.points
+        assert got.summaries == alone.summaries
