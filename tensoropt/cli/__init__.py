@@ -142,12 +142,39 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; an unknown argument is reported by the subcommand it was given to."""
+    argv = _negative_values(parser, sys.argv[1:] if argv is None else list(argv))
     args, extras = parser.parse_known_args(argv)
     if extras:
         command = getattr(args, "command", None)
         owner = _subcommands(parser).get(command, parser) if command else parser
         owner.error(f"unrecognized arguments: {' '.join(extras)}")
     return args
+
+
+def _negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--memory-budget -5GiB`` as ``--memory-budget=-5GiB``: argparse takes a value
+    that starts with a dash and is not a plain number for an option, and says "expected
+    one argument" instead of what is wrong with the value (the option's own check)."""
+    takes_value = {
+        option
+        for p in (parser, *_subcommands(parser).values())
+        for action in p._actions
+        if action.nargs is None and action.option_strings
+        for option in action.option_strings
+        if option.startswith("--")
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if token in takes_value and len(nxt) > 1 and nxt[0] == "-" and nxt[1].isdigit():
+            out.append(f"{token}={nxt}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

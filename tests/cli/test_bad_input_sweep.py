@@ -107,6 +107,9 @@ CASES: list[tuple[list[str], str]] = [
     (["search", M, "--cluster", "{bad_json}"], "bad.json"),
     (["search", M, "--memory-budget", "10"], "give a unit"),
     (["search", M, "--memory-budget", "lots"], "--memory-budget"),
+    # a negative size reaches the option's own check, not argparse's "expected one argument"
+    (["search", M, "--memory-budget", "-5GiB"], "give a size like"),
+    (["report", M, "--memory-budget", "-5GiB", "-o", f"{OUT}/r"], "give a size like"),
     (["search", M, "--devices", "1,2", "--memory-budget", "1KiB"], "memory budget"),
     (["search", M, "--epsilon", "2"], "--epsilon"),
     (["search", M, "--jobs", "0"], "--jobs"),
