@@ -143,8 +143,9 @@ def add_parser(sub) -> None:
         "--axes",
         default=None,
         metavar="LIST",
-        help="with --pick: what its search explores, as `search --axes` (default split; "
-        "split,zero,recompute,micro adds the memory axes, all every axis)",
+        help="with --pick: what its search explores, as `search --axes` (default as "
+        "search's: split, and stages across nodes; split,zero,recompute,micro adds the "
+        "memory axes, all every axis)",
     )
     p.add_argument(
         "--zero",
@@ -309,7 +310,7 @@ def _load_plan_file(path: str, mesh, stages: int | None = None):
 
 def _compile_picked(args: argparse.Namespace) -> int:
     """Search, pick a point by policy, and compile its plan through the same passes."""
-    from tensoropt.cli.cmd_search import explore_from_args, parse_axes
+    from tensoropt.cli.cmd_search import explore_from_args
     from tensoropt.cost.accuracy import band_of, near_tie_note
     from tensoropt.search.driver import device_frontier, mesh_label, pick, plan_of_point
 
@@ -321,7 +322,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     args.epsilon = None
     args.memory_budget = None
     _, _, exp = explore_from_args(args, counts)
-    chosen = pick(exp, max(counts), args.pick, parse_bytes, parse_axes(args.axes or "split"))
+    chosen = pick(exp, max(counts), args.pick, parse_bytes, exp.space.axes)
     search, point = chosen.search, chosen.point
     band, tie = band_of(args.cluster), None
     if band is not None:  # the frontier is merged again only for the note

@@ -84,7 +84,7 @@ def _param_count(sg) -> int:
 
 def search_for_report(args: argparse.Namespace):
     """(header, profile, exploration, detail device counts): everything but the writing."""
-    from tensoropt.cli.cmd_search import axes_line, parse_axes
+    from tensoropt.cli.cmd_search import axes_line
     from tensoropt.report.build import prepare_report_dir
     from tensoropt.report.render import Header
     from tensoropt.search.driver import guarantee_of
@@ -116,7 +116,7 @@ def search_for_report(args: argparse.Namespace):
         memory_budget=exp.memory_budget,
         guarantee=guarantee_of(exp),
         seconds=time.perf_counter() - start,
-        axes=axes_line(parse_axes(args.axes or "split")),
+        axes=axes_line(exp.space.axes, exp.space.stages_above),
         estimates=estimates_line(args.cluster, max(devices)),
     )
     return head, profile, exp, detail

@@ -49,18 +49,20 @@ of unit entries: the search prices an upper bound that is (the least working set
 of each block plus every unit's excess over its least), so --dump-costs stays an
 exact sum; compile prices the same bound.
 
-pipeline stages (--axes ...,stages; implies micro): every micro-batched problem of a
-mesh M also gives pipelined points at P x M.size devices for each --stages count P: for
-each plan on that problem's whole frontier (solved without the budget and without the
-plans of other problems, which may beat a plan whose stages still win), the exact Pareto
-set of (step time, memory) over its cuts into P stages at block starts (every block
-start up to 64 blocks, else 65 evenly spread positions), each stage on its own copy of
-M; 1F1B, the step priced as the
-slowest stage over m + P - 1 micro-batch slots. They show as mesh ppP:M ("pp=4 x (...)"),
-compile with --pick like any point, and the reference megatron+pp is Megatron within
-each stage at its fastest cut. Device counts N/P are searched for them and not shown.
-What is left out: a stage's plan is a plan of the whole micro-batched frontier (not one
-searched per stage), and every stage has the same mesh.
+pipeline stages (by default at the device counts above one node of the cluster, where
+tensor parallelism meets the slow links; --axes ...,stages at every count, with the
+micro-batched points shown too; --stages 1 turns them off): every micro-batched problem
+of a mesh M also gives pipelined points at P x M.size devices for each --stages count
+P: for each plan on that problem's whole frontier (solved without the budget and
+without the plans of other problems, which may beat a plan whose stages still win), the
+exact Pareto set of (step time, memory) over its cuts into P stages at block starts
+(every block start up to 64 blocks, else 65 evenly spread positions), each stage on its
+own copy of M; 1F1B, the step priced as the slowest stage over m + P - 1 micro-batch
+slots. They show as mesh ppP:M ("pp=4 x (...)"), compile with --pick like any point,
+and the reference megatron+pp is Megatron within each stage at its fastest cut. Device
+counts N/P are searched for them and not shown. What is left out: a stage's plan is a
+plan of the whole micro-batched frontier (not one searched per stage), and every stage
+has the same mesh.
 
 estimates: compute is a roofline per local shard (forward + backward); communication
 is alpha-beta per mesh axis with intra- and inter-node rates; memory per device is
@@ -110,13 +112,15 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze", metavar="REGEX")
     p.add_argument(
         "--axes",
-        default="split",
+        default=None,
         metavar="LIST",
         help="what the search explores: split (how each op is split over the mesh; always), "
         "zero (ZeRO stage 1, 2 or 3 of every unit that can shard its parameters), "
         "recompute (every block recomputed in the backward), micro (micro-batches with "
         "gradient accumulation), stages (pipeline stages over the micro-batched plans; "
-        "implies micro); all: every one of them; default split; split,zero,recompute,micro "
+        "implies micro); all: every one of them. Default: split, and stages at the device "
+        "counts above one node of --cluster (devices_per_node: 8 on the built-in ones), "
+        "whose micro-batches run only within the pipelines. split,zero,recompute,micro "
         "takes about 10x the search time of split alone on GPT-2-medium, 1..64 devices",
     )
     p.add_argument(
@@ -124,9 +128,10 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         dest="stage_counts",
         default=None,
         metavar="LIST",
-        help="pipeline stage counts tried with --axes ...,stages (default 2,4,8,16,32,64; "
-        "a count P is tried at N devices when P divides N and the model has P blocks; a "
-        "count given here that fits no device count or exceeds the blocks is refused)",
+        help="pipeline stage counts tried (default 2,4,8,16,32,64; a count P is tried at N "
+        "devices when P divides N and the model has P blocks, by default only where N "
+        "spans more than one node; a count given here that fits no such device count or "
+        "exceeds the blocks is refused); 1: no stages",
     )
     p.add_argument(
         "--micro-batches",
@@ -191,7 +196,7 @@ def explore_from_args(args, devices):
     budget = parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None
     mesh_spec = getattr(args, "mesh", None) or "auto"
     sg = search_graph(args)
-    space = search_space(args, sg)
+    space = search_space(args, sg, profile)
     check_counts(args, sg, space, devices)
     total = len(search_meshes(sg, devices, mesh_spec))
     bar = progress(range(total), total=total, desc="search")
@@ -257,20 +262,33 @@ def parse_counts(text: str, flag: str = "--micro-batches", example: str = "1,2,4
     return counts
 
 
-def search_space(args, sg):
+def search_space(args, sg, profile=None):
     """The search space the flags ask for: with recompute, the step is built a second
-    time with every block recomputed (its search graph prices those problems)."""
+    time with every block recomputed (its search graph prices those problems).
+
+    Without --axes (``args.axes`` None) and with ``profile``: the split, and pipeline
+    stages at the device counts that span more than one of the cluster's nodes, their
+    micro-batched problems feeding the pipelines only; ``--stages 1`` leaves the stages
+    out. Without a profile, the split alone."""
     from tensoropt.search.driver import Axis, SearchSpace
 
-    axes = parse_axes(getattr(args, "axes", None) or "split")
+    given = getattr(args, "axes", None)
     counts = parse_counts(getattr(args, "micro_batch_counts", None) or "1,2,4,8")
     text = getattr(args, "stage_counts", None)
     text = "2,4,8,16,32,64" if text is None else text
     stages = tuple(c for c in parse_counts(text, "--stages", "2,4,8") if c > 1)
+    above = 0
+    if given is None:
+        axes = frozenset({Axis.SPLIT})
+        if profile is not None and stages:
+            axes |= {Axis.STAGES}
+            above = profile.devices_per_node
+    else:
+        axes = parse_axes(given)
     recomputed, names = None, ()
     if Axis.RECOMPUTE in axes:
         recomputed, names = recomputed_graph(args)
-    return SearchSpace(axes, counts, recomputed, names, stage_counts=stages)
+    return SearchSpace(axes, counts, recomputed, names, stage_counts=stages, stages_above=above)
 
 
 def check_counts(args, sg, space, devices) -> None:
@@ -303,7 +321,15 @@ def check_counts(args, sg, space, devices) -> None:
             f"--stages {given}: the model has {blocks} blocks to cut between stages; "
             f"give stage counts of at most {blocks}"
         )
-    unused = [p for p in space.stage_counts if not any(d % p == 0 for d in devices)]
+    piped = [d for d in devices if d > space.stages_above]
+    unused = [p for p in space.stage_counts if not any(d % p == 0 for d in piped)]
+    if unused and space.stages_above:
+        raise TensorOptError(
+            f"--stages {given}: {', '.join(map(str, unused))} divides none of the device "
+            f"counts above {space.stages_above} (by default stages are searched across "
+            f"nodes of {space.stages_above} devices); add --axes split,stages to search "
+            "them at every count"
+        )
     if unused:
         raise TensorOptError(
             f"--stages {given}: {', '.join(map(str, unused))} divides none of the device "
@@ -445,20 +471,28 @@ def print_tables(sg, exp, out=None, band=None, axes=None) -> None:
     if exp.searches:
         print(f"\nguarantee: {guarantee_of(exp)}", file=out)
     if axes is not None:
-        print(f"axes: {axes_line(axes)}", file=out)
+        above = exp.space.stages_above if exp.space.axes == axes else 0
+        print(f"axes: {axes_line(axes, above)}", file=out)
 
 
-def axes_line(axes) -> str:
+def axes_line(axes, stages_above: int = 0) -> str:
     """Which axes a search explored and which it left out (the guarantee holds over the
-    plans of the first)."""
+    plans of the first). ``stages_above``: the stages were searched only at the device
+    counts above it (the default search's stages, across nodes)."""
     from tensoropt.search.driver import Axis
 
     searched = [a.value for a in Axis if a in axes]
     left = [a.value for a in Axis if a not in axes]
+    where = ""
+    if Axis.STAGES in axes and stages_above:
+        where = (
+            f" (stages above {stages_above} devices: across nodes, each pipeline's "
+            "micro-batches within it; --stages 1 leaves them out)"
+        )
     if not left:
-        return "searched " + ",".join(searched) + " (every axis)"
+        return "searched " + ",".join(searched) + where + " (every axis)"
     return (
-        f"searched {','.join(searched)}; not searched: {', '.join(left)} "
+        f"searched {','.join(searched)}{where}; not searched: {', '.join(left)} "
         "(--axes all adds them; each multiplies the search time, see --help)"
     )
 
@@ -496,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(path, flag)
     sg, profile, exp = explore_from_args(args, devices)
     band = band_of(args.cluster)
-    axes = parse_axes(args.axes or "split")
+    axes = exp.space.axes
     if not args.json:  # with --json, stdout is the document alone
         print_tables(sg, exp, band=band, axes=axes)
     if args.json or args.json_out:

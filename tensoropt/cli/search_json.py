@@ -91,6 +91,8 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None,
         "guarantee": guarantee_of(exp),
         "memory_budget_bytes": exp.memory_budget,
         "axes_searched": [a.value for a in Axis if a in axes] if axes is not None else None,
+        # stages only at the device counts above this (the default's, across nodes); 0: all
+        "stages_above_devices": exp.space.stages_above if Axis.STAGES in exp.space.axes else 0,
         "error_band": band.to_json() if band is not None else None,
         "units": list(shared),
         "meshes": {

@@ -107,12 +107,21 @@ class SearchSpace:
     # P * M.size is one of them)
     stage_counts: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     pipeline_devices: tuple[int, ...] = ()
+    # with STAGES: pipelined points only at the device counts above this (the default
+    # search's stages, across nodes: the cluster's devices per node); 0: at every count
+    stages_above: int = 0
+
+    @property
+    def shows_micro(self) -> bool:
+        """Whether micro-batched points are searched for their own sake; without MICRO
+        (the default search's stages) the micro-batched problems only feed pipelines."""
+        return Axis.MICRO in self.axes
 
     def variants(self, sg: SearchGraph, mesh: Mesh) -> list[Variant]:
         """The problems of one mesh, plain first. ZeRO needs more than one device;
         micro-batch counts must divide the batch."""
         counts = [1]
-        if Axis.MICRO in self.axes:
+        if self.axes & {Axis.MICRO, Axis.STAGES}:
             counts += [k for k in self.micro_batches if k > 1 and sg.batch % k == 0]
         stages = [0]
         if Axis.ZERO in self.axes and mesh.size > 1:
@@ -180,6 +189,7 @@ class Exploration:
     merged: tuple[MergedPoint, ...]
     epsilon: float | None
     memory_budget: float | None
+    space: SearchSpace = PLAIN_SPACE  # what was searched (pipeline_devices filled in)
 
     def search_of(
         self, devices: int, mesh: tuple[int, ...], variant: Variant = PLAIN
@@ -601,9 +611,12 @@ def explore(
     """
     wanted = sorted(set(devices))
     if Axis.STAGES in space.axes:  # a pipeline's stages run meshes of fewer devices
-        space = dataclasses.replace(space, pipeline_devices=tuple(wanted))
+        piped = tuple(d for d in wanted if d > space.stages_above)
+        space = dataclasses.replace(space, pipeline_devices=piped)
+        if space.stages_above and not piped:  # the default's stages: no count across nodes
+            space = dataclasses.replace(space, axes=space.axes - {Axis.STAGES})
         devices = sorted(
-            set(wanted) | {d // p for d in wanted for p in space.stage_counts if d % p == 0}
+            set(wanted) | {d // p for d in piped for p in space.stage_counts if d % p == 0}
         )
     meshes = search_meshes(sg, devices, mesh_spec)
     groups: dict[int, list[Mesh]] = {}
@@ -624,7 +637,7 @@ def explore(
     merged = merge_frontiers({s.key: s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(searches, memory_budget, space))
-    return Exploration(tuple(searches), merged, epsilon, memory_budget)
+    return Exploration(tuple(searches), merged, epsilon, memory_budget, space)
 
 
 def _run_jobs(sg, work, workers, blocks, space, found, on_problem) -> None:
@@ -695,6 +708,9 @@ def _solve_meshes(
     out: dict[Mesh, list[MeshSearch]] = {mesh: [] for mesh in meshes}
     done: list[MeshSearch] = []
     for _, _, _, mesh, v in order:
+        feeds = _feeds_pipelines(space, mesh, v)
+        if v.micro_batches > 1 and not space.shows_micro and not feeds:
+            continue  # micro-batches only within pipelines, and none is made of it
         memory.solving(f"the search of {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
         built = at[mesh].build(v)
         if built is None:
@@ -705,7 +721,7 @@ def _solve_meshes(
                 [p.time_s for s in done for p in s.result.points],
                 [p.memory_bytes for s in done for p in s.result.points],
             )
-        if _feeds_pipelines(space, mesh, v):
+        if feeds:
             # The stages' plans come from this problem's whole frontier: a plan that an
             # incumbent of this device count dominates, or whose whole step exceeds the
             # budget, can still make a pipelined point that nothing beats (a stage holds
@@ -723,9 +739,10 @@ def _solve_meshes(
                 built, at[mesh], (mesh, profile, budget, epsilon), blocks, incumbents
             )
             pipelined = []
-        out[mesh].append(search)
+        if v.micro_batches == 1 or space.shows_micro:
+            out[mesh].append(search)
+            done.append(search)  # a point shown is an incumbent of what follows
         out[mesh] += pipelined
-        done.append(search)
     return [(mesh, out[mesh]) for mesh in meshes]
 
 

@@ -330,3 +330,50 @@ def test_pipelined_points_come_from_the_stage_problems_whole_frontier(gpt, budge
         alone = plain.search_of(devices, mesh, Variant(micro_batches=2))
         assert got.result.points == alone.result.points
         assert got.summaries == alone.summaries
+
+
+@pytest.mark.slow
+def test_the_default_search_pipelines_across_nodes_only(gpt, tmp_path, capsys):
+    """Without --axes, stages are searched at the device counts above one node of the
+    cluster (h100: 8), and each pipelined problem there has the points the explicit
+    --axes split,stages search gives it; micro-batched plans show only inside pipelines;
+    --stages 1 leaves the stages out, and so does a search with no count above a node."""
+    argv = ["search", gpt, "--cluster", "h100", "--optimizer", "adam", "--micro-batches", "1,2"]
+    argv += ["--stages", "2,4"]
+    found = cli(capsys, *argv, "--devices", "8,16", "--json-out", tmp_path / "d.json")
+    assert found.code == 0, found.err
+    assert "searched split,stages (stages above 8 devices" in found.out
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert doc["axes_searched"] == ["split", "stages"] and doc["stages_above_devices"] == 8
+    rows = {d: doc["per_device"][d] for d in ("8", "16")}
+    assert not [r for r in rows["8"] if r["axes"]["stages"] > 1 or r["axes"]["micro_batches"] > 1]
+    piped = [r for r in rows["16"] if r["axes"]["stages"] > 1]
+    assert piped, "no pipelined point at 16 devices"
+    assert all(r["axes"]["micro_batches"] == 2 for r in piped)
+    assert not [
+        r for r in rows["16"] if r["axes"]["stages"] == 1 and r["axes"]["micro_batches"] > 1
+    ]
+
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.cmd_search import search_space
+    from tensoropt.search.driver import explore
+
+    def pipelined_searches(*extra):
+        args = build_parser().parse_args([str(a) for a in (*argv, *extra)])
+        sg = graph_of(str(gpt), "adam")
+        profile = builtin("h100")
+        exp = explore(sg, [16], "auto", profile, jobs=1, space=search_space(args, sg, profile))
+        return {s.key: s.result.points for s in exp.searches if s.variant.stages > 1}
+
+    default = pipelined_searches()
+    assert default and default == pipelined_searches("--axes", "split,stages")
+
+    off = cli(
+        capsys, *argv[:-2], "--stages", "1", "--devices", "16", "--json-out", tmp_path / "o.json"
+    )
+    assert off.code == 0, off.err
+    none = json.loads((tmp_path / "o.json").read_text())
+    assert none["axes_searched"] == ["split"]
+    assert all(r["axes"]["stages"] == 1 for r in none["per_device"]["16"])
+    within = cli(capsys, *argv[:-2], "--devices", "8", "--json-out", tmp_path / "w.json")
+    assert json.loads((tmp_path / "w.json").read_text())["axes_searched"] == ["split"], within.err
