@@ -185,7 +185,7 @@ def explore_from_args(args, devices):
     from tensoropt.cli.common import progress
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.errors import TensorOptError
-    from tensoropt.search.driver import explore, search_meshes
+    from tensoropt.search.driver import explore, search_meshes, searched_counts
 
     jobs = getattr(args, "jobs", None)
     if jobs is not None and jobs < 1:
@@ -198,7 +198,7 @@ def explore_from_args(args, devices):
     sg = search_graph(args)
     space = search_space(args, sg, profile)
     check_counts(args, sg, space, devices)
-    total = len(search_meshes(sg, devices, mesh_spec))
+    total = len(search_meshes(sg, searched_counts(space, devices)[1], mesh_spec))
     bar = progress(range(total), total=total, desc="search")
     it = iter(bar)
 

@@ -610,14 +610,7 @@ def explore(
     job; 1 = in this process). ``on_problem`` is called once per mesh.
     """
     wanted = sorted(set(devices))
-    if Axis.STAGES in space.axes:  # a pipeline's stages run meshes of fewer devices
-        piped = tuple(d for d in wanted if d > space.stages_above)
-        space = dataclasses.replace(space, pipeline_devices=piped)
-        if space.stages_above and not piped:  # the default's stages: no count across nodes
-            space = dataclasses.replace(space, axes=space.axes - {Axis.STAGES})
-        devices = sorted(
-            set(wanted) | {d // p for d in piped for p in space.stage_counts if d % p == 0}
-        )
+    space, devices = searched_counts(space, wanted)
     meshes = search_meshes(sg, devices, mesh_spec)
     groups: dict[int, list[Mesh]] = {}
     for m in meshes:
@@ -638,6 +631,21 @@ def explore(
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(searches, memory_budget, space))
     return Exploration(tuple(searches), merged, epsilon, memory_budget, space)
+
+
+def searched_counts(space: SearchSpace, devices: Sequence[int]) -> tuple[SearchSpace, list[int]]:
+    """The space with its pipelined device counts filled in, and every device count whose
+    meshes are searched: ``devices``, and with stages each count's N / P for the stages'
+    meshes. The default's stages (``stages_above``) with no count above it: no stages."""
+    wanted = sorted(set(devices))
+    if Axis.STAGES not in space.axes:
+        return space, wanted
+    piped = tuple(d for d in wanted if d > space.stages_above)
+    space = dataclasses.replace(space, pipeline_devices=piped)
+    if space.stages_above and not piped:
+        space = dataclasses.replace(space, axes=space.axes - {Axis.STAGES})
+    stage_meshes = {d // p for d in piped for p in space.stage_counts if d % p == 0}
+    return space, sorted(set(wanted) | stage_meshes)
 
 
 def _run_jobs(sg, work, workers, blocks, space, found, on_problem) -> None:
