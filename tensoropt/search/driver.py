@@ -875,9 +875,15 @@ def _infeasible_message(searches, budget, space: SearchSpace) -> str:
         else "no searched device count fits; search more devices"
     )
     advice += memory_axes_advice(space.axes)
+    # a pipeline's least memory is not known once the budget has cut its frontier
+    piped = sorted({s.devices for s in searches if s.variant.stages > 1})
+    staged = ""
+    if piped:
+        counts = ",".join(map(str, piped))
+        staged = f" without pipeline stages; with stages (at {counts} devices) none fits either"
     return (
         f"no plan fits the memory budget of {_gib(budget)} per device; the smallest "
-        f"memory per device reachable is {parts}; {advice}, or raise --memory-budget"
+        f"memory per device reachable is {parts}{staged}; {advice}, or raise --memory-budget"
     )
 
 

@@ -375,5 +375,10 @@ def test_the_default_search_pipelines_across_nodes_only(gpt, tmp_path, capsys):
     none = json.loads((tmp_path / "o.json").read_text())
     assert none["axes_searched"] == ["split"]
     assert all(r["axes"]["stages"] == 1 for r in none["per_device"]["16"])
+    # a budget nothing meets: the figures it names are without stages, and it says so
+    short = cli(capsys, *argv, "--devices", "16", "--memory-budget", "1KiB")
+    assert short.code == 2
+    assert "16 devices: " in short.err
+    assert "without pipeline stages; with stages (at 16 devices) none fits either" in short.err
     within = cli(capsys, *argv[:-2], "--devices", "8", "--json-out", tmp_path / "w.json")
     assert json.loads((tmp_path / "w.json").read_text())["axes_searched"] == ["split"], within.err
