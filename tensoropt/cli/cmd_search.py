@@ -285,6 +285,14 @@ def search_space(args, sg, profile=None):
             above = profile.devices_per_node
     else:
         axes = parse_axes(given)
+    if Axis.STAGES in axes and getattr(args, "stage_counts", None) is None:
+        # the default counts the model has blocks for (a count given is checked instead)
+        from tensoropt.passes.stages import step_segments
+
+        blocks = step_segments(sg.graph, sg.data_inputs).count
+        stages = tuple(c for c in stages if c <= blocks)
+        if not stages and given is None:  # too few blocks to pipeline
+            axes, above = axes - {Axis.STAGES}, 0
     recomputed, names = None, ()
     if Axis.RECOMPUTE in axes:
         recomputed, names = recomputed_graph(args)
