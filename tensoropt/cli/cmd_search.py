@@ -391,11 +391,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def print_tables(sg, exp, out=None, band=None, axes=None) -> None:
+def print_tables(sg, exp, out=None, band=None) -> None:
     """The per-device-count frontiers, the reference plans and the overall frontier.
     ``band``: the profile's ErrorBand (cost.accuracy): each table says how far its
-    estimates typically are off and marks the points it cannot order. ``axes``: the
-    searched axes (``--axes``), named under the guarantee with those left out."""
+    estimates typically are off and marks the points it cannot order. Under the
+    guarantee, the axes searched (``exp.space``) and those left out."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
 
@@ -478,9 +478,7 @@ def print_tables(sg, exp, out=None, band=None, axes=None) -> None:
     )
     if exp.searches:
         print(f"\nguarantee: {guarantee_of(exp)}", file=out)
-    if axes is not None:
-        above = exp.space.stages_above if exp.space.axes == axes else 0
-        print(f"axes: {axes_line(axes, above)}", file=out)
+    print(f"axes: {axes_line(exp.space.axes, exp.space.stages_above)}", file=out)
 
 
 def axes_line(axes, stages_above: int = 0) -> str:
@@ -538,11 +536,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(path, flag)
     sg, profile, exp = explore_from_args(args, devices)
     band = band_of(args.cluster)
-    axes = exp.space.axes
     if not args.json:  # with --json, stdout is the document alone
-        print_tables(sg, exp, band=band, axes=axes)
+        print_tables(sg, exp, band=band)
     if args.json or args.json_out:
-        body = search_document(sg, profile, exp, args.model, step_options(args), band, axes)
+        body = search_document(sg, profile, exp, args.model, step_options(args), band)
         emit(args, document(SCHEMA, body), compact=True)
     if args.plot:
         plot(exp, args.plot)

@@ -42,10 +42,10 @@ def step_options(args) -> dict:
     return {name: getattr(args, name, None) for name in STEP_OPTIONS}
 
 
-def search_document(sg, profile, exp, model_path: str, options: dict, band=None, axes=None) -> dict:
+def search_document(sg, profile, exp, model_path: str, options: dict, band=None) -> dict:
     """The body of the search JSON (without ``schema``; see json_output.document).
-    ``band``: the profile's ErrorBand (cost.accuracy), or None; ``axes``: the axes the
-    search explored (``search --axes``), recorded as ``axes_searched``."""
+    ``band``: the profile's ErrorBand (cost.accuracy), or None. The axes the search
+    explored (``exp.space``) are recorded as ``axes_searched``."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import ALL_REPLICATED
     from tensoropt.search.driver import Axis, device_frontier, guarantee_of
@@ -90,7 +90,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None,
         "epsilon": exp.epsilon,
         "guarantee": guarantee_of(exp),
         "memory_budget_bytes": exp.memory_budget,
-        "axes_searched": [a.value for a in Axis if a in axes] if axes is not None else None,
+        "axes_searched": [a.value for a in Axis if a in exp.space.axes],
         # stages only at the device counts above this (the default's, across nodes); 0: all
         "stages_above_devices": exp.space.stages_above if Axis.STAGES in exp.space.axes else 0,
         "error_band": band.to_json() if band is not None else None,
