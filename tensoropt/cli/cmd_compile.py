@@ -322,7 +322,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
     args.epsilon = None
     args.memory_budget = None
     _, _, exp = explore_from_args(args, counts)
-    chosen = pick(exp, max(counts), args.pick, parse_bytes, exp.space.axes)
+    chosen = pick(exp, max(counts), args.pick, parse_bytes)
     search, point = chosen.search, chosen.point
     band, tie = band_of(args.cluster), None
     if band is not None:  # the frontier is merged again only for the note

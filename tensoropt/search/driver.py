@@ -964,18 +964,12 @@ def pick_index(
     )
 
 
-def pick(
-    exp: Exploration,
-    devices: int,
-    policy: str,
-    parse_bytes,
-    axes: frozenset[Axis] = frozenset(MEMORY_AXES),
-) -> Pick:
+def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
     """Apply a policy: fastest | min-memory | fastest-under:MEM | fewest-devices-under:MEM |
-    INDEX (into the frontier of ``devices``, fastest first). ``axes``: those the search
-    explored, for the advice when no plan fits."""
+    INDEX (into the frontier of ``devices``, fastest first). When no plan fits, the advice
+    names the memory axes the search (``exp.space``) left out."""
     name, _, arg = policy.partition(":")
-    advice = memory_axes_advice(axes)
+    advice = memory_axes_advice(exp.space.axes)
     if name == "fewest-devices-under":
         budget = parse_bytes(arg, "--pick fewest-devices-under")
         counts = sorted({s.devices for s in exp.searches})
