@@ -110,6 +110,11 @@ class SearchSpace:
     # with STAGES: pipelined points only at the device counts above this (the default
     # search's stages, across nodes: the cluster's devices per node); 0: at every count
     stages_above: int = 0
+    # filled in by explore (searched_counts): the device counts searched only for the
+    # stages' meshes (not shown), and the pipeline segments of the search graph and of
+    # the recomputed one, found once for every mesh
+    stage_only: tuple[int, ...] = ()
+    segments: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def shows_micro(self) -> bool:
@@ -369,7 +374,12 @@ class _MeshProblems:
         self.plain_infos: tuple | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
-        self.segments: dict[int, object] = {}  # id(search graph) -> its pipeline segments
+
+    def read_references(self, plain: _Built, blocks: Blocks | None) -> None:
+        """Keep the reference plans of the plain problem (those of the variant problems
+        and of the pipelines are mapped from them)."""
+        self.plain_infos = plain.mp.units
+        self.plain_refs = reference_choices(self.sg, plain.mp, blocks)
 
     def build(self, v: Variant) -> _Built | None:
         from tensoropt.passes.micro import MicroError
@@ -517,8 +527,7 @@ def _solve_one(
     suffix = f", {label}" if label else ""
     refs, ref_summaries = {}, {}
     if v.plain:
-        at.plain_infos = mp.units
-        at.plain_refs = reference_choices(at.sg, mp, blocks)
+        at.read_references(b, blocks)
         named: dict[str, tuple[int, ...] | None] = dict(at.plain_refs)
     else:
         named = {
@@ -611,6 +620,13 @@ def explore(
     """
     wanted = sorted(set(devices))
     space, devices = searched_counts(space, wanted)
+    if space.pipeline_devices:
+        from tensoropt.search.pipeline import segments_of
+
+        graphs = (sg, space.recomputed)
+        space = dataclasses.replace(
+            space, segments=tuple(None if g is None else segments_of(g) for g in graphs)
+        )
     meshes = search_meshes(sg, devices, mesh_spec)
     groups: dict[int, list[Mesh]] = {}
     for m in meshes:
@@ -645,6 +661,7 @@ def searched_counts(space: SearchSpace, devices: Sequence[int]) -> tuple[SearchS
     if space.stages_above and not piped:
         space = dataclasses.replace(space, axes=space.axes - {Axis.STAGES})
     stage_meshes = {d // p for d in piped for p in space.stage_counts if d % p == 0}
+    space = dataclasses.replace(space, stage_only=tuple(sorted(stage_meshes - set(wanted))))
     return space, sorted(set(wanted) | stage_meshes)
 
 
@@ -719,9 +736,17 @@ def _solve_meshes(
         feeds = _feeds_pipelines(space, mesh, v)
         if v.micro_batches > 1 and not space.shows_micro and not feeds:
             continue  # micro-batches only within pipelines, and none is made of it
+        shown = mesh.size not in space.stage_only
+        if not (shown or feeds or v.plain):
+            continue  # a stage mesh's count: only its stages' problems are wanted
         memory.solving(f"the search of {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
         built = at[mesh].build(v)
         if built is None:
+            continue
+        if not (shown or feeds):
+            # the plain problem of a stage mesh's count: not solved (no point of it is
+            # shown), only its reference plans read (the megatron+pp reference)
+            at[mesh].read_references(built, blocks)
             continue
         incumbents = None
         if chained and done:
@@ -769,7 +794,7 @@ def _pipelined(
 ) -> list[MeshSearch]:
     """The pipelined searches made of one micro-batched problem's frontier
     (search.pipeline): one per stage count whose device count is searched."""
-    from tensoropt.search.pipeline import pipeline_search, pipelined, segments_of
+    from tensoropt.search.pipeline import pipeline_search, pipelined
 
     space, mesh, v = at.space, at.mesh, b.variant
     counts = [p for p in space.stage_counts if p * mesh.size in space.pipeline_devices]
@@ -780,9 +805,7 @@ def _pipelined(
     family, _ = found
     reference = _megatron_in(b, at)
     fastest: dict = {}
-    segments = at.segments.get(id(b.graph))
-    if segments is None:  # the blocks of a step: found once per search graph
-        segments = at.segments[id(b.graph)] = segments_of(b.graph)
+    segments = space.segments[1 if v.recompute else 0]
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,

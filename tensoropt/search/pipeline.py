@@ -37,7 +37,7 @@ from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.passes.stages import Segments, step_segments
 from tensoropt.search.jit import compiled
-from tensoropt.search.stages import PipelinePoint, pareto, plan_frontier
+from tensoropt.search.stages import PipelinePoint, Staircase, pareto, plan_frontier
 
 MAX_POSITIONS = 65
 """Cut positions the dynamic program tries at most (both ends included)."""
@@ -102,16 +102,25 @@ def pipelined(
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
     chosen_points = list(frontier) + [FrontierPoint(0.0, 0.0, c) for c in extra]
     found: dict[int, list[PipelinePoint]] = {}
+    # per P, the frontier of the cuts found so far: a plan's cuts that it equals or
+    # dominates are not kept (the Pareto set below is the same)
+    held = {p: Staircase() for p in counts}
     for n, point in enumerate(chosen_points):
         ws = bound.of(plain, point.choice) if bound is not None else 0.0
         terms = tables.terms(point.choice, ws)
         choice = tuple(point.choice)
-        for p, points in cut_frontiers(terms, counts, allowed, memory_budget, choice).items():
-            if n >= len(frontier) and points:  # an extra choice: its fastest cut, apart
+        extra_choice = n >= len(frontier)  # its fastest cut is wanted whatever beats it
+        incumbents = None if extra_choice else held
+        for p, points in cut_frontiers(
+            terms, counts, allowed, memory_budget, choice, incumbents
+        ).items():
+            if extra_choice and points:
                 fastest.setdefault(p, []).append((points[0], choice))
             # every plan's cuts join the frontier, the reference plans' too: a reference
             # pipelined point is then always matched or dominated
             found.setdefault(p, []).extend(points)
+            if not extra_choice:
+                held[p].add(points)
     # each point's stage payloads are its intra-op plan's choice
     out = {}
     for p, points in found.items():
@@ -121,15 +130,18 @@ def pipelined(
 
 
 def cut_frontiers(
-    terms, counts, allowed, memory_budget=None, payload=None
+    terms, counts, allowed, memory_budget=None, payload=None, incumbents=None
 ) -> dict[int, list[PipelinePoint]]:
     """Per stage count: the exact (T, M) frontier over the cuts of one intra-op plan
     (every stage's payload: ``payload``), from its stage prices at every pair of allowed
-    positions (:func:`~tensoropt.search.stages.plan_frontier`)."""
+    positions (:func:`~tensoropt.search.stages.plan_frontier`); with ``incumbents``
+    (P -> :class:`~tensoropt.search.stages.Staircase`), the points none of P's equals
+    or dominates."""
     out = {}
     for p in counts:
         taus, mems = stage_grids(terms, allowed, p, SCHEDULE)
-        out[p] = plan_frontier(allowed, taus, mems, payload, memory_budget)
+        held = None if incumbents is None else incumbents[p]
+        out[p] = plan_frontier(allowed, taus, mems, payload, memory_budget, held)
     return out
 
 

@@ -41,6 +41,7 @@ from tensoropt.search.jit import compiled
 
 __all__ = [
     "PipelinePoint",
+    "Staircase",
     "in_flight",
     "pareto",
     "plan_frontier",
@@ -71,6 +72,31 @@ def pareto(points: list[PipelinePoint]) -> list[PipelinePoint]:
         if not out or q.memory_bytes < out[-1].memory_bytes:
             out.append(q)
     return out
+
+
+class Staircase:
+    """A Pareto set of (time, memory) points as two arrays, time ascending and memory
+    descending (the incumbents of :func:`plan_frontier`)."""
+
+    __slots__ = ("times", "memories")
+
+    def __init__(self) -> None:
+        self.times = np.empty(0)
+        self.memories = np.empty(0)
+
+    def add(self, points: Sequence[PipelinePoint]) -> None:
+        """Join ``points`` (none of which a point already held equals or dominates)."""
+        if not points:
+            return
+        times = np.concatenate([self.times, [q.time_s for q in points]])
+        memories = np.concatenate([self.memories, [q.memory_bytes for q in points]])
+        order = np.lexsort((memories, times))
+        times, memories = times[order], memories[order]
+        # keep a point when it holds less than every point before it
+        keep = np.empty(times.size, dtype=bool)
+        keep[0] = True
+        keep[1:] = memories[1:] < np.minimum.accumulate(memories)[:-1]
+        self.times, self.memories = times[keep], memories[keep]
 
 
 def stage_frontier(
@@ -123,11 +149,14 @@ def plan_frontier(
     mems: Sequence[np.ndarray],
     payload: Hashable = None,
     memory_budget: float | None = None,
+    incumbents: Staircase | None = None,
 ) -> list[PipelinePoint]:
     """:func:`stage_frontier` when every stage has one point (one intra-op plan):
     ``taus[s][i, k]`` and ``mems[s][i, k]`` price stage s over ``positions[i]`` to
     ``positions[k]`` (inf where it cannot hold them; read for i < k only). Points with
-    memory above ``memory_budget`` are left out. Time ascending.
+    memory above ``memory_budget`` are left out, and those a point of ``incumbents``
+    equals or dominates (the frontier of the plans cut before this one: the Pareto set
+    of all plans' points, first of equal points kept, is then the same). Time ascending.
 
     The same frontier, found by the epsilon-constraint method instead of Pareto sets per
     state: with the memory cap C (first the budget), a bottleneck dynamic program gives
@@ -137,7 +166,12 @@ def plan_frontier(
     C, none holds less within T*), every frontier point is reached this way, and the
     next one has memory below M*: C becomes the float below M*. A plan costs (frontier
     points) x 2 P positions^2 compiled steps (`_sweep` and `_bottleneck`) where the
-    Pareto sets cost P x positions^2 Python products per point of every set."""
+    Pareto sets cost P x positions^2 Python products per point of every set.
+
+    With ``incumbents``, a point (T*, M*) that one of them equals or dominates is left
+    out, and the cap drops below the least memory of the incumbents within T*: every
+    later point is slower than T*, so it is left out too unless it holds less than that
+    (the points of a plan whose cuts all lose cost a few sweeps, not one per point)."""
     stages = len(taus)
     n = len(positions)
     if stages < 1 or n < stages + 1:
@@ -146,7 +180,8 @@ def plan_frontier(
     tau = np.ascontiguousarray(taus, dtype=np.float64)
     mem = np.ascontiguousarray(mems, dtype=np.float64)
     cap = math.inf if memory_budget is None else float(memory_budget)
-    times, memories, cuts = _sweep(tau, mem, cap)
+    inc = Staircase() if incumbents is None else incumbents
+    times, memories, cuts = _sweep(tau, mem, cap, inc.times, inc.memories)
     at = list(positions)
     plans = (payload,) * stages
     return [
@@ -156,9 +191,11 @@ def plan_frontier(
 
 
 @compiled()
-def _sweep(tau, mem, cap):
-    """The epsilon-constraint loop of :func:`plan_frontier`: per frontier point, its
-    time, memory (the largest stage entries of its cuts) and cut indices."""
+def _sweep(tau, mem, cap, inc_times, inc_memories):
+    """The epsilon-constraint loop of :func:`plan_frontier`: per frontier point that no
+    incumbent (``inc_times`` ascending, ``inc_memories`` descending) equals or
+    dominates, its time, memory (the largest stage entries of its cuts) and cut
+    indices."""
     stages = tau.shape[0]
     times, memories, found = [], [], []
     while True:
@@ -166,6 +203,12 @@ def _sweep(tau, mem, cap):
         if not math.isfinite(t_star):
             break
         m_star, cuts = _bottleneck(mem, mem, tau, cap, t_star)
+        # the least memory of the incumbents within t_star: this point and every later
+        # one (slower) must hold less to be kept
+        within = np.searchsorted(inc_times, t_star, side="right")
+        if within > 0 and inc_memories[within - 1] <= m_star:
+            cap = np.nextafter(inc_memories[within - 1], -math.inf)
+            continue
         time_s, memory = tau[0, cuts[0], cuts[1]], mem[0, cuts[0], cuts[1]]
         for s in range(1, stages):
             time_s = max(time_s, tau[s, cuts[s], cuts[s + 1]])

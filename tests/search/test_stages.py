@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from tensoropt.search.stages import (
+    PipelinePoint,
+    Staircase,
     _bottleneck,
     in_flight,
+    pareto,
     plan_frontier,
     stage_frontier,
     stage_time,
@@ -121,6 +124,52 @@ def test_one_plan_frontier_equals_the_dp_and_every_cut(seed):
             assert q.cuts[0] == 0 and q.cuts[-1] == layers and q.plans == ("plan",) * stages
             assert max(taus[s][i, k] for s, (i, k) in enumerate(ranges)) == q.time_s
             assert max(mems[s][i, k] for s, (i, k) in enumerate(ranges)) == q.memory_bytes
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plans_cut_against_incumbents_give_the_same_pareto_set(seed):
+    """Cutting plan after plan with the frontier of the plans before as incumbents
+    (``pipeline.pipelined``) leaves out only points that one already found equals or
+    dominates: the Pareto set over all plans (first of equal points kept, so the same
+    payload wins) is the one found without incumbents, and every point a plan keeps is
+    one of its own frontier."""
+    rng = np.random.default_rng(5000 + seed)
+    layers = 3 + seed % 6
+    positions = list(range(layers + 1))
+    stages = 1 + seed % min(4, layers)
+    ints = seed % 2 == 1  # integer-valued: equal points across plans are common
+    budget = None if seed % 3 else 7.0
+    plain, pruned = [], []
+    held = Staircase()
+    for plan in range(6):
+        shape = (stages, layers + 1, layers + 1)
+        taus = rng.integers(1, 9, shape).astype(float) if ints else rng.random(shape) * 10
+        mems = rng.integers(1, 9, shape).astype(float) if ints else rng.random(shape) * 10
+        taus[rng.random(shape) < 0.1] = np.inf
+        own = plan_frontier(positions, taus, mems, plan, budget)
+        kept = plan_frontier(positions, taus, mems, plan, budget, held)
+        assert set(kept) <= set(own)
+        for q in own:  # what is left out is matched or beaten by a point found before
+            if q not in kept:
+                assert any(
+                    t <= q.time_s and m <= q.memory_bytes
+                    for t, m in zip(held.times, held.memories, strict=True)
+                )
+        held.add(kept)
+        plain += own
+        pruned += kept
+    want = pareto(list(plain))
+    assert pareto(list(pruned)) == want
+    got = list(zip(held.times, held.memories, strict=True))
+    assert got == [(q.time_s, q.memory_bytes) for q in want]
+
+
+def test_a_staircase_keeps_the_pareto_set_of_what_it_is_given():
+    held = Staircase()
+    held.add([PipelinePoint(t, m, (0, 1), ()) for t, m in [(3, 3), (1, 5), (2, 5), (4, 1)]])
+    assert list(zip(held.times, held.memories, strict=True)) == [(1, 5), (3, 3), (4, 1)]
+    held.add([PipelinePoint(2.0, 4.0, (0, 1), ())])
+    assert list(zip(held.times, held.memories, strict=True)) == [(1, 5), (2, 4), (3, 3), (4, 1)]
 
 
 def test_more_stages_than_cuts_gives_nothing():
