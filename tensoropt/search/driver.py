@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.model import MeshProblem, ProblemFamily, SearchGraph, micro_choices
+from tensoropt.cost.model import MeshProblem, ProblemFamily, SearchGraph, UnitInfo, micro_choices
 from tensoropt.errors import InfeasibleError, TensorOptError
 from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
@@ -326,23 +326,31 @@ def reference_choices(
 ) -> dict[str, tuple[int, ...]]:
     """The data-parallel and Megatron plans as choices of this problem (when expressible).
     ``blocks``: :func:`megatron_blocks` of ``sg``, when already found."""
+    return _reference_choices(sg, mp.mesh, mp.units, blocks)
+
+
+def _reference_choices(
+    sg: SearchGraph, mesh: Mesh, units: Sequence[UnitInfo], blocks: Blocks | None
+) -> dict[str, tuple[int, ...]]:
+    """:func:`reference_choices` from the units' strategies on ``mesh`` alone (no prices
+    needed)."""
     from tensoropt.passes.annotate import complete_plan
     from tensoropt.passes.plans import builtin_plan
 
     out = {}
     for name in ("data-parallel", "megatron"):
-        if name == "data-parallel" and mp.mesh.ndim > 1:
+        if name == "data-parallel" and mesh.ndim > 1:
             continue  # the same plan as on the 1-D mesh of this device count
         try:
-            built = builtin_plan(name, sg.graph, sg.signature, mp.mesh, blocks)
+            built = builtin_plan(name, sg.graph, sg.signature, mesh, blocks)
             if name == "megatron" and not built.plan.units:
                 continue
             roots = complete_plan(sg.graph, sg.signature, built.plan, built.data_axes, sg.units)
         except TensorOptError as exc:
-            log.info("reference %s not expressible on %s: %s", name, mp.mesh, exc)
+            log.info("reference %s not expressible on %s: %s", name, mesh, exc)
             continue
         choice = []
-        for info in mp.units:
+        for info in units:
             chosen = roots[info.node.name]
             if chosen not in info.strategies:
                 break
@@ -375,13 +383,31 @@ class _MeshProblems:
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
 
-    def read_references(self, plain: _Built, blocks: Blocks | None) -> None:
-        """Keep the reference plans of the plain problem (those of the variant problems
-        and of the pipelines are mapped from them)."""
-        self.plain_infos = plain.mp.units
-        self.plain_refs = reference_choices(self.sg, plain.mp, blocks)
+    def read_references(self, blocks: Blocks | None) -> None:
+        """Keep the reference plans of the plain problem's units (those of the variant
+        problems and of the pipelines are mapped from them)."""
+        found = self.family(PLAIN)
+        if found is not None:
+            self.plain_infos = tuple(found[0].infos)
+            self.plain_refs = _reference_choices(self.sg, self.mesh, self.plain_infos, blocks)
 
     def build(self, v: Variant) -> _Built | None:
+        found = self.family(v)
+        if found is None:
+            return None
+        family, reals = found
+        graph = self.space.recomputed if v.recompute else self.sg
+        mp = family.problem(zero_all=ZeroStage(v.zero), working_set=v.recompute)
+        same = self.built.setdefault((v.recompute, v.micro_batches), [])
+        if any(_covers(other, mp) for other in same):
+            return None
+        same.append(mp)
+        return _Built(v, mp, graph, reals)
+
+    def family(self, v: Variant) -> tuple[ProblemFamily, tuple | None] | None:
+        """The problem family of ``v``'s recomputation and micro-batch count (its units
+        and strategies, made once), and the strategies on the plan's mesh of a
+        micro-batched one; None when the micro-batch count cannot be searched here."""
         from tensoropt.passes.micro import MicroError
 
         key = (v.recompute, v.micro_batches)
@@ -411,16 +437,7 @@ class _MeshProblems:
             except MicroError as exc:
                 log.info("%s on %s: not searched: %s", v.tag(), self.mesh, exc)
                 self.families[key] = None
-        found = self.families[key]
-        if found is None:
-            return None
-        family, reals = found
-        mp = family.problem(zero_all=ZeroStage(v.zero), working_set=v.recompute)
-        same = self.built.setdefault(key, [])
-        if any(_covers(other, mp) for other in same):
-            return None
-        same.append(mp)
-        return _Built(v, mp, graph, reals)
+        return self.families[key]
 
 
 def _stored_whole(family: ProblemFamily, choices: dict, reals: tuple):
@@ -527,7 +544,7 @@ def _solve_one(
     suffix = f", {label}" if label else ""
     refs, ref_summaries = {}, {}
     if v.plain:
-        at.read_references(b, blocks)
+        at.read_references(blocks)
         named: dict[str, tuple[int, ...] | None] = dict(at.plain_refs)
     else:
         named = {
@@ -740,13 +757,13 @@ def _solve_meshes(
         if not (shown or feeds or v.plain):
             continue  # a stage mesh's count: only its stages' problems are wanted
         memory.solving(f"the search of {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
+        if not (shown or feeds):
+            # the plain problem of a stage mesh's count: neither built nor solved (no
+            # point of it is shown), only its reference plans read (megatron+pp's)
+            at[mesh].read_references(blocks)
+            continue
         built = at[mesh].build(v)
         if built is None:
-            continue
-        if not (shown or feeds):
-            # the plain problem of a stage mesh's count: not solved (no point of it is
-            # shown), only its reference plans read (the megatron+pp reference)
-            at[mesh].read_references(built, blocks)
             continue
         incumbents = None
         if chained and done:
