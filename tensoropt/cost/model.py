@@ -1051,7 +1051,7 @@ def estimate_plan(
 
 
 def micro_choices(
-    sg: SearchGraph, mesh: Mesh, k: int
+    sg: SearchGraph, mesh: Mesh, k: int, along: dict | None = None
 ) -> dict[str, tuple[tuple[MeshSharding, MeshSharding], ...]]:
     """The strategies a search offers each unit with ``k`` micro-batches on ``mesh``:
     (micro-mesh strategy, its strategy on ``mesh``) for every strategy
@@ -1059,15 +1059,19 @@ def micro_choices(
     micro axis each unit takes the data-parallel strategy, as ``passes.micro.micro_roots``
     gives a plan with ``micro_batches`` k, so a searched point compiles to what it priced.
     Raises MicroError when the step cannot run in k micro-batches (a unit with no such
-    strategy, or an op that couples the samples of the batch)."""
-    from tensoropt.ir.plan import DefaultStrategy, Plan
-    from tensoropt.passes.annotate import complete_plan
-    from tensoropt.passes.micro import MICRO_AXIS, MicroError, _combine, check_no_coupling
+    strategy, or an op that couples the samples of the batch).
 
-    check_no_coupling(sg.graph, k)
-    seq = Mesh((k,), (MICRO_AXIS,))
-    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
-    along = complete_plan(sg.graph, sg.signature, split, (0,), sg.units)
+    ``along``: a memo of what does not depend on ``mesh`` (the units' strategies on the
+    micro axis alone), by (id(sg), k), for the meshes of one search."""
+    from tensoropt.passes.micro import MicroError, _combine
+
+    key = (id(sg), k)
+    found_along = None if along is None else along.get(key)
+    if found_along is None:
+        found_along = _micro_along(sg, k)  # raises MicroError: not kept
+        if along is not None:
+            along[key] = found_along
+    along = found_along
     memo: dict = {}
     combined: dict = {}  # (root's op view, strategy, micro strategy) -> combined or None
     out = {}
@@ -1091,6 +1095,19 @@ def micro_choices(
             )
         out[name] = tuple(found)
     return out
+
+
+def _micro_along(sg: SearchGraph, k: int) -> dict:
+    """Each unit's strategy on the micro axis alone (``k`` micro-batches, data-parallel);
+    raises MicroError when an op couples the samples of the batch."""
+    from tensoropt.ir.plan import DefaultStrategy, Plan
+    from tensoropt.passes.annotate import complete_plan
+    from tensoropt.passes.micro import MICRO_AXIS, check_no_coupling
+
+    check_no_coupling(sg.graph, k)
+    seq = Mesh((k,), (MICRO_AXIS,))
+    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
+    return complete_plan(sg.graph, sg.signature, split, (0,), sg.units)
 
 
 def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, float]:

@@ -374,8 +374,17 @@ class _MeshProblems:
     out: each of its plans is matched or beaten by the same choice of the other, so the
     merged frontier does not change (a stage no unit can take is the plain problem)."""
 
-    def __init__(self, sg: SearchGraph, space: SearchSpace, mesh: Mesh, profile: ClusterProfile):
+    def __init__(
+        self,
+        sg: SearchGraph,
+        space: SearchSpace,
+        mesh: Mesh,
+        profile: ClusterProfile,
+        along: dict | None = None,
+    ):
         self.sg, self.space, self.mesh, self.profile = sg, space, mesh, profile
+        # the micro axis's strategies by (id(graph), micro-batches): one per job's meshes
+        self.along = {} if along is None else along
         self.families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
         self.built: dict[tuple[bool, int], list[MeshProblem]] = {}
         self.plain_refs: dict[str, tuple[int, ...]] = {}
@@ -417,7 +426,7 @@ class _MeshProblems:
             choices, reals = None, None
             try:
                 if v.micro_batches > 1:
-                    offered = micro_choices(graph, self.mesh, v.micro_batches)
+                    offered = micro_choices(graph, self.mesh, v.micro_batches, self.along)
                     choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
                     reals = tuple(
                         tuple(r for _, r in offered[unit.root.name]) for unit in graph.units.units
@@ -741,7 +750,8 @@ def _solve_meshes(
     meshes in the job's order; with ``chained``, each search gets the points found before
     it in the job as incumbents."""
     meshes, profile, budget, epsilon, chained = job
-    at = {mesh: _MeshProblems(sg, space, mesh, profile) for mesh in meshes}
+    along: dict = {}  # shared by the meshes (micro_choices)
+    at = {mesh: _MeshProblems(sg, space, mesh, profile, along) for mesh in meshes}
     order = sorted(
         ((axis_level(v), i, j, mesh, v) for i, mesh in enumerate(meshes)
          for j, v in enumerate(space.variants(sg, mesh))),
