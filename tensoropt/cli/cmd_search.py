@@ -31,9 +31,14 @@ that for every plan on N devices some point of the N-device frontier is at most 
 times as slow with no more memory (memory is never approximated: budgets and the
 least-memory point stay exact; repeated blocks are composed exactly and the slack is
 spread over the steps around them). For large models on many devices, whose exact
-frontiers reach tens of thousands of points 0.01% apart: the GPT-3 175B shape on 64,
-256 and 1024 devices takes about 255 s of CPU with --epsilon 0.05; exact took 950 s
-when the same epsilon search took 110 s (benchmarks/RESULTS.md, "Pipeline stages").
+frontiers reach tens of thousands of points 0.01% apart: the GPT-3 175B shape (Adam,
+h100) on 64, 256 and 1024 devices takes 48 s with --epsilon 0.05 --stages 1 on 2
+cores, 95 s with --stages 4,16 --micro-batches 1,32 instead, and 563 s with the
+default stages and micro-batch counts (every stage count to 64 and 2, 4 and 8
+micro-batches: each count's stage meshes are searched whole); exact took 950 s of CPU
+without stages when the same epsilon search took 110 s (benchmarks/RESULTS.md,
+"Pipeline stages"). On such a model, name the stage and micro-batch counts you would
+deploy.
 
 memory axes (--axes split,zero,recompute,micro; split alone by default, as every
 axis multiplies the search time): besides the split of every op, each mesh is
