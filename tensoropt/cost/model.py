@@ -1051,7 +1051,7 @@ def estimate_plan(
 
 
 def micro_choices(
-    sg: SearchGraph, mesh: Mesh, k: int, along: dict | None = None
+    sg: SearchGraph, mesh: Mesh, k: int, memo: dict | None = None
 ) -> dict[str, tuple[tuple[MeshSharding, MeshSharding], ...]]:
     """The strategies a search offers each unit with ``k`` micro-batches on ``mesh``:
     (micro-mesh strategy, its strategy on ``mesh``) for every strategy
@@ -1061,25 +1061,24 @@ def micro_choices(
     Raises MicroError when the step cannot run in k micro-batches (a unit with no such
     strategy, or an op that couples the samples of the batch).
 
-    ``along``: a memo of what does not depend on ``mesh`` (the units' strategies on the
-    micro axis alone), by (id(sg), k), for the meshes of one search."""
+    ``memo``: what does not depend on ``mesh`` (the units' strategies on the micro axis
+    alone, :func:`_micro_along`), by (id(sg), k), shared by the meshes of one search."""
     from tensoropt.passes.micro import MicroError, _combine
 
     key = (id(sg), k)
-    found_along = None if along is None else along.get(key)
-    if found_along is None:
-        found_along = _micro_along(sg, k)  # raises MicroError: not kept
-        if along is not None:
-            along[key] = found_along
-    along = found_along
-    memo: dict = {}
+    along = None if memo is None else memo.get(key)
+    if along is None:
+        along = _micro_along(sg, k)  # raises MicroError: nothing kept
+        if memo is not None:
+            memo[key] = along
+    strategies: dict = {}
     combined: dict = {}  # (root's op view, strategy, micro strategy) -> combined or None
     out = {}
     for u, unit in enumerate(sg.units.units):
         name = unit.root.name
         view = sa.view_key(unit.root)
         found = []
-        for s in unit_strategies(sg, mesh, u, memo):
+        for s in unit_strategies(sg, mesh, u, strategies):
             key = (view, s, along[name])
             if key not in combined:  # repeated layers combine alike
                 try:

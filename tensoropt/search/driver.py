@@ -396,9 +396,9 @@ class _MeshProblems:
         """Keep the reference plans of the plain problem's units (those of the variant
         problems and of the pipelines are mapped from them)."""
         found = self.family(PLAIN)
-        if found is not None:
-            self.plain_infos = tuple(found[0].infos)
-            self.plain_refs = _reference_choices(self.sg, self.mesh, self.plain_infos, blocks)
+        assert found is not None  # only a micro-batch count can be refused
+        self.plain_infos = tuple(found[0].infos)
+        self.plain_refs = _reference_choices(self.sg, self.mesh, self.plain_infos, blocks)
 
     def build(self, v: Variant) -> _Built | None:
         found = self.family(v)
@@ -763,15 +763,13 @@ def _solve_meshes(
         feeds = _feeds_pipelines(space, mesh, v)
         if v.micro_batches > 1 and not space.shows_micro and not feeds:
             continue  # micro-batches only within pipelines, and none is made of it
-        shown = mesh.size not in space.stage_only
-        if not (shown or feeds or v.plain):
-            continue  # a stage mesh's count: only its stages' problems are wanted
-        memory.solving(f"the search of {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
-        if not (shown or feeds):
-            # the plain problem of a stage mesh's count: neither built nor solved (no
-            # point of it is shown), only its reference plans read (megatron+pp's)
-            at[mesh].read_references(blocks)
+        if mesh.size in space.stage_only and not feeds:
+            # a stage mesh's count shows no point: of its other problems only the plain
+            # one's reference plans are read (megatron+pp's), neither built nor solved
+            if v.plain:
+                at[mesh].read_references(blocks)
             continue
+        memory.solving(f"the search of {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
         built = at[mesh].build(v)
         if built is None:
             continue
