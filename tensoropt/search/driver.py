@@ -110,9 +110,9 @@ class SearchSpace:
     # with STAGES: pipelined points only at the device counts above this (the default
     # search's stages, across nodes: the cluster's devices per node); 0: at every count
     stages_above: int = 0
-    # filled in by explore (searched_counts): the device counts searched only for the
-    # stages' meshes (not shown), and the pipeline segments of the search graph and of
-    # the recomputed one, found once for every mesh
+    # filled in by explore: the device counts searched only for the stages' meshes, none
+    # of whose points is shown (searched_counts), and the pipeline segments of the
+    # search graph and of the recomputed one (None without it), found once for every mesh
     stage_only: tuple[int, ...] = ()
     segments: tuple = field(default=(), compare=False, repr=False)
 
