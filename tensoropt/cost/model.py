@@ -95,6 +95,57 @@ class SearchGraph:
     signature: object  # the step's StepSignature
 
 
+class _GraphFacts:
+    """What every mesh's builder reads of a search graph's units, found once per graph:
+    per unit, the parameters it places and which of its outputs the backward saves
+    (``_Builder._signature``), its follower nodes, and which root inputs are stored
+    (``unit_strategies``' key). Deep models have thousands of units and a search builds
+    a hundred problems of one graph."""
+
+    def __init__(self, sg: SearchGraph) -> None:
+        su = sg.units
+        fixed = sg.params | set(sg.data_inputs)
+        self.signatures = []
+        self.followers = []
+        self.stored = []
+        for k, unit in enumerate(su.units):
+            owned = tuple(su.owner.get(v.name) == k for v in unit.externals)
+            saved = tuple(v.name in sg.saved for node in unit.nodes for v in node.outputs)
+            self.signatures.append((owned, saved))
+            self.followers.append(
+                tuple(
+                    n
+                    for n in unit.nodes[1:]
+                    if n.metadata_props.get(ROLE_KEY) in ("forward", "loss")
+                )
+            )
+            self.stored.append(
+                tuple(
+                    None if v is None else (v.name in fixed, v.name in sg.params)
+                    for v in unit.root.inputs
+                )
+            )
+        self.fixed = frozenset(fixed)
+
+
+_FACTS: list[tuple[SearchGraph, _GraphFacts]] = []  # the few graphs in use, latest last
+_FACTS_KEPT = 4
+
+
+def graph_facts(sg: SearchGraph) -> _GraphFacts:
+    """The :class:`_GraphFacts` of ``sg`` (a graph is never changed once a search graph
+    holds it)."""
+    for i, (held, facts) in enumerate(_FACTS):
+        if held is sg:
+            if i != len(_FACTS) - 1:
+                _FACTS.append(_FACTS.pop(i))
+            return facts
+    facts = _GraphFacts(sg)
+    _FACTS.append((sg, facts))
+    del _FACTS[:-_FACTS_KEPT]
+    return facts
+
+
 @dataclass(frozen=True, slots=True)
 class UnitInfo:
     """A root node, its strategies, and the follower nodes folded into it."""
@@ -450,17 +501,14 @@ def unit_strategies(
     ``memo``: results on this mesh by what they depend on (the root's op and which of its
     inputs are stored), shared by repeated layers."""
     root = sg.units.units[k].root
-    fixed = sg.params | set(sg.data_inputs)
+    facts = graph_facts(sg)
     key = None
     if memo is not None:
-        stored = tuple(
-            None if v is None else (v.name in fixed, v.name in sg.params) for v in root.inputs
-        )
-        key = (sa.view_key(root), stored)
+        key = (sa.view_key(root), facts.stored[k])
         found = memo.get(key)
         if found is not None:
             return found
-    found = tuple(s for s in sa.candidates(root, mesh) if _allowed(root, s, fixed, sg.params))
+    found = tuple(s for s in sa.candidates(root, mesh) if _allowed(root, s, facts.fixed, sg.params))
     if not found:
         raise ShardingError(f"node {root.name!r} ({root.op_type}) has no legal strategy")
     if memo is not None:
@@ -498,20 +546,18 @@ class _Builder:
         # summed tables of an edge by the ids of its crossings' cached tables (alive in
         # crossing_cache as long as this builder)
         self.edge_cache: dict = {}
-        self.signatures: dict[int, tuple] = {}
+        self.signatures = graph_facts(sg).signatures
 
     def infos(self) -> list[UnitInfo]:
         infos = []
         memo: dict = {}
+        followers = graph_facts(self.sg).followers
         for k, unit in enumerate(self.su.units):
             if self.only is not None:
                 strategies: tuple[MeshSharding, ...] = tuple(self.only[unit.root.name])
             else:
                 strategies = unit_strategies(self.sg, self.mesh, k, memo)
-            followers = tuple(
-                n for n in unit.nodes[1:] if n.metadata_props.get(ROLE_KEY) in ("forward", "loss")
-            )
-            infos.append(UnitInfo(unit.root, strategies, followers))
+            infos.append(UnitInfo(unit.root, strategies, followers[k]))
         return infos
 
     def unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
@@ -525,13 +571,7 @@ class _Builder:
     def _signature(self, k: int) -> tuple:
         """What a unit's pricing reads besides its structure: the parameters it places and
         which of its outputs the backward saves."""
-        found = self.signatures.get(k)
-        if found is None:
-            unit = self.su.units[k]
-            owned = tuple(self.su.owner.get(v.name) == k for v in unit.externals)
-            saved = tuple(v.name in self.sg.saved for node in unit.nodes for v in node.outputs)
-            found = self.signatures[k] = (owned, saved)
-        return found
+        return self.signatures[k]
 
     def _unit(self, k: int, strategy: MeshSharding, program: Program) -> tuple[float, float]:
         unit = self.su.units[k]
@@ -794,7 +834,7 @@ class ProblemFamily:
             return stage
         su = self.sg.units
         unit = su.units[k]
-        placed = tuple(su.owner.get(v.name) == k for v in unit.externals)
+        placed = graph_facts(self.sg).signatures[k][0]  # the parameters unit k places
         key = (unit.key, placed, strategy)  # repeated layers shard alike
         found = self._shardable.get(key)
         if found is None:
@@ -812,24 +852,29 @@ class ProblemFamily:
         which compile refuses (``passes.micro.annotate_micro``): a micro-batched search
         must not offer it. All true without micro-batches."""
         su = self.sg.units
+        signatures = graph_facts(self.sg).signatures
         out = []
+        rows: dict[tuple, tuple[bool, ...]] = {}  # repeated layers answer alike
         for k, info in enumerate(self.infos):
             unit = su.units[k]
-            placed = [
-                x
-                for x, value in enumerate(unit.externals)
-                if unit.kinds[x] is Entry.PARAM and su.owner.get(value.name) == k
-            ]
-            row = []
-            for s in info.strategies:
-                ok = True
-                if self.micro_batches > 1 and placed:
-                    entries = self.builder.programs.program(k, s).entries
-                    ok = all(
-                        isinstance(entries[x].placements[MICRO_INDEX], Replicate) for x in placed
-                    )
-                row.append(ok)
-            out.append(tuple(row))
+            key = (unit.key, signatures[k], info.strategies)
+            row = rows.get(key)
+            if row is None:
+                owned = signatures[k][0]
+                kinds = unit.kinds
+                placed = [x for x in range(len(owned)) if kinds[x] is Entry.PARAM and owned[x]]
+                found = []
+                for s in info.strategies:
+                    ok = True
+                    if self.micro_batches > 1 and placed:
+                        entries = self.builder.programs.program(k, s).entries
+                        ok = all(
+                            isinstance(entries[x].placements[MICRO_INDEX], Replicate)
+                            for x in placed
+                        )
+                    found.append(ok)
+                row = rows[key] = tuple(found)
+            out.append(row)
         return tuple(out)
 
     def working_set(self) -> WorkingSetBound:
