@@ -211,6 +211,30 @@ def _axis_step(
     return found
 
 
+# (registry, op view key, axis size) -> the op's legal strategies along one axis, for a
+# last mesh axis: nothing composes after it, so its strategies need no local views
+# (most localizations of an enumeration were of the last axis)
+_LAST: OrderedDict = OrderedDict()
+
+
+def _last_axis(op: OpView, n: int, registry: ShardingRegistry) -> list[OpSharding]:
+    key = (registry, op.key(), n)
+    stepped = _AXIS.get(key)
+    if stepped is not None:
+        return stepped[0]
+    found = _LAST.get(key)
+    if found is not None:
+        _LAST.move_to_end(key)
+        return found
+    legal = registry.strategies(op, n)
+    if n > 1:
+        remember_legal(registry.rule(op.op_type), op, n, legal)
+    _LAST[key] = legal
+    if len(_LAST) > _AXIS_MAX:
+        _LAST.popitem(last=False)
+    return legal
+
+
 def _compose(
     op: OpView, shape: tuple[int, ...], registry: ShardingRegistry
 ) -> tuple[tuple[OpSharding, ...], ...]:
@@ -222,9 +246,12 @@ def _compose(
         _COMPOSED.move_to_end(key)
         return found
     out: list[tuple[OpSharding, ...]] = []
-    legal, views = _axis_step(op, shape[0], registry)
-    for s, view in zip(legal, views, strict=True):
-        out += [(s, *rest) for rest in _compose(view, shape[1:], registry)]
+    if len(shape) == 1:
+        out = [(s,) for s in _last_axis(op, shape[0], registry)]
+    else:
+        legal, views = _axis_step(op, shape[0], registry)
+        for s, view in zip(legal, views, strict=True):
+            out += [(s, *rest) for rest in _compose(view, shape[1:], registry)]
     _COMPOSED[key] = found = tuple(out)
     if len(_COMPOSED) > _COMPOSED_MAX:
         _COMPOSED.popitem(last=False)
