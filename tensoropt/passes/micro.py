@@ -67,7 +67,7 @@ from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
 from tensoropt.passes.units import StepUnits
 from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
-from tensoropt.rules.sharding.registry import local_view
+from tensoropt.rules.sharding.registry import axis_step
 
 MICRO_AXIS = SEQUENTIAL_AXIS
 """The name of the micro axis in the micro mesh: conversions never move data along it."""
@@ -304,7 +304,8 @@ def _combine(
     view = sa.op_view(node)
     axes = []
     for axis, (s, n) in enumerate(zip((along.axes[0], *real.axes), (k, *mesh.shape), strict=True)):
-        if s not in SHARDING_RULES.strategies(view, n):
+        legal, views = axis_step(view, n)
+        if s not in legal:
             what = "micro-batches" if axis == 0 else f"mesh axis {axis - 1}"
             raise MicroError(
                 f"--micro-batches {k}: unit {node.name!r} ({node.op_type}) cannot run its "
@@ -313,7 +314,7 @@ def _combine(
                 "local batch, or --micro-batches 1"
             )
         axes.append(s)
-        view = local_view(view, SHARDING_RULES.localize(view, s, n))
+        view = views[legal.index(s)]
     return MeshSharding(tuple(axes))
 
 

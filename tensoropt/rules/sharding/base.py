@@ -17,6 +17,7 @@ Partial values are always floating point.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -313,6 +314,13 @@ def local_shapes(
 _LAST_LEGAL: list = [None, None, 0, ()]
 
 
+# (rule, op view key, n) -> its legal strategies, for the checks of ops localized one
+# strategy at a time (the chosen strategies of a plan, the micro axis's): the same views
+# recur on every mesh and in every layer; bounded, least recently used out first
+_CHECKED: OrderedDict = OrderedDict()
+_CHECKED_MAX = 20_000
+
+
 def remember_legal(rule: ShardingRule, op: OpView, n: int, legal: list[OpSharding]) -> None:
     """Tell :func:`check_member` the legal strategies of ``(rule, op, n)``, just computed."""
     _LAST_LEGAL[:] = [rule, op, n, legal]
@@ -324,7 +332,14 @@ def check_member(rule: ShardingRule, op: OpView, s: OpSharding, n: int) -> None:
     if last[0] is rule and last[1] is op and last[2] == n:
         legal = last[3]
     else:
-        legal = rule.strategies(op, n)
+        key = (rule, op.key(), n)
+        legal = _CHECKED.get(key)
+        if legal is None:
+            legal = _CHECKED[key] = rule.strategies(op, n)
+            if len(_CHECKED) > _CHECKED_MAX:
+                _CHECKED.popitem(last=False)
+        else:
+            _CHECKED.move_to_end(key)
         _LAST_LEGAL[:] = [rule, op, n, legal]
     if s not in legal:
         options = "; ".join(str(x) for x in legal)

@@ -190,6 +190,12 @@ _AXIS: OrderedDict = OrderedDict()
 _AXIS_MAX = 20_000
 
 
+def axis_step(op: OpView, n: int) -> tuple[list[OpSharding], list[OpView]]:
+    """The op's legal strategies along one mesh axis of size ``n`` and the local view
+    of each (memoised with the enumerations of whole meshes)."""
+    return _axis_step(op, n, SHARDING_RULES)
+
+
 def _axis_step(
     op: OpView, n: int, registry: ShardingRegistry
 ) -> tuple[list[OpSharding], list[OpView]]:
