@@ -190,6 +190,15 @@ _AXIS: OrderedDict = OrderedDict()
 _AXIS_MAX = 20_000
 
 
+def _legal(op: OpView, n: int, registry: ShardingRegistry) -> list[OpSharding]:
+    """The rule's strategies along one axis, remembered for the legality check of
+    localizing them (they came from the rule itself)."""
+    legal = registry.strategies(op, n)
+    if n > 1:
+        remember_legal(registry.rule(op.op_type), op, n, legal)
+    return legal
+
+
 def axis_step(op: OpView, n: int) -> tuple[list[OpSharding], list[OpView]]:
     """The op's legal strategies along one mesh axis of size ``n`` and the local view
     of each (memoised with the enumerations of whole meshes)."""
@@ -204,10 +213,7 @@ def _axis_step(
     if found is not None:
         _AXIS.move_to_end(key)
         return found
-    legal = registry.strategies(op, n)
-    if n > 1:
-        # localize checks that each strategy is legal; these came from the rule itself
-        remember_legal(registry.rule(op.op_type), op, n, legal)
+    legal = _legal(op, n, registry)
     # Every strategy is localized before any recursion: the recursion remembers the legal
     # strategies of the local ops, and a check against this op would enumerate them again.
     views = [local_view(op, registry.localize(op, s, n)) for s in legal]
@@ -232,10 +238,7 @@ def _last_axis(op: OpView, n: int, registry: ShardingRegistry) -> list[OpShardin
     if found is not None:
         _LAST.move_to_end(key)
         return found
-    legal = registry.strategies(op, n)
-    if n > 1:
-        remember_legal(registry.rule(op.op_type), op, n, legal)
-    _LAST[key] = legal
+    legal = _LAST[key] = _legal(op, n, registry)
     if len(_LAST) > _AXIS_MAX:
         _LAST.popitem(last=False)
     return legal
