@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensoropt.cost.pipeline import in_flight, stage_time
+from tensoropt.search.frontier import prune_groups
 from tensoropt.search.jit import compiled
 
 __all__ = [
@@ -90,12 +91,7 @@ class Staircase:
             return
         times = np.concatenate([self.times, [q.time_s for q in points]])
         memories = np.concatenate([self.memories, [q.memory_bytes for q in points]])
-        order = np.lexsort((memories, times))
-        times, memories = times[order], memories[order]
-        # keep a point when it holds less than every point before it
-        keep = np.empty(times.size, dtype=bool)
-        keep[0] = True
-        keep[1:] = memories[1:] < np.minimum.accumulate(memories)[:-1]
+        keep = prune_groups(np.zeros(times.size, dtype=np.int64), times, memories)
         self.times, self.memories = times[keep], memories[keep]
 
 
