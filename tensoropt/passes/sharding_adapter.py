@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +21,7 @@ from tensoropt.rules.grad.api import constant_value
 from tensoropt.rules.sharding import SHARDING_RULES, LocalOp, MeshSharding, OpView
 from tensoropt.rules.sharding import localize_nd as _localize_nd
 from tensoropt.rules.sharding import strategies_nd as _strategies_nd
+from tensoropt.rules.sharding.memo import Memo
 
 
 def _attr_value(attr: ir.Attr):
@@ -120,35 +120,6 @@ def localize(node: ir.Node, strategy: MeshSharding, mesh: Mesh) -> LocalOp:
     if local is None:
         local = _LOCALS.put(key, _localize_nd(op_view(node), strategy, mesh.shape))
     return local
-
-
-class Memo:
-    """A bounded memo of a pure function's results, least recently used out first.
-
-    The sharding rules are pure functions of an op's plain-data view (and a strategy and
-    mesh shape); deep models repeat the same views in every layer, so their strategies,
-    local forms and conversion volumes are computed once per distinct key. The bound
-    keeps a long-lived process (a test run, a notebook) from growing without limit.
-    """
-
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._items: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        found = self._items.get(key)
-        if found is not None:
-            self._items.move_to_end(key)
-        return found
-
-    def put(self, key, value):
-        self._items[key] = value
-        if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-        return value
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 _STRATEGIES = Memo(50_000)  # (view key, mesh shape) -> strategies

@@ -17,7 +17,6 @@ Partial values are always floating point.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -28,6 +27,7 @@ import numpy as np
 
 from tensoropt.errors import ShardingError
 from tensoropt.ir.layout import Partial, Placement, Replicate, Shard
+from tensoropt.rules.sharding.memo import Memo
 
 Shape = tuple[int, ...]
 FLOAT_DTYPES = frozenset({1, 10, 11, 16})  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
@@ -317,8 +317,7 @@ _LAST_LEGAL: list = [None, None, 0, ()]
 # (rule, op view key, n) -> its legal strategies, for the checks of ops localized one
 # strategy at a time (the chosen strategies of a plan, the micro axis's): the same views
 # recur on every mesh and in every layer; bounded, least recently used out first
-_CHECKED: OrderedDict = OrderedDict()
-_CHECKED_MAX = 20_000
+_CHECKED = Memo(20_000)
 
 
 def remember_legal(rule: ShardingRule, op: OpView, n: int, legal: list[OpSharding]) -> None:
@@ -335,11 +334,7 @@ def check_member(rule: ShardingRule, op: OpView, s: OpSharding, n: int) -> None:
         key = (rule, op.key(), n)
         legal = _CHECKED.get(key)
         if legal is None:
-            legal = _CHECKED[key] = rule.strategies(op, n)
-            if len(_CHECKED) > _CHECKED_MAX:
-                _CHECKED.popitem(last=False)
-        else:
-            _CHECKED.move_to_end(key)
+            legal = _CHECKED.put(key, rule.strategies(op, n))
         _LAST_LEGAL[:] = [rule, op, n, legal]
     if s not in legal:
         options = "; ".join(str(x) for x in legal)

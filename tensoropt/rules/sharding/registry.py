@@ -11,7 +11,6 @@ slicing order (axis 0 outermost) matches the order of composition.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,6 +28,7 @@ from tensoropt.rules.sharding.base import (
     remember_legal,
     replicated,
 )
+from tensoropt.rules.sharding.memo import Memo
 
 
 class ShardingRegistry:
@@ -180,14 +180,12 @@ def strategies_2d(
 # recent last. The local views of different strategies and meshes coincide often: the
 # replicated strategy of a micro mesh's sequential axis leaves the op as it was, and one
 # layer's ops recur in every layer; the bound keeps a long-lived process from growing.
-_COMPOSED: OrderedDict = OrderedDict()
-_COMPOSED_MAX = 20_000
+_COMPOSED = Memo(20_000)
 
 
 # (registry, op view key, axis size) -> the op's legal strategies along one axis and the
 # local view of each: meshes with the same first axis (2x32, 2x128) share them.
-_AXIS: OrderedDict = OrderedDict()
-_AXIS_MAX = 20_000
+_AXIS = Memo(20_000)
 
 
 def _legal(op: OpView, n: int, registry: ShardingRegistry) -> list[OpSharding]:
@@ -211,22 +209,18 @@ def _axis_step(
     key = (registry, op.key(), n)
     found = _AXIS.get(key)
     if found is not None:
-        _AXIS.move_to_end(key)
         return found
     legal = _legal(op, n, registry)
     # Every strategy is localized before any recursion: the recursion remembers the legal
     # strategies of the local ops, and a check against this op would enumerate them again.
     views = [local_view(op, registry.localize(op, s, n)) for s in legal]
-    _AXIS[key] = found = (legal, views)
-    if len(_AXIS) > _AXIS_MAX:
-        _AXIS.popitem(last=False)
-    return found
+    return _AXIS.put(key, (legal, views))
 
 
 # (registry, op view key, axis size) -> the op's legal strategies along one axis, for a
 # last mesh axis: nothing composes after it, so its strategies need no local views
 # (most localizations of an enumeration were of the last axis)
-_LAST: OrderedDict = OrderedDict()
+_LAST = Memo(20_000)
 
 
 def _last_axis(op: OpView, n: int, registry: ShardingRegistry) -> list[OpSharding]:
@@ -236,12 +230,8 @@ def _last_axis(op: OpView, n: int, registry: ShardingRegistry) -> list[OpShardin
         return stepped[0]
     found = _LAST.get(key)
     if found is not None:
-        _LAST.move_to_end(key)
         return found
-    legal = _LAST[key] = _legal(op, n, registry)
-    if len(_LAST) > _AXIS_MAX:
-        _LAST.popitem(last=False)
-    return legal
+    return _LAST.put(key, _legal(op, n, registry))
 
 
 def _compose(
@@ -252,7 +242,6 @@ def _compose(
     key = (registry, op.key(), shape)
     found = _COMPOSED.get(key)
     if found is not None:
-        _COMPOSED.move_to_end(key)
         return found
     out: list[tuple[OpSharding, ...]] = []
     if len(shape) == 1:
@@ -261,10 +250,7 @@ def _compose(
         legal, views = _axis_step(op, shape[0], registry)
         for s, view in zip(legal, views, strict=True):
             out += [(s, *rest) for rest in _compose(view, shape[1:], registry)]
-    _COMPOSED[key] = found = tuple(out)
-    if len(_COMPOSED) > _COMPOSED_MAX:
-        _COMPOSED.popitem(last=False)
-    return found
+    return _COMPOSED.put(key, tuple(out))
 
 
 def localize_nd(
