@@ -13,8 +13,14 @@
    shards that the runtime holds twice -- inputs and ``__new`` outputs --, the static
    liveness peak, and the measured growth of anonymous resident memory).
 
+With ``--pipelined``: the pipelined problems' own frontiers at 2 devices (``validate
+--devices 2 --axes split,stages --pipelined``: 2 stages of one device each), against
+the targets step time within 20% median and memory within 15%, written to
+its own subsection of "## Pipeline stages".
+
 Usage: python benchmarks/bench_validate.py [--cluster FILE.json] [--points K] [--write]
        [--models LIST] [--axes split,zero,recompute,micro] [--optimizer adam]
+       [--pipelined]
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from tensoropt.calibrate.validate import host_label
 SECTION = "## Estimates against measurements"
 SUBSECTION = "### Latest validate run"
 AXES_SUBSECTION = "### Latest validate run with the memory axes"
+PIPELINE_SECTION = "## Pipeline stages"
+PIPELINE_SUBSECTION = "### Latest validate run: pipelined plans"
 MODELS = ("mlp:small", "gpt:small", "vgg16:tiny", "resnet50:tiny")
 # zoo NAME:PRESET, or export:gpt2 (a real torch.onnx export, see export_model)
 
@@ -95,10 +103,12 @@ def model_file(model: str, tmp: Path) -> Path:
 def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
     path = model_file(model, tmp)
     out = path.with_suffix(".json")
-    argv = ["validate", str(path), "--devices", "1,2", "--cluster", str(cluster),
-            "--points", str(args.points), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--json-out", str(out),
-            "--axes", args.axes, "--optimizer", args.optimizer]  # fmt: skip
+    argv = ["validate", str(path), "--devices", "2" if args.pipelined else "1,2",
+            "--cluster", str(cluster), "--points", str(args.points),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--json-out", str(out), "--axes", args.axes, "--optimizer", args.optimizer]  # fmt: skip
+    if args.pipelined:
+        argv.append("--pipelined")
     code, text = _main(argv)
     if code != 0:
         raise SystemExit(f"validate {model} failed ({code}): {text}")
@@ -163,6 +173,9 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
     one = [p for p in plans if p["devices"] == 1]
     two = [p for p in plans if p["devices"] == 2]
     axes = [p for p in plans if _uses_axes(p)]
+    # measured collective time: none where a plan has no collective (pipelined stages
+    # of one device each talk by point-to-point transfers, timed as waits)
+    talking = [p for p in two if p["measured"]["comm_s"] > 0]
 
     def line(label, sel, fn):
         return f"| {label} | {_med([fn(p) for p in sel]):.1%} |" if sel else f"| {label} | - |"
@@ -188,9 +201,9 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
              " memory link", _on_link(two, True), lambda p: p["compute_rel_error"]),
         line("compute term vs segment CPU time, 1 device", one, comp_cpu),
         line("compute term vs segment CPU time, 2 devices", two, comp_cpu),
-        line("comm: model vs measured, 2 devices", two,
+        line(f"comm: model vs measured, {len(talking)} plans with collectives", talking,
              lambda p: _err(p["estimate"]["comm_s"], p["measured"]["comm_s"])),
-        line("comm: emitted graph at calibrated link vs measured", two,
+        line("comm: emitted graph at calibrated link vs measured", talking,
              lambda p: _err(p["estimate"]["graph_comm_s"], p["measured"]["comm_s"])),
         line("comm: model vs emitted graph at calibrated link", two,
              lambda p: _err(p["estimate"]["comm_s"], p["estimate"]["graph_comm_s"])),
@@ -225,11 +238,12 @@ def rows_and_summary(plans: list[dict]) -> tuple[list[str], list[str]]:
 
 def one_sided(plans: list[dict]) -> list[str]:
     """Per model and device count: the signed median step-time error (an error of one
-    sign across a model's plans is a bias of the model, not noise)."""
+    sign across a model's plans is a bias of the model, not noise), and the median
+    absolute step-time and memory errors."""
     out = [
         "| model | devices | plans | signed median step-time error | range | scaled by the"
-        " host's speed |",
-        "|---|---:|---:|---:|---|---:|",
+        " host's speed | median step-time error | median memory error |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     groups: dict[tuple[str, int], list[dict]] = {}
     for p in plans:
@@ -240,7 +254,8 @@ def one_sided(plans: list[dict]) -> list[str]:
         scaled = f"{statistics.median(hosted):+.1%}" if hosted else "-"
         out.append(
             f"| {model} | {devices} | {len(errs)} | {statistics.median(errs):+.1%} "
-            f"| {min(errs):+.0%}..{max(errs):+.0%} | {scaled} |"
+            f"| {min(errs):+.0%}..{max(errs):+.0%} | {scaled} | {_med(errs):.1%} "
+            f"| {_med([p['memory_rel_error'] for p in group]):.1%} |"
         )
     return out
 
@@ -252,12 +267,24 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--axes", default="split", help="the search's axes (search --axes)")
+    parser.add_argument(
+        "--axes",
+        help="the search's axes (search --axes; default split, with --pipelined split,stages)",
+    )
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    parser.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="the pipelined problems' own frontiers at 2 devices (validate --pipelined)",
+    )
     parser.add_argument(
         "--write", action="store_true", help=f"replace the latest run in {RESULTS.name}"
     )
     args = parser.parse_args()
+    if args.axes is None:
+        args.axes = "split,stages" if args.pipelined else "split"
+    if args.pipelined and "stages" not in args.axes.split(","):
+        parser.error("--pipelined needs the stages axis in --axes")
     with tempfile.TemporaryDirectory(prefix="bench-validate-") as tmp_name:
         tmp = Path(tmp_name)
         cluster = Path(args.cluster) if args.cluster else tmp / "here.json"
@@ -273,8 +300,12 @@ def main() -> None:
     load_end = os.getloadavg()[0]
     cal = profile["calibration"]
     flag = " --cluster CLUSTER.json" if args.cluster else ""  # no machine paths in RESULTS
+    if args.models != ",".join(MODELS):
+        flag += f" --models {args.models}"
     if args.axes != "split":
-        flag += f" --models {args.models} --axes {args.axes} --optimizer {args.optimizer}"
+        flag += f" --axes {args.axes} --optimizer {args.optimizer}"
+    if args.pipelined:
+        flag += " --pipelined"
     head = (
         f"`python benchmarks/bench_validate.py{flag}"
         f" --points {args.points} --steps {args.steps}` -- "
@@ -283,11 +314,14 @@ def main() -> None:
         f"{load_start:.1f} at the start and {load_end:.1f} at the end. Profile calibrated "
         f"{cal['date']} ({cal['backend']}, {cal['ranks']} ranks x {cal['threads_per_rank']} "
         f"thread, {cal['repeats']} repeats). Models: {args.models}; {len(plans)} plans; "
-        f"{args.steps} steps per run, medians after {args.warmup} warm-up steps; mpi backend."
+        f"{args.steps} steps per run, medians after {args.warmup} warm-up steps; mpi backend"
+        + ("; the pipelined problems' own frontiers at 2 devices." if args.pipelined else ".")
     )
     text = "\n".join([head, "", *summary, "", *rows, ""])
     print(text)
-    if args.write:  # a run with memory axes keeps its own subsection
+    if args.write and args.pipelined:
+        write_section(PIPELINE_SECTION, f"{PIPELINE_SUBSECTION}\n\n{text}", PIPELINE_SUBSECTION)
+    elif args.write:  # a run with memory axes keeps its own subsection
         sub = SUBSECTION if args.axes == "split" else AXES_SUBSECTION
         write_section(SECTION, f"{sub}\n\n{text}", sub)
 
