@@ -17,7 +17,8 @@ stage, its fastest cut) against the frontier, and Megatron-LM's own layout (tens
 parallelism over one node's 8 devices in every stage, 16 stages, data parallelism over
 the rest: tp=8 x pp=16 at 128 devices, dp=8 x tp=8 x pp=16 at 1024) when the stage
 counts include 16. Results go to benchmarks/RESULTS.md
-("## Pipeline stages") with --write.
+("## Pipeline stages", a subsection per shape, and one more for runs with --epsilon)
+with --write.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def main() -> int:
             path, "split,stages", devices, args.micro_batches, args.stages, args.epsilon, args.jobs
         )
         print(f"with stages: {t_staged:.1f} s", flush=True)
+    # an epsilon run keeps its own subsection: it must not replace the exact run's
     lines = [
-        f"### {shape}, Adam, h100",
+        f"### {shape}, Adam, h100" + ("" if args.epsilon is None else f", epsilon {args.epsilon}"),
         "",
         where,
         "",
