@@ -276,8 +276,8 @@ def _measure(args: argparse.Namespace, opts, baseline) -> int:
         work_items,
         write_profile,
     )
-    from tensoropt.calibrate.progress import Progress
     from tensoropt.cli.json_output import emit, integral_bytes
+    from tensoropt.cli.progress import Progress
     from tensoropt.cost.cluster import from_json
 
     partial = partial_path(args.output)

@@ -187,10 +187,10 @@ def add_parser(sub) -> None:
 
 def explore_from_args(args, devices):
     """Import, cost and solve: shared by search, compile --pick and demo."""
-    from tensoropt.cli.common import progress
+    from tensoropt.cli.progress import Progress
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.errors import TensorOptError
-    from tensoropt.search.driver import explore, search_meshes, searched_counts
+    from tensoropt.search.driver import explore, mesh_label, search_meshes, searched_counts
 
     jobs = getattr(args, "jobs", None)
     if jobs is not None and jobs < 1:
@@ -204,27 +204,27 @@ def explore_from_args(args, devices):
     space = search_space(args, sg, profile)
     check_counts(args, sg, space, devices)
     total = len(search_meshes(sg, searched_counts(space, devices)[1], mesh_spec))
-    bar = progress(range(total), total=total, desc="search")
-    it = iter(bar)
+    bar = Progress(total, desc="search", announce=False)
 
     def tick(mesh):
-        next(it, None)
-        bar.set_postfix_str(f"mesh {mesh}")
+        bar.tick(f"last finished: {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
 
-    exp = explore(
-        sg,
-        devices,
-        mesh_spec,
-        profile,
-        memory_budget=budget,
-        epsilon=args.epsilon,
-        jobs=getattr(args, "jobs", None),
-        on_problem=tick,
-        # the dumped problems carry their whole frontiers, for an external solver to check
-        whole_frontiers=bool(getattr(args, "dump_costs", None)),
-        space=space,
-    )
-    bar.close()
+    try:
+        exp = explore(
+            sg,
+            devices,
+            mesh_spec,
+            profile,
+            memory_budget=budget,
+            epsilon=args.epsilon,
+            jobs=getattr(args, "jobs", None),
+            on_problem=tick,
+            # the dumped problems carry their whole frontiers, for an external solver
+            whole_frontiers=bool(getattr(args, "dump_costs", None)),
+            space=space,
+        )
+    finally:
+        bar.close()
     return sg, profile, exp
 
 

@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     losses = []
     if not args.json:
         print(f"{'step':>6}  {'loss':>12}")
-    for k in progress(range(args.steps), total=args.steps, desc="train"):
+    steps = progress(range(args.steps), total=args.steps, desc="train", label=lambda k: f"step {k}")
+    for k in steps:
         loss, state = session.step(state, source(k))
         losses.append(loss)
         if not args.json:

@@ -247,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
         for k in select_points(len(rows), args.points):
             picks.append((d, k, len(rows), *rows[k]))
     checks = []
-    bar = progress(picks, total=len(picks), desc="validate")
+    bar = progress(
+        picks, total=len(picks), desc="validate", label=lambda p: f"{p[0]} devices, point {p[1]}"
+    )
     ranks = max(devices) if args.backend == "mpi" else 1  # local: the ranks take turns
     calibrated = _calibrated_reference(args.cluster)
     reference = hostspeed.Reference() if calibrated else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from collections.abc import Mapping
 
@@ -119,11 +118,13 @@ def save_npz_atomic(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -
     write_atomic(path, buffer.getvalue())
 
 
-def progress(iterable, *, total: int, desc: str):
-    """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
-    from tqdm import tqdm
+def progress(iterable, *, total: int, desc: str, label=None):
+    """``iterable`` with its progress on stderr: a bar on a terminal, otherwise a line
+    every ten seconds once the work has taken that long (``cli.progress``).
+    ``label(item)`` names the item under way in those lines."""
+    from tensoropt.cli.progress import Progress, Steps
 
-    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=None, leave=False)
+    return Steps(iterable, Progress(total, desc=desc, announce=False), label)
 
 
 def search_graph(args: argparse.Namespace):

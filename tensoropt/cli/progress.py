@@ -1,0 +1,134 @@
+"""Progress of long work on stderr, whatever stderr is.
+
+On a terminal, a bar (tqdm). Otherwise (a log file, a pipe, CI) one line every
+:data:`RECORD_EVERY_S` seconds, from a timer thread so a long item still reports:
+
+    calibrate: 45/318 (14%), 62 s elapsed, pass 1/3: Conv 8x32x4x4 x 32x32x3x3
+    search: 3/19 (16%), 40 s elapsed, mesh 16x16
+
+(done and total count finished items: a calibration's measured cases, a search's
+meshes, validate's plans, train's steps; the label says what finished last).
+``calibrate`` also records once at its start (``announce``); the other commands
+record nothing for work shorter than one period, so quick runs leave stderr alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import TextIO
+
+RECORD_EVERY_S = 10.0
+
+
+class Progress:
+    """Counts finished items; shows them as a bar on a terminal, as records otherwise."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        desc: str = "calibrate",
+        done: int = 0,
+        stream: TextIO | None = None,
+        every_s: float = RECORD_EVERY_S,
+        announce: bool = True,
+    ) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._desc = desc
+        self._total = total
+        self._done = done
+        self._label = "starting"
+        self._t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._bar = None
+        self._thread = None
+        if is_terminal(self._stream):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, desc=desc, file=self._stream, leave=False)
+        else:
+            if announce:
+                self._record()
+            self._thread = threading.Thread(
+                target=self._every, args=(every_s,), name=f"{desc}-progress", daemon=True
+            )
+            self._thread.start()
+
+    def tick(self, label: str) -> None:
+        """One more item finished; ``label`` says what (and in which phase)."""
+        with self._lock:
+            self._done += 1
+            self._label = label
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(label[:40])
+
+    def describe(self, label: str) -> None:
+        """Say what is under way, without counting an item."""
+        with self._lock:
+            self._label = label
+        if self._bar is not None:
+            self._bar.set_postfix_str(label[:40])
+
+    def line(self) -> str:
+        with self._lock:
+            done, label = self._done, self._label
+        share = done / self._total if self._total else 1.0
+        elapsed = time.monotonic() - self._t0
+        return f"{self._desc}: {done}/{self._total} ({share:.0%}), {elapsed:.0f} s elapsed, {label}"
+
+    def _record(self) -> None:
+        # stderr closed or gone: progress is not worth a crash
+        with contextlib.suppress(OSError, ValueError):
+            print(self.line(), file=self._stream, flush=True)
+
+    def _every(self, seconds: float) -> None:
+        while not self._stop.wait(seconds):
+            self._record()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Steps:
+    """An iterable that counts its items on a :class:`Progress` as they finish (an item
+    is finished when the next is asked for, as tqdm counts) and closes it at the end.
+    ``label(item)`` names the item under way in the records."""
+
+    def __init__(self, iterable: Iterable, progress: Progress, label=None) -> None:
+        self._iterable = iterable
+        self.progress = progress
+        self._label = label
+
+    def __iter__(self) -> Iterator:
+        under_way = None
+        try:
+            for item in self._iterable:
+                if under_way is not None:
+                    self.progress.tick(under_way)
+                under_way = self._label(item) if self._label else "running"
+                self.progress.describe(under_way)
+                yield item
+            if under_way is not None:
+                self.progress.tick("done")
+        finally:
+            self.progress.close()
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

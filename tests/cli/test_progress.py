@@ -1,0 +1,96 @@
+"""Calibration progress on a stderr that is not a terminal: periodic one-line records."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+from tensoropt.cli.progress import Progress
+
+RECORD = re.compile(r"^calibrate: (\d+)/(\d+) \((\d+)%\), \d+ s elapsed, (.+)$")
+
+
+def test_records_come_periodically_with_phase_done_total_and_elapsed():
+    out = io.StringIO()  # not a terminal: records, no bar
+    bar = Progress(8, done=2, stream=out, every_s=0.05)
+    bar.tick("pass 1/3: MatMul 16x64 x 64x64")
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)  # a long case: records keep coming without ticks
+    bar.tick("collectives")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3
+    parsed = [RECORD.match(line) for line in lines]
+    assert all(parsed), lines
+    assert parsed[0].groups()[:2] == ("2", "8") and parsed[0].group(4) == "starting"
+    assert parsed[-1].group(1) in ("3", "4") and "pass 1/3: MatMul" in lines[1]
+    count = len(lines)
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == count  # closed: no more records
+
+
+def test_calibrate_warns_when_other_work_shares_the_machine():
+    from tensoropt.cli.cmd_calibrate import busy_warning
+
+    assert busy_warning(0.4, 2) is None and busy_warning(1.0, 2) is None
+    line = busy_warning(4.9, 2)
+    assert line is not None and "\n" not in line
+    assert "load average 4.9 on 2 cores" in line and "calibrate when it is idle" in line
+
+
+def _wait_for_lines(out: io.StringIO, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("\n") < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_steps_count_finished_items_and_name_the_one_under_way():
+    from tensoropt.cli.progress import Steps
+
+    out = io.StringIO()
+    bar = Progress(3, desc="train", stream=out, every_s=0.05, announce=False)
+    seen = []
+    for k in Steps(range(3), bar, label=lambda k: f"step {k}"):
+        seen.append(bar.line())
+        if k == 1:  # a long item: records keep coming while it runs
+            _wait_for_lines(out, 2)
+    assert [line.split(", ")[0] for line in seen] == [
+        "train: 0/3 (0%)",
+        "train: 1/3 (33%)",
+        "train: 2/3 (67%)",
+    ]
+    assert [line.rsplit(", ", 1)[1] for line in seen] == ["step 0", "step 1", "step 2"]
+    assert bar.line().startswith("train: 3/3 (100%)")
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2 and all(re.match(r"^train: \d/3 ", line) for line in lines)
+    assert any("step 1" in line for line in lines)
+    count = len(lines)
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == count  # the loop ended: no more records
+
+
+def test_short_work_leaves_a_non_terminal_stderr_alone():
+    from tensoropt.cli.progress import Steps
+
+    out = io.StringIO()
+    for _ in Steps(range(4), Progress(4, desc="validate", stream=out, announce=False)):
+        pass
+    assert out.getvalue() == ""
+
+
+def test_an_interrupted_loop_stops_its_records():
+    from tensoropt.cli.progress import Steps
+
+    out = io.StringIO()
+    bar = Progress(5, desc="validate", stream=out, every_s=0.05, announce=False)
+    try:
+        for k in Steps(range(5), bar):
+            if k == 2:
+                raise RuntimeError("a plan failed")
+    except RuntimeError:
+        pass
+    count = len(out.getvalue().splitlines())
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == count
