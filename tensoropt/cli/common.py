@@ -124,7 +124,7 @@ def progress(iterable, *, total: int, desc: str, label=None):
     ``label(item)`` names the item under way in those lines."""
     from tensoropt.cli.progress import Progress, Steps
 
-    return Steps(iterable, Progress(total, desc=desc, announce=False), label)
+    return Steps(iterable, lambda: Progress(total, desc=desc, announce=False), label)
 
 
 def search_graph(args: argparse.Namespace):

@@ -18,7 +18,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
 RECORD_EVERY_S = 10.0
@@ -101,30 +101,29 @@ class Progress:
 
 class Steps:
     """An iterable that counts its items on a :class:`Progress` as they finish (an item
-    is finished when the next is asked for, as tqdm counts) and closes it at the end.
-    ``label(item)`` names the item under way in the records."""
+    is finished when the next is asked for, as tqdm counts). The progress starts with
+    the iteration and stops when it ends, however it ends. ``label(item)`` names the
+    item under way in the records."""
 
-    def __init__(self, iterable: Iterable, progress: Progress, label=None) -> None:
+    def __init__(self, iterable: Iterable, make: Callable[[], Progress], label=None) -> None:
         self._iterable = iterable
-        self.progress = progress
+        self._make = make
         self._label = label
 
     def __iter__(self) -> Iterator:
+        progress = self._make()
         under_way = None
         try:
             for item in self._iterable:
                 if under_way is not None:
-                    self.progress.tick(under_way)
+                    progress.tick(under_way)
                 under_way = self._label(item) if self._label else "running"
-                self.progress.describe(under_way)
+                progress.describe(under_way)
                 yield item
             if under_way is not None:
-                self.progress.tick("done")
+                progress.tick("done")
         finally:
-            self.progress.close()
-
-    def close(self) -> None:
-        self.progress.close()
+            progress.close()
 
 
 def is_terminal(stream: TextIO) -> bool:

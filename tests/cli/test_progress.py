@@ -52,7 +52,7 @@ def test_steps_count_finished_items_and_name_the_one_under_way():
     out = io.StringIO()
     bar = Progress(3, desc="train", stream=out, every_s=0.05, announce=False)
     seen = []
-    for k in Steps(range(3), bar, label=lambda k: f"step {k}"):
+    for k in Steps(range(3), lambda: bar, label=lambda k: f"step {k}"):
         seen.append(bar.line())
         if k == 1:  # a long item: records keep coming while it runs
             _wait_for_lines(out, 2)
@@ -75,7 +75,8 @@ def test_short_work_leaves_a_non_terminal_stderr_alone():
     from tensoropt.cli.progress import Steps
 
     out = io.StringIO()
-    for _ in Steps(range(4), Progress(4, desc="validate", stream=out, announce=False)):
+    steps = Steps(range(4), lambda: Progress(4, desc="validate", stream=out, announce=False))
+    for _ in steps:
         pass
     assert out.getvalue() == ""
 
@@ -86,7 +87,7 @@ def test_an_interrupted_loop_stops_its_records():
     out = io.StringIO()
     bar = Progress(5, desc="validate", stream=out, every_s=0.05, announce=False)
     try:
-        for k in Steps(range(5), bar):
+        for k in Steps(range(5), lambda: bar):
             if k == 2:
                 raise RuntimeError("a plan failed")
     except RuntimeError:
