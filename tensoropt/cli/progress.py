@@ -4,10 +4,11 @@ On a terminal, a bar (tqdm). Otherwise (a log file, a pipe, CI) one line every
 :data:`RECORD_EVERY_S` seconds, from a timer thread so a long item still reports:
 
     calibrate: 45/318 (14%), 62 s elapsed, pass 1/3: Conv 8x32x4x4 x 32x32x3x3
-    search: 3/19 (16%), 40 s elapsed, mesh 16x16
+    search: 3/19 (16%), 40 s elapsed, last finished: 16 devices, mesh 4x4
 
 (done and total count finished items: a calibration's measured cases, a search's
-meshes, validate's plans, train's steps; the label says what finished last).
+meshes, validate's plans, train's steps; the label says what finished last, or for
+the loops of :class:`Steps` what is under way).
 ``calibrate`` also records once at its start (``announce``); the other commands
 record nothing for work shorter than one period, so quick runs leave stderr alone.
 """
