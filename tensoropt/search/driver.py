@@ -211,7 +211,8 @@ class Exploration:
 
 PIPELINED_GUARANTEE = (
     "pipelined points (mesh ppP:M, P stages of mesh M): for each plan of a micro-batched "
-    "frontier, the exact Pareto set over its stage cuts (docs/design/pipeline.md)"
+    "frontier, the exact Pareto set over its stage cuts, less the cuts that points "
+    "already made at the same device count dominate (docs/design/pipeline.md)"
 )
 
 
@@ -759,6 +760,7 @@ def _solve_meshes(
     )  # fmt: skip
     out: dict[Mesh, list[MeshSearch]] = {mesh: [] for mesh in meshes}
     done: list[MeshSearch] = []
+    piped: dict[int, list[tuple[float, float]]] = {}  # devices -> pipelined points made
     for _, _, _, mesh, v in order:
         feeds = _feeds_pipelines(space, mesh, v)
         if v.micro_batches > 1 and not space.shows_micro and not feeds:
@@ -786,8 +788,16 @@ def _solve_meshes(
             # part of the step, and no plan without micro-batches pipelines). The
             # problem's own points are that frontier restricted as a chained search
             # would return it.
-            whole = _solve_one(built, at[mesh], (mesh, profile, None, epsilon), blocks, None)
+            # shown at its own count, the problem's whole frontier is wanted; feeding
+            # pipelines only, plans whose every cut a pipelined point already made
+            # dominates are left out (search.pipeline.stage_incumbents)
+            staged = None if space.shows_micro else _staged_incumbents(built, at[mesh], piped)
+            whole = _solve_one(built, at[mesh], (mesh, profile, None, epsilon), blocks, staged)
             pipelined = _pipelined(built, at[mesh], whole, profile, budget)
+            for s in pipelined:
+                piped.setdefault(s.devices, []).extend(
+                    (p.time_s, p.memory_bytes) for p in s.result.points
+                )
             result, kept = restricted(whole.result, budget, incumbents)
             search = dataclasses.replace(
                 whole, result=result, summaries=tuple(whole.summaries[i] for i in kept)
@@ -802,6 +812,32 @@ def _solve_meshes(
             done.append(search)  # a point shown is an incumbent of what follows
         out[mesh] += pipelined
     return [(mesh, out[mesh]) for mesh in meshes]
+
+
+def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:
+    """Incumbents for the whole solve of a stage problem that only feeds pipelines, from
+    the pipelined points made so far at the device counts it feeds."""
+    from tensoropt.search.pipeline import activation_floor, stage_incumbents
+
+    space, mesh, v = at.space, at.mesh, b.variant
+    segments = space.segments[1 if v.recompute else 0]
+    counts = [
+        p
+        for p in space.stage_counts
+        if p * mesh.size in space.pipeline_devices and 2 <= p <= segments.count
+    ]
+    made = {p: piped.get(p * mesh.size, ()) for p in counts}
+    if not counts or not all(made.values()):
+        return None
+    found = at.families.get((v.recompute, v.micro_batches))
+    if found is None:
+        return None
+    key = (v.recompute, v.micro_batches)
+    floor = activation_floor(
+        b.graph, found[0], at.choices[key], at.chosen, ZeroStage(v.zero), at.profile,
+        b.mp.problem,
+    )  # fmt: skip
+    return None if floor is None else stage_incumbents(made, floor)
 
 
 def _feeds_pipelines(space: SearchSpace, mesh: Mesh, v: Variant) -> bool:

@@ -25,6 +25,7 @@ prices the same and holds more).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -239,3 +240,92 @@ def pipeline_search(search, variant, points, picks, segments: Segments, summarie
         variant=variant,
         stage_starts=tuple(starts_of(segments, q.cuts) for q in points),
     )
+
+
+# relative slack on the stage problem's incumbents: their corners are bounds of float
+# sums, and a plan they cannot dominate by more than rounding is kept
+_BOUND_SLACK = 1e-9
+
+
+def activation_floor(
+    graph: SearchGraph,
+    family: ProblemFamily,
+    choices,
+    chosen: dict,
+    zero: ZeroStage,
+    profile: ClusterProfile,
+    plain,
+) -> float | None:
+    """The least activation bytes of any plan of ``plain`` (a micro-batched problem of
+    ``family``): per unit and edge, the least of its entries less the same entry without
+    activations, summed (what ``SegmentTables`` calls ``act``). None when an entry holds
+    less with its activations than without (no bound then)."""
+    m = family.micro_batches
+    bare = ProblemFamily(
+        graph, family.plan_mesh, profile, micro_batches=m, choices=choices, chosen=chosen,
+        slots=m, saved_scale=0.0, programs=family.builder.programs,
+    ).problem(zero_all=zero).problem  # fmt: skip
+    total = 0.0
+    for up, ub in zip(plain.units, bare.units, strict=True):
+        pairs = zip(up.strategies, ub.strategies, strict=True)
+        least = min(a.memory_bytes - b.memory_bytes for a, b in pairs)
+        if least < 0:
+            return None
+        total += least
+    for ep, eb in zip(plain.edges, bare.edges, strict=True):
+        least = float((np.asarray(ep.memory_bytes) - np.asarray(eb.memory_bytes)).min())
+        if least < 0:
+            return None
+        total += least
+    return total
+
+
+def stage_incumbents(
+    made: dict[int, Sequence[tuple[float, float]]], act_floor: float
+) -> tuple[list[float], list[float]] | None:
+    """Incumbents for a stage problem solved for its pipelines only, from the pipelined
+    points ``made[P]`` (time, memory) already found at the device count of each stage
+    count P it feeds; None when a count has none.
+
+    Cut into P stages, a plan X of the problem makes points with step time at least
+    t_X / P (the stages' times sum to at least X's: m + P - 1 >= m slots) and memory at
+    least (m_X + A) / P, A the ``activation_floor``: the stages' memories sum to X's
+    base terms, every stage's constants and at least two micro-batches' activations
+    each (one in flight, one for the backward part). So a pipelined point Q made at
+    P x M devices dominates every cut of a plan with t_X >= P Q.t and m_X >= P Q.m - A;
+    X is useless when that holds for every P. The corners are those of the
+    intersection of the P regions, pushed out by a relative slack."""
+    stairs = []
+    for p, points in made.items():
+        corners = sorted(
+            (p * t * (1 + _BOUND_SLACK), max(0.0, p * m - act_floor) * (1 + _BOUND_SLACK))
+            for t, m in points
+        )
+        if not corners:
+            return None
+        stair, least = [], np.inf
+        for t, m in corners:  # the Pareto corners, time ascending, memory descending
+            if m < least:
+                stair.append((t, m))
+                least = m
+        stairs.append(stair)
+    region = stairs[0]
+    for other in stairs[1:]:  # a point in both regions: at or beyond a corner of each
+        times = sorted({t for t, _ in region} | {t for t, _ in other})
+        merged, last = [], np.inf
+        for t in times:
+            need = max(_floor_at(region, t), _floor_at(other, t))
+            if need < last:
+                merged.append((t, need))
+                last = need
+        region = merged
+    if not region:
+        return None
+    return [t for t, _ in region], [m for _, m in region]
+
+
+def _floor_at(stair: Sequence[tuple[float, float]], t: float) -> float:
+    """The least memory among the corners of ``stair`` (time ascending, memory
+    descending) at time ``t`` or before."""
+    at = bisect.bisect_right(stair, (t, np.inf))
+    return stair[at - 1][1] if at else np.inf

@@ -382,3 +382,81 @@ def test_the_default_search_pipelines_across_nodes_only(gpt, tmp_path, capsys):
     assert "without pipeline stages; with stages (at 16 devices) none fits either" in short.err
     within = cli(capsys, *argv[:-2], "--devices", "8", "--json-out", tmp_path / "w.json")
     assert json.loads((tmp_path / "w.json").read_text())["axes_searched"] == ["split"], within.err
+
+
+@pytest.mark.parametrize(("mesh", "k", "optimizer"), [((1,), 2, "sgd"), ((2,), 4, "adam")])
+def test_every_cut_of_a_plan_is_at_least_its_stage_bound(gpt, mesh, k, optimizer):
+    """The bound behind the stage problems' incumbents (``stage_incumbents``): every cut
+    of a plan X into P stages prices at least t_X / P in time and (m_X + A) / P in
+    memory, A the problem's activation floor; checked on every cut of every plan of
+    the tiny GPT's micro-batched frontier."""
+    from tensoropt.search.pipeline import activation_floor
+
+    sg, profile, family, choices, segments, tables = _micro_tables(gpt, mesh, k, optimizer)
+    plain = family.problem().problem
+    floor = activation_floor(sg, family, choices, {}, ZeroStage.NONE, profile, plain)
+    assert floor is not None and floor > 0
+    n = segments.count
+    for point in solve(plain).points:
+        terms = tables.terms(point.choice)
+        t_x, m_x = plain.evaluate(point.choice)
+        assert sum(terms.act[1:] - terms.act[:-1]) >= floor * (1 - 1e-12)
+        for p in range(2, n + 1):
+            for inner in itertools.combinations(range(1, n), p - 1):
+                estimate, _ = terms.price([0, *inner, n], SCHEDULE)
+                assert estimate.time_s >= t_x / p * (1 - 1e-12)
+                assert estimate.memory_bytes >= (m_x + floor) / p * (1 - 1e-12)
+
+
+def test_stage_incumbents_are_the_corners_of_every_stage_counts_region():
+    """A plan (t, m) is at or beyond a corner exactly when, for every stage count P, a
+    point Q made at its device count has P Q.t <= t and P Q.m - A <= m (with the slack):
+    the intersection of the P regions, against enumeration on random points."""
+    import random
+
+    from tensoropt.search.pipeline import _BOUND_SLACK, stage_incumbents
+
+    rng = random.Random(7)
+    for _ in range(60):
+        made = {
+            p: [(rng.uniform(1, 10), rng.uniform(1, 10)) for _ in range(rng.randint(1, 6))]
+            for p in rng.sample([2, 4, 8], rng.randint(1, 3))
+        }
+        floor = rng.uniform(0, 8)
+        times, mems = stage_incumbents(made, floor)
+        s = 1 + _BOUND_SLACK
+        for _ in range(200):
+            t, m = rng.uniform(0, 90), rng.uniform(0, 90)
+            want = all(
+                any(p * qt * s <= t and max(0.0, p * qm - floor) * s <= m for qt, qm in pts)
+                for p, pts in made.items()
+            )
+            got = any(ct <= t and cm <= m for ct, cm in zip(times, mems, strict=True))
+            assert got == want
+    assert stage_incumbents({2: [(1.0, 1.0)], 4: []}, 0.0) is None
+
+
+def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was(gpt, monkeypatch):
+    """The default search (stages above one node; the stage problems feed pipelines
+    only): the stage problems' solves take the pipelined points already made as
+    incumbents, which drops plans but no merged point."""
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.cmd_search import search_space
+    from tensoropt.cli.common import search_graph
+    from tensoropt.search import driver
+
+    args = build_parser().parse_args(["search", str(gpt), "--optimizer", "adam"])
+    sg = search_graph(args)
+    profile = builtin("h100")
+    space = search_space(args, sg, profile)
+
+    def run():
+        exp = driver.explore(sg, [16], "auto", profile, jobs=1, space=space)
+        merged = [(p.devices, p.time_s, p.memory_bytes) for p in exp.merged]
+        return merged, sum(len(s.result.points) for s in exp.searches)
+
+    pruned, kept = run()
+    monkeypatch.setattr(driver, "_staged_incumbents", lambda *args: None)
+    whole, all_kept = run()
+    assert pruned == whole
+    assert kept < all_kept  # the incumbents did drop plans
