@@ -392,6 +392,9 @@ class _MeshProblems:
         self.plain_infos: tuple | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
+        # (recompute, micro-batches, ZeRO stage) -> the problem without activations, built
+        # for a stage problem's incumbents and taken by its pipelines
+        self.bare: dict[tuple[bool, int, int], object] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
         """Keep the reference plans of the plain problem's units (those of the variant
@@ -817,7 +820,7 @@ def _solve_meshes(
 def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:
     """Incumbents for the whole solve of a stage problem that only feeds pipelines, from
     the pipelined points made so far at the device counts it feeds."""
-    from tensoropt.search.pipeline import activation_floor, stage_incumbents
+    from tensoropt.search.pipeline import activation_floor, bare_problem, stage_incumbents
 
     space, mesh, v = at.space, at.mesh, b.variant
     segments = space.segments[1 if v.recompute else 0]
@@ -833,10 +836,11 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     if found is None:
         return None
     key = (v.recompute, v.micro_batches)
-    floor = activation_floor(
-        b.graph, found[0], at.choices[key], at.chosen, ZeroStage(v.zero), at.profile,
-        b.mp.problem,
-    )  # fmt: skip
+    bare = bare_problem(
+        b.graph, found[0], at.choices[key], at.chosen, ZeroStage(v.zero), at.profile
+    )
+    at.bare[(*key, v.zero)] = bare  # the pipelines of this problem price with it too
+    floor = activation_floor(b.mp.problem, bare.problem)
     return None if floor is None else stage_incumbents(made, floor)
 
 
@@ -871,6 +875,7 @@ def _pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
+        bare=at.bare.pop((*key, v.zero), None),
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary

@@ -25,7 +25,6 @@ prices the same and holds more).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -37,6 +36,7 @@ from tensoropt.cost.pipeline import PipelineTerms, SegmentTables, held_micro_bat
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.passes.stages import Segments, step_segments
+from tensoropt.search.frontier import prune_groups
 from tensoropt.search.jit import compiled
 from tensoropt.search.stages import PipelinePoint, Staircase, pareto, plan_frontier
 
@@ -71,13 +71,15 @@ def pipelined(
     extra: Sequence[Sequence[int]] = (),
     fastest: dict | None = None,
     segments: Segments | None = None,
+    bare=None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
     ``recompute``), and the choice of each. Empty when the model has too few blocks.
     ``extra``: more choices (reference plans), whose points join the others and whose
     fastest cut per P also goes to ``fastest`` (P -> [(point, choice)]).
-    ``segments``: ``segments_of(graph)``, when already found."""
+    ``segments``: ``segments_of(graph)``, when already found; ``bare``: the family's
+    problem without activations (:func:`bare_problem`), when already built."""
     fastest = {} if fastest is None else fastest
     segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
@@ -95,7 +97,7 @@ def pipelined(
     plain = family.problem(zero_all=zero)
     segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
     tables = SegmentTables(
-        graph, plain, problem(m + 1, 1.0), problem(m, 0.0), segment_of, segments.count,
+        graph, plain, problem(m + 1, 1.0), bare or problem(m, 0.0), segment_of, segments.count,
         profile, mesh,
     )  # fmt: skip
     bound = family.working_set() if recompute else None
@@ -247,24 +249,29 @@ def pipeline_search(search, variant, points, picks, segments: Segments, summarie
 _BOUND_SLACK = 1e-9
 
 
-def activation_floor(
+def bare_problem(
     graph: SearchGraph,
     family: ProblemFamily,
     choices,
     chosen: dict,
     zero: ZeroStage,
     profile: ClusterProfile,
-    plain,
-) -> float | None:
-    """The least activation bytes of any plan of ``plain`` (a micro-batched problem of
-    ``family``): per unit and edge, the least of its entries less the same entry without
-    activations, summed (what ``SegmentTables`` calls ``act``). None when an entry holds
-    less with its activations than without (no bound then)."""
+):
+    """``family``'s micro-batched problem priced without activations (``saved_scale``
+    0), on the family's unit programs: what :func:`pipelined` splits ``base`` from."""
     m = family.micro_batches
-    bare = ProblemFamily(
+    return ProblemFamily(
         graph, family.plan_mesh, profile, micro_batches=m, choices=choices, chosen=chosen,
         slots=m, saved_scale=0.0, programs=family.builder.programs,
-    ).problem(zero_all=zero).problem  # fmt: skip
+    ).problem(zero_all=zero)  # fmt: skip
+
+
+def activation_floor(plain, bare) -> float | None:
+    """The least activation bytes of any plan of ``plain`` (a micro-batched cost
+    problem; ``bare``: the same without activations): per unit and edge, the least of
+    its entries less the same entry without activations, summed (what
+    ``SegmentTables`` calls ``act``). None when an entry holds less with its activations
+    than without (no bound then)."""
     total = 0.0
     for up, ub in zip(plain.units, bare.units, strict=True):
         pairs = zip(up.strategies, ub.strategies, strict=True)
@@ -282,7 +289,7 @@ def activation_floor(
 
 def stage_incumbents(
     made: dict[int, Sequence[tuple[float, float]]], act_floor: float
-) -> tuple[list[float], list[float]] | None:
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Incumbents for a stage problem solved for its pipelines only, from the pipelined
     points ``made[P]`` (time, memory) already found at the device count of each stage
     count P it feeds; None when a count has none.
@@ -295,37 +302,33 @@ def stage_incumbents(
     P x M devices dominates every cut of a plan with t_X >= P Q.t and m_X >= P Q.m - A;
     X is useless when that holds for every P. The corners are those of the
     intersection of the P regions, pushed out by a relative slack."""
-    stairs = []
+    region = None
     for p, points in made.items():
-        corners = sorted(
-            (p * t * (1 + _BOUND_SLACK), max(0.0, p * m - act_floor) * (1 + _BOUND_SLACK))
-            for t, m in points
-        )
-        if not corners:
+        if not len(points):
             return None
-        stair, least = [], np.inf
-        for t, m in corners:  # the Pareto corners, time ascending, memory descending
-            if m < least:
-                stair.append((t, m))
-                least = m
-        stairs.append(stair)
-    region = stairs[0]
-    for other in stairs[1:]:  # a point in both regions: at or beyond a corner of each
-        times = sorted({t for t, _ in region} | {t for t, _ in other})
-        merged, last = [], np.inf
-        for t in times:
-            need = max(_floor_at(region, t), _floor_at(other, t))
-            if need < last:
-                merged.append((t, need))
-                last = need
-        region = merged
-    if not region:
+        q = np.asarray(points, dtype=np.float64).reshape(-1, 2)
+        t = p * q[:, 0] * (1 + _BOUND_SLACK)
+        m = np.maximum(0.0, p * q[:, 1] - act_floor) * (1 + _BOUND_SLACK)
+        stair = _staircase(t, m)
+        if region is not None:  # a point in both regions: at or beyond a corner of each
+            grid = np.union1d(region[0], stair[0])
+            need = np.maximum(_floor_at(*region, grid), _floor_at(*stair, grid))
+            finite = np.isfinite(need)
+            stair = _staircase(grid[finite], need[finite])
+        region = stair
+    if region is None or not region[0].size:
         return None
-    return [t for t, _ in region], [m for _, m in region]
+    return region
 
 
-def _floor_at(stair: Sequence[tuple[float, float]], t: float) -> float:
-    """The least memory among the corners of ``stair`` (time ascending, memory
-    descending) at time ``t`` or before."""
-    at = bisect.bisect_right(stair, (t, np.inf))
-    return stair[at - 1][1] if at else np.inf
+def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The Pareto corners of (t, m), time ascending (``frontier.prune_groups``)."""
+    keep = prune_groups(np.zeros(t.size, dtype=np.int64), t, m)
+    return t[keep], m[keep]
+
+
+def _floor_at(times: np.ndarray, memories: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Per time in ``at``, the least memory of the staircase's corners at that time or
+    before (inf before the first)."""
+    i = np.searchsorted(times, at, side="right") - 1
+    return np.where(i >= 0, memories[np.maximum(i, 0)], np.inf)

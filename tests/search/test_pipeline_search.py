@@ -390,11 +390,12 @@ def test_every_cut_of_a_plan_is_at_least_its_stage_bound(gpt, mesh, k, optimizer
     of a plan X into P stages prices at least t_X / P in time and (m_X + A) / P in
     memory, A the problem's activation floor; checked on every cut of every plan of
     the tiny GPT's micro-batched frontier."""
-    from tensoropt.search.pipeline import activation_floor
+    from tensoropt.search.pipeline import activation_floor, bare_problem
 
     sg, profile, family, choices, segments, tables = _micro_tables(gpt, mesh, k, optimizer)
     plain = family.problem().problem
-    floor = activation_floor(sg, family, choices, {}, ZeroStage.NONE, profile, plain)
+    bare = bare_problem(sg, family, choices, {}, ZeroStage.NONE, profile)
+    floor = activation_floor(plain, bare.problem)
     assert floor is not None and floor > 0
     n = segments.count
     for point in solve(plain).points:
