@@ -392,8 +392,9 @@ class _MeshProblems:
         self.plain_infos: tuple | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
-        # (recompute, micro-batches, ZeRO stage) -> the problem without activations, built
-        # for a stage problem's incumbents and taken by its pipelines
+        # (recompute, micro-batches, ZeRO stage) -> the problems without activations and
+        # with one more micro-batch slot, built for a stage problem's incumbents and
+        # taken by its pipelines
         self.bare: dict[tuple[bool, int, int], object] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
@@ -820,7 +821,7 @@ def _solve_meshes(
 def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:
     """Incumbents for the whole solve of a stage problem that only feeds pipelines, from
     the pipelined points made so far at the device counts it feeds."""
-    from tensoropt.search.pipeline import activation_floor, bare_problem, stage_incumbents
+    from tensoropt.search.pipeline import cut_bound, slot_problem, stage_incumbents
 
     space, mesh, v = at.space, at.mesh, b.variant
     segments = space.segments[1 if v.recompute else 0]
@@ -836,12 +837,13 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     if found is None:
         return None
     key = (v.recompute, v.micro_batches)
-    bare = bare_problem(
-        b.graph, found[0], at.choices[key], at.chosen, ZeroStage(v.zero), at.profile
-    )
-    at.bare[(*key, v.zero)] = bare  # the pipelines of this problem price with it too
-    floor = activation_floor(b.mp.problem, bare.problem)
-    return None if floor is None else stage_incumbents(made, floor)
+    family, choices, zero = found[0], at.choices[key], ZeroStage(v.zero)
+    m = v.micro_batches
+    bare = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m, 0.0)
+    more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 1.0)
+    at.bare[(*key, v.zero)] = (bare, more)  # the pipelines of this problem price with them
+    bound = cut_bound(b.mp, bare, more, b.graph, v.recompute)
+    return None if bound is None else stage_incumbents(made, bound)
 
 
 def _feeds_pipelines(space: SearchSpace, mesh: Mesh, v: Variant) -> bool:
@@ -871,11 +873,12 @@ def _pipelined(
     reference = _megatron_in(b, at)
     fastest: dict = {}
     segments = space.segments[1 if v.recompute else 0]
+    bare, more = at.bare.pop((*key, v.zero), (None, None))
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
-        bare=at.bare.pop((*key, v.zero), None),
+        bare=bare, more=more,
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary

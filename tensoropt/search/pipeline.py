@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.model import ProblemFamily, SearchGraph
+from tensoropt.cost.model import MeshProblem, ProblemFamily, SearchGraph, gathered_bound
 from tensoropt.cost.pipeline import PipelineTerms, SegmentTables, held_micro_batches, stage_link
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
@@ -72,33 +72,29 @@ def pipelined(
     fastest: dict | None = None,
     segments: Segments | None = None,
     bare=None,
+    more=None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
     ``recompute``), and the choice of each. Empty when the model has too few blocks.
     ``extra``: more choices (reference plans), whose points join the others and whose
     fastest cut per P also goes to ``fastest`` (P -> [(point, choice)]).
-    ``segments``: ``segments_of(graph)``, when already found; ``bare``: the family's
-    problem without activations (:func:`bare_problem`), when already built."""
+    ``segments``: ``segments_of(graph)``, when already found; ``bare``, ``more``: the
+    family's problem without activations and with one more micro-batch slot
+    (:func:`slot_problem`), when already built."""
     fastest = {} if fastest is None else fastest
     segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
     if not counts or not (frontier or extra):  # a reference is priced on its own too
         return {}
     m, mesh = family.micro_batches, family.plan_mesh
-
-    def problem(slots: int, scale: float):
-        f = ProblemFamily(
-            graph, mesh, profile, micro_batches=m, choices=choices, chosen=chosen,
-            slots=slots, saved_scale=scale, programs=family.builder.programs,
-        )  # fmt: skip
-        return f.problem(zero_all=zero)
-
     plain = family.problem(zero_all=zero)
     segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
     tables = SegmentTables(
-        graph, plain, problem(m + 1, 1.0), bare or problem(m, 0.0), segment_of, segments.count,
-        profile, mesh,
+        graph, plain,
+        more or slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 1.0),
+        bare or slot_problem(graph, family, choices, chosen, zero, profile, m, 0.0),
+        segment_of, segments.count, profile, mesh,
     )  # fmt: skip
     bound = family.working_set() if recompute else None
     allowed = positions(segments.count)
@@ -249,20 +245,23 @@ def pipeline_search(search, variant, points, picks, segments: Segments, summarie
 _BOUND_SLACK = 1e-9
 
 
-def bare_problem(
+def slot_problem(
     graph: SearchGraph,
     family: ProblemFamily,
     choices,
     chosen: dict,
     zero: ZeroStage,
     profile: ClusterProfile,
+    slots: int,
+    scale: float,
 ):
-    """``family``'s micro-batched problem priced without activations (``saved_scale``
-    0), on the family's unit programs: what :func:`pipelined` splits ``base`` from."""
-    m = family.micro_batches
+    """``family``'s micro-batched problem priced with ``slots`` micro-batch slots and its
+    activations scaled by ``scale``, on the family's unit programs: one more slot gives
+    what :func:`pipelined` splits per-micro-batch time from, scale 0 what it splits
+    ``base`` from."""
     return ProblemFamily(
-        graph, family.plan_mesh, profile, micro_batches=m, choices=choices, chosen=chosen,
-        slots=m, saved_scale=0.0, programs=family.builder.programs,
+        graph, family.plan_mesh, profile, micro_batches=family.micro_batches, choices=choices,
+        chosen=chosen, slots=slots, saved_scale=scale, programs=family.builder.programs,
     ).problem(zero_all=zero)  # fmt: skip
 
 
@@ -287,28 +286,130 @@ def activation_floor(plain, bare) -> float | None:
     return total
 
 
-def stage_incumbents(
-    made: dict[int, Sequence[tuple[float, float]]], act_floor: float
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Incumbents for a stage problem solved for its pipelines only, from the pipelined
-    points ``made[P]`` (time, memory) already found at the device count of each stage
-    count P it feeds; None when a count has none.
+@dataclasses.dataclass(frozen=True, slots=True)
+class CutBound:
+    """Lower bounds on every cut of any plan X of a micro-batched problem (m micro-batches)
+    into P stages, from X's step time t_X and memory m_X in that problem; what the stage
+    problems' incumbents rest on (:func:`stage_incumbents`). In the terms of
+    ``cost.pipeline`` (a_X, b_X the plan's per-micro-batch and per-step time, BASE and
+    ACT its stages' summed base and activation bytes, g the constant every stage holds):
 
-    Cut into P stages, a plan X of the problem makes points with step time at least
-    t_X / P (the stages' times sum to at least X's: m + P - 1 >= m slots) and memory at
-    least (m_X + A) / P, A the ``activation_floor``: the stages' memories sum to X's
-    base terms, every stage's constants and at least two micro-batches' activations
-    each (one in flight, one for the backward part). So a pipelined point Q made at
-    P x M devices dominates every cut of a plan with t_X >= P Q.t and m_X >= P Q.m - A;
-    X is useless when that holds for every P. The corners are those of the
-    intersection of the P regions, pushed out by a relative slack."""
+    - time: the stages' times sum to at least (m + P - 1) a_X + b_X (sends cost >= 0),
+      so T >= (t_X + (P - 1) a_X) / P, with a_X >= ``per_micro_floor`` (the sum of the
+      least per-micro-batch entries; 0 by default, which assumes a_X >= 0) and
+      a_X = (t_X - b_X) / m >= (t_X - ``per_step_ceiling``) / m;
+    - memory: stage s holds base_s + h_s act_s + g, h_s the micro-batches it holds
+      (``held_micro_batches``), so M >= g + the least level L over any split of BASE and
+      ACT into nonnegative per-stage parts with base_s + h_s act_s <= L (a linear
+      program solved greedily: activations go to the stages that hold the fewest
+      micro-batches first). That level grows when bytes move from BASE to ACT, and
+      ACT >= A (``act_floor``), BASE + ACT = m_X - g, so M >= g + L(m_X - g - A, A).
+      Without ``levels`` (an entry that may sum to a negative stage base, or the
+      recompute working set, which the activation floor folds in), the bound of the
+      sums instead: the stages' memories sum to at least m_X + A, M >= (m_X + A) / P.
+
+    Each bound is monotone, so a point (T0, M0) made at P x mesh devices dominates every
+    cut of a plan with t_X >= :meth:`time_threshold` and m_X >= :meth:`memory_threshold`."""
+
+    micro_batches: int
+    act_floor: float
+    gathered: float = 0.0
+    per_micro_floor: float = 0.0
+    per_step_ceiling: float = float("inf")
+    levels: bool = False
+
+    def time_threshold(self, stages: int, t0: np.ndarray) -> np.ndarray:
+        """Per step time in ``t0``: the least t_X from which every cut into ``stages``
+        stages takes at least that long."""
+        p, m = stages, self.micro_batches
+        t0 = np.asarray(t0, dtype=np.float64)
+        out = p * t0 - (p - 1) * self.per_micro_floor
+        if np.isfinite(self.per_step_ceiling):
+            out = np.minimum(out, (m * p * t0 + (p - 1) * self.per_step_ceiling) / (m + p - 1))
+        return out
+
+    def memory_threshold(self, stages: int, m0: np.ndarray) -> np.ndarray:
+        """Per memory in ``m0``: the least m_X from which every cut into ``stages``
+        stages holds at least that much per device."""
+        p, a, g = stages, self.act_floor, self.gathered
+        m0 = np.asarray(m0, dtype=np.float64)
+        sums = p * m0 - a
+        if not self.levels:
+            return sums
+        held = np.sort(
+            [held_micro_batches(s, self.micro_batches, p, SCHEDULE) for s in range(p)]
+        ).astype(np.float64)
+        reach = np.concatenate([[0.0], np.cumsum(1.0 / held)])  # per level, of stages full
+        level = m0 - g
+        with np.errstate(divide="ignore", invalid="ignore"):
+            full = np.searchsorted(reach, a / level, side="right") - 1
+            full = np.clip(full, 0, p)
+            # the activations' least summed h_s act_s at this level: `full` stages filled
+            # up to the level, the rest on the next stage
+            rest = a - level * reach[full]
+            spent = level * full + np.where(full < p, held[np.minimum(full, p - 1)] * rest, 0.0)
+            levels = g + a + p * level - spent
+        # a level no split reaches (every plan holds more) or none at all: any plan
+        levels = np.where((level <= 0) | (a > level * reach[-1]), 0.0, levels)
+        return np.minimum(sums, levels)
+
+
+def cut_bound(
+    plain: MeshProblem,
+    bare: MeshProblem,
+    more: MeshProblem | None,
+    graph: SearchGraph,
+    recompute: bool = False,
+) -> CutBound | None:
+    """The :class:`CutBound` of ``plain``'s plans (a micro-batched problem, with the
+    recompute working set in its entries when ``recompute``; ``bare``: the same without
+    activations, ``more``: with one more micro-batch slot, both of the same family);
+    None when the activation floor is not a bound."""
+    floor = activation_floor(plain.problem, bare.problem)
+    if floor is None:
+        return None
+    m = plain.micro_batches
+    gathered = 0.0
+    if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
+        gathered = gathered_bound(graph)
+    if more is None:
+        return CutBound(m, floor, gathered)
+    least_a, most_b = 0.0, 0.0
+    bases = []
+    for up, um, ub in zip(plain.problem.units, more.problem.units, bare.problem.units, strict=True):
+        t = np.array([s.time_s for s in up.strategies])
+        a = np.array([s.time_s for s in um.strategies]) - t
+        least_a += float(a.min())
+        most_b += float((t - m * a).max())
+        bases.append(min(s.memory_bytes for s in ub.strategies))
+    for ep, em, eb in zip(plain.problem.edges, more.problem.edges, bare.problem.edges, strict=True):
+        t = np.asarray(ep.time_s, dtype=np.float64)
+        a = np.asarray(em.time_s, dtype=np.float64) - t
+        least_a += float(a.min())
+        most_b += float((t - m * a).max())
+        bases.append(float(np.asarray(eb.memory_bytes).min()))
+    # every stage's base is a sum of nonnegative entries (unit 0's less the constant)
+    levels = not recompute and bases[0] >= gathered and min(bases[1:], default=0.0) >= 0
+    return CutBound(m, floor, gathered, least_a, most_b, levels)
+
+
+def stage_incumbents(
+    made: dict[int, Sequence[tuple[float, float]]], bound: CutBound
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Incumbents for a stage problem solved for its pipelines only, from the points
+    ``made[P]`` (time, memory) already found at the device count of each stage count P
+    it feeds; None when a count has none. A point Q at P x M devices dominates every cut
+    of a plan X at or beyond (``bound.time_threshold(P, Q.t)``,
+    ``bound.memory_threshold(P, Q.m)``) (:class:`CutBound`); X is useless when that
+    holds for every P. The corners are those of the intersection of the P regions,
+    pushed out by a relative slack."""
     region = None
     for p, points in made.items():
         if not len(points):
             return None
         q = np.asarray(points, dtype=np.float64).reshape(-1, 2)
-        t = p * q[:, 0] * (1 + _BOUND_SLACK)
-        m = np.maximum(0.0, p * q[:, 1] - act_floor) * (1 + _BOUND_SLACK)
+        t = np.maximum(0.0, bound.time_threshold(p, q[:, 0])) * (1 + _BOUND_SLACK)
+        m = np.maximum(0.0, bound.memory_threshold(p, q[:, 1])) * (1 + _BOUND_SLACK)
         stair = _staircase(t, m)
         if region is not None:  # a point in both regions: at or beyond a corner of each
             grid = np.union1d(region[0], stair[0])

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 from tensoropt.cost.cluster import builtin
@@ -91,10 +92,10 @@ def _cut_traffic(tables, choice):
     return out
 
 
-def _micro_tables(gpt, mesh, k, optimizer="sgd"):
+def _micro_tables(gpt, mesh, k, optimizer="sgd", zero=ZeroStage.NONE):
     """The tiny GPT's micro-batched family on ``mesh`` with ``k`` micro-batches, its
     offered strategies, segments and segment tables (priced independently of the
-    search's own, with fresh unit programs)."""
+    search's own, with fresh unit programs), every unit at ZeRO stage ``zero``."""
     from tensoropt.cost.pipeline import SegmentTables
 
     sg = graph_of(str(gpt), optimizer)
@@ -110,10 +111,10 @@ def _micro_tables(gpt, mesh, k, optimizer="sgd"):
             sg, plan_mesh, profile, micro_batches=k, choices=choices, chosen={},
             slots=slots, saved_scale=scale,
         )  # fmt: skip
-        return f.problem()
+        return f.problem(zero_all=zero)
 
     tables = SegmentTables(
-        sg, family.problem(), problem(k + 1, 1.0), problem(k, 0.0),
+        sg, family.problem(zero_all=zero), problem(k + 1, 1.0), problem(k, 0.0),
         [segments.segment_of(u.root.name) for u in sg.units.units], segments.count,
         profile, plan_mesh,
     )  # fmt: skip
@@ -384,38 +385,66 @@ def test_the_default_search_pipelines_across_nodes_only(gpt, tmp_path, capsys):
     assert json.loads((tmp_path / "w.json").read_text())["axes_searched"] == ["split"], within.err
 
 
-@pytest.mark.parametrize(("mesh", "k", "optimizer"), [((1,), 2, "sgd"), ((2,), 4, "adam")])
-def test_every_cut_of_a_plan_is_at_least_its_stage_bound(gpt, mesh, k, optimizer):
-    """The bound behind the stage problems' incumbents (``stage_incumbents``): every cut
-    of a plan X into P stages prices at least t_X / P in time and (m_X + A) / P in
-    memory, A the problem's activation floor; checked on every cut of every plan of
-    the tiny GPT's micro-batched frontier."""
-    from tensoropt.search.pipeline import activation_floor, bare_problem
+@pytest.mark.parametrize(
+    ("mesh", "k", "optimizer", "zero"),
+    [
+        ((1,), 2, "sgd", ZeroStage.NONE),
+        ((2,), 4, "adam", ZeroStage.NONE),
+        ((2,), 2, "adam", ZeroStage.PARAMETERS),
+    ],
+)
+def test_every_cut_of_a_plan_is_at_least_its_stage_bound(gpt, mesh, k, optimizer, zero):
+    """The bounds behind the stage problems' incumbents (``CutBound``): for every plan X
+    of the tiny GPT's micro-batched frontier and every stage count P, the fastest cut
+    takes no less than a time T whose threshold is at most t_X, and the smallest holds
+    no less than a memory M whose threshold is at most m_X; the thresholds at the
+    fastest cut's time and the smallest cut's memory are at least t_X and m_X. The
+    per-stage levels of the memory bound are in use and beat the bound of the sums on
+    some plan with SGD or ZeRO-3."""
+    from tensoropt.search.pipeline import cut_bound, slot_problem
 
-    sg, profile, family, choices, segments, tables = _micro_tables(gpt, mesh, k, optimizer)
-    plain = family.problem().problem
-    bare = bare_problem(sg, family, choices, {}, ZeroStage.NONE, profile)
-    floor = activation_floor(plain, bare.problem)
-    assert floor is not None and floor > 0
+    sg, profile, family, choices, segments, tables = _micro_tables(gpt, mesh, k, optimizer, zero)
+    plain = family.problem(zero_all=zero)
+    bare = slot_problem(sg, family, choices, {}, zero, profile, k, 0.0)
+    more = slot_problem(sg, family, choices, {}, zero, profile, k + 1, 1.0)
+    bound = cut_bound(plain, bare, more, sg)
+    assert bound is not None and bound.act_floor > 0 and bound.levels
+    assert (bound.gathered > 0) == (zero is ZeroStage.PARAMETERS)
+    assert bound.per_micro_floor > 0 and np.isfinite(bound.per_step_ceiling)
     n = segments.count
-    for point in solve(plain).points:
+    tighter = 0
+    for point in solve(plain.problem).points:
         terms = tables.terms(point.choice)
-        t_x, m_x = plain.evaluate(point.choice)
-        assert sum(terms.act[1:] - terms.act[:-1]) >= floor * (1 - 1e-12)
+        t_x, m_x = plain.problem.evaluate(point.choice)
+        assert sum(terms.act[1:] - terms.act[:-1]) >= bound.act_floor * (1 - 1e-12)
         for p in range(2, n + 1):
-            for inner in itertools.combinations(range(1, n), p - 1):
-                estimate, _ = terms.price([0, *inner, n], SCHEDULE)
-                assert estimate.time_s >= t_x / p * (1 - 1e-12)
-                assert estimate.memory_bytes >= (m_x + floor) / p * (1 - 1e-12)
+            cuts = [
+                terms.price([0, *inner, n], SCHEDULE)[0]
+                for inner in itertools.combinations(range(1, n), p - 1)
+            ]
+            fastest = min(e.time_s for e in cuts)
+            smallest = min(e.memory_bytes for e in cuts)
+            assert bound.time_threshold(p, fastest) >= t_x * (1 - 1e-12)
+            assert bound.memory_threshold(p, smallest) >= m_x * (1 - 1e-12)
+            # the bounds of the sums alone hold too
+            assert fastest >= t_x / p * (1 - 1e-12)
+            assert smallest >= (m_x + bound.act_floor) / p * (1 - 1e-12)
+            sums = dataclasses.replace(bound, levels=False)
+            tighter += bound.memory_threshold(p, smallest) < sums.memory_threshold(p, smallest)
+    if optimizer == "sgd" or zero is ZeroStage.PARAMETERS:
+        # with Adam's state and no ZeRO the tiny model's activations fill no stage at the
+        # levels its cuts reach, and the two bounds agree
+        assert tighter
 
 
 def test_stage_incumbents_are_the_corners_of_every_stage_counts_region():
     """A plan (t, m) is at or beyond a corner exactly when, for every stage count P, a
-    point Q made at its device count has P Q.t <= t and P Q.m - A <= m (with the slack):
-    the intersection of the P regions, against enumeration on random points."""
+    point Q made at its device count has time and memory thresholds (``CutBound``) at
+    most t and m (with the slack): the intersection of the P regions, against
+    enumeration on random points and bounds."""
     import random
 
-    from tensoropt.search.pipeline import _BOUND_SLACK, stage_incumbents
+    from tensoropt.search.pipeline import _BOUND_SLACK, CutBound, stage_incumbents
 
     rng = random.Random(7)
     for _ in range(60):
@@ -423,18 +452,69 @@ def test_stage_incumbents_are_the_corners_of_every_stage_counts_region():
             p: [(rng.uniform(1, 10), rng.uniform(1, 10)) for _ in range(rng.randint(1, 6))]
             for p in rng.sample([2, 4, 8], rng.randint(1, 3))
         }
-        floor = rng.uniform(0, 8)
-        times, mems = stage_incumbents(made, floor)
+        bound = CutBound(
+            rng.choice([2, 4, 8]), rng.uniform(0, 8), rng.uniform(0, 1), rng.uniform(0, 1),
+            rng.choice([rng.uniform(0, 5), float("inf")]), rng.random() < 0.5,
+        )  # fmt: skip
+        times, mems = stage_incumbents(made, bound)
         s = 1 + _BOUND_SLACK
+
+        def beyond(p, qt, qm, t, m):
+            need_t = max(0.0, float(bound.time_threshold(p, qt))) * s  # noqa: B023
+            need_m = max(0.0, float(bound.memory_threshold(p, qm))) * s  # noqa: B023
+            return need_t <= t and need_m <= m
+
         for _ in range(200):
             t, m = rng.uniform(0, 90), rng.uniform(0, 90)
-            want = all(
-                any(p * qt * s <= t and max(0.0, p * qm - floor) * s <= m for qt, qm in pts)
-                for p, pts in made.items()
-            )
+            want = all(any(beyond(p, qt, qm, t, m) for qt, qm in pts) for p, pts in made.items())
             got = any(ct <= t and cm <= m for ct, cm in zip(times, mems, strict=True))
             assert got == want
-    assert stage_incumbents({2: [(1.0, 1.0)], 4: []}, 0.0) is None
+    assert stage_incumbents({2: [(1.0, 1.0)], 4: []}, CutBound(2, 0.0)) is None
+
+
+def test_cut_bound_memory_levels_against_a_brute_force_split():
+    """``CutBound.memory_threshold`` with levels: the least level over splits of BASE and
+    ACT into per-stage parts (base_s + h_s act_s <= L), found by a fine search over
+    splits of the activations, is reached exactly at the threshold: a plan of m_X just
+    above it cannot be split below M0, one well below it can."""
+    import random
+
+    from tensoropt.cost.pipeline import held_micro_batches
+    from tensoropt.search.pipeline import CutBound
+
+    def least_level(base, act, held):
+        # the least max_s(base_s + h_s act_s): put act on the stages holding the fewest
+        # micro-batches up to a level, the base fills up what the level leaves
+        lo, hi = 0.0, base + max(held) * act + 1.0
+        for _ in range(200):
+            level = (lo + hi) / 2
+            left, room = act, 0.0
+            for h in sorted(held):
+                take = min(left, level / h)
+                left -= take
+                room += level - h * take
+            if left <= 1e-12 and room >= base:
+                hi = level
+            else:
+                lo = level
+        return hi
+
+    rng = random.Random(3)
+    for _ in range(200):
+        p, m = rng.choice([2, 3, 4, 8]), rng.choice([1, 2, 4, 8])
+        g, a = rng.uniform(0, 2), rng.uniform(0.1, 10)
+        bound = CutBound(m, a, g, levels=True)
+        held = [held_micro_batches(s, m, p, "1f1b") for s in range(p)]
+        m0 = g + rng.uniform(0.1, 10)
+        need = float(bound.memory_threshold(p, m0))
+        if need <= 0:  # no split reaches M0 with the activations alone
+            assert least_level(0.0, a, held) + g >= m0 * (1 - 1e-9)
+            continue
+        above = least_level(need * (1 + 1e-6) - g - a, a, held) + g
+        assert above >= m0 * (1 - 1e-6)
+        below = need * (1 - 1e-3) - g - a
+        if below >= 0:
+            assert least_level(below, a, held) + g < m0
 
 
 def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was(gpt, monkeypatch):
