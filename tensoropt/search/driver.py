@@ -757,15 +757,19 @@ def _solve_meshes(
     meshes, profile, budget, epsilon, chained = job
     along: dict = {}  # shared by the meshes (micro_choices)
     at = {mesh: _MeshProblems(sg, space, mesh, profile, along) for mesh in meshes}
+    # Problems that only feed pipelines go the largest micro-batch count first: its
+    # pipelines hold the fewest micro-batches' activations per stage and make the points
+    # that prune the stage problems of the smaller counts (_staged_incumbents)
     order = sorted(
-        ((axis_level(v), i, j, mesh, v) for i, mesh in enumerate(meshes)
-         for j, v in enumerate(space.variants(sg, mesh))),
-        key=lambda row: row[:3],
+        ((axis_level(v), 0 if space.shows_micro else -v.micro_batches, i, j, mesh, v)
+         for i, mesh in enumerate(meshes) for j, v in enumerate(space.variants(sg, mesh))),
+        key=lambda row: row[:4],
     )  # fmt: skip
-    out: dict[Mesh, list[MeshSearch]] = {mesh: [] for mesh in meshes}
+    # each mesh's searches, keyed by their problem's place in the job's order
+    out: dict[Mesh, list[tuple[tuple[int, int], MeshSearch]]] = {mesh: [] for mesh in meshes}
     done: list[MeshSearch] = []
     piped: dict[int, list[tuple[float, float]]] = {}  # devices -> pipelined points made
-    for _, _, _, mesh, v in order:
+    for level, _, _, j, mesh, v in order:
         feeds = _feeds_pipelines(space, mesh, v)
         if v.micro_batches > 1 and not space.shows_micro and not feeds:
             continue  # micro-batches only within pipelines, and none is made of it
@@ -812,10 +816,11 @@ def _solve_meshes(
             )
             pipelined = []
         if v.micro_batches == 1 or space.shows_micro:
-            out[mesh].append(search)
+            out[mesh].append(((level, j), search))
             done.append(search)  # a point shown is an incumbent of what follows
-        out[mesh] += pipelined
-    return [(mesh, out[mesh]) for mesh in meshes]
+        out[mesh] += [((level, j), s) for s in pipelined]
+    # the searches of a mesh in the order of its problems (stable: pipelines after theirs)
+    return [(mesh, [s for _, s in sorted(out[mesh], key=lambda r: r[0])]) for mesh in meshes]
 
 
 def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:

@@ -520,24 +520,30 @@ def test_cut_bound_memory_levels_against_a_brute_force_split():
 def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was(gpt, monkeypatch):
     """The default search (stages above one node; the stage problems feed pipelines
     only): the stage problems' solves take the pipelined points already made as
-    incumbents, which drops plans but no merged point."""
+    incumbents, the largest micro-batch count first, which drops plans but no merged
+    point; each mesh's searches still come in the order of its problems."""
     from tensoropt.cli import build_parser
     from tensoropt.cli.cmd_search import search_space
     from tensoropt.cli.common import search_graph
     from tensoropt.search import driver
 
-    args = build_parser().parse_args(["search", str(gpt), "--optimizer", "adam"])
+    argv = ["search", str(gpt), "--optimizer", "adam", "--micro-batches", "1,2,4"]
+    args = build_parser().parse_args([*argv, "--stages", "2,4"])
     sg = search_graph(args)
-    profile = builtin("h100")
+    profile = builtin("a100")
     space = search_space(args, sg, profile)
 
     def run():
         exp = driver.explore(sg, [16], "auto", profile, jobs=1, space=space)
         merged = [(p.devices, p.time_s, p.memory_bytes) for p in exp.merged]
-        return merged, sum(len(s.result.points) for s in exp.searches)
+        return merged, sum(len(s.result.points) for s in exp.searches), exp.searches
 
-    pruned, kept = run()
+    pruned, kept, searches = run()
+    for mesh in {s.mesh for s in searches}:
+        counts = [s.variant.micro_batches for s in searches if s.mesh == mesh]
+        assert counts == sorted(counts)
+    assert {s.variant.micro_batches for s in searches if s.variant.stages > 1} == {2, 4}
     monkeypatch.setattr(driver, "_staged_incumbents", lambda *args: None)
-    whole, all_kept = run()
+    whole, all_kept, _ = run()
     assert pruned == whole
     assert kept < all_kept  # the incumbents did drop plans
