@@ -178,6 +178,15 @@ class PipelineTerms:
         return estimate, costs
 
 
+def split_entries(t_plain, t_more, mem, mem_bare, micro_batches: int):
+    """One entry's (a, b, base, act) of the module doc (arrays, per strategy or strategy
+    pair): from its time in the micro-batched problem and with one more slot, and its
+    memory with and without activations."""
+    a = np.asarray(t_more) - np.asarray(t_plain)
+    base = np.asarray(mem_bare)
+    return a, np.asarray(t_plain) - micro_batches * a, base, np.asarray(mem) - base
+
+
 def _prefix(values: Sequence[float]) -> np.ndarray:
     out = np.zeros(len(values) + 1)
     np.cumsum(values, out=out[1:])
@@ -208,8 +217,7 @@ class SegmentTables:
         self.m = m
 
         def split(t_plain, t_more, mem, mem_bare):
-            a = np.asarray(t_more) - np.asarray(t_plain)
-            return a, np.asarray(t_plain) - m * a, np.asarray(mem_bare), np.asarray(mem) - mem_bare
+            return split_entries(t_plain, t_more, mem, mem_bare, m)
 
         self.units = []
         for up, um, ub in zip(

@@ -32,7 +32,13 @@ import numpy as np
 
 from tensoropt.cost.cluster import ClusterProfile
 from tensoropt.cost.model import MeshProblem, ProblemFamily, SearchGraph, gathered_bound
-from tensoropt.cost.pipeline import PipelineTerms, SegmentTables, held_micro_batches, stage_link
+from tensoropt.cost.pipeline import (
+    PipelineTerms,
+    SegmentTables,
+    held_micro_batches,
+    split_entries,
+    stage_link,
+)
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.passes.stages import Segments, step_segments
@@ -265,27 +271,6 @@ def slot_problem(
     ).problem(zero_all=zero)  # fmt: skip
 
 
-def activation_floor(plain, bare) -> float | None:
-    """The least activation bytes of any plan of ``plain`` (a micro-batched cost
-    problem; ``bare``: the same without activations): per unit and edge, the least of
-    its entries less the same entry without activations, summed (what
-    ``SegmentTables`` calls ``act``). None when an entry holds less with its activations
-    than without (no bound then)."""
-    total = 0.0
-    for up, ub in zip(plain.units, bare.units, strict=True):
-        pairs = zip(up.strategies, ub.strategies, strict=True)
-        least = min(a.memory_bytes - b.memory_bytes for a, b in pairs)
-        if least < 0:
-            return None
-        total += least
-    for ep, eb in zip(plain.edges, bare.edges, strict=True):
-        least = float((np.asarray(ep.memory_bytes) - np.asarray(eb.memory_bytes)).min())
-        if least < 0:
-            return None
-        total += least
-    return total
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class CutBound:
     """Lower bounds on every cut of any plan X of a micro-batched problem (m micro-batches)
@@ -357,37 +342,39 @@ class CutBound:
 def cut_bound(
     plain: MeshProblem,
     bare: MeshProblem,
-    more: MeshProblem | None,
+    more: MeshProblem,
     graph: SearchGraph,
     recompute: bool = False,
 ) -> CutBound | None:
     """The :class:`CutBound` of ``plain``'s plans (a micro-batched problem, with the
     recompute working set in its entries when ``recompute``; ``bare``: the same without
-    activations, ``more``: with one more micro-batch slot, both of the same family);
-    None when the activation floor is not a bound."""
-    floor = activation_floor(plain.problem, bare.problem)
-    if floor is None:
-        return None
+    activations, ``more``: with one more micro-batch slot, both of the same family),
+    from each unit's and edge's entries split as ``SegmentTables`` splits them; None
+    when an entry holds less with its activations than without (the activation floor
+    A, the sum of the least activation entries, is then no bound)."""
     m = plain.micro_batches
+    floor, least_a, most_b, bases = 0.0, 0.0, 0.0, []
+    entries = [
+        ([s.time_s for s in up.strategies], [s.time_s for s in um.strategies],
+         [s.memory_bytes for s in up.strategies], [s.memory_bytes for s in ub.strategies])
+        for up, um, ub in zip(plain.problem.units, more.problem.units, bare.problem.units,
+                              strict=True)
+    ] + [
+        (ep.time_s, em.time_s, ep.memory_bytes, eb.memory_bytes)
+        for ep, em, eb in zip(plain.problem.edges, more.problem.edges, bare.problem.edges,
+                              strict=True)
+    ]  # fmt: skip
+    for t_plain, t_more, mem, mem_bare in entries:
+        a, b, base, act = split_entries(t_plain, t_more, mem, mem_bare, m)
+        if act.min() < 0:
+            return None
+        floor += float(act.min())
+        least_a += float(a.min())
+        most_b += float(b.max())
+        bases.append(float(base.min()))
     gathered = 0.0
     if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
         gathered = gathered_bound(graph)
-    if more is None:
-        return CutBound(m, floor, gathered)
-    least_a, most_b = 0.0, 0.0
-    bases = []
-    for up, um, ub in zip(plain.problem.units, more.problem.units, bare.problem.units, strict=True):
-        t = np.array([s.time_s for s in up.strategies])
-        a = np.array([s.time_s for s in um.strategies]) - t
-        least_a += float(a.min())
-        most_b += float((t - m * a).max())
-        bases.append(min(s.memory_bytes for s in ub.strategies))
-    for ep, em, eb in zip(plain.problem.edges, more.problem.edges, bare.problem.edges, strict=True):
-        t = np.asarray(ep.time_s, dtype=np.float64)
-        a = np.asarray(em.time_s, dtype=np.float64) - t
-        least_a += float(a.min())
-        most_b += float((t - m * a).max())
-        bases.append(float(np.asarray(eb.memory_bytes).min()))
     # every stage's base is a sum of nonnegative entries (unit 0's less the constant)
     levels = not recompute and bases[0] >= gathered and min(bases[1:], default=0.0) >= 0
     return CutBound(m, floor, gathered, least_a, most_b, levels)
