@@ -472,35 +472,45 @@ def test_stage_incumbents_are_the_corners_of_every_stage_counts_region():
     assert stage_incumbents({2: [(1.0, 1.0)], 4: []}, CutBound(2, 0.0)) is None
 
 
-def test_cut_bound_memory_levels_against_a_brute_force_split():
-    """``CutBound.memory_threshold`` with levels: the least level over splits of BASE and
-    ACT into per-stage parts (base_s + h_s act_s <= L), found by a fine search over
-    splits of the activations, is reached exactly at the threshold: a plan of m_X just
-    above it cannot be split below M0, one well below it can."""
+def test_cut_bound_memory_levels_against_a_linear_program():
+    """``CutBound.memory_threshold`` with levels against the linear program it solves
+    greedily, solved by HiGHS: the least L with base_s + h_s act_s <= L over nonnegative
+    per-stage parts summing to BASE and ACT. At the threshold the program's level (plus
+    g) reaches M0; where the levels beat the bound of the sums, a plan well below the
+    threshold can be split under M0."""
     import random
+
+    highspy = pytest.importorskip("highspy")
 
     from tensoropt.cost.pipeline import held_micro_batches
     from tensoropt.search.pipeline import CutBound
 
     def least_level(base, act, held):
-        # the least max_s(base_s + h_s act_s): put act on the stages holding the fewest
-        # micro-batches up to a level, the base fills up what the level leaves
-        lo, hi = 0.0, base + max(held) * act + 1.0
-        for _ in range(200):
-            level = (lo + hi) / 2
-            left, room = act, 0.0
-            for h in sorted(held):
-                take = min(left, level / h)
-                left -= take
-                room += level - h * take
-            if left <= 1e-12 and room >= base:
-                hi = level
-            else:
-                lo = level
-        return hi
+        # columns: base_0..base_{P-1}, act_0..act_{P-1}, L; minimise L
+        p = len(held)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        n = 2 * p + 1
+        cost = np.zeros(n)
+        cost[-1] = 1.0
+        h.addCols(n, cost, np.zeros(n), np.full(n, highspy.kHighsInf), 0,
+                  np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))  # fmt: skip
+        rows = [(list(range(p)), [1.0] * p, base, base),
+                (list(range(p, 2 * p)), [1.0] * p, act, act)]  # fmt: skip
+        rows += [([s, p + s, 2 * p], [1.0, float(held[s]), -1.0], -np.inf, 0.0) for s in range(p)]
+        starts = np.cumsum([0] + [len(r[0]) for r in rows[:-1]]).astype(np.int32)
+        h.addRows(
+            len(rows), np.array([r[2] for r in rows]), np.array([r[3] for r in rows]),
+            sum(len(r[0]) for r in rows), starts,
+            np.array([i for r in rows for i in r[0]], dtype=np.int32),
+            np.array([v for r in rows for v in r[1]]),
+        )  # fmt: skip
+        h.run()
+        return float(h.getSolution().col_value[-1])
 
     rng = random.Random(3)
-    for _ in range(200):
+    beaten = 0
+    for _ in range(150):
         p, m = rng.choice([2, 3, 4, 8]), rng.choice([1, 2, 4, 8])
         g, a = rng.uniform(0, 2), rng.uniform(0.1, 10)
         bound = CutBound(m, a, g, levels=True)
@@ -508,13 +518,15 @@ def test_cut_bound_memory_levels_against_a_brute_force_split():
         m0 = g + rng.uniform(0.1, 10)
         need = float(bound.memory_threshold(p, m0))
         if need <= 0:  # no split reaches M0 with the activations alone
-            assert least_level(0.0, a, held) + g >= m0 * (1 - 1e-9)
+            assert least_level(0.0, a, held) + g >= m0 * (1 - 1e-7)
             continue
-        above = least_level(need * (1 + 1e-6) - g - a, a, held) + g
-        assert above >= m0 * (1 - 1e-6)
+        assert least_level(need - g - a, a, held) + g >= m0 * (1 - 1e-7)
+        sums = float(dataclasses.replace(bound, levels=False).memory_threshold(p, m0))
         below = need * (1 - 1e-3) - g - a
-        if below >= 0:
+        if need < sums and below >= 0:
+            beaten += 1
             assert least_level(below, a, held) + g < m0
+    assert beaten > 10
 
 
 def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was(gpt, monkeypatch):
