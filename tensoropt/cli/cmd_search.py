@@ -35,9 +35,9 @@ frontiers reach tens of thousands of points 0.01% apart: the GPT-3 175B shape (A
 h100) on 64, 256 and 1024 devices takes 48 s with --epsilon 0.05 --stages 1 on 2
 cores, 95 s with --stages 4,16 --micro-batches 1,32 instead, and 563 s with the
 default stages and micro-batch counts (every stage count to 64 and 2, 4 and 8
-micro-batches: each count's stage meshes are searched; 155 s on a faster host, 32 s
-there with --stages 1, the stage problems pruned by bounds on every cut against the
-pipelines already made); exact took 950 s of CPU
+micro-batches: each count's stage meshes are searched; 135 s on a faster host, 26 s
+there with --stages 1, the stage problems and their cuts pruned by bounds on every cut
+against the pipelines already made); exact took 950 s of CPU
 without stages when the same epsilon search took 110 s (benchmarks/RESULTS.md,
 "Pipeline stages"). On such a model, name the stage and micro-batch counts you would
 deploy.

@@ -13,7 +13,7 @@ import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
@@ -801,7 +801,8 @@ def _solve_meshes(
             # dominates are left out (search.pipeline.stage_incumbents)
             staged = None if space.shows_micro else _staged_incumbents(built, at[mesh], piped)
             whole = _solve_one(built, at[mesh], (mesh, profile, None, epsilon), blocks, staged)
-            pipelined = _pipelined(built, at[mesh], whole, profile, budget)
+            made = None if space.shows_micro else piped
+            pipelined = _pipelined(built, at[mesh], whole, profile, budget, made)
             for s in pipelined:
                 piped.setdefault(s.devices, []).extend(
                     (p.time_s, p.memory_bytes) for p in s.result.points
@@ -825,7 +826,9 @@ def _solve_meshes(
 
 def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:
     """Incumbents for the whole solve of a stage problem that only feeds pipelines, from
-    the pipelined points made so far at the device counts it feeds."""
+    the pipelined points made so far at the device counts it feeds. The problems its
+    pipelines price with and the bound (``search.pipeline.cut_bound``) go to
+    ``at.bare``, where ``_pipelined`` takes them."""
     from tensoropt.search.pipeline import cut_bound, slot_problem, stage_incumbents
 
     space, mesh, v = at.space, at.mesh, b.variant
@@ -836,7 +839,7 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
         if p * mesh.size in space.pipeline_devices and 2 <= p <= segments.count
     ]
     made = {p: piped.get(p * mesh.size, ()) for p in counts}
-    if not counts or not all(made.values()):
+    if not counts:
         return None
     found = at.families.get((v.recompute, v.micro_batches))
     if found is None:
@@ -846,9 +849,13 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     m = v.micro_batches
     bare = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m, 0.0)
     more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 1.0)
-    at.bare[(*key, v.zero)] = (bare, more)  # the pipelines of this problem price with them
     bound = cut_bound(b.mp, bare, more, b.graph, v.recompute)
-    return None if bound is None else stage_incumbents(made, bound)
+    # the pipelines of this problem price with them (b.mp is the family's problem with
+    # its ZeRO stage, unless it holds the recompute working set) and prune with the bound
+    at.bare[(*key, v.zero)] = (None if v.recompute else b.mp, bare, more, bound)
+    if bound is None or not all(made.values()):
+        return None
+    return stage_incumbents(made, bound)
 
 
 def _feeds_pipelines(space: SearchSpace, mesh: Mesh, v: Variant) -> bool:
@@ -862,10 +869,17 @@ def _feeds_pipelines(space: SearchSpace, mesh: Mesh, v: Variant) -> bool:
 
 
 def _pipelined(
-    b: _Built, at: _MeshProblems, search: MeshSearch, profile: ClusterProfile, budget
+    b: _Built,
+    at: _MeshProblems,
+    search: MeshSearch,
+    profile: ClusterProfile,
+    budget,
+    piped: Mapping[int, Sequence[tuple[float, float]]] | None = None,
 ) -> list[MeshSearch]:
     """The pipelined searches made of one micro-batched problem's frontier
-    (search.pipeline): one per stage count whose device count is searched."""
+    (search.pipeline): one per stage count whose device count is searched. ``piped``:
+    the pipelined points made so far per device count, which prune the cuts of the
+    stage problem's plans where its bound (``_staged_incumbents``) says so."""
     from tensoropt.search.pipeline import pipeline_search, pipelined
 
     space, mesh, v = at.space, at.mesh, b.variant
@@ -878,12 +892,13 @@ def _pipelined(
     reference = _megatron_in(b, at)
     fastest: dict = {}
     segments = space.segments[1 if v.recompute else 0]
-    bare, more = at.bare.pop((*key, v.zero), (None, None))
+    plain, bare, more, bound = at.bare.pop((*key, v.zero), (None, None, None, None))
+    known = {p: piped.get(p * mesh.size, ()) for p in counts} if piped else None
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
-        bare=bare, more=more,
+        bare=bare, more=more, plain=plain, bound=bound, known=known,
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary

@@ -26,7 +26,7 @@ prices the same and holds more).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -79,22 +79,33 @@ def pipelined(
     segments: Segments | None = None,
     bare=None,
     more=None,
+    plain=None,
+    bound: CutBound | None = None,
+    known: Mapping[int, Sequence[tuple[float, float]]] | None = None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
     ``recompute``), and the choice of each. Empty when the model has too few blocks.
     ``extra``: more choices (reference plans), whose points join the others and whose
     fastest cut per P also goes to ``fastest`` (P -> [(point, choice)]).
-    ``segments``: ``segments_of(graph)``, when already found; ``bare``, ``more``: the
-    family's problem without activations and with one more micro-batch slot
-    (:func:`slot_problem`), when already built."""
+    ``segments``: ``segments_of(graph)``, when already found; ``plain``, ``bare``,
+    ``more``: the family's problem with ``zero`` (without the recompute working set),
+    without activations and with one more micro-batch slot (:func:`slot_problem`), when
+    already built.
+
+    ``known`` (P -> (time, memory) of pipelined points already made at P x mesh
+    devices, elsewhere) with ``bound`` (the :class:`CutBound` of the problem whose
+    frontier this is): a plan whose every cut into P stages one of them strictly
+    dominates (:func:`beaten`) is not cut into P stages. The points left out are
+    dominated by points that are made anyway, so the frontier they merge into is the
+    same."""
     fastest = {} if fastest is None else fastest
     segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
     if not counts or not (frontier or extra):  # a reference is priced on its own too
         return {}
     m, mesh = family.micro_batches, family.plan_mesh
-    plain = family.problem(zero_all=zero)
+    plain = family.problem(zero_all=zero) if plain is None else plain
     segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
     tables = SegmentTables(
         graph, plain,
@@ -102,7 +113,7 @@ def pipelined(
         bare or slot_problem(graph, family, choices, chosen, zero, profile, m, 0.0),
         segment_of, segments.count, profile, mesh,
     )  # fmt: skip
-    bound = family.working_set() if recompute else None
+    working = family.working_set() if recompute else None
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
     chosen_points = list(frontier) + [FrontierPoint(0.0, 0.0, c) for c in extra]
@@ -110,14 +121,21 @@ def pipelined(
     # per P, the frontier of the cuts found so far: a plan's cuts that it equals or
     # dominates are not kept (the Pareto set below is the same)
     held = {p: Staircase() for p in counts}
+    regions = {} if bound is None else beaten(known or {}, bound)
     for n, point in enumerate(chosen_points):
-        ws = bound.of(plain, point.choice) if bound is not None else 0.0
+        extra_choice = n >= len(frontier)  # its fastest cut is wanted whatever beats it
+        wanted = counts
+        if not extra_choice and regions:
+            at = (point.time_s, point.memory_bytes)
+            wanted = [p for p in counts if p not in regions or not _inside(regions[p], *at)]
+            if not wanted:
+                continue
+        ws = working.of(plain, point.choice) if working is not None else 0.0
         terms = tables.terms(point.choice, ws)
         choice = tuple(point.choice)
-        extra_choice = n >= len(frontier)  # its fastest cut is wanted whatever beats it
         incumbents = None if extra_choice else held
         for p, points in cut_frontiers(
-            terms, counts, allowed, memory_budget, choice, incumbents
+            terms, wanted, allowed, memory_budget, choice, incumbents
         ).items():
             if extra_choice and points:
                 fastest.setdefault(p, []).append((points[0], choice))
@@ -407,6 +425,27 @@ def stage_incumbents(
     if region is None or not region[0].size:
         return None
     return region
+
+
+def beaten(
+    known: Mapping[int, Sequence[tuple[float, float]]], bound: CutBound
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per stage count P with points in ``known`` (made at its device count), the
+    corners (:func:`stage_incumbents` of P alone) at or beyond which a plan's every cut
+    into P stages is strictly worse than one of those points in both time and memory:
+    the thresholds are pushed out by a relative slack, and each bound grows strictly
+    with the plan's time and memory."""
+    out = {}
+    for p, points in known.items():
+        region = stage_incumbents({p: points}, bound) if len(points) else None
+        if region is not None:
+            out[p] = region
+    return out
+
+
+def _inside(region: tuple[np.ndarray, np.ndarray], time_s: float, memory: float) -> bool:
+    """Whether (time_s, memory) is at or beyond a corner of ``region``."""
+    return bool(_floor_at(*region, np.array([time_s]))[0] <= memory)
 
 
 def _staircase(t: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -529,15 +529,27 @@ def test_cut_bound_memory_levels_against_a_linear_program():
     assert beaten > 10
 
 
+@pytest.mark.slow
 def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was(gpt, monkeypatch):
     """The default search (stages above one node; the stage problems feed pipelines
     only): the stage problems' solves take the pipelined points already made as
-    incumbents, the largest micro-batch count first, which drops plans but no merged
-    point; each mesh's searches still come in the order of its problems."""
+    incumbents, the largest micro-batch count first, and their plans are cut into P
+    stages only where no pipelined point made at that device count beats every cut
+    (``search.pipeline.beaten``). Both drop plans and cuts but no merged point; each
+    mesh's searches still come in the order of its problems."""
     from tensoropt.cli import build_parser
     from tensoropt.cli.cmd_search import search_space
     from tensoropt.cli.common import search_graph
-    from tensoropt.search import driver
+    from tensoropt.search import driver, pipeline
+
+    cut = []  # the stage counts each plan is cut into
+    frontiers = pipeline.cut_frontiers
+
+    def counted(terms, counts, *args, **kwargs):
+        cut.append(len(counts))
+        return frontiers(terms, counts, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "cut_frontiers", counted)
 
     argv = ["search", str(gpt), "--optimizer", "adam", "--micro-batches", "1,2,4"]
     args = build_parser().parse_args([*argv, "--stages", "2,4"])
@@ -546,15 +558,21 @@ def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was
     space = search_space(args, sg, profile)
 
     def run():
-        exp = driver.explore(sg, [16], "auto", profile, jobs=1, space=space)
+        exp = driver.explore(sg, [16, 32], "auto", profile, jobs=1, space=space)
         merged = [(p.devices, p.time_s, p.memory_bytes) for p in exp.merged]
         return merged, sum(len(s.result.points) for s in exp.searches), exp.searches
 
     pruned, kept, searches = run()
+    cuts = sum(cut)
     for mesh in {s.mesh for s in searches}:
         counts = [s.variant.micro_batches for s in searches if s.mesh == mesh]
         assert counts == sorted(counts)
     assert {s.variant.micro_batches for s in searches if s.variant.stages > 1} == {2, 4}
+    monkeypatch.setattr(pipeline, "beaten", lambda *args: {})
+    cut.clear()
+    uncut, _, _ = run()
+    assert pruned == uncut
+    assert cuts < sum(cut)  # the bound did leave cuts out
     monkeypatch.setattr(driver, "_staged_incumbents", lambda *args: None)
     whole, all_kept, _ = run()
     assert pruned == whole
