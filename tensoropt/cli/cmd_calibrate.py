@@ -305,6 +305,7 @@ def _measure(args: argparse.Namespace, opts, baseline) -> int:
     try:
         profile = calibrate(opts, bar.tick, resume=resume, save=save)
     except KeyboardInterrupt:
+        bar.close()  # its records stop here: none comes between this message and the exit
         if os.path.exists(partial):
             print(
                 f"calibrate: the finished passes are kept in {partial}; "
