@@ -99,8 +99,9 @@ class _GraphFacts:
     """What every mesh's builder reads of a search graph's units, found once per graph:
     per unit, the parameters it places and which of its outputs the backward saves
     (``_Builder._signature``), its follower nodes, and which root inputs are stored
-    (``unit_strategies``' key). Deep models have thousands of units and a search builds
-    a hundred problems of one graph."""
+    (``unit_strategies``' key); per crossing, the value's shape, item size and whether
+    its converted buffer is held (``_Builder._crossing``). Deep models have thousands of
+    units and a search builds a hundred problems of one graph."""
 
     def __init__(self, sg: SearchGraph) -> None:
         su = sg.units
@@ -126,6 +127,12 @@ class _GraphFacts:
                 )
             )
         self.fixed = frozenset(fixed)
+        self.crossings = tuple(
+            None
+            if c.source == c.target  # within a unit: no edge
+            else (static_shape(c.value), itemsize(c.value), c.forward and c.value.name in sg.saved)
+            for c in su.crossings
+        )
 
 
 _FACTS: list[tuple[SearchGraph, _GraphFacts]] = []  # the few graphs in use, latest last
@@ -643,20 +650,28 @@ class _Builder:
             seconds += update
         return seconds, memory
 
-    def _crossing(self, c: Crossing, programs) -> tuple[np.ndarray, np.ndarray]:
-        """(time, memory) tables [source strategy][target strategy] of one crossing.
+    def _crossing(
+        self, c: Crossing, programs, facts: tuple | None = None, ids: Sequence | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(time, memory) tables [source strategy][target strategy] of one crossing;
+        ``facts``: its (shape, item size, held) (``_GraphFacts.crossings``), ``ids``: per
+        unit, the identities of its programs (both found here when not given).
 
         Each distinct (holder layout, entry layout) pair is priced once. The converted
         buffer counts as memory only when the backward reads the value (it is saved, as
         a node's output is); otherwise it lives from the conversion to its reader."""
-        shape = static_shape(c.value)
-        isz = itemsize(c.value)
-        kept = c.forward and c.value.name in self.sg.saved
+        if facts is None:
+            facts = (
+                static_shape(c.value),
+                itemsize(c.value),
+                c.forward and c.value.name in self.sg.saved,
+            )
+        shape, isz, kept = facts
         # programs are shared objects (ProgramCache), alive for the whole build
         key = (
-            tuple(map(id, programs[c.source])),
+            tuple(map(id, programs[c.source])) if ids is None else ids[c.source],
             c.source_ref,
-            tuple(map(id, programs[c.target])),
+            tuple(map(id, programs[c.target])) if ids is None else ids[c.target],
             c.index,
             c.forward,
             kept,
@@ -685,14 +700,16 @@ class _Builder:
 
     def edges(self, infos, programs) -> tuple[list[Edge], list[Crossing]]:
         found = self.su.crossings
-        pairs: dict[tuple[int, int], list[Crossing]] = {}
-        for c in found:
+        facts = graph_facts(self.sg).crossings
+        ids = [tuple(map(id, ps)) for ps in programs]
+        pairs: dict[tuple[int, int], list[tuple[Crossing, tuple]]] = {}
+        for c, f in zip(found, facts, strict=True):
             if c.source == c.target:
                 continue
-            pairs.setdefault((min(c.source, c.target), max(c.source, c.target)), []).append(c)
+            pairs.setdefault((min(c.source, c.target), max(c.source, c.target)), []).append((c, f))
         edges = []
         for (a, b), cs in sorted(pairs.items()):
-            parts = [(*self._crossing(c, programs), c.source != a) for c in cs]
+            parts = [(*self._crossing(c, programs, f, ids), c.source != a) for c, f in cs]
             # repeated layers sum the same cached crossing tables: one table object for
             # all of them (built once, and validated once by CostProblem)
             key = tuple((id(t), id(m), flip) for t, m, flip in parts)
