@@ -35,9 +35,10 @@ frontiers reach tens of thousands of points 0.01% apart: the GPT-3 175B shape (A
 h100) on 64, 256 and 1024 devices takes 48 s with --epsilon 0.05 --stages 1 on 2
 cores, 95 s with --stages 4,16 --micro-batches 1,32 instead, and 563 s with the
 default stages and micro-batch counts (every stage count to 64 and 2, 4 and 8
-micro-batches: each count's stage meshes are searched; 135 s on a faster host, 26 s
+micro-batches: each count's stage meshes are searched; 106 s on a faster host, 26 s
 there with --stages 1, the stage problems and their cuts pruned by bounds on every cut
-against the pipelines already made); exact took 950 s of CPU
+against the points already made, in a second pass after the problems without stages
+and the fewest stages with the most micro-batches); exact took 950 s of CPU
 without stages when the same epsilon search took 110 s (benchmarks/RESULTS.md,
 "Pipeline stages"). On such a model, name the stage and micro-batch counts you would
 deploy.
@@ -192,7 +193,7 @@ def explore_from_args(args, devices):
     from tensoropt.cli.progress import Progress
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.errors import TensorOptError
-    from tensoropt.search.driver import explore, mesh_label, search_meshes, searched_counts
+    from tensoropt.search.driver import explore, mesh_label, progress_steps
 
     jobs = getattr(args, "jobs", None)
     if jobs is not None and jobs < 1:
@@ -205,7 +206,8 @@ def explore_from_args(args, devices):
     sg = search_graph(args)
     space = search_space(args, sg, profile)
     check_counts(args, sg, space, devices)
-    total = len(search_meshes(sg, searched_counts(space, devices)[1], mesh_spec))
+    whole = bool(getattr(args, "dump_costs", None))
+    total = progress_steps(sg, devices, mesh_spec, space, whole)
     bar = Progress(total, desc="search", announce=False)
 
     def tick(mesh):
@@ -222,7 +224,7 @@ def explore_from_args(args, devices):
             jobs=getattr(args, "jobs", None),
             on_problem=tick,
             # the dumped problems carry their whole frontiers, for an external solver
-            whole_frontiers=bool(getattr(args, "dump_costs", None)),
+            whole_frontiers=whole,
             space=space,
         )
     finally:

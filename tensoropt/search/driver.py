@@ -7,6 +7,7 @@ Frontier Tracking; the frontiers merge into one over (devices, time, memory).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -389,7 +390,9 @@ class _MeshProblems:
         self.families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
         self.built: dict[tuple[bool, int], list[MeshProblem]] = {}
         self.plain_refs: dict[str, tuple[int, ...]] = {}
-        self.plain_infos: tuple | None = None
+        # the plain problem's strategies per unit (plain data: they cross to the second
+        # phase's jobs with the references, ``_Phase``)
+        self.plain_strategies: tuple[tuple, ...] | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
         # (recompute, micro-batches, ZeRO stage) -> the problems without activations and
@@ -402,8 +405,9 @@ class _MeshProblems:
         problems and of the pipelines are mapped from them)."""
         found = self.family(PLAIN)
         assert found is not None  # only a micro-batch count can be refused
-        self.plain_infos = tuple(found[0].infos)
-        self.plain_refs = _reference_choices(self.sg, self.mesh, self.plain_infos, blocks)
+        infos = found[0].infos
+        self.plain_strategies = tuple(tuple(info.strategies) for info in infos)
+        self.plain_refs = _reference_choices(self.sg, self.mesh, infos, blocks)
 
     def build(self, v: Variant) -> _Built | None:
         found = self.family(v)
@@ -562,9 +566,9 @@ def _solve_one(
         named: dict[str, tuple[int, ...] | None] = dict(at.plain_refs)
     else:
         named = {
-            name: _mapped(at.plain_refs[base], at.plain_infos, mp)
+            name: _mapped(at.plain_refs[base], at.plain_strategies, mp)
             for want, name, base in _VARIANT_REFERENCES
-            if want == v and base in at.plain_refs and at.plain_infos is not None
+            if want == v and base in at.plain_refs and at.plain_strategies is not None
         }
     for name, choice in named.items():
         if choice is None:
@@ -611,12 +615,12 @@ def _layouts_of(strategies) -> tuple[UnitLayouts, ...]:
     return tuple(out)
 
 
-def _mapped(choice: Sequence[int], infos, mp: MeshProblem) -> tuple[int, ...] | None:
-    """A plain problem's choice as a choice of ``mp`` (same units, strategies looked up
-    by value); None when a strategy is not offered there."""
+def _mapped(choice: Sequence[int], strategies, mp: MeshProblem) -> tuple[int, ...] | None:
+    """A plain problem's choice (of ``strategies``, per unit) as a choice of ``mp`` (same
+    units, strategies looked up by value); None when a strategy is not offered there."""
     out = []
-    for info, s, target in zip(infos, choice, mp.units, strict=True):
-        strategy = info.strategies[s]
+    for offered, s, target in zip(strategies, choice, mp.units, strict=True):
+        strategy = offered[s]
         if strategy not in target.strategies:
             return None
         out.append(target.strategies.index(strategy))
@@ -663,17 +667,46 @@ def explore(
     for m in meshes:
         groups.setdefault(m.size, []).append(m)
     chained = not whole_frontiers
-    work = []
+    batches: list[tuple[Mesh, ...]] = []
     for d in sorted(groups, reverse=True):  # the largest counts first: the longest jobs
         ordered = sorted(groups[d], key=_solve_order) if chained else groups[d]
-        batches = [ordered] if chained else [[m] for m in ordered]
-        work += [(tuple(b), profile, memory_budget, epsilon, chained) for b in batches]
-    workers = max(1, min(len(work), jobs or os.cpu_count() or 1))
-    found: dict[tuple[int, tuple[int, ...]], list[MeshSearch]] = {}
+        batches += [tuple(ordered)] if chained else [(m,) for m in ordered]
+
+    def work(phase: _Phase) -> list:
+        return [(b, profile, memory_budget, epsilon, chained, phase.of(b)) for b in batches]
+
+    workers = max(1, min(len(batches), jobs or os.cpu_count() or 1))
+    found: dict[tuple[int, ...], list[tuple[tuple[int, int], MeshSearch]]] = {}
+    refs: dict[tuple[int, ...], tuple] = {}
     blocks = megatron_blocks(sg)
-    with memory.fewer_collections():  # forked workers inherit the thresholds
-        _run_jobs(sg, work, workers, blocks, space, found, on_problem)
-    searches = [s for m in meshes for s in found[(m.size, tuple(m.shape))] if s.devices in wanted]
+
+    def collect(results) -> None:
+        for mesh, keyed, plain in results:
+            found.setdefault(tuple(mesh.shape), []).extend(keyed)
+            refs.setdefault(tuple(mesh.shape), plain)
+            if on_problem:
+                on_problem(mesh)
+
+    # forked workers inherit the thresholds
+    with memory.fewer_collections(), _runner(sg, blocks, space, workers) as run:
+        if _two_phases(space, chained):
+            collect(run(work(_Phase("lead"))))
+            seeds: dict[int, list[tuple[float, float]]] = {}
+            for m in meshes:
+                for _, s in found[tuple(m.shape)]:
+                    if s.devices in space.pipeline_devices:
+                        points = seeds.setdefault(s.devices, [])
+                        points += [(p.time_s, p.memory_bytes) for p in s.result.points]
+            collect(run(work(_Phase("rest", seeds, refs))))
+        else:
+            collect(run(work(_Phase())))
+    # each mesh's searches in the order of its problems (stable: pipelines after theirs)
+    searches = [
+        s
+        for m in meshes
+        for _, s in sorted(found[tuple(m.shape)], key=lambda r: r[0])
+        if s.devices in wanted
+    ]
     merged = merge_frontiers({s.key: s.result for s in searches})
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(searches, memory_budget, space))
@@ -696,27 +729,84 @@ def searched_counts(space: SearchSpace, devices: Sequence[int]) -> tuple[SearchS
     return space, sorted(set(wanted) | stage_meshes)
 
 
-def _run_jobs(sg, work, workers, blocks, space, found, on_problem) -> None:
-    """Solve the jobs of ``work`` in this process or ``workers`` forked ones, filling
-    ``found`` ((devices, mesh shape) -> its searches)."""
+@dataclass(frozen=True, slots=True)
+class _Phase:
+    """Which problems of a job one pass over the jobs solves. ``all``: every one (one
+    pass). With two (:func:`_two_phases`), ``lead`` first: every problem without
+    micro-batches, and the *lead* stage problems (:func:`_leads`); then ``rest``, with
+    ``seeds`` (device count -> (time, memory) of every point the first pass made there)
+    as the points already made at the counts the stage problems feed, and ``refs`` (mesh
+    shape -> its plain problem's reference choices and strategies, read in the first
+    pass) for the reference plans of the rest."""
+
+    part: str = "all"
+    seeds: Mapping[int, Sequence[tuple[float, float]]] = field(default_factory=dict)
+    refs: Mapping[tuple[int, ...], tuple] = field(default_factory=dict)
+
+    def of(self, meshes: Sequence[Mesh]) -> _Phase:
+        """This phase as one job of ``meshes`` sees it (only their references)."""
+        if not self.refs:
+            return self
+        refs = {tuple(m.shape): self.refs[tuple(m.shape)] for m in meshes}
+        return dataclasses.replace(self, refs=refs)
+
+
+def _two_phases(space: SearchSpace, chained: bool) -> bool:
+    """Whether the jobs run in two passes: with pipelines whose stage problems only feed
+    them (the default search's stages) and incumbents. A job holds one device count, so
+    the pipelined points of a count come from the jobs of its stage meshes' counts and
+    the plain points from its own: within one pass, a stage problem's incumbents are
+    only the pipelines its own job made. The first pass makes the points that prune the
+    most (the plain problems and the fewest stages with the most micro-batches), the
+    second prunes every other stage problem and cut with them."""
+    return chained and bool(space.pipeline_devices) and not space.shows_micro
+
+
+def _leads(space: SearchSpace, sg: SearchGraph, mesh: Mesh, v: Variant) -> bool:
+    """Whether the first of two passes solves ``v`` on ``mesh``: a problem without
+    micro-batches, or the problem with the most micro-batches on a mesh that the fewest
+    stages of some pipelined device count use. On the GPT-3 175B shape every merged
+    pipelined point comes from those (2 stages, 8 micro-batches; 4 stages at 1024
+    devices): the fewest micro-batches' activations per stage and the least bubble."""
+    if v.micro_batches == 1:
+        return True
+    if v.micro_batches != max(w.micro_batches for w in space.variants(sg, mesh)):
+        return False
+    for n in space.pipeline_devices:
+        fewest = min((p for p in space.stage_counts if n % p == 0), default=None)
+        if fewest is not None and fewest * mesh.size == n:
+            return True
+    return False
+
+
+def progress_steps(
+    sg: SearchGraph,
+    devices: Sequence[int],
+    mesh_spec: str,
+    space: SearchSpace,
+    whole_frontiers: bool = False,
+) -> int:
+    """How many times :func:`explore` calls ``on_problem``: once per mesh and pass."""
+    filled, counts = searched_counts(space, devices)
+    passes = 2 if _two_phases(filled, not whole_frontiers) else 1
+    return len(search_meshes(sg, counts, mesh_spec)) * passes
+
+
+@contextlib.contextmanager
+def _runner(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace, workers: int):
+    """A function that solves a list of jobs and gives back each mesh's results
+    (:func:`_solve_meshes`) as the jobs finish: in this process (``workers`` 1, or no
+    fork) or in ``workers`` forked processes, the same ones for every pass."""
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         with memory.limited(memory.share(1)):
-            for job in work:
-                for mesh, searches in _solve_meshes(sg, job, blocks, space):
-                    found[(mesh.size, tuple(mesh.shape))] = searches
-                    if on_problem:
-                        on_problem(mesh)
-    else:
-        # A forked worker inherits the search graphs from this process (initargs are not
-        # pickled under fork); only the plain-data results come back.
-        ctx = multiprocessing.get_context("fork")
-        init = (sg, blocks, space, memory.share(workers))
-        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
-            for batch in pool.imap_unordered(_solve_in_worker, work):
-                for mesh, searches in batch:
-                    found[(mesh.size, tuple(mesh.shape))] = searches
-                    if on_problem:
-                        on_problem(mesh)
+            yield lambda work: [r for job in work for r in _solve_meshes(sg, job, blocks, space)]
+        return
+    # A forked worker inherits the search graphs from this process (initargs are not
+    # pickled under fork); only the plain-data results come back.
+    ctx = multiprocessing.get_context("fork")
+    init = (sg, blocks, space, memory.share(workers))
+    with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
+        yield lambda work: (r for rs in pool.imap_unordered(_solve_in_worker, work) for r in rs)
 
 
 def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
@@ -729,7 +819,7 @@ def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
 _WORKER_GRAPH: list = []  # a pool worker's search graph, Megatron blocks and space
 
 
-def _solve_in_worker(job) -> list[tuple[Mesh, list[MeshSearch]]]:
+def _solve_in_worker(job) -> list[tuple[Mesh, list, tuple]]:
     return _solve_meshes(_WORKER_GRAPH[0], job, _WORKER_GRAPH[1], _WORKER_GRAPH[2])
 
 
@@ -750,13 +840,18 @@ def _pool_worker_init(
 
 def _solve_meshes(
     sg: SearchGraph, job, blocks: Blocks | None = None, space: SearchSpace = PLAIN_SPACE
-) -> list[tuple[Mesh, list[MeshSearch]]]:
-    """The problems of one job's meshes, level by level (:func:`axis_level`), each level's
-    meshes in the job's order; with ``chained``, each search gets the points found before
-    it in the job as incumbents."""
-    meshes, profile, budget, epsilon, chained = job
+) -> list[tuple[Mesh, list[tuple[tuple[int, int], MeshSearch]], tuple]]:
+    """The problems of one job's meshes that its phase (:class:`_Phase`) solves, level by
+    level (:func:`axis_level`), each level's meshes in the job's order; with ``chained``,
+    each search gets the points found before it in the job as incumbents. Per mesh: its
+    searches keyed by their problem's place in the order of its problems, and its plain
+    problem's (reference choices, strategies)."""
+    meshes, profile, budget, epsilon, chained, phase = job
     along: dict = {}  # shared by the meshes (micro_choices)
     at = {mesh: _MeshProblems(sg, space, mesh, profile, along) for mesh in meshes}
+    for mesh in meshes:
+        if tuple(mesh.shape) in phase.refs:
+            at[mesh].plain_refs, at[mesh].plain_strategies = phase.refs[tuple(mesh.shape)]
     # Problems that only feed pipelines go the largest micro-batch count first: its
     # pipelines hold the fewest micro-batches' activations per stage and make the points
     # that prune the stage problems of the smaller counts (_staged_incumbents)
@@ -768,8 +863,12 @@ def _solve_meshes(
     # each mesh's searches, keyed by their problem's place in the job's order
     out: dict[Mesh, list[tuple[tuple[int, int], MeshSearch]]] = {mesh: [] for mesh in meshes}
     done: list[MeshSearch] = []
-    piped: dict[int, list[tuple[float, float]]] = {}  # devices -> pipelined points made
+    # devices -> points made there that prune the stage problems and their cuts: the
+    # pipelines made so far, and a second pass's seeds
+    piped: dict[int, list[tuple[float, float]]] = {d: list(p) for d, p in phase.seeds.items()}
     for level, _, _, j, mesh, v in order:
+        if phase.part != "all" and (phase.part == "lead") != _leads(space, sg, mesh, v):
+            continue
         feeds = _feeds_pipelines(space, mesh, v)
         if v.micro_batches > 1 and not space.shows_micro and not feeds:
             continue  # micro-batches only within pipelines, and none is made of it
@@ -820,8 +919,7 @@ def _solve_meshes(
             out[mesh].append(((level, j), search))
             done.append(search)  # a point shown is an incumbent of what follows
         out[mesh] += [((level, j), s) for s in pipelined]
-    # the searches of a mesh in the order of its problems (stable: pipelines after theirs)
-    return [(mesh, [s for _, s in sorted(out[mesh], key=lambda r: r[0])]) for mesh in meshes]
+    return [(m, out[m], (at[m].plain_refs, at[m].plain_strategies)) for m in meshes]
 
 
 def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:
@@ -938,11 +1036,11 @@ def _megatron_in(b: _Built, at: _MeshProblems) -> tuple[int, ...] | None:
     ``megatron+pp`` reference), when the plain problem has it."""
     v = b.variant
     plain = at.plain_refs.get("megatron")
-    if plain is None or at.plain_infos is None or b.reals is None or v.zero or v.recompute:
+    if plain is None or at.plain_strategies is None or b.reals is None or v.zero or v.recompute:
         return None
     choice = []
-    for k, (info, s) in enumerate(zip(at.plain_infos, plain, strict=True)):
-        want = info.strategies[s]
+    for k, (offered, s) in enumerate(zip(at.plain_strategies, plain, strict=True)):
+        want = offered[s]
         if want not in b.reals[k]:
             return None
         choice.append(b.reals[k].index(want))

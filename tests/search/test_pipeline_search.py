@@ -557,13 +557,21 @@ def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was
     profile = builtin("a100")
     space = search_space(args, sg, profile)
 
+    ticks = []
+
     def run():
-        exp = driver.explore(sg, [16, 32], "auto", profile, jobs=1, space=space)
+        ticks.clear()
+        exp = driver.explore(
+            sg, [16, 32], "auto", profile, jobs=1, space=space, on_problem=ticks.append
+        )
         merged = [(p.devices, p.time_s, p.memory_bytes) for p in exp.merged]
         return merged, sum(len(s.result.points) for s in exp.searches), exp.searches
 
     pruned, kept, searches = run()
     cuts = sum(cut)
+    # two passes (driver._two_phases): the callback runs once per mesh and pass
+    steps = driver.progress_steps(sg, [16, 32], "auto", space)
+    assert len(ticks) == steps == 2 * len(set(ticks))
     for mesh in {s.mesh for s in searches}:
         counts = [s.variant.micro_batches for s in searches if s.mesh == mesh]
         assert counts == sorted(counts)
@@ -577,3 +585,56 @@ def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was
     whole, all_kept, _ = run()
     assert pruned == whole
     assert kept < all_kept  # the incumbents did drop plans
+
+
+@pytest.mark.slow
+def test_the_second_pass_prunes_stage_problems_with_every_point_the_first_made(
+    tmp_path, monkeypatch
+):
+    """The default search runs its jobs in two passes (``driver._two_phases``): a job
+    holds one device count, so within one pass a stage problem's incumbents are only
+    the pipelines its own job made. The first pass solves the problems without
+    micro-batches and the stage problems with the most micro-batches of the fewest
+    stages; the second prunes the other stage problems and their cuts with every point
+    the first made at the counts they feed. On gpt small at 16 and 32 devices that
+    leaves plans out of the stage problems' solves, and pipelined searches whose every
+    cut is beaten, and the merged frontier as one pass makes it."""
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.cmd_search import search_space
+    from tensoropt.cli.common import search_graph
+    from tensoropt.search import driver
+
+    path = tmp_path / "gpt_small.onnx"
+    save_model(build_model("gpt", "small"), str(path))
+    argv = ["search", str(path), "--optimizer", "adam", "--micro-batches", "1,2,4"]
+    args = build_parser().parse_args([*argv, "--stages", "2,4"])
+    sg = search_graph(args)
+    profile = builtin("a100")
+    space = search_space(args, sg, profile)
+    planned = []  # the points of every problem's solve, stage problems included
+    solve_one = driver._solve_one
+
+    def solved(b, *args):
+        found = solve_one(b, *args)
+        planned.append(len(found.result.points))
+        return found
+
+    monkeypatch.setattr(driver, "_solve_one", solved)
+
+    def run():
+        planned.clear()
+        exp = driver.explore(sg, [16, 32], "auto", profile, jobs=1, space=space)
+        merged = [(p.devices, p.time_s, p.memory_bytes) for p in exp.merged]
+        shown = [
+            (s.key, [(p.time_s, p.memory_bytes) for p in s.result.points]) for s in exp.searches
+        ]
+        return merged, shown, sum(planned)
+
+    assert driver._two_phases(driver.searched_counts(space, [16, 32])[0], True)
+    merged, shown, two = run()
+    monkeypatch.setattr(driver, "_two_phases", lambda *args: False)
+    one_merged, one_shown, one = run()
+    assert merged == one_merged
+    keys = [key for key, _ in shown]
+    assert keys == [key for key, _ in one_shown if key in keys]  # pipelines pruned whole
+    assert two < one
