@@ -673,7 +673,10 @@ def explore(
         batches += [tuple(ordered)] if chained else [(m,) for m in ordered]
 
     def work(phase: _Phase) -> list:
-        return [(b, profile, memory_budget, epsilon, chained, phase.of(b)) for b in batches]
+        order = batches
+        if phase.part == "lead":  # the lead stage problems' whole solves take longest
+            order = sorted(batches, key=lambda b: not _leads_stages(space, sg, b))
+        return [(b, profile, memory_budget, epsilon, chained, phase.of(b)) for b in order]
 
     workers = max(1, min(len(batches), jobs or os.cpu_count() or 1))
     found: dict[tuple[int, ...], list[tuple[tuple[int, int], MeshSearch]]] = {}
@@ -777,6 +780,15 @@ def _leads(space: SearchSpace, sg: SearchGraph, mesh: Mesh, v: Variant) -> bool:
         if fewest is not None and fewest * mesh.size == n:
             return True
     return False
+
+
+def _leads_stages(space: SearchSpace, sg: SearchGraph, meshes: Sequence[Mesh]) -> bool:
+    """Whether a first pass solves a lead stage problem on one of ``meshes``."""
+    return any(
+        v.micro_batches > 1 and _feeds_pipelines(space, m, v) and _leads(space, sg, m, v)
+        for m in meshes
+        for v in space.variants(sg, m)
+    )
 
 
 def progress_steps(
