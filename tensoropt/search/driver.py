@@ -957,8 +957,8 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     key = (v.recompute, v.micro_batches)
     family, choices, zero = found[0], at.choices[key], ZeroStage(v.zero)
     m = v.micro_batches
-    bare = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m, 0.0)
-    more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 1.0)
+    # one more slot and no activations: the times of the one, the memories of the other
+    bare = more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 0.0)
     bound = cut_bound(b.mp, bare, more, b.graph, v.recompute)
     # the pipelines of this problem price with them (b.mp is the family's problem with
     # its ZeRO stage, unless it holds the recompute working set) and prune with the bound

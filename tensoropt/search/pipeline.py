@@ -107,12 +107,9 @@ def pipelined(
     m, mesh = family.micro_batches, family.plan_mesh
     plain = family.problem(zero_all=zero) if plain is None else plain
     segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
-    tables = SegmentTables(
-        graph, plain,
-        more or slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 1.0),
-        bare or slot_problem(graph, family, choices, chosen, zero, profile, m, 0.0),
-        segment_of, segments.count, profile, mesh,
-    )  # fmt: skip
+    if more is None or bare is None:  # one problem gives both (slot_problem)
+        more = bare = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
+    tables = SegmentTables(graph, plain, more, bare, segment_of, segments.count, profile, mesh)
     working = family.working_set() if recompute else None
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
@@ -282,7 +279,10 @@ def slot_problem(
     """``family``'s micro-batched problem priced with ``slots`` micro-batch slots and its
     activations scaled by ``scale``, on the family's unit programs: one more slot gives
     what :func:`pipelined` splits per-micro-batch time from, scale 0 what it splits
-    ``base`` from."""
+    ``base`` from. No time reads the scale and no memory the slots (``cost.model``'s
+    ``_Pricer``), so one problem with m + 1 slots and scale 0 serves as both: its times
+    are those of the problem with one more slot, its memories those of the one without
+    activations, float for float (``test_one_slot_problem_prices_both``)."""
     return ProblemFamily(
         graph, family.plan_mesh, profile, micro_batches=family.micro_batches, choices=choices,
         chosen=chosen, slots=slots, saved_scale=scale, programs=family.builder.programs,

@@ -638,3 +638,53 @@ def test_the_second_pass_prunes_stage_problems_with_every_point_the_first_made(
     keys = [key for key, _ in shown]
     assert keys == [key for key, _ in one_shown if key in keys]  # pipelines pruned whole
     assert two < one
+
+
+def test_one_slot_problem_prices_both(gpt):
+    """The pipelines split each entry with the problem of one more micro-batch slot
+    (its times) and the problem without activations (its memories). No time reads the
+    activation scale and no memory reads the slots, so one problem with one more slot
+    and no activations (what the search builds) gives both, float for float: for every
+    micro-batched problem of the tiny gpt on 2x2 with ZeRO stages and recomputation."""
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.cmd_search import search_space
+    from tensoropt.cli.common import search_graph
+    from tensoropt.search import driver
+    from tensoropt.search.pipeline import slot_problem
+
+    args = build_parser().parse_args(
+        ["search", str(gpt), "--optimizer", "adam", "--axes", "split,zero,recompute,micro"]
+    )
+    sg = search_graph(args)
+    profile = builtin("a100")
+    space = search_space(args, sg, profile)
+    mesh = Mesh((2, 2), ("x", "y"))
+    at = driver._MeshProblems(sg, space, mesh, profile)
+    checked = set()
+    for v in space.variants(sg, mesh):
+        built = at.build(v) if v.micro_batches > 1 else None
+        if built is None:
+            continue
+        family = at.families[(v.recompute, v.micro_batches)][0]
+        choices = at.choices[(v.recompute, v.micro_batches)]
+        of = (built.graph, family, choices, at.chosen, ZeroStage(v.zero), profile)
+        m = v.micro_batches
+        more = slot_problem(*of, m + 1, 1.0).problem
+        bare = slot_problem(*of, m, 0.0).problem
+        both = slot_problem(*of, m + 1, 0.0).problem
+        for um, ub, uc in zip(more.units, bare.units, both.units, strict=True):
+            assert [s.time_s for s in um.strategies] == [s.time_s for s in uc.strategies]
+            assert [s.memory_bytes for s in ub.strategies] == [
+                s.memory_bytes for s in uc.strategies
+            ]
+        for em, eb, ec in zip(more.edges, bare.edges, both.edges, strict=True):
+            assert np.array_equal(em.time_s, ec.time_s)
+            assert np.array_equal(eb.memory_bytes, ec.memory_bytes)
+        # the two differ from it where the pipelines read them (a check that can fail)
+        assert any(
+            s.memory_bytes != c.memory_bytes
+            for u, w in zip(more.units, both.units, strict=True)
+            for s, c in zip(u.strategies, w.strategies, strict=True)
+        )
+        checked.add((v.zero, v.recompute))
+    assert {z for z, _ in checked} == {0, 1, 2, 3} and {r for _, r in checked} == {False, True}
