@@ -395,9 +395,9 @@ class _MeshProblems:
         self.plain_strategies: tuple[tuple, ...] | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
-        # (recompute, micro-batches, ZeRO stage) -> the problems without activations and
-        # with one more micro-batch slot, built for a stage problem's incumbents and
-        # taken by its pipelines
+        # (recompute, micro-batches, ZeRO stage) -> (the stage problem, the problem with
+        # one more micro-batch slot and without activations, twice, the regions of the
+        # points made), found for a stage problem's incumbents and taken by its pipelines
         self.bare: dict[tuple[bool, int, int], object] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
@@ -674,8 +674,8 @@ def explore(
 
     def work(phase: _Phase) -> list:
         order = batches
-        if phase.part == "lead":  # the lead stage problems' whole solves take longest
-            order = sorted(batches, key=lambda b: not _leads_stages(space, sg, b))
+        if phase.part == "first":  # whole solves of stage problems take longest
+            order = sorted(batches, key=lambda b: not _first_pass_stages(space, sg, b))
         return [(b, profile, memory_budget, epsilon, chained, phase.of(b)) for b in order]
 
     workers = max(1, min(len(batches), jobs or os.cpu_count() or 1))
@@ -693,14 +693,14 @@ def explore(
     # forked workers inherit the thresholds
     with memory.fewer_collections(), _runner(sg, blocks, space, workers) as run:
         if _two_phases(space, chained):
-            collect(run(work(_Phase("lead"))))
+            collect(run(work(_Phase("first"))))
             seeds: dict[int, list[tuple[float, float]]] = {}
             for m in meshes:
                 for _, s in found[tuple(m.shape)]:
                     if s.devices in space.pipeline_devices:
                         points = seeds.setdefault(s.devices, [])
                         points += [(p.time_s, p.memory_bytes) for p in s.result.points]
-            collect(run(work(_Phase("rest", seeds, refs))))
+            collect(run(work(_Phase("second", seeds, refs))))
         else:
             collect(run(work(_Phase())))
     # each mesh's searches in the order of its problems (stable: pipelines after theirs)
@@ -735,8 +735,8 @@ def searched_counts(space: SearchSpace, devices: Sequence[int]) -> tuple[SearchS
 @dataclass(frozen=True, slots=True)
 class _Phase:
     """Which problems of a job one pass over the jobs solves. ``all``: every one (one
-    pass). With two (:func:`_two_phases`), ``lead`` first: every problem without
-    micro-batches, and the *lead* stage problems (:func:`_leads`); then ``rest``, with
+    pass). With two (:func:`_two_phases`), ``first``: every problem without
+    micro-batches, and the stage problems :func:`_first_pass` picks; then ``second``, with
     ``seeds`` (device count -> (time, memory) of every point the first pass made there)
     as the points already made at the counts the stage problems feed, and ``refs`` (mesh
     shape -> its plain problem's reference choices and strategies, read in the first
@@ -765,7 +765,7 @@ def _two_phases(space: SearchSpace, chained: bool) -> bool:
     return chained and bool(space.pipeline_devices) and not space.shows_micro
 
 
-def _leads(space: SearchSpace, sg: SearchGraph, mesh: Mesh, v: Variant) -> bool:
+def _first_pass(space: SearchSpace, sg: SearchGraph, mesh: Mesh, v: Variant) -> bool:
     """Whether the first of two passes solves ``v`` on ``mesh``: a problem without
     micro-batches, or the problem with the most micro-batches on a mesh that the fewest
     stages of some pipelined device count use. On the GPT-3 175B shape every merged
@@ -782,10 +782,10 @@ def _leads(space: SearchSpace, sg: SearchGraph, mesh: Mesh, v: Variant) -> bool:
     return False
 
 
-def _leads_stages(space: SearchSpace, sg: SearchGraph, meshes: Sequence[Mesh]) -> bool:
-    """Whether a first pass solves a lead stage problem on one of ``meshes``."""
+def _first_pass_stages(space: SearchSpace, sg: SearchGraph, meshes: Sequence[Mesh]) -> bool:
+    """Whether a first pass solves a stage problem on one of ``meshes``."""
     return any(
-        v.micro_batches > 1 and _feeds_pipelines(space, m, v) and _leads(space, sg, m, v)
+        v.micro_batches > 1 and _feeds_pipelines(space, m, v) and _first_pass(space, sg, m, v)
         for m in meshes
         for v in space.variants(sg, m)
     )
@@ -879,7 +879,7 @@ def _solve_meshes(
     # pipelines made so far, and a second pass's seeds
     piped: dict[int, list[tuple[float, float]]] = {d: list(p) for d, p in phase.seeds.items()}
     for level, _, _, j, mesh, v in order:
-        if phase.part != "all" and (phase.part == "lead") != _leads(space, sg, mesh, v):
+        if phase.part != "all" and (phase.part == "first") != _first_pass(space, sg, mesh, v):
             continue
         feeds = _feeds_pipelines(space, mesh, v)
         if v.micro_batches > 1 and not space.shows_micro and not feeds:
@@ -912,8 +912,7 @@ def _solve_meshes(
             # dominates are left out (search.pipeline.stage_incumbents)
             staged = None if space.shows_micro else _staged_incumbents(built, at[mesh], piped)
             whole = _solve_one(built, at[mesh], (mesh, profile, None, epsilon), blocks, staged)
-            made = None if space.shows_micro else piped
-            pipelined = _pipelined(built, at[mesh], whole, profile, budget, made)
+            pipelined = _pipelined(built, at[mesh], whole, profile, budget)
             for s in pipelined:
                 piped.setdefault(s.devices, []).extend(
                     (p.time_s, p.memory_bytes) for p in s.result.points
@@ -936,10 +935,11 @@ def _solve_meshes(
 
 def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | None:
     """Incumbents for the whole solve of a stage problem that only feeds pipelines, from
-    the pipelined points made so far at the device counts it feeds. The problems its
-    pipelines price with and the bound (``search.pipeline.cut_bound``) go to
-    ``at.bare``, where ``_pipelined`` takes them."""
-    from tensoropt.search.pipeline import cut_bound, slot_problem, stage_incumbents
+    the points made so far at the device counts it feeds. The problems its pipelines
+    price with and each stage count's region of those points under the bound
+    (``search.pipeline.cut_bound``, ``beaten``) go to ``at.bare``, where ``_pipelined``
+    takes them."""
+    from tensoropt.search.pipeline import beaten, cut_bound, slot_problem, stage_incumbents
 
     space, mesh, v = at.space, at.mesh, b.variant
     segments = space.segments[1 if v.recompute else 0]
@@ -961,11 +961,13 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     bare = more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 0.0)
     bound = cut_bound(b.mp, bare, more, b.graph, v.recompute)
     # the pipelines of this problem price with them (b.mp is the family's problem with
-    # its ZeRO stage, unless it holds the recompute working set) and prune with the bound
-    at.bare[(*key, v.zero)] = (None if v.recompute else b.mp, bare, more, bound)
+    # its ZeRO stage, unless it holds the recompute working set) and prune with the
+    # regions, which the solve's incumbents intersect
+    regions = {} if bound is None else beaten(made, bound)
+    at.bare[(*key, v.zero)] = (None if v.recompute else b.mp, bare, more, regions)
     if bound is None or not all(made.values()):
         return None
-    return stage_incumbents(made, bound)
+    return stage_incumbents(made, bound, regions)
 
 
 def _feeds_pipelines(space: SearchSpace, mesh: Mesh, v: Variant) -> bool:
@@ -984,12 +986,11 @@ def _pipelined(
     search: MeshSearch,
     profile: ClusterProfile,
     budget,
-    piped: Mapping[int, Sequence[tuple[float, float]]] | None = None,
 ) -> list[MeshSearch]:
     """The pipelined searches made of one micro-batched problem's frontier
-    (search.pipeline): one per stage count whose device count is searched. ``piped``:
-    the pipelined points made so far per device count, which prune the cuts of the
-    stage problem's plans where its bound (``_staged_incumbents``) says so."""
+    (search.pipeline): one per stage count whose device count is searched. The stage
+    problem's plans are not cut into P stages where the regions of the points made so
+    far (``_staged_incumbents``) say every such cut is beaten."""
     from tensoropt.search.pipeline import pipeline_search, pipelined
 
     space, mesh, v = at.space, at.mesh, b.variant
@@ -1002,13 +1003,12 @@ def _pipelined(
     reference = _megatron_in(b, at)
     fastest: dict = {}
     segments = space.segments[1 if v.recompute else 0]
-    plain, bare, more, bound = at.bare.pop((*key, v.zero), (None, None, None, None))
-    known = {p: piped.get(p * mesh.size, ()) for p in counts} if piped else None
+    plain, bare, more, regions = at.bare.pop((*key, v.zero), (None, None, None, None))
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
-        bare=bare, more=more, plain=plain, bound=bound, known=known,
+        bare=bare, more=more, plain=plain, regions=regions,
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary

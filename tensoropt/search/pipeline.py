@@ -80,8 +80,7 @@ def pipelined(
     bare=None,
     more=None,
     plain=None,
-    bound: CutBound | None = None,
-    known: Mapping[int, Sequence[tuple[float, float]]] | None = None,
+    regions: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
@@ -93,12 +92,11 @@ def pipelined(
     without activations and with one more micro-batch slot (:func:`slot_problem`), when
     already built.
 
-    ``known`` (P -> (time, memory) of pipelined points already made at P x mesh
-    devices, elsewhere) with ``bound`` (the :class:`CutBound` of the problem whose
-    frontier this is): a plan whose every cut into P stages one of them strictly
-    dominates (:func:`beaten`) is not cut into P stages. The points left out are
-    dominated by points that are made anyway, so the frontier they merge into is the
-    same."""
+    ``regions`` (:func:`beaten` of the points already made at P x mesh devices,
+    elsewhere, by the :class:`CutBound` of the problem whose frontier this is): a plan
+    at or beyond a corner of P's region, whose every cut into P stages one of them
+    strictly dominates, is not cut into P stages. The points left out are dominated by
+    points that are made anyway, so the frontier they merge into is the same."""
     fastest = {} if fastest is None else fastest
     segments = segments_of(graph) if segments is None else segments
     counts = [p for p in counts if 2 <= p <= segments.count]
@@ -118,7 +116,7 @@ def pipelined(
     # per P, the frontier of the cuts found so far: a plan's cuts that it equals or
     # dominates are not kept (the Pareto set below is the same)
     held = {p: Staircase() for p in counts}
-    regions = {} if bound is None else beaten(known or {}, bound)
+    regions = regions or {}
     for n, point in enumerate(chosen_points):
         extra_choice = n >= len(frontier)  # its fastest cut is wanted whatever beats it
         wanted = counts
@@ -399,23 +397,23 @@ def cut_bound(
 
 
 def stage_incumbents(
-    made: dict[int, Sequence[tuple[float, float]]], bound: CutBound
+    made: Mapping[int, Sequence[tuple[float, float]]],
+    bound: CutBound,
+    regions: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Incumbents for a stage problem solved for its pipelines only, from the points
     ``made[P]`` (time, memory) already found at the device count of each stage count P
     it feeds; None when a count has none. A point Q at P x M devices dominates every cut
     of a plan X at or beyond (``bound.time_threshold(P, Q.t)``,
     ``bound.memory_threshold(P, Q.m)``) (:class:`CutBound`); X is useless when that
-    holds for every P. The corners are those of the intersection of the P regions,
-    pushed out by a relative slack."""
+    holds for every P. The corners are those of the intersection of the P regions
+    (``regions``: :func:`beaten` of ``made``, found here when not given)."""
+    regions = beaten(made, bound) if regions is None else regions
     region = None
-    for p, points in made.items():
-        if not len(points):
+    for p in made:
+        stair = regions.get(p)
+        if stair is None:
             return None
-        q = np.asarray(points, dtype=np.float64).reshape(-1, 2)
-        t = np.maximum(0.0, bound.time_threshold(p, q[:, 0])) * (1 + _BOUND_SLACK)
-        m = np.maximum(0.0, bound.memory_threshold(p, q[:, 1])) * (1 + _BOUND_SLACK)
-        stair = _staircase(t, m)
         if region is not None:  # a point in both regions: at or beyond a corner of each
             grid = np.union1d(region[0], stair[0])
             need = np.maximum(_floor_at(*region, grid), _floor_at(*stair, grid))
@@ -431,15 +429,17 @@ def beaten(
     known: Mapping[int, Sequence[tuple[float, float]]], bound: CutBound
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per stage count P with points in ``known`` (made at its device count), the
-    corners (:func:`stage_incumbents` of P alone) at or beyond which a plan's every cut
-    into P stages is strictly worse than one of those points in both time and memory:
-    the thresholds are pushed out by a relative slack, and each bound grows strictly
-    with the plan's time and memory."""
+    corners at or beyond which a plan's every cut into P stages is strictly worse than
+    one of those points in both time and memory: each point's thresholds
+    (:class:`CutBound`), pushed out by a relative slack (each bound grows strictly with
+    the plan's time and memory)."""
     out = {}
     for p, points in known.items():
-        region = stage_incumbents({p: points}, bound) if len(points) else None
-        if region is not None:
-            out[p] = region
+        if len(points):
+            q = np.asarray(points, dtype=np.float64).reshape(-1, 2)
+            t = np.maximum(0.0, bound.time_threshold(p, q[:, 0])) * (1 + _BOUND_SLACK)
+            m = np.maximum(0.0, bound.memory_threshold(p, q[:, 1])) * (1 + _BOUND_SLACK)
+            out[p] = _staircase(t, m)
     return out
 
 
