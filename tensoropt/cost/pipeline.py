@@ -187,6 +187,30 @@ def split_entries(t_plain, t_more, mem, mem_bare, micro_batches: int):
     return a, np.asarray(t_plain) - micro_batches * a, base, np.asarray(mem) - base
 
 
+def split_flat(plain: MeshProblem, more: MeshProblem, bare: MeshProblem):
+    """The (a, b, base, act) of :func:`split_entries` of every unit's strategies and every
+    edge's strategy pairs (row-major) of one family's micro-batched problem, the problem
+    with one more slot and the problem without activations, as four flat arrays (units
+    first, then edges, in their problems' order), with each entry's size and each edge's
+    columns: one split for all entries, the same floats as one per entry."""
+    units = (plain.problem.units, more.problem.units, bare.problem.units)
+    edges = (plain.problem.edges, more.problem.edges, bare.problem.edges)
+    sizes = [len(u.strategies) for u in units[0]]
+    edge_cols = [np.shape(e.time_s)[1] for e in edges[0]]
+    sizes += [np.size(e.time_s) for e in edges[0]]
+
+    def flat(problems, edge_rows, field) -> np.ndarray:
+        head = [getattr(s, field) for u in problems for s in u.strategies]
+        tail = [np.asarray(getattr(e, field), dtype=np.float64).ravel() for e in edge_rows]
+        return np.concatenate([np.asarray(head, dtype=np.float64), *tail])
+
+    t_plain = flat(units[0], edges[0], "time_s")
+    t_more = flat(units[1], edges[1], "time_s")
+    mem = flat(units[0], edges[0], "memory_bytes")
+    mem_bare = flat(units[2], edges[2], "memory_bytes")
+    return split_entries(t_plain, t_more, mem, mem_bare, plain.micro_batches), sizes, edge_cols
+
+
 def _prefix(values: Sequence[float]) -> np.ndarray:
     out = np.zeros(len(values) + 1)
     np.cumsum(values, out=out[1:])
@@ -211,66 +235,35 @@ class SegmentTables:
         mesh: Mesh,
     ):
         self.sg, self.plain, self.profile, self.mesh = sg, plain, profile, mesh
+        self.more, self.bare = more, bare
         self.segment_of = list(segment_of)
         self.segments = segments
         m = plain.micro_batches
         self.m = m
 
-        def split(t_plain, t_more, mem, mem_bare):
-            return split_entries(t_plain, t_more, mem, mem_bare, m)
-
-        self.units = []
-        for up, um, ub in zip(
-            plain.problem.units, more.problem.units, bare.problem.units, strict=True
-        ):
-            self.units.append(
-                split(
-                    [s.time_s for s in up.strategies],
-                    [s.time_s for s in um.strategies],
-                    [s.memory_bytes for s in up.strategies],
-                    np.asarray([s.memory_bytes for s in ub.strategies]),
-                )
-            )
-        self.edges = []
-        for ep, em, eb in zip(
-            plain.problem.edges, more.problem.edges, bare.problem.edges, strict=True
-        ):
-            seg = max(self.segment_of[ep.src], self.segment_of[ep.dst])
-            self.edges.append(
-                (
-                    ep.src,
-                    ep.dst,
-                    seg,
-                    split(ep.time_s, em.time_s, ep.memory_bytes, np.asarray(eb.memory_bytes)),
-                )
-            )
-        # the same entries flat, for one gather and one bincount per choice: units first,
-        # then edges, in the order the sums above add them (np.bincount adds its weights
-        # in input order, so every segment's sum is the same float)
-        unit_sizes = [len(u[0]) for u in self.units]
-        edge_sizes = [np.asarray(e[3][0]).size for e in self.edges]
-        starts = np.cumsum([0, *unit_sizes, *edge_sizes], dtype=np.int64)[:-1]
-        self._unit_offsets = starts[: len(unit_sizes)]
-        self._edge_offsets = starts[len(unit_sizes) :]
-        self._edge_src = np.array([e[0] for e in self.edges], dtype=np.int64)
-        self._edge_dst = np.array([e[1] for e in self.edges], dtype=np.int64)
-        self._edge_cols = np.array(
-            [np.asarray(e[3][0]).shape[1] for e in self.edges], dtype=np.int64
-        )
-        self._flat = [
-            np.concatenate(
-                [np.asarray(u[t], dtype=np.float64).ravel() for u in self.units]
-                + [np.asarray(e[3][t], dtype=np.float64).ravel() for e in self.edges]
-            )
-            for t in range(4)
-        ]
-        self._bins = np.array(list(self.segment_of) + [e[2] for e in self.edges], dtype=np.int64)
+        flat, sizes, edge_cols = split_flat(plain, more, bare)
+        self._flat = list(flat)  # (a, b, base, act), units first, then edges
+        self.starts = np.cumsum([0, *sizes], dtype=np.int64)[:-1]  # each entry's first
+        units = len(plain.problem.units)
+        self._unit_offsets = self.starts[:units]
+        self._edge_offsets = self.starts[units:]
+        edges = plain.problem.edges
+        self._edge_src = np.array([e.src for e in edges], dtype=np.int64)
+        self._edge_dst = np.array([e.dst for e in edges], dtype=np.int64)
+        self._edge_cols = np.asarray(edge_cols, dtype=np.int64)
+        edge_segments = [max(self.segment_of[e.src], self.segment_of[e.dst]) for e in edges]
+        self._bins = np.array(list(self.segment_of) + edge_segments, dtype=np.int64)
         self._traffic: dict = {}  # (value, source unit, its strategy) -> local bytes
-        self._spans = cut_spans(sg, self.segment_of)
+        self._spans: list | None = None  # cut_spans, found on the first terms()
         # unit 0 holds the problem's constants (ZeRO-3's gathered bound): every stage does
         self.gathered = 0.0
         if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
             self.gathered = gathered_bound(sg)
+
+    def entries(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """The flat (a, b, base, act) of every unit's strategies and edge's strategy pairs
+        (:func:`split_flat`) and each entry's first index."""
+        return self._flat, self.starts
 
     def terms(
         self, choice: Sequence[int], working_set: float = 0.0, count: bool = False
@@ -291,6 +284,8 @@ class SegmentTables:
             np.bincount(self._bins, weights=flat[at], minlength=n) for flat in self._flat
         )
         base[self.segment_of[0]] -= self.gathered
+        if self._spans is None:
+            self._spans = cut_spans(self.sg, self.segment_of)
         fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
             self.plain, choice, self._spans, n, self._traffic
         )

@@ -397,7 +397,8 @@ class _MeshProblems:
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
         # (recompute, micro-batches, ZeRO stage) -> (the stage problem, the problem with
         # one more micro-batch slot and without activations, twice, the regions of the
-        # points made), found for a stage problem's incumbents and taken by its pipelines
+        # points made, the stage problem's SegmentTables), found for a stage problem's
+        # incumbents and taken by its pipelines
         self.bare: dict[tuple[bool, int, int], object] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
@@ -939,7 +940,13 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     price with and each stage count's region of those points under the bound
     (``search.pipeline.cut_bound``, ``beaten``) go to ``at.bare``, where ``_pipelined``
     takes them."""
-    from tensoropt.search.pipeline import beaten, cut_bound, slot_problem, stage_incumbents
+    from tensoropt.search.pipeline import (
+        beaten,
+        cut_bound,
+        segment_tables,
+        slot_problem,
+        stage_incumbents,
+    )
 
     space, mesh, v = at.space, at.mesh, b.variant
     segments = space.segments[1 if v.recompute else 0]
@@ -959,12 +966,17 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     m = v.micro_batches
     # one more slot and no activations: the times of the one, the memories of the other
     bare = more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 0.0)
-    bound = cut_bound(b.mp, bare, more, b.graph, v.recompute)
-    # the pipelines of this problem price with them (b.mp is the family's problem with
-    # its ZeRO stage, unless it holds the recompute working set) and prune with the
-    # regions, which the solve's incumbents intersect
+    # the pipelines of this problem price with the tables of b.mp (the family's problem
+    # with its ZeRO stage, unless it holds the recompute working set, which they do not
+    # price) and prune with the regions, which the solve's incumbents intersect
+    tables = None
+    if not v.recompute:
+        tables = segment_tables(
+            b.graph, family, choices, at.chosen, zero, at.profile, segments, b.mp, bare, more
+        )
+    bound = cut_bound(b.mp, bare, more, b.graph, v.recompute, tables)
     regions = {} if bound is None else beaten(made, bound)
-    at.bare[(*key, v.zero)] = (None if v.recompute else b.mp, bare, more, regions)
+    at.bare[(*key, v.zero)] = (None if v.recompute else b.mp, bare, more, regions, tables)
     if bound is None or not all(made.values()):
         return None
     return stage_incumbents(made, bound, regions)
@@ -1003,12 +1015,12 @@ def _pipelined(
     reference = _megatron_in(b, at)
     fastest: dict = {}
     segments = space.segments[1 if v.recompute else 0]
-    plain, bare, more, regions = at.bare.pop((*key, v.zero), (None, None, None, None))
+    plain, bare, more, regions, tables = at.bare.pop((*key, v.zero), (None,) * 5)
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
-        bare=bare, more=more, plain=plain, regions=regions,
+        bare=bare, more=more, plain=plain, regions=regions, tables=tables,
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary

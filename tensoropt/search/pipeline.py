@@ -36,7 +36,7 @@ from tensoropt.cost.pipeline import (
     PipelineTerms,
     SegmentTables,
     held_micro_batches,
-    split_entries,
+    split_flat,
     stage_link,
 )
 from tensoropt.ir.costs import FrontierPoint
@@ -81,6 +81,7 @@ def pipelined(
     more=None,
     plain=None,
     regions: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
+    tables: SegmentTables | None = None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
     """Per stage count P in ``counts``: the non-dominated pipelined points over the
     intra-op plans of ``frontier`` (points of ``family``'s problem with ``zero`` and
@@ -90,7 +91,7 @@ def pipelined(
     ``segments``: ``segments_of(graph)``, when already found; ``plain``, ``bare``,
     ``more``: the family's problem with ``zero`` (without the recompute working set),
     without activations and with one more micro-batch slot (:func:`slot_problem`), when
-    already built.
+    already built; ``tables``: the ``SegmentTables`` of those three, when already made.
 
     ``regions`` (:func:`beaten` of the points already made at P x mesh devices,
     elsewhere, by the :class:`CutBound` of the problem whose frontier this is): a plan
@@ -102,12 +103,11 @@ def pipelined(
     counts = [p for p in counts if 2 <= p <= segments.count]
     if not counts or not (frontier or extra):  # a reference is priced on its own too
         return {}
-    m, mesh = family.micro_batches, family.plan_mesh
     plain = family.problem(zero_all=zero) if plain is None else plain
-    segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
-    if more is None or bare is None:  # one problem gives both (slot_problem)
-        more = bare = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
-    tables = SegmentTables(graph, plain, more, bare, segment_of, segments.count, profile, mesh)
+    if tables is None:
+        tables = segment_tables(
+            graph, family, choices, chosen, zero, profile, segments, plain, bare, more
+        )
     working = family.working_set() if recompute else None
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
@@ -145,6 +145,30 @@ def pipelined(
         kept = pareto(points)
         out[p] = (kept, [q.plans[0] for q in kept])
     return out
+
+
+def segment_tables(
+    graph: SearchGraph,
+    family: ProblemFamily,
+    choices,
+    chosen: dict,
+    zero: ZeroStage,
+    profile: ClusterProfile,
+    segments: Segments,
+    plain: MeshProblem,
+    bare: MeshProblem | None = None,
+    more: MeshProblem | None = None,
+) -> SegmentTables:
+    """The ``SegmentTables`` of ``plain`` (``family``'s problem with ``zero``) cut at
+    ``segments``; ``bare`` and ``more`` made here when not given (one problem gives both,
+    :func:`slot_problem`)."""
+    m = family.micro_batches
+    if more is None or bare is None:
+        more = bare = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
+    segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
+    return SegmentTables(
+        graph, plain, more, bare, segment_of, segments.count, profile, family.plan_mesh
+    )
 
 
 def cut_frontiers(
@@ -361,33 +385,29 @@ def cut_bound(
     more: MeshProblem,
     graph: SearchGraph,
     recompute: bool = False,
+    tables: SegmentTables | None = None,
 ) -> CutBound | None:
     """The :class:`CutBound` of ``plain``'s plans (a micro-batched problem, with the
     recompute working set in its entries when ``recompute``; ``bare``: the same without
     activations, ``more``: with one more micro-batch slot, both of the same family),
-    from each unit's and edge's entries split as ``SegmentTables`` splits them; None
-    when an entry holds less with its activations than without (the activation floor
-    A, the sum of the least activation entries, is then no bound)."""
+    from each unit's and edge's entries split as ``SegmentTables`` splits them (``tables``:
+    those of the same three problems, when already made); None when an entry holds less
+    with its activations than without (the activation floor A, the sum of the least
+    activation entries, is then no bound)."""
     m = plain.micro_batches
-    floor, least_a, most_b, bases = 0.0, 0.0, 0.0, []
-    entries = [
-        ([s.time_s for s in up.strategies], [s.time_s for s in um.strategies],
-         [s.memory_bytes for s in up.strategies], [s.memory_bytes for s in ub.strategies])
-        for up, um, ub in zip(plain.problem.units, more.problem.units, bare.problem.units,
-                              strict=True)
-    ] + [
-        (ep.time_s, em.time_s, ep.memory_bytes, eb.memory_bytes)
-        for ep, em, eb in zip(plain.problem.edges, more.problem.edges, bare.problem.edges,
-                              strict=True)
-    ]  # fmt: skip
-    for t_plain, t_more, mem, mem_bare in entries:
-        a, b, base, act = split_entries(t_plain, t_more, mem, mem_bare, m)
-        if act.min() < 0:
-            return None
-        floor += float(act.min())
-        least_a += float(a.min())
-        most_b += float(b.max())
-        bases.append(float(base.min()))
+    if tables is None:
+        (a, b, base, act), sizes, _ = split_flat(plain, more, bare)
+        starts = np.cumsum([0, *sizes], dtype=np.int64)[:-1]
+    else:
+        (a, b, base, act), starts = tables.entries()
+    least_act = np.minimum.reduceat(act, starts)
+    if least_act.min() < 0:
+        return None
+    # summed in the entries' order (np.cumsum adds one after the other)
+    floor = float(np.cumsum(least_act)[-1])
+    least_a = float(np.cumsum(np.minimum.reduceat(a, starts))[-1])
+    most_b = float(np.cumsum(np.maximum.reduceat(b, starts))[-1])
+    bases = np.minimum.reduceat(base, starts).tolist()
     gathered = 0.0
     if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
         gathered = gathered_bound(graph)

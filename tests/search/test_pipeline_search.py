@@ -47,16 +47,28 @@ def _pareto(rows):
 
 
 def _entry_sums(tables, choice):
-    """Prefix sums of a, b, base and act by a plain loop over the unit and edge entries."""
+    """Prefix sums of a, b, base and act by a plain loop over the unit and edge entries,
+    each split on its own (``split_entries``) from the tables' three problems."""
     import numpy as np
 
+    from tensoropt.cost.pipeline import split_entries
+
+    problems = (tables.plain.problem, tables.more.problem, tables.bare.problem)
     sums = [np.zeros(tables.segments) for _ in range(4)]
-    for k, entries in enumerate(tables.units):
-        for out, entry in zip(sums, entries, strict=True):
-            out[tables.segment_of[k]] += entry[choice[k]]
-    for src, dst, seg, entries in tables.edges:
-        for out, entry in zip(sums, entries, strict=True):
-            out[seg] += entry[choice[src]][choice[dst]]
+    for k, (up, um, ub) in enumerate(zip(*(p.units for p in problems), strict=True)):
+        s, t, u = up.strategies[choice[k]], um.strategies[choice[k]], ub.strategies[choice[k]]
+        parts = split_entries(s.time_s, t.time_s, s.memory_bytes, u.memory_bytes, tables.m)
+        for out, entry in zip(sums, parts, strict=True):
+            out[tables.segment_of[k]] += entry
+    for ep, em, eb in zip(*(p.edges for p in problems), strict=True):
+        i, j = choice[ep.src], choice[ep.dst]
+        parts = split_entries(
+            ep.time_s[i][j], em.time_s[i][j], ep.memory_bytes[i][j], eb.memory_bytes[i][j],
+            tables.m,
+        )  # fmt: skip
+        seg = max(tables.segment_of[ep.src], tables.segment_of[ep.dst])
+        for out, entry in zip(sums, parts, strict=True):
+            out[seg] += entry
     sums[2][tables.segment_of[0]] -= tables.gathered
     return [np.concatenate([[0.0], np.cumsum(x)]) for x in sums]
 
