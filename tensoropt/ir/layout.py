@@ -28,12 +28,30 @@ import numpy as np
 from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.mesh import Mesh
 
+# One object per placement: layouts are compared and hashed millions of times while the
+# choosers score candidates, and tuples of placements compare identical objects without
+# calling their ``__eq__``.
+_PLACEMENTS: dict[object, object] = {}
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:
     """Dim ``dim`` is split into equal contiguous pieces along the mesh axis."""
 
     dim: int
+
+    def __new__(cls, dim: int) -> Shard:
+        valid = type(dim) is int and dim >= 0  # (an invalid dim fails in __post_init__)
+        found = _PLACEMENTS.get((cls, dim)) if valid else None
+        if found is None:
+            found = object.__new__(cls)
+            if valid:
+                object.__setattr__(found, "dim", dim)
+                _PLACEMENTS[(cls, dim)] = found
+        return found  # type: ignore[return-value]
+
+    def __getnewargs__(self) -> tuple[int]:
+        return (self.dim,)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
@@ -47,6 +65,12 @@ class Shard:
 class Replicate:
     """Every device of the mesh axis holds the whole value."""
 
+    def __new__(cls) -> Replicate:
+        found = _PLACEMENTS.get(cls)
+        if found is None:
+            found = _PLACEMENTS[cls] = object.__new__(cls)
+        return found  # type: ignore[return-value]
+
     def __str__(self) -> str:
         return "R"
 
@@ -54,6 +78,12 @@ class Replicate:
 @dataclass(frozen=True, slots=True)
 class Partial:
     """Devices of the mesh axis hold addends; the value is their sum."""
+
+    def __new__(cls) -> Partial:
+        found = _PLACEMENTS.get(cls)
+        if found is None:
+            found = _PLACEMENTS[cls] = object.__new__(cls)
+        return found  # type: ignore[return-value]
 
     def __str__(self) -> str:
         return "P"
