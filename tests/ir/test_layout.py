@@ -146,3 +146,19 @@ def test_assemble_checks_replicas_and_missing_pieces() -> None:
 def test_shard_refuses_negative_dim() -> None:
     with pytest.raises(ShardingError, match="dim must be an integer >= 0"):
         Shard(-1)
+
+
+def test_placements_are_one_object_each() -> None:
+    """Equal placements are the same object, also through pickling (forked search workers
+    send layouts back): tuples of them then compare without calling ``__eq__``."""
+    import pickle
+
+    assert Shard(1) is Shard(1) and Shard(1) is not Shard(2)
+    assert Replicate() is Replicate() and Partial() is Partial()
+    layout = Layout.parse("S(0)RP")
+    again = pickle.loads(pickle.dumps(layout))
+    assert again == layout
+    assert all(a is b for a, b in zip(again.placements, layout.placements, strict=True))
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ShardingError, match="dim must be an integer"):
+            Shard(bad)

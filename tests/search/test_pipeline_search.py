@@ -421,6 +421,8 @@ def test_every_cut_of_a_plan_is_at_least_its_stage_bound(gpt, mesh, k, optimizer
     more = slot_problem(sg, family, choices, {}, zero, profile, k + 1, 1.0)
     bound = cut_bound(plain, bare, more, sg)
     assert bound is not None and bound.act_floor > 0 and bound.levels
+    # read from the pipelines' tables (the search's path), the same bound float for float
+    assert cut_bound(plain, bare, more, sg, tables=tables) == bound
     assert (bound.gathered > 0) == (zero is ZeroStage.PARAMETERS)
     assert bound.per_micro_floor > 0 and np.isfinite(bound.per_step_ceiling)
     n = segments.count
