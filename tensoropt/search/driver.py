@@ -395,10 +395,10 @@ class _MeshProblems:
         self.plain_strategies: tuple[tuple, ...] | None = None
         self.chosen: dict = {}  # the nodes' choices, shared by the families (ProgramCache)
         self.choices: dict[tuple[bool, int], object] = {}  # each family's strategies
-        # (recompute, micro-batches, ZeRO stage) -> (the stage problem, the problem with
-        # one more micro-batch slot and without activations, twice, the regions of the
-        # points made, the stage problem's SegmentTables), found for a stage problem's
-        # incumbents and taken by its pipelines
+        # (recompute, micro-batches, ZeRO stage) -> (the problem with one more
+        # micro-batch slot and without activations, the regions of the points made, the
+        # stage problem's SegmentTables or None), found for a stage problem's incumbents
+        # and taken by its pipelines
         self.bare: dict[tuple[bool, int, int], object] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
@@ -965,18 +965,18 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     family, choices, zero = found[0], at.choices[key], ZeroStage(v.zero)
     m = v.micro_batches
     # one more slot and no activations: the times of the one, the memories of the other
-    bare = more = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 0.0)
+    slot = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 0.0)
     # the pipelines of this problem price with the tables of b.mp (the family's problem
     # with its ZeRO stage, unless it holds the recompute working set, which they do not
     # price) and prune with the regions, which the solve's incumbents intersect
     tables = None
     if not v.recompute:
         tables = segment_tables(
-            b.graph, family, choices, at.chosen, zero, at.profile, segments, b.mp, bare, more
+            b.graph, family, choices, at.chosen, zero, at.profile, segments, b.mp, slot
         )
-    bound = cut_bound(b.mp, bare, more, b.graph, v.recompute, tables)
+    bound = cut_bound(b.mp, slot, slot, b.graph, v.recompute, tables)
     regions = {} if bound is None else beaten(made, bound)
-    at.bare[(*key, v.zero)] = (None if v.recompute else b.mp, bare, more, regions, tables)
+    at.bare[(*key, v.zero)] = (slot, regions, tables)
     if bound is None or not all(made.values()):
         return None
     return stage_incumbents(made, bound, regions)
@@ -1015,12 +1015,12 @@ def _pipelined(
     reference = _megatron_in(b, at)
     fastest: dict = {}
     segments = space.segments[1 if v.recompute else 0]
-    plain, bare, more, regions, tables = at.bare.pop((*key, v.zero), (None,) * 5)
+    slot, regions, tables = at.bare.pop((*key, v.zero), (None, None, None))
     by_count = pipelined(
         b.graph, family, at.choices[key], at.chosen, ZeroStage(v.zero), v.recompute,
         profile, search.result.points, counts, budget,
         extra=[reference] if reference else (), fastest=fastest, segments=segments,
-        bare=bare, more=more, plain=plain, regions=regions, tables=tables,
+        slot=slot, regions=regions, tables=tables,
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary

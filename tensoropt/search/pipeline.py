@@ -77,9 +77,7 @@ def pipelined(
     extra: Sequence[Sequence[int]] = (),
     fastest: dict | None = None,
     segments: Segments | None = None,
-    bare=None,
-    more=None,
-    plain=None,
+    slot: MeshProblem | None = None,
     regions: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
     tables: SegmentTables | None = None,
 ) -> dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]]:
@@ -88,10 +86,10 @@ def pipelined(
     ``recompute``), and the choice of each. Empty when the model has too few blocks.
     ``extra``: more choices (reference plans), whose points join the others and whose
     fastest cut per P also goes to ``fastest`` (P -> [(point, choice)]).
-    ``segments``: ``segments_of(graph)``, when already found; ``plain``, ``bare``,
-    ``more``: the family's problem with ``zero`` (without the recompute working set),
-    without activations and with one more micro-batch slot (:func:`slot_problem`), when
-    already built; ``tables``: the ``SegmentTables`` of those three, when already made.
+    ``segments``: ``segments_of(graph)``, when already found; ``slot``: the family's
+    problem with one more micro-batch slot and without activations (:func:`slot_problem`),
+    when already built; ``tables``: the ``SegmentTables`` of the family's problem with
+    ``zero`` (without the recompute working set), when already made.
 
     ``regions`` (:func:`beaten` of the points already made at P x mesh devices,
     elsewhere, by the :class:`CutBound` of the problem whose frontier this is): a plan
@@ -103,11 +101,12 @@ def pipelined(
     counts = [p for p in counts if 2 <= p <= segments.count]
     if not counts or not (frontier or extra):  # a reference is priced on its own too
         return {}
-    plain = family.problem(zero_all=zero) if plain is None else plain
     if tables is None:
+        plain = family.problem(zero_all=zero)
         tables = segment_tables(
-            graph, family, choices, chosen, zero, profile, segments, plain, bare, more
+            graph, family, choices, chosen, zero, profile, segments, plain, slot
         )
+    plain = tables.plain
     working = family.working_set() if recompute else None
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
@@ -156,18 +155,17 @@ def segment_tables(
     profile: ClusterProfile,
     segments: Segments,
     plain: MeshProblem,
-    bare: MeshProblem | None = None,
-    more: MeshProblem | None = None,
+    slot: MeshProblem | None = None,
 ) -> SegmentTables:
     """The ``SegmentTables`` of ``plain`` (``family``'s problem with ``zero``) cut at
-    ``segments``; ``bare`` and ``more`` made here when not given (one problem gives both,
-    :func:`slot_problem`)."""
-    m = family.micro_batches
-    if more is None or bare is None:
-        more = bare = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
+    ``segments``, its times with one more slot and memories without activations from
+    ``slot`` (:func:`slot_problem`, made here when not given)."""
+    if slot is None:
+        m = family.micro_batches
+        slot = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
     segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
     return SegmentTables(
-        graph, plain, more, bare, segment_of, segments.count, profile, family.plan_mesh
+        graph, plain, slot, slot, segment_of, segments.count, profile, family.plan_mesh
     )
 
 
