@@ -27,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tensoropt.calibrate.stats import Sample, evict_caches, steady_sample, time_call
 from tensoropt.cost.compute import family, forward_flops
+from tensoropt.runtime.lowering import lower_row_sums
 from tensoropt.runtime.program import SessionConfig
 
 CONTRACTIONS = ("matmul", "conv")
@@ -204,9 +205,12 @@ def build_model(case: KernelCase, copies: int) -> onnx.ModelProto:
 
 
 def session(model: onnx.ModelProto, config: SessionConfig) -> ort.InferenceSession:
-    """A CPU session of ``model`` with the runtime's options (``config``)."""
+    """A CPU session of ``model`` with the runtime's options (``config``), in the form the
+    runtime gives onnxruntime (:mod:`tensoropt.runtime.lowering`)."""
     return ort.InferenceSession(
-        model.SerializeToString(), config.options(), providers=["CPUExecutionProvider"]
+        lower_row_sums(model).SerializeToString(),
+        config.options(),
+        providers=["CPUExecutionProvider"],
     )
 
 

@@ -65,6 +65,7 @@ from tensoropt.runtime.collectives import (
     parse_collective,
 )
 from tensoropt.runtime.external import is_shared, read_initializer
+from tensoropt.runtime.lowering import lower_row_sums
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -385,6 +386,7 @@ def _make_segment(ctx: _Context, index: int, nodes: list[NodeProto]) -> Segment:
         if vi.type.WhichOneof("value"):
             types.setdefault(vi.name, vi.type)
     seg.graph.output.extend(_value_info(o, types, where) for o in outputs)
+    seg = lower_row_sums(seg, types)  # onnxruntime's fast form (runtime.lowering)
     return Segment(index, seg, tuple(inputs), tuple(outputs), tuple(shared))
 
 
