@@ -106,6 +106,7 @@ def validate(model: str, cluster: Path, tmp: Path, args) -> dict:
     argv = ["validate", str(path), "--devices", "2" if args.pipelined else "1,2",
             "--cluster", str(cluster), "--points", str(args.points),
             "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--rounds", str(args.rounds),
             "--json-out", str(out), "--axes", args.axes, "--optimizer", args.optimizer]  # fmt: skip
     if args.pipelined:
         argv.append("--pipelined")
@@ -267,6 +268,7 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--axes",
         help="the search's axes (search --axes; default split, with --pipelined split,stages)",
@@ -308,13 +310,14 @@ def main() -> None:
         flag += " --pipelined"
     head = (
         f"`python benchmarks/bench_validate.py{flag}"
-        f" --points {args.points} --steps {args.steps}` -- "
+        f" --points {args.points} --steps {args.steps} --rounds {args.rounds}` -- "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} cores "
         f"({profile['machine']['cpu']}), Python {platform.python_version()}, load average "
         f"{load_start:.1f} at the start and {load_end:.1f} at the end. Profile calibrated "
         f"{cal['date']} ({cal['backend']}, {cal['ranks']} ranks x {cal['threads_per_rank']} "
         f"thread, {cal['repeats']} repeats). Models: {args.models}; {len(plans)} plans; "
-        f"{args.steps} steps per run, medians after {args.warmup} warm-up steps; mpi backend"
+        f"{args.steps} steps per run, medians after {args.warmup} warm-up steps, the "
+        f"median of {args.rounds} rounds over all plans; mpi backend"
         + ("; the pipelined problems' own frontiers at 2 devices." if args.pipelined else ".")
     )
     text = "\n".join([head, "", *summary, "", *rows, ""])

@@ -63,6 +63,9 @@ class PlanCheck:
     # the host's reference time around the run over the calibration's (hostspeed; > 1:
     # the host ran slower than when calibrated); None: the profile has no reference
     host: float | None = None
+    # every round's measured step time (the slowest rank's median), in run order; the
+    # profile above is the median round's
+    round_times_s: tuple[float, ...] = ()
 
     @property
     def measured_time_s(self) -> float:
@@ -132,6 +135,7 @@ class PlanCheck:
                 "ranks": [r.to_json() for r in ranks],
                 "memory_link": self.link.to_json() if self.link else None,
                 "host_speed_ratio": self.host,
+                "round_times_s": list(self.round_times_s),
             },
             "time_rel_error": self.time_error,
             "time_rel_error_host_corrected": self.host_time_error,

@@ -7,17 +7,24 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tensoropt.cli.cmd_search import add_search_options
 from tensoropt.cli.json_output import add_json_flag, add_json_out
 from tensoropt.errors import InfeasibleError, TensorOptError
+
+if TYPE_CHECKING:
+    from tensoropt.calibrate.memlink import LinkProbe
+    from tensoropt.runtime.profiling import ProfileReport
 
 EPILOG = """\
 what it does: searches the frontier of MODEL at each device count with the cluster
 profile (normally one from `tensoropt calibrate` on this machine), picks --points
 points per count (fastest, min-memory and evenly spaced ones), compiles each exactly
 as `compile --pick` does, runs it with `run --profile` (--steps steps, medians after
---warmup) and compares:
+--warmup) --rounds times, in rounds over all plans, and compares its median round
+(a disturbance of the host during one run then moves nothing):
 
   time    estimated step time vs the slowest rank's median measured step
   memory  the search's memory estimate vs the largest rank's measured memory (growth
@@ -70,6 +77,13 @@ def add_parser(sub) -> None:
     p.add_argument("--points", type=int, default=4, help="plans per device count (default 4)")
     p.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out (default 2)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="run every plan this many times, in rounds over all plans, and compare the "
+        "median round (default 3; 1: one run each, a third of the time)",
+    )
     p.add_argument("--backend", choices=["mpi", "local"], default="mpi")
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default: profile's)")
     p.add_argument("--lr", type=float, default=0.01)
@@ -186,6 +200,8 @@ def _check_args(args) -> None:
         )
     if args.points < 1:
         raise TensorOptError(f"--points {args.points}: give at least 1")
+    if args.rounds < 1:
+        raise TensorOptError(f"--rounds {args.rounds}: give at least 1")
     if args.record and not (args.cluster.endswith(".json") and os.path.isfile(args.cluster)):
         raise TensorOptError(
             f"--record writes into the --cluster profile file; {args.cluster!r} is not one "
@@ -195,6 +211,26 @@ def _check_args(args) -> None:
         raise TensorOptError(
             f"--steps {args.steps} --warmup {args.warmup}: need 0 <= warmup < steps"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One run of one plan: its profile, the memory-link probe and host speed around it."""
+
+    profile: ProfileReport
+    link: LinkProbe | None
+    host: float | None
+
+
+def _step_s(profile: ProfileReport) -> float:
+    """The step time validate compares: the slowest rank's median step."""
+    return max(r.step_s for r in profile.ranks)
+
+
+def _median_round(runs: list[_Run]) -> _Run:
+    """The run whose step time is the median of the plan's rounds (the lower middle of an
+    even count): its compute, communication and memory are reported together."""
+    return sorted(runs, key=lambda r: _step_s(r.profile))[(len(runs) - 1) // 2]
 
 
 def _calibrated_reference(cluster: str | None) -> float | None:
@@ -246,10 +282,6 @@ def run(args: argparse.Namespace) -> int:
         rows = _pipelined_frontier(exp, d) if args.pipelined else device_frontier(exp, d)
         for k in select_points(len(rows), args.points):
             picks.append((d, k, len(rows), *rows[k]))
-    checks = []
-    bar = progress(
-        picks, total=len(picks), desc="validate", label=lambda p: f"{p[0]} devices, point {p[1]}"
-    )
     ranks = max(devices) if args.backend == "mpi" else 1  # local: the ranks take turns
     calibrated = _calibrated_reference(args.cluster)
     reference = hostspeed.Reference() if calibrated else None
@@ -257,10 +289,26 @@ def run(args: argparse.Namespace) -> int:
         tempfile.TemporaryDirectory(prefix="tensoropt-validate-") as tmp,
         memlink.prober(ranks) as prober,
     ):
-        for n, (d, k, size, search, point) in enumerate(bar):
+        plans = []
+        for n, (d, k, _size, search, point) in enumerate(picks):
             plan = plan_of_point(search, point, f"validate point {k} at {d} devices")
             outdir = os.path.join(tmp, f"plan_{n}")
             compile_step(build_step(args), plan, None, outdir)
+            plans.append((plan, outdir))
+        # every plan once per round, the rounds one after another: a disturbance of the
+        # host that lasts a run slows one plan's round, and the median round drops it
+        runs: list[list[_Run]] = [[] for _ in picks]
+        tasks = [(r, n) for r in range(args.rounds) for n in range(len(picks))]
+        bar = progress(
+            tasks,
+            total=len(tasks),
+            desc="validate",
+            label=lambda t: (
+                f"round {t[0] + 1}/{args.rounds}: {picks[t[1]][0]} devices, point {picks[t[1]][1]}"
+            ),
+        )
+        for _r, n in bar:
+            d, outdir = picks[n][0], plans[n][1]
             link = prober.probe() if prober is not None and d > 1 else None
             around = [reference.measure()] if reference else []
             result = run_steps(
@@ -274,15 +322,19 @@ def run(args: argparse.Namespace) -> int:
             assert result.profile is not None
             if reference:
                 around.append(reference.measure())
+            runs[n].append(_Run(result.profile, link, hostspeed.host_ratio(around, calibrated)))
+        checks = []
+        for n, (d, k, size, search, point) in enumerate(picks):
+            kept = _median_round(runs[n])
             summary = search.summaries[search.result.points.index(point)]
-            facts = graph_facts(outdir, profile.intra)
+            facts = graph_facts(plans[n][1], profile.intra)
             checks.append(
                 PlanCheck(
                     d, tuple(search.mesh.shape), k, size, summary, point.time_s,
-                    point.memory_bytes, facts.liveness_peak, result.profile,
-                    compute_only(plan), facts.state_bytes, facts.comm_s,
-                    facts.collectives, link, search.variant.to_json(len(search.blocks)),
-                    hostspeed.host_ratio(around, calibrated),
+                    point.memory_bytes, facts.liveness_peak, kept.profile,
+                    compute_only(plans[n][0]), facts.state_bytes, facts.comm_s,
+                    facts.collectives, kept.link, search.variant.to_json(len(search.blocks)),
+                    kept.host, tuple(_step_s(r.profile) for r in runs[n]),
                 )
             )  # fmt: skip
     if not args.json:  # with --json, stdout is the document alone

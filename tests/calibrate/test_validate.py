@@ -64,6 +64,22 @@ def test_table_labels_pipelined_meshes_as_the_search_does():
     assert [mesh_text(c) for c in (plain, staged, bare)] == ["2x2", "pp2:1", "4"]
 
 
+def test_median_round_keeps_the_middle_run_whole():
+    from types import SimpleNamespace
+
+    from tensoropt.cli.cmd_validate import _median_round
+
+    def run(*steps):
+        ranks = tuple(SimpleNamespace(step_s=s) for s in steps)
+        return SimpleNamespace(profile=SimpleNamespace(ranks=ranks), link=None, host=None)
+
+    # the step of a run is its slowest rank's; a disturbed run (9.0) is never kept
+    runs = [run(1.0, 9.0), run(2.0, 2.5), run(3.0, 1.0)]
+    assert _median_round(runs) is runs[2]
+    assert _median_round(runs[:2]) is runs[1]  # even count: the lower middle
+    assert _median_round(runs[:1]) is runs[0]
+
+
 def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys, monkeypatch):
     model = zoo_model("mlp")
     drawn = record_saved(monkeypatch)
@@ -105,6 +121,9 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
         assert r["time_rel_error_host_corrected"] == pytest.approx(
             rel_error(est["time_s"] * host, meas["time_s"])
         )
+        # three rounds by default; the reported run is the median of them
+        rounds = meas["round_times_s"]
+        assert len(rounds) == 3 and meas["time_s"] == sorted(rounds)[1]
     shared = [r for r in results if (r["measured"]["memory_link"] or {}).get("shared")]
     assert data["plans_on_shared_memory_link"] == len(shared)
     # --record keeps each plan's memory link, and the band reports the plans per link

@@ -204,6 +204,7 @@ CASES: list[tuple[list[str], str]] = [
     # validate
     (["validate", M], "--cluster"),
     (["validate", M, "--cluster", "h100", "--points", "0"], "--points"),
+    (["validate", M, "--cluster", "h100", "--rounds", "0"], "--rounds"),
     (["validate", M, "--cluster", "h100", "--steps", "2", "--warmup", "2"], "--warmup"),
     (["validate", M, "--cluster", "h100", "--plot", "/proc/v.png"], "--plot"),
     (["validate", M, "--cluster", "h100", "--devices", "1..3"], "1-3"),
