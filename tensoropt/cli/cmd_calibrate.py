@@ -32,7 +32,8 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             Measuring processes start with the MPI ranks' malloc settings (see `run
             --help`: heap thresholds, transparent huge pages). Also: a Softmax on
             causally masked scores against plain ones (softmax_masked_s: onnxruntime's
-            CPU Softmax slows down where exp underflows). The cost model floors a
+            CPU Softmax slows down where exp underflows on some hosts; 0 where the two
+            timings differ by no more than their own spread). The cost model floors a
             non-contraction op at the time to stream its bytes and its backward's at
             memory_bandwidth: in a step those come from memory, not the cache a chain
             of one op keeps them in. memory_bandwidth is the median one-process rate of
@@ -71,16 +72,17 @@ One calibration at a time writes an output: a second one into the same file is
 refused (exit 2) while the first runs.
 
 time and accuracy (2 cores, idle; benchmarks/RESULTS.md, "Calibration: time and
-accuracy per mode"): the default takes about 4 minutes (247 s), --quick about 40 s.
-`validate` right after, idle: default, 20 plans of gpt, resnet50 and mlp small and a
-torch.onnx GPT-2 export on 1 and 2 ranks: median step-time error 6.4% and 7.5% in two
-runs (worst 12.3% and 12.6%), memory 10.8% and 13.7% (the plans picked differ); 35
-plans of gpt, bert and mlp small with every memory axis: 6.5% and 8.1%. Before the
-masked Softmax, gradient-sum and streaming terms (cost model, not calibration): 7.6%
-(worst 20.8%) and 12.2%. --quick, 27 plans with every memory axis: 4.5% and 8.5% (an
-earlier cost model). Two calibrations agree within 15% per rate, and a model's signed
-error moves by that much between them. A loaded machine (other work on the
-cores) costs both time (the default took 8 minutes at load 5-7) and accuracy (2-rank
+accuracy per mode"): the default takes about 3-4 minutes (182-247 s), --quick about
+30-40 s. `validate` right after, idle, 20 plans of gpt, resnet50 and mlp small and a
+torch.onnx GPT-2 export on 1 and 2 ranks (3 rounds): default, median step-time error
+4.6% (worst 18.0%), memory 5.7%, every model's signed median within 10% but mlp
+small's on 2 ranks (-15.5%: its optimizer update streams the whole state, and the two
+ranks shared one memory link); --quick 5.4% (worst 12.7%), memory 7.1%, gpt small on
+1 rank +12.4% and mlp small on 2 -10.9%. With every memory axis (36 plans, default):
+9.9%, memory 8.5%; pipelined plans (13): 8.6%, memory 13.2%. Two calibrations in a
+row: 2 of 81 rates beyond 15% on an AMD host, all within 15% on an Intel one; a
+model's signed error moves by that much between them. A loaded machine (other work on
+the cores) costs both time (the default took 8 minutes at load 5-7) and accuracy (2-rank
 plans 31-41% slower than estimated).
 
 examples:

@@ -631,3 +631,19 @@ def test_column_parallel_consumer_pays_the_backward_allreduce(mlp_tiny_sg):
     value = mp.units[dst].node.inputs[0]
     nbytes = 4 * math.prod(value.shape)
     assert edge.time_s[rep][col] == pytest.approx(2 * 1e-5 + nbytes / 1e9, rel=1e-12)
+
+
+def test_masked_softmax_excess_within_the_timings_spread_is_no_slow_path():
+    from tensoropt.calibrate.kernels import masked_excess
+    from tensoropt.calibrate.stats import Sample
+
+    fast = Sample(median=1.0e-3, spread=0.04, repeats=3)
+    # a difference inside either timing's IQR (4% of 1 ms) is not a slow path
+    assert masked_excess(Sample(1.03e-3, 0.02, 3), fast) == 0.0
+    assert masked_excess(Sample(0.98e-3, 0.02, 3), fast) == 0.0
+    assert masked_excess(Sample(1.05e-3, 0.06, 3), fast) == 0.0  # the slow one's own spread
+    # two tight timings still differ by up to the steady-sample criterion (5%)
+    steady = Sample(median=1.0e-3, spread=0.001, repeats=3)
+    assert masked_excess(Sample(1.04e-3, 0.001, 3), steady) == 0.0
+    # a real slow path (the development VM's: several times the plain kernel) is kept
+    assert masked_excess(Sample(4.0e-3, 0.05, 3), fast) == pytest.approx(3.0e-3)
