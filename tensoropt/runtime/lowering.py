@@ -60,14 +60,16 @@ def _static_shapes(model: onnx.ModelProto, types: Mapping[str, TypeProto] | None
     return shape
 
 
-def _axes(node: NodeProto, consts: Mapping[str, np.ndarray]) -> list[int] | None:
+def _axes(node: NodeProto, consts: Mapping[str, TensorProto]) -> list[int] | None:
     """The node's reduced axes when they are constant; None otherwise."""
     attrs = {a.name: a for a in node.attribute}
     if "axes" in attrs:  # opsets before 13
         return list(attrs["axes"].ints)
     if len(node.input) > 1 and node.input[1]:
         value = consts.get(node.input[1])
-        return None if value is None else [int(v) for v in value.reshape(-1)]
+        if value is None:
+            return None
+        return [int(v) for v in numpy_helper.to_array(value).reshape(-1)]
     return None
 
 
@@ -99,10 +101,10 @@ def lower_row_sums(
     if not any(candidate(n) for n in graph.node):
         return model
     shape = _static_shapes(model, types)
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    consts = {t.name: t for t in graph.initializer}  # read only where a node's axes are
     for n in graph.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+            consts[n.output[0]] = n.attribute[0].t
     taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
     taken |= {i.name for i in graph.input}
     new_inits: dict[str, TensorProto] = {}
