@@ -26,18 +26,15 @@ POLL_S = 1.0  # how often the parent checks that the measuring process is alive
 def _worker(opts: kernels.KernelOptions, cases: Sequence[kernels.KernelCase], pacer, copies, conn):
     # started by neighbours.start_child: the runtime's malloc settings are in its
     # environment already (glibc reads them at start)
-    from tensoropt.calibrate.steps import measure_step_only, measure_training_case
+    from tensoropt.calibrate.steps import measure_training_case
 
     try:
         for case in cases:
             conn.send(("tick", case.label()))
             with pacer.busy():
-                if copies is None:
-                    result, sample = measure_training_case(case, opts)
-                    overhead = sample.median
-                else:
-                    result, overhead = measure_step_only(case, copies[case.label()], opts), None
-            conn.send(("result", result, overhead))
+                fixed = None if copies is None else copies[case.label()]
+                result, sample = measure_training_case(case, opts, fixed)
+            conn.send(("result", result, sample.median))
     except (OSError, KeyboardInterrupt):  # the parent is gone or interrupted: it reports
         return
     except TensorOptError as exc:
@@ -61,9 +58,8 @@ def measure_pass(
 ) -> list[tuple[kernels.KernelResult, float | None]]:
     """(result, session-run overhead) of every case, measured in a fresh process.
 
-    With ``copies`` (per case label, the first pass's R), only the training steps are
-    measured, at those copy counts: the result has no forward kernel time and the
-    overhead is None.
+    With ``copies`` (per case label, the first pass's R), the training steps are
+    measured at those copy counts, so every pass's step slope has the same R.
 
     The process is stopped however this returns (an interrupt included); one that
     dies part-way is one clear error.

@@ -244,7 +244,7 @@ def measure_kernels(
         def pass_tick(label: str, index: int = index) -> None:
             tick(f"pass {index + 1}/{total}: {label}")
 
-        # the forward kernels in the first pass only, every pass's step at its R
+        # every pass times the forward kernels and the steps, the steps at the first pass's R
         copies = {r.case.label(): r.copies for r, _ in state.passes[0]} if index else None
         with busy_neighbours(opts.neighbours, kopts, cases) as pacer:
             state.passes.append(measure_pass(kopts, cases, pacer, pass_tick, copies))

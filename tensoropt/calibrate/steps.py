@@ -110,18 +110,16 @@ def step_copies(case: KernelCase, kernel_copies: int) -> int:
     return min(kernel_copies, STEP_COPIES[case.traffic > SMALL_CASE_BYTES])
 
 
-def measure_training_case(case: KernelCase, opts: KernelOptions) -> tuple[KernelResult, Sample]:
+def measure_training_case(
+    case: KernelCase, opts: KernelOptions, kernel_copies: int | None = None
+) -> tuple[KernelResult, Sample]:
     """One calibration case: its kernel alone (slope over copies) and as a training step.
 
-    Also returns the per-``session.run`` overhead of the kernel measurement.
+    ``kernel_copies``: the R the step's slope is taken at, from the first pass (every
+    pass's step at the same R); None: the R of this kernel measurement. Also returns the
+    per-``session.run`` overhead of the kernel measurement.
     """
     result, overhead = measure_case(case, opts.forward())
-    step = measure_step(case, step_copies(case, result.copies), opts)
+    copies = result.copies if kernel_copies is None else kernel_copies
+    step = measure_step(case, step_copies(case, copies), opts)
     return dataclasses.replace(result, step=step), overhead
-
-
-def measure_step_only(case: KernelCase, kernel_copies: int, opts: KernelOptions) -> KernelResult:
-    """A later pass of one case: its training step alone, at the R of the first pass's
-    kernel measurement (``kernel_copies``); no forward kernel time (``seconds`` None)."""
-    step = measure_step(case, step_copies(case, kernel_copies), opts)
-    return KernelResult(case, None, kernel_copies, step)

@@ -26,9 +26,10 @@ what it measures (medians of --repeats runs, with the spread IQR/median of each)
             Against disturbances by other work on the host: every case's training
             step is measured in --passes passes over all cases (minutes apart, each
             in a fresh process), keeping its median; the file records how far apart
-            they were. The forward kernels alone are timed in the first pass only
-            (shorter blocks): the cost model prices an op's step as forward x (1 +
-            backward ratio), and the ratio is measured against that same forward.
+            they were. The forward kernels alone are timed in every pass too
+            (shorter blocks), each keeping its median pass: the cost model prices an
+            op's step as forward x (1 + backward ratio), the ratio measured against
+            that forward.
             Measuring processes start with the MPI ranks' malloc settings (see `run
             --help`: heap thresholds, transparent huge pages). Also: a Softmax on
             causally masked scores against plain ones (softmax_masked_s: onnxruntime's
@@ -72,16 +73,18 @@ One calibration at a time writes an output: a second one into the same file is
 refused (exit 2) while the first runs.
 
 time and accuracy (2 cores, idle; benchmarks/RESULTS.md, "Calibration: time and
-accuracy per mode"): the default takes about 3-4 minutes (182-247 s), --quick about
+accuracy per mode"): the default takes about 3.5 minutes (209 s), --quick about
 30-40 s. `validate` right after, idle, 20 plans of gpt, resnet50 and mlp small and a
 torch.onnx GPT-2 export on 1 and 2 ranks (3 rounds): default, median step-time error
-4.6% (worst 18.0%), memory 5.7%, every model's signed median within 10% but mlp
-small's on 2 ranks (-15.5%: its optimizer update streams the whole state, and the two
-ranks shared one memory link); --quick 5.4% (worst 12.7%), memory 7.1%, gpt small on
-1 rank +12.4% and mlp small on 2 -10.9%. With every memory axis (36 plans, default):
-9.9%, memory 8.5%; pipelined plans (13): 8.6%, memory 13.2%. Two calibrations in a
-row: 2 of 81 rates beyond 15% on an AMD host, all within 15% on an Intel one; a
-model's signed error moves by that much between them. A loaded machine (other work on
+6.6% (worst 12.8%), memory 5.6%, every model's signed median within 10%; in a run
+before, 4.6% (worst 18.0%) with mlp small on 2 ranks at -15.5% (its optimizer update
+streams the whole state, and the two ranks shared one memory link); --quick 5.4%
+(worst 12.7%), memory 7.1%, gpt small on 1 rank +12.4% and mlp small on 2 -10.9%.
+With every memory axis (36 plans, default): 9.9%, memory 8.5%; pipelined plans (13):
+8.6%, memory 13.2%. Two calibrations in a row: every compute rate within 15%, the
+collectives' rates up to 19% apart when the host's memory link changed state between
+them (AMD host); every rate within 15% on an Intel host; a model's signed error moves
+by that much between them. A loaded machine (other work on
 the cores) costs both time (the default took 8 minutes at load 5-7) and accuracy (2-rank
 plans 31-41% slower than estimated).
 

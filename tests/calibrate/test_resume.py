@@ -87,14 +87,14 @@ def test_interrupted_calibration_resumes_from_its_finished_pass(tmp_path):
     assert cal["host_references_s"][: len(kept["references"])] == pytest.approx(
         kept["references"], abs=1e-6
     )
-    # the forward kernels are timed in the first pass only: the kept pass was used, not
-    # measured again (a re-measured pass would never equal its timings to the last bit)
+    # every pass times the forward kernels and each case keeps the faster of its two:
+    # the kept pass's timings are one of the two, so no case ends slower than them
     final = {}
     for curve in data["op_curves"].values():
         for label, (work, rate, _) in zip(curve["cases"], curve["points"], strict=True):
             final[label] = work / rate
     assert set(final) == set(saved)
-    assert all(final[c] == pytest.approx(saved[c], rel=1e-12) for c in saved)
+    assert all(final[c] <= saved[c] * (1 + 1e-12) for c in saved)
 
     # refusals, one line each, exit 2, nothing written
     other = tmp_path / "other.json"
