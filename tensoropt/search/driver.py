@@ -971,9 +971,7 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     # price) and prune with the regions, which the solve's incumbents intersect
     tables = None
     if not v.recompute:
-        tables = segment_tables(
-            b.graph, family, choices, at.chosen, zero, at.profile, segments, b.mp, slot
-        )
+        tables = segment_tables(b.graph, family, at.profile, segments, b.mp, slot)
     bound = cut_bound(b.mp, slot, slot, b.graph, v.recompute, tables)
     regions = {} if bound is None else beaten(made, bound)
     at.bare[(*key, v.zero)] = (slot, regions, tables)

@@ -102,9 +102,11 @@ def pipelined(
     if not counts or not (frontier or extra):  # a reference is priced on its own too
         return {}
     if tables is None:
-        plain = family.problem(zero_all=zero)
+        if slot is None:
+            m = family.micro_batches
+            slot = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
         tables = segment_tables(
-            graph, family, choices, chosen, zero, profile, segments, plain, slot
+            graph, family, profile, segments, family.problem(zero_all=zero), slot
         )
     plain = tables.plain
     working = family.working_set() if recompute else None
@@ -149,20 +151,14 @@ def pipelined(
 def segment_tables(
     graph: SearchGraph,
     family: ProblemFamily,
-    choices,
-    chosen: dict,
-    zero: ZeroStage,
     profile: ClusterProfile,
     segments: Segments,
     plain: MeshProblem,
-    slot: MeshProblem | None = None,
+    slot: MeshProblem,
 ) -> SegmentTables:
-    """The ``SegmentTables`` of ``plain`` (``family``'s problem with ``zero``) cut at
+    """The ``SegmentTables`` of ``plain`` (one of ``family``'s problems) cut at
     ``segments``, its times with one more slot and memories without activations from
-    ``slot`` (:func:`slot_problem`, made here when not given)."""
-    if slot is None:
-        m = family.micro_batches
-        slot = slot_problem(graph, family, choices, chosen, zero, profile, m + 1, 0.0)
+    ``slot`` (:func:`slot_problem`)."""
     segment_of = [segments.segment_of(u.root.name) for u in graph.units.units]
     return SegmentTables(
         graph, plain, slot, slot, segment_of, segments.count, profile, family.plan_mesh
