@@ -34,6 +34,14 @@ from tensoropt.ir.mesh import Mesh
 _PLACEMENTS: dict[object, object] = {}
 
 
+def _only(cls):
+    """The one instance of placement class ``cls`` that takes no fields."""
+    found = _PLACEMENTS.get(cls)
+    if found is None:
+        found = _PLACEMENTS[cls] = object.__new__(cls)
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class Shard:
     """Dim ``dim`` is split into equal contiguous pieces along the mesh axis."""
@@ -66,10 +74,7 @@ class Replicate:
     """Every device of the mesh axis holds the whole value."""
 
     def __new__(cls) -> Replicate:
-        found = _PLACEMENTS.get(cls)
-        if found is None:
-            found = _PLACEMENTS[cls] = object.__new__(cls)
-        return found  # type: ignore[return-value]
+        return _only(cls)
 
     def __str__(self) -> str:
         return "R"
@@ -80,10 +85,7 @@ class Partial:
     """Devices of the mesh axis hold addends; the value is their sum."""
 
     def __new__(cls) -> Partial:
-        found = _PLACEMENTS.get(cls)
-        if found is None:
-            found = _PLACEMENTS[cls] = object.__new__(cls)
-        return found  # type: ignore[return-value]
+        return _only(cls)
 
     def __str__(self) -> str:
         return "P"
