@@ -5,7 +5,7 @@ computes far faster than the form the gradient rules emit. This module rewrites 
 on the models handed to onnxruntime only (segment models, calibration cases), so the
 written device graphs, their inspection and the plan stay as compiled.
 
-Row sums. ``ReduceSum`` over the leading axes of a tensor (a broadcast operand's
+Row sums. ``ReduceSum`` over the first axes of a tensor (a broadcast operand's
 gradient: a bias's from ``[batch, seq, hidden]``) takes onnxruntime 1.32's slow path
 whenever the reduced rows and the kept columns are both small (below 512 rows and 512
 columns, measured): 0.6-0.9 ns per element against 0.07-0.17 ns on either side of that
@@ -34,21 +34,16 @@ Shapes = Callable[[str], "tuple[int, ...] | None"]
 def _static_shapes(model: onnx.ModelProto, types: Mapping[str, TypeProto] | None) -> Shapes:
     """Static float32 shapes of the model's values: from ``types`` when given, else from
     onnx shape inference of the model."""
-    table: dict[str, TypeProto] = {}
-    if types is not None:
-        table.update(types)
-    else:
-        inferred = onnx.shape_inference.infer_shapes(model)
-        g = inferred.graph
-        for vi in [*g.input, *g.value_info, *g.output]:
-            table[vi.name] = vi.type
+    if types is None:
+        g = onnx.shape_inference.infer_shapes(model).graph
+        types = {vi.name: vi.type for vi in [*g.input, *g.value_info, *g.output]}
     inits = {t.name: t for t in model.graph.initializer}
 
     def shape(name: str) -> tuple[int, ...] | None:
         if name in inits:
             t = inits[name]
             return tuple(t.dims) if t.data_type == TensorProto.FLOAT else None
-        tp = table.get(name)
+        tp = types.get(name)
         if tp is None or not tp.HasField("tensor_type"):
             return None
         tt = tp.tensor_type
@@ -74,23 +69,23 @@ def _axes(node: NodeProto, consts: Mapping[str, TensorProto]) -> list[int] | Non
 
 
 def _row_sum(node: NodeProto, shape: tuple[int, ...], axes: list[int]) -> tuple[int, int] | None:
-    """(rows, columns) when ``node`` sums the leading ``len(axes)`` axes of ``shape``."""
+    """(rows, columns) when ``node`` sums the first ``len(axes)`` axes of ``shape``."""
     rank = len(shape)
     attrs = {a.name: a for a in node.attribute}
     if not axes or (attrs.get("noop_with_empty_axes") and attrs["noop_with_empty_axes"].i):
         return None
-    lead = sorted({a + rank if a < 0 else a for a in axes})
-    if lead != list(range(len(lead))) or len(lead) >= rank:
+    outer = sorted({a + rank if a < 0 else a for a in axes})
+    if outer != list(range(len(outer))) or len(outer) >= rank:
         return None
-    rows = int(np.prod(shape[: len(lead)]))
-    cols = int(np.prod(shape[len(lead) :]))
+    rows = int(np.prod(shape[: len(outer)]))
+    cols = int(np.prod(shape[len(outer) :]))
     return (rows, cols) if rows > 1 and rows * cols >= MIN_ELEMENTS else None
 
 
 def lower_row_sums(
     model: onnx.ModelProto, types: Mapping[str, TypeProto] | None = None
 ) -> onnx.ModelProto:
-    """``model`` with every float32 ``ReduceSum`` over leading axes of a static shape
+    """``model`` with every float32 ``ReduceSum`` over the first axes of a static shape
     written as ``Reshape -> MatMul(ones row) -> Reshape``; the model itself when there is
     none. ``types``: the values' types where the caller has them (else inferred here)."""
     graph = model.graph
@@ -130,8 +125,8 @@ def lower_row_sums(
             continue
         rows, cols = rc
         keep = {a.name: a.i for a in node.attribute}.get("keepdims", 1)
-        lead = len(set(a % len(dims) for a in axes))
-        final = ([1] * lead if keep else []) + list(dims[lead:])
+        outer = len(set(a % len(dims) for a in axes))
+        final = ([1] * outer if keep else []) + list(dims[outer:])
         stem = node.name or node.output[0]
         flat, summed = f"{stem}__rows", f"{stem}__rowsum"
         out += [

@@ -1,4 +1,4 @@
-"""Row sums written as a ones-row MatMul for onnxruntime: same values, leading axes only."""
+"""Row sums written as a ones-row MatMul for onnxruntime: same values, the first axes only."""
 
 from __future__ import annotations
 
@@ -56,15 +56,15 @@ def _ops(model: onnx.ModelProto) -> list[str]:
 @settings(max_examples=25, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 40), min_size=2, max_size=4),
-    lead=st.integers(1, 3),
+    outer=st.integers(1, 3),
     keepdims=st.sampled_from([0, 1]),
     negative=st.booleans(),
     form=st.sampled_from(["initializer", "constant", "attribute"]),
 )
-def test_lowered_row_sum_computes_the_same_values(shape, lead, keepdims, negative, form):
-    lead = min(lead, len(shape) - 1)
+def test_lowered_row_sum_computes_the_same_values(shape, outer, keepdims, negative, form):
+    outer = min(outer, len(shape) - 1)
     rank = len(shape)
-    axes = [a - rank if negative else a for a in range(lead)][::-1]
+    axes = [a - rank if negative else a for a in range(outer)][::-1]
     model = _reduce_model(
         shape,
         axes,
@@ -78,7 +78,7 @@ def test_lowered_row_sum_computes_the_same_values(shape, lead, keepdims, negativ
     got = _run(lowered, x)
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    rows = int(np.prod(shape[:lead]))
+    rows = int(np.prod(shape[:outer]))
     if rows > 1 and int(np.prod(shape)) >= 4096:
         assert "ReduceSum" not in _ops(lowered)
         assert _ops(lowered).count("MatMul") == 1
@@ -89,7 +89,7 @@ def test_lowered_row_sum_computes_the_same_values(shape, lead, keepdims, negativ
 @pytest.mark.parametrize(
     ("shape", "axes", "dtype"),
     [
-        ((16, 64, 8, 8), [0, 2, 3], TensorProto.FLOAT),  # not a leading run of axes
+        ((16, 64, 8, 8), [0, 2, 3], TensorProto.FLOAT),  # not a run of first axes
         ((8, 64, 256), [2], TensorProto.FLOAT),  # the last axis: already the fast path
         ((8, 64, 256), [0, 1, 2], TensorProto.FLOAT),  # every axis: nothing is kept
         ((8, 64, 256), [0, 1], TensorProto.DOUBLE),  # float32 only
