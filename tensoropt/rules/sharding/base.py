@@ -63,19 +63,25 @@ class OpView:
     # A MaxPool whose Indices output is read only modulo its input's spatial plane (what
     # the gradient rule reads): the offsets a batch or channel split changes cancel there.
     reduced_indices: bool = False
+    # the key, made on first use: the rules' memos ask for it on every lookup
+    _key: tuple | None = field(default=None, init=False, compare=False, repr=False)
 
     def key(self) -> tuple:
         """A hashable key of this view: equal for identical ops (memo keys)."""
-        return (
-            self.op_type,
-            tuple(sorted((k, _hashable(v)) for k, v in self.attributes.items())),
-            self.input_shapes,
-            self.input_dtypes,
-            self.output_shapes,
-            self.output_dtypes,
-            tuple(_hashable(c) for c in self.const_inputs),
-            self.reduced_indices,
-        )
+        found = self._key
+        if found is None:
+            found = (
+                self.op_type,
+                tuple(sorted((k, _hashable(v)) for k, v in self.attributes.items())),
+                self.input_shapes,
+                self.input_dtypes,
+                self.output_shapes,
+                self.output_dtypes,
+                tuple(_hashable(c) for c in self.const_inputs),
+                self.reduced_indices,
+            )
+            object.__setattr__(self, "_key", found)
+        return found
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attributes", MappingProxyType(dict(self.attributes)))
