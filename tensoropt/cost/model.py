@@ -1113,7 +1113,7 @@ def estimate_plan(
 
 
 def micro_choices(
-    sg: SearchGraph, mesh: Mesh, k: int, memo: dict | None = None
+    sg: SearchGraph, mesh: Mesh, k: int
 ) -> dict[str, tuple[tuple[MeshSharding, MeshSharding], ...]]:
     """The strategies a search offers each unit with ``k`` micro-batches on ``mesh``:
     (micro-mesh strategy, its strategy on ``mesh``) for every strategy
@@ -1123,16 +1123,15 @@ def micro_choices(
     Raises MicroError when the step cannot run in k micro-batches (a unit with no such
     strategy, or an op that couples the samples of the batch).
 
-    ``memo``: what does not depend on ``mesh`` (the units' strategies on the micro axis
-    alone, :func:`_micro_along`), by (id(sg), k), shared by the meshes of one search."""
+    What does not depend on ``mesh`` (the units' strategies on the micro axis alone,
+    :func:`_micro_along`) is made once per step and k (``StepUnits.shared``)."""
     from tensoropt.passes.micro import MicroError, _combine
 
-    key = (id(sg), k)
-    along = None if memo is None else memo.get(key)
+    memo = sg.units.shared
+    along = memo.get(("along", k))
     if along is None:
         along = _micro_along(sg, k)  # raises MicroError: nothing kept
-        if memo is not None:
-            memo[key] = along
+        memo[("along", k)] = along
     strategies: dict = {}
     combined: dict = {}  # (root's op view, strategy, micro strategy) -> combined or None
     out = {}

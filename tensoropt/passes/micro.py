@@ -65,9 +65,8 @@ from tensoropt.passes.annotate import (
 from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL, planned_conversions
 from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
-from tensoropt.passes.units import StepUnits
+from tensoropt.passes.units import StepUnits, combine_axes
 from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
-from tensoropt.rules.sharding.registry import axis_step
 
 MICRO_AXIS = SEQUENTIAL_AXIS
 """The name of the micro axis in the micro mesh: conversions never move data along it."""
@@ -300,22 +299,16 @@ def _combine(
     node: ir.Node, real: MeshSharding, along: MeshSharding, mesh: Mesh, k: int
 ) -> MeshSharding:
     """``along``'s placements on the micro axis, then ``real`` on the plan's axes, each
-    legal on the op as the axes before it localized it."""
-    view = sa.op_view(node)
-    axes = []
-    for axis, (s, n) in enumerate(zip((along.axes[0], *real.axes), (k, *mesh.shape), strict=True)):
-        legal, views = axis_step(view, n)
-        if s not in legal:
-            what = "micro-batches" if axis == 0 else f"mesh axis {axis - 1}"
-            raise MicroError(
-                f"--micro-batches {k}: unit {node.name!r} ({node.op_type}) cannot run its "
-                f"strategy {s} on {what} within a micro-batch (input shapes "
-                f"{list(view.input_shapes)}); give a micro-batch count that divides its "
-                "local batch, or --micro-batches 1"
-            )
-        axes.append(s)
-        view = views[legal.index(s)]
-    return MeshSharding(tuple(axes))
+    legal on the op as the axes before it localized it (``units.combine_axes``)."""
+    found = combine_axes(node, along, real, micro_mesh(mesh, k))
+    if found is None:
+        raise MicroError(
+            f"--micro-batches {k}: unit {node.name!r} ({node.op_type}) cannot run its "
+            f"strategy {real} within a micro-batch (input shapes "
+            f"{list(sa.op_view(node).input_shapes)}); give a micro-batch count that divides "
+            "its local batch, or --micro-batches 1"
+        )
+    return found
 
 
 # -- the phase cut -------------------------------------------------------------------

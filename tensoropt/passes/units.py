@@ -48,6 +48,15 @@ micro-batch; on a micro mesh the stages differ in the order of the gradient's tw
 (``conversion_steps``' ``scatter_first``): stage 1 sums over the micro-batches first
 (the full gradient is accumulated, reduce-scattered once per step), stages 2 and 3
 reduce-scatter each micro-batch's gradient and accumulate the shard.
+
+Micro meshes (``passes.micro``: the micro axis of k micro-batches in front of the plan's
+mesh M): a unit's program runs M's program per micro-batch. Each node takes its strategy
+in the unit's program on M on M's axes, after its strategy in the unit's program on the
+micro axis alone, where the op can run that pair (checked axis by axis, as the micro
+mesh's strategies compose); a node that cannot (a batch too small to split over both)
+chooses by the propagation on the micro mesh, as do all nodes of a unit with no program
+on M. So M's programs are made once for every micro-batch count, and a micro-batched
+plan splits each op as the plan does (:class:`_MicroParts`).
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ from tensoropt.passes import sharding_adapter as sa
 from tensoropt.passes.autodiff import GRAD_OF_KEY, grad_of
 from tensoropt.passes.recompute import RECOMPUTE_KEY, RECOMPUTE_OF_KEY
 from tensoropt.rules.sharding import MeshSharding
+from tensoropt.rules.sharding.memo import Memo
+from tensoropt.rules.sharding.registry import axis_step
 
 
 class Entry(Enum):
@@ -210,6 +221,11 @@ class StepUnits:
     required: dict[ir.Value, str | None]  # graph output -> carried input (None: replicated)
     # every value one unit holds and another reads (``crossings``): the same on every mesh
     crossings: tuple[Crossing, ...] = ()
+    # what every mesh's programs and strategies of this step share: the program caches
+    # of the meshes micro meshes are made of, by (mesh shape, axis names); each micro
+    # mesh's :class:`_MicroParts`, by ("micro", shape, names); the micro axis's root
+    # strategies per micro-batch count, by ("along", k) (``cost.model.micro_choices``)
+    shared: dict = field(default_factory=dict, repr=False)
 
     def index(self, name: str) -> int:
         for k, u in enumerate(self.units):
@@ -480,6 +496,7 @@ class ProgramCache:
         self._cache: dict[tuple, Program] = {}
         self._out_terms: dict = {}  # candidate -> its scoring tie-breakers on this mesh
         self._chosen = {} if chosen is None else chosen
+        self._parts = _MicroParts.of(su, mesh)
 
     def program(self, k: int, strategy: MeshSharding, zero: ZeroStage = ZeroStage.NONE) -> Program:
         unit = self.su.units[k]
@@ -497,11 +514,102 @@ class ProgramCache:
                     f"its op splits the batch) and strategy {strategy} has none; drop "
                     "'zero' for this unit"
                 )
+            forced = None if self._parts is None else self._parts.combined(k, strategy, zero)
             chooser = _Chooser(
                 self.su, unit, self.mesh, self._out_terms, zero, shards, self._chosen
             )
-            found = self._cache[key] = chooser.run(strategy)
+            found = self._cache[key] = chooser.run(strategy, forced)
         return found
+
+
+class _MicroParts:
+    """A micro mesh's programs as combinations (see the module doc, "Micro meshes"):
+    the plan mesh's programs, the micro axis's, and which of their node strategies
+    combine legally on the micro mesh."""
+
+    def __init__(self, su: StepUnits, mesh: Mesh) -> None:
+        self.su = su
+        self.mesh = mesh
+        self.plain = _shared(su, Mesh(tuple(mesh.shape[1:]), tuple(mesh.axis_names[1:])))
+        self.along = _shared(su, Mesh(tuple(mesh.shape[:1]), tuple(mesh.axis_names[:1])))
+        self._split: dict[MeshSharding, tuple[MeshSharding, MeshSharding]] = {}
+        # (unit structure, node position, plan-mesh strategy, micro-axis strategy) ->
+        # the combined strategy, or None where the op cannot run it on the micro mesh
+        self._node: dict[tuple, MeshSharding | None] = {}
+
+    @staticmethod
+    def of(su: StepUnits, mesh: Mesh) -> _MicroParts | None:
+        """The parts of ``mesh`` when it is a micro mesh with more than one micro-batch
+        (the micro axis first, ``passes.micro.micro_mesh``); else None."""
+        if mesh.sequential_axis != 0 or mesh.ndim == 1 or mesh.shape[0] == 1:
+            return None
+        key = ("micro", tuple(mesh.shape), tuple(mesh.axis_names))
+        found = su.shared.get(key)
+        if found is None:
+            found = su.shared[key] = _MicroParts(su, mesh)
+        return found
+
+    def combined(
+        self, k: int, strategy: MeshSharding, zero: ZeroStage
+    ) -> list[MeshSharding | None] | None:
+        """Unit ``k``'s node strategies under root ``strategy``: each node's strategy in
+        the plan mesh's program, after its strategy in the micro axis's program; None for
+        a node that cannot run the pair, and in place of the list where a part has no
+        program."""
+        parts = self._split.get(strategy)
+        if parts is None:
+            parts = (MeshSharding(strategy.axes[1:]), MeshSharding(strategy.axes[:1]))
+            self._split[strategy] = parts
+        try:
+            plain = self.plain.program(k, parts[0], zero)
+            along = self.along.program(k, parts[1])
+        except (PlanError, ShardingError):
+            return None
+        unit = self.su.units[k]
+        out = []
+        for i, (s, m) in enumerate(zip(plain.strategies, along.strategies, strict=True)):
+            key = (unit.key, i, s, m)
+            if key in self._node:
+                found = self._node[key]
+            else:
+                found = self._node[key] = combine_axes(unit.nodes[i], m, s, self.mesh)
+            out.append(found)
+        return out
+
+
+def _shared(su: StepUnits, mesh: Mesh) -> ProgramCache:
+    """The step's program cache of ``mesh``, made once (``StepUnits.shared``)."""
+    key = (tuple(mesh.shape), tuple(mesh.axis_names))
+    found = su.shared.get(key)
+    if found is None:
+        found = su.shared[key] = ProgramCache(su, mesh)
+    return found
+
+
+def combine_axes(
+    node: ir.Node, micro: MeshSharding, plain: MeshSharding, mesh: Mesh
+) -> MeshSharding | None:
+    """``micro``'s placements on the micro axis, then ``plain``'s on the plan axes, each
+    legal on the op as the axes before it localized it; None where one is not (memoised
+    per distinct op view: repeated layers and unit structures share their nodes' ops)."""
+    key = (sa.view_key(node), micro, plain, mesh.shape)
+    found = _COMBINED.get(key)
+    if found is None:
+        axes = (*micro.axes, *plain.axes)
+        found = _COMBINED.put(key, _combine_axes(sa.op_view(node), axes, mesh))
+    return found or None
+
+
+def _combine_axes(view, axes: tuple, mesh: Mesh) -> MeshSharding | bool:
+    for s, n in zip(axes, mesh.shape, strict=True):
+        legal, views = axis_step(view, n)
+        if s not in legal:
+            return False
+        view = views[legal.index(s)]
+    return MeshSharding(axes)
+
+
+_COMBINED = Memo(200_000)  # (view key, micro, plain, micro mesh shape) -> strategy or False
 
 
 def zero_params(su: StepUnits, k: int) -> list[tuple[int, int, ir.Value]]:
@@ -622,12 +730,18 @@ class _Chooser:
         self.conversions: dict[tuple[Ref, Layout], Conversion] = {}
         self.out_terms: dict = {} if out_terms is None else out_terms
 
-    def run(self, root: MeshSharding) -> Program:
+    def run(
+        self, root: MeshSharding, forced: Sequence[MeshSharding | None] | None = None
+    ) -> Program:
+        """The program under ``root``; ``forced``: the nodes' strategies, given (None: the
+        node chooses); a given strategy is only placed, its conversions recorded."""
         strategies: list[MeshSharding] = []
         for i, node in enumerate(self.unit.nodes):
             original = _original(self.unit, i)
             if i == 0:
                 strategy = root
+            elif forced is not None and forced[i] is not None:
+                strategy = forced[i]
             elif original is not None:  # a recomputed forward node reruns as the original
                 strategy = strategies[original]
             else:

@@ -382,11 +382,8 @@ class _MeshProblems:
         space: SearchSpace,
         mesh: Mesh,
         profile: ClusterProfile,
-        along: dict | None = None,
     ):
         self.sg, self.space, self.mesh, self.profile = sg, space, mesh, profile
-        # the micro axis's strategies by (id(graph), micro-batches): one per job's meshes
-        self.along = {} if along is None else along
         self.families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
         self.built: dict[tuple[bool, int], list[MeshProblem]] = {}
         self.plain_refs: dict[str, tuple[int, ...]] = {}
@@ -436,7 +433,7 @@ class _MeshProblems:
             choices, reals = None, None
             try:
                 if v.micro_batches > 1:
-                    offered = micro_choices(graph, self.mesh, v.micro_batches, self.along)
+                    offered = micro_choices(graph, self.mesh, v.micro_batches)
                     choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
                     reals = tuple(
                         tuple(r for _, r in offered[unit.root.name]) for unit in graph.units.units
@@ -860,8 +857,7 @@ def _solve_meshes(
     searches keyed by their problem's place in the order of its problems, and its plain
     problem's (reference choices, strategies)."""
     meshes, profile, budget, epsilon, chained, phase = job
-    along: dict = {}  # shared by the meshes (micro_choices)
-    at = {mesh: _MeshProblems(sg, space, mesh, profile, along) for mesh in meshes}
+    at = {mesh: _MeshProblems(sg, space, mesh, profile) for mesh in meshes}
     for mesh in meshes:
         if tuple(mesh.shape) in phase.refs:
             at[mesh].plain_refs, at[mesh].plain_strategies = phase.refs[tuple(mesh.shape)]

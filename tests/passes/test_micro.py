@@ -213,3 +213,52 @@ def test_search_problem_per_micro_batch_count(tmp_path):
         fastest[k] = min(p.time_s for p in points)
     assert least[1] > least[2] > least[4]
     assert fastest[1] < fastest[2] < fastest[4]
+
+
+# -- a unit's program on the micro mesh ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh", "k", "falls_back"),
+    [("gpt", "2x2", 2, False), ("bert", "2", 4, False), ("rnnlm", "4", 4, True)],
+)
+def test_micro_programs_run_the_plan_mesh_program_per_micro_batch(name, mesh, k, falls_back):
+    """Every node of a unit's program on the micro mesh takes its plan-mesh program's
+    strategy on the plan's axes and its micro-axis program's on the micro axis, where
+    the op can run the pair; a node that cannot takes a legal strategy of the micro mesh
+    (rnnlm on 4 devices in 4 micro-batches: a batch of 8 leaves some pairs no split)."""
+    from tensoropt.cost.model import micro_choices
+    from tensoropt.ir.plan import ZeroStage
+    from tensoropt.passes import sharding_adapter as sa
+    from tensoropt.passes.micro import MICRO_AXIS, micro_mesh
+    from tensoropt.passes.units import ProgramCache, combine_axes
+
+    adam = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.ADAM, lr=0.01))
+    step, _, _ = _step(name, "data-parallel", mesh, k, adam)
+    sg = search_graph_of(step)
+    plan_mesh = make_mesh(mesh, "megatron")
+    su, micro = sg.units, micro_mesh(plan_mesh, k)
+    programs = ProgramCache(su, micro)
+    plain, along = ProgramCache(su, plan_mesh), ProgramCache(su, Mesh((k,), (MICRO_AXIS,)))
+    paired = chose = 0
+    for u, unit in enumerate(su.units):
+        for strategy, real in micro_choices(sg, plan_mesh, k)[unit.root.name]:
+            for zero in (ZeroStage.NONE, ZeroStage.PARAMETERS):
+                try:
+                    got = programs.program(u, strategy, zero)
+                except PlanError:  # no ZeRO axis under this strategy
+                    continue
+                a = plain.program(u, real, zero)
+                b = along.program(u, dataclasses.replace(strategy, axes=strategy.axes[:1]))
+                assert got.strategies[0] == strategy
+                for i in range(1, len(unit.nodes)):
+                    node = unit.nodes[i]
+                    pair = combine_axes(node, b.strategies[i], a.strategies[i], micro)
+                    if pair is not None:
+                        paired += 1
+                        assert got.strategies[i] == pair, (unit.root.name, node.name, zero)
+                    else:
+                        chose += 1
+                        assert got.strategies[i] in sa.candidates(node, micro)
+    assert paired > 0
+    assert (chose > 0) == falls_back
