@@ -195,14 +195,32 @@ def split_flat(plain: MeshProblem, more: MeshProblem, bare: MeshProblem):
     columns: one split for all entries, the same floats as one per entry."""
     units = (plain.problem.units, more.problem.units, bare.problem.units)
     edges = (plain.problem.edges, more.problem.edges, bare.problem.edges)
-    sizes = [len(u.strategies) for u in units[0]]
-    edge_cols = [np.shape(e.time_s)[1] for e in edges[0]]
-    sizes += [np.size(e.time_s) for e in edges[0]]
+    # repeated layers share their strategy tuples and edge tables: each distinct one is
+    # converted once (by identity: the problems hold them while this runs)
+    tables: dict[int, np.ndarray] = {}
+    rows: dict[tuple[int, str], np.ndarray] = {}
+
+    def table(values) -> np.ndarray:
+        found = tables.get(id(values))
+        if found is None:
+            found = tables[id(values)] = np.asarray(values, dtype=np.float64)
+        return found
 
     def flat(problems, edge_rows, field) -> np.ndarray:
-        head = [getattr(s, field) for u in problems for s in u.strategies]
-        tail = [np.asarray(getattr(e, field), dtype=np.float64).ravel() for e in edge_rows]
-        return np.concatenate([np.asarray(head, dtype=np.float64), *tail])
+        parts = []
+        for u in problems:
+            found = rows.get((id(u.strategies), field))
+            if found is None:
+                found = np.asarray([getattr(s, field) for s in u.strategies], dtype=np.float64)
+                rows[(id(u.strategies), field)] = found
+            parts.append(found)
+        parts += [table(getattr(e, field)).ravel() for e in edge_rows]
+        return np.concatenate(parts)
+
+    sizes = [len(u.strategies) for u in units[0]]
+    shapes = [table(e.time_s).shape for e in edges[0]]
+    edge_cols = [shape[1] for shape in shapes]
+    sizes += [shape[0] * shape[1] for shape in shapes]
 
     t_plain = flat(units[0], edges[0], "time_s")
     t_more = flat(units[1], edges[1], "time_s")
