@@ -92,7 +92,7 @@ class KernelCase:
 @dataclass(frozen=True, slots=True)
 class KernelResult:
     case: KernelCase
-    seconds: Sample | None  # one kernel, inside a graph (None: a pass that timed the step alone)
+    seconds: Sample  # one kernel, inside a graph
     copies: int = 1  # R of the slope
     step: Sample | None = None  # one copy's forward + backward + update in a step graph
 

@@ -40,10 +40,14 @@ def _sample_json(s: Sample | None) -> list | None:
 
 
 def _sample(v: list | None) -> Sample | None:
-    return None if v is None else Sample(float(v[0]), float(v[1]), int(v[2]))
+    return None if v is None else _whole(v)
 
 
-def _result_json(result: KernelResult, overhead: float | None) -> dict:
+def _whole(v: list) -> Sample:
+    return Sample(float(v[0]), float(v[1]), int(v[2]))
+
+
+def _result_json(result: KernelResult, overhead: float) -> dict:
     return {
         "case": result.case.label(),
         "seconds": _sample_json(result.seconds),
@@ -63,7 +67,7 @@ class PartialState:
     host-speed reference timings."""
 
     fingerprint: dict
-    passes: list[list[tuple[KernelResult, float | None]]] = field(default_factory=list)
+    passes: list[list[tuple[KernelResult, float]]] = field(default_factory=list)
     runs: list[dict] = field(default_factory=list)
     probes: list[LinkProbe] = field(default_factory=list)
     seconds: float = 0.0
@@ -86,14 +90,12 @@ class PartialState:
         write_atomic(path, (json.dumps(self.to_json()) + "\n").encode())
 
 
-def _results(
-    rows: list[dict], cases: tuple[KernelCase, ...]
-) -> list[tuple[KernelResult, float | None]]:
+def _results(rows: list[dict], cases: tuple[KernelCase, ...]) -> list[tuple[KernelResult, float]]:
     if [r["case"] for r in rows] != [c.label() for c in cases]:
         raise ValueError("the cases differ")
     return [
-        (KernelResult(c, _sample(r["seconds"]), int(r["copies"]), _sample(r["step"])),
-         None if r["overhead_s"] is None else float(r["overhead_s"]))
+        (KernelResult(c, _whole(r["seconds"]), int(r["copies"]), _sample(r["step"])),
+         float(r["overhead_s"]))
         for c, r in zip(cases, rows, strict=True)
     ]  # fmt: skip
 

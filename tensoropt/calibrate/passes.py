@@ -55,7 +55,7 @@ def measure_pass(
     pacer: Pacer,
     tick: Callable[[str], None],
     copies: Mapping[str, int] | None = None,
-) -> list[tuple[kernels.KernelResult, float | None]]:
+) -> list[tuple[kernels.KernelResult, float]]:
     """(result, session-run overhead) of every case, measured in a fresh process.
 
     With ``copies`` (per case label, the first pass's R), the training steps are
@@ -72,7 +72,7 @@ def measure_pass(
         daemon=True,
         name="measure",
     )
-    out: list[tuple[kernels.KernelResult, float | None]] = []
+    out: list[tuple[kernels.KernelResult, float]] = []
 
     def stopped() -> TensorOptError:
         proc.join(POLL_S)

@@ -171,7 +171,7 @@ def middle_pass(passes: list[kernels.KernelResult]) -> kernels.KernelResult:
     five other calibrations measured, and keeping the fastest pass kept it
     (`docs/design/measured.md`, "Calibration determinism"). The median of three passes
     drops one odd pass in either direction."""
-    kernel = _middle([r for r in passes if r.seconds is not None], key=lambda r: r.seconds.median)
+    kernel = _middle(passes, key=lambda r: r.seconds.median)
     steps = [r.step for r in passes if r.step is not None]
     step = _middle(steps, key=lambda v: v.median) if steps else None
     return dataclasses.replace(kernel, step=step)
@@ -211,6 +211,9 @@ def fingerprint(opts: CalibrateOptions) -> dict:
         # how each case is timed, and which cases: a file of another tensoropt version
         # measured differently
         "timing": dataclasses.asdict(_kernel_options(opts)),
+        # what each pass times: the forward kernels and the steps (a file whose later
+        # passes timed the steps alone cannot be resumed into one that needs both)
+        "passes_time": "forward and step",
         "cases": len(kernels.cases(opts.quick)),
         **{k: machine[k] for k in ("host", "cpu", "arch", "cores", "memory_bytes", "python")},
         **package_versions(),
@@ -254,8 +257,7 @@ def measure_kernels(
     for done in state.passes:
         for result, overhead in done:
             by_case.setdefault(result.case, []).append(result)
-            if overhead is not None:
-                overheads.append(overhead)
+            overheads.append(overhead)
     tick("floor")
     floor, overhead = kernels.measure_case(kernels.floor_case(), kopts)
     overheads.append(overhead.median)

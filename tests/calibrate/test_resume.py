@@ -106,6 +106,12 @@ def test_interrupted_calibration_resumes_from_its_finished_pass(tmp_path):
     Path(partial_path(str(other))).write_text(json.dumps(moved))
     refused = _run_main(["calibrate", "-o", str(other), *ARGS, "--resume"])
     assert refused[0] == 2 and "host differ" in refused[1], refused
+    # a file whose later passes timed the steps alone (no forward kernels) is not mixed in
+    older = json.loads(spare.read_text())
+    del older["fingerprint"]["passes_time"]
+    Path(partial_path(str(other))).write_text(json.dumps(older))
+    refused = _run_main(["calibrate", "-o", str(other), *ARGS, "--resume"])
+    assert refused[0] == 2 and "passes_time differ" in refused[1], refused
     assert not other.exists()
 
 
