@@ -1127,11 +1127,7 @@ def micro_choices(
     :func:`_micro_along`) is made once per step and k (``StepUnits.shared``)."""
     from tensoropt.passes.micro import MicroError, _combine
 
-    memo = sg.units.shared
-    along = memo.get(("along", k))
-    if along is None:
-        along = _micro_along(sg, k)  # raises MicroError: nothing kept
-        memo[("along", k)] = along
+    along = sg.units.once(("along", k), lambda: _micro_along(sg, k))  # raises MicroError
     strategies: dict = {}
     combined: dict = {}  # (root's op view, strategy, micro strategy) -> combined or None
     out = {}

@@ -227,6 +227,13 @@ class StepUnits:
     # strategies per micro-batch count, by ("along", k) (``cost.model.micro_choices``)
     shared: dict = field(default_factory=dict, repr=False)
 
+    def once(self, key: tuple, make: Callable[[], object]):
+        """``shared[key]``, made by ``make`` the first time it is asked for."""
+        found = self.shared.get(key)
+        if found is None:
+            found = self.shared[key] = make()
+        return found
+
     def index(self, name: str) -> int:
         for k, u in enumerate(self.units):
             if u.root.name == name:
@@ -544,10 +551,7 @@ class _MicroParts:
         if mesh.sequential_axis != 0 or mesh.ndim == 1 or mesh.shape[0] == 1:
             return None
         key = ("micro", tuple(mesh.shape), tuple(mesh.axis_names))
-        found = su.shared.get(key)
-        if found is None:
-            found = su.shared[key] = _MicroParts(su, mesh)
-        return found
+        return su.once(key, lambda: _MicroParts(su, mesh))
 
     def combined(
         self, k: int, strategy: MeshSharding, zero: ZeroStage
@@ -580,10 +584,7 @@ class _MicroParts:
 def _shared(su: StepUnits, mesh: Mesh) -> ProgramCache:
     """The step's program cache of ``mesh``, made once (``StepUnits.shared``)."""
     key = (tuple(mesh.shape), tuple(mesh.axis_names))
-    found = su.shared.get(key)
-    if found is None:
-        found = su.shared[key] = ProgramCache(su, mesh)
-    return found
+    return su.once(key, lambda: ProgramCache(su, mesh))
 
 
 def combine_axes(
