@@ -32,6 +32,7 @@ update runs once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -1104,8 +1105,7 @@ def estimate_plan(
         # the search's bound, over the strategies the search offers on this mesh
         choices = None
         if micro_batches > 1:
-            offered = micro_choices(sg, mesh, micro_batches)
-            choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
+            choices, _ = split_offer(micro_choices(sg, mesh, micro_batches))
         family = ProblemFamily(sg, mesh, profile, micro_batches=micro_batches, choices=choices)
         memory += family.working_set().of(mp, choice)
     count = sum(c.times for c in priced_collectives(mp, choice))
@@ -1129,28 +1129,45 @@ def micro_choices(
 
     along = sg.units.once(("along", k), lambda: _micro_along(sg, k))  # raises MicroError
     strategies: dict = {}
-    combined: dict = {}  # (root's op view, strategy, micro strategy) -> combined or None
+    facts = graph_facts(sg)
+    # repeated layers offer alike: a unit's pairs depend on its root's op, which of the
+    # root's inputs are stored (unit_strategies' key) and its micro-axis strategy
+    rows: dict = {}
     out = {}
     for u, unit in enumerate(sg.units.units):
         name = unit.root.name
-        view = sa.view_key(unit.root)
-        found = []
-        for s in unit_strategies(sg, mesh, u, strategies):
-            key = (view, s, along[name])
-            if key not in combined:  # repeated layers combine alike
-                try:
-                    combined[key] = _combine(unit.root, s, along[name], mesh, k)
-                except MicroError:
-                    combined[key] = None
-            if combined[key] is not None:
-                found.append((combined[key], s))
+        key = (sa.view_key(unit.root), facts.stored[u], along[name])
+        found = rows.get(key)
+        if found is None:
+            pairs = []
+            for s in unit_strategies(sg, mesh, u, strategies):
+                with contextlib.suppress(MicroError):
+                    pairs.append((_combine(unit.root, s, along[name], mesh, k), s))
+            found = rows[key] = tuple(pairs)
         if not found:
             raise MicroError(
                 f"--micro-batches {k}: unit {name!r} ({unit.root.op_type}) has no strategy "
                 f"that runs within a micro-batch on mesh {mesh}"
             )
-        out[name] = tuple(found)
+        out[name] = found
     return out
+
+
+def split_offer(
+    offered: Mapping[str, tuple[tuple[MeshSharding, MeshSharding], ...]],
+) -> tuple[dict[str, tuple[MeshSharding, ...]], dict[str, tuple[MeshSharding, ...]]]:
+    """:func:`micro_choices`' pairs as two maps, unit name -> micro-mesh strategies and
+    unit name -> plan-mesh strategies; units that share a row of pairs (repeated layers)
+    share each tuple, which the builders' memos then key alike."""
+    micro: dict[str, tuple[MeshSharding, ...]] = {}
+    real: dict[str, tuple[MeshSharding, ...]] = {}
+    rows: dict[int, tuple[tuple, tuple]] = {}
+    for name, pairs in offered.items():
+        found = rows.get(id(pairs))
+        if found is None:
+            found = rows[id(pairs)] = (tuple(m for m, _ in pairs), tuple(r for _, r in pairs))
+        micro[name], real[name] = found
+    return micro, real
 
 
 def _micro_along(sg: SearchGraph, k: int) -> dict:

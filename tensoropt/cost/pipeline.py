@@ -53,6 +53,7 @@ from tensoropt.cost.model import (
     itemsize,
     micro_choices,
     priced_collectives,
+    split_offer,
 )
 from tensoropt.ir.builder import static_shape
 from tensoropt.ir.layout import local_shape
@@ -359,11 +360,8 @@ def plan_terms(
     choice = (0,) * len(plain.units)
     working_set = 0.0
     if any(RECOMPUTE_KEY in node.metadata_props for node in sg.graph):
-        offered = micro_choices(sg, mesh, m)
-        family = ProblemFamily(
-            sg, mesh, profile, micro_batches=m,
-            choices={name: [c for c, _ in pairs] for name, pairs in offered.items()},
-        )  # fmt: skip
+        choices, _ = split_offer(micro_choices(sg, mesh, m))
+        family = ProblemFamily(sg, mesh, profile, micro_batches=m, choices=choices)
         working_set = family.working_set().of(plain, choice)
     return tables.terms(choice, working_set, count=True)
 

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.model import MeshProblem, ProblemFamily, SearchGraph, UnitInfo, micro_choices
+from tensoropt.cost.model import (
+    MeshProblem,
+    ProblemFamily,
+    SearchGraph,
+    UnitInfo,
+    micro_choices,
+    split_offer,
+)
 from tensoropt.errors import InfeasibleError, TensorOptError
 from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
@@ -433,11 +440,8 @@ class _MeshProblems:
             choices, reals = None, None
             try:
                 if v.micro_batches > 1:
-                    offered = micro_choices(graph, self.mesh, v.micro_batches)
-                    choices = {name: [m for m, _ in pairs] for name, pairs in offered.items()}
-                    reals = tuple(
-                        tuple(r for _, r in offered[unit.root.name]) for unit in graph.units.units
-                    )
+                    choices, real = split_offer(micro_choices(graph, self.mesh, v.micro_batches))
+                    reals = tuple(real[unit.root.name] for unit in graph.units.units)
                 family = ProblemFamily(
                     graph,
                     self.mesh,
@@ -473,14 +477,21 @@ def _stored_whole(family: ProblemFamily, choices: dict, reals: tuple):
                 f"({unit.root.op_type}) splits a parameter with the batch under every "
                 "strategy"
             )
-    kept = {
-        unit.root.name: [c for c, ok in zip(choices[unit.root.name], row, strict=True) if ok]
-        for unit, row in zip(units, whole, strict=True)
-    }
-    reals = tuple(
-        tuple(r for r, ok in zip(rs, row, strict=True) if ok)
-        for rs, row in zip(reals, whole, strict=True)
-    )
+    # repeated layers share their rows (split_offer): each distinct one is narrowed once
+    narrowed_rows: dict[tuple[int, int, tuple[bool, ...]], tuple[tuple, tuple]] = {}
+    kept, kept_reals = {}, []
+    for unit, rs, row in zip(units, reals, whole, strict=True):
+        offered = choices[unit.root.name]
+        key = (id(offered), id(rs), row)
+        found = narrowed_rows.get(key)
+        if found is None:
+            found = narrowed_rows[key] = (
+                tuple(c for c, ok in zip(offered, row, strict=True) if ok),
+                tuple(r for r, ok in zip(rs, row, strict=True) if ok),
+            )
+        kept[unit.root.name] = found[0]
+        kept_reals.append(found[1])
+    reals = tuple(kept_reals)
     narrowed = ProblemFamily(
         family.sg,
         family.plan_mesh,
