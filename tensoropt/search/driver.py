@@ -404,6 +404,10 @@ class _MeshProblems:
         # stage problem's SegmentTables or None), found for a stage problem's incumbents
         # and taken by its pipelines
         self.bare: dict[tuple[bool, int, int], object] = {}
+        # (recompute, micro-batches) -> the family priced with one more micro-batch slot
+        # and without activations (search.pipeline.slot_family), made once: its prices
+        # serve the stage problems of every ZeRO stage (_staged_incumbents)
+        self.slot_families: dict[tuple[bool, int], ProblemFamily] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
         """Keep the reference plans of the plain problem's units (those of the variant
@@ -426,6 +430,24 @@ class _MeshProblems:
             return None
         same.append(mp)
         return _Built(v, mp, graph, reals)
+
+    def slot_family(self, v: Variant) -> ProblemFamily:
+        """The family of ``v`` (:meth:`family`, which must exist) priced with one more
+        micro-batch slot and without activations, made once."""
+        from tensoropt.search.pipeline import slot_family
+
+        key = (v.recompute, v.micro_batches)
+        found = self.slot_families.get(key)
+        if found is None:
+            found_family = self.families[key]
+            assert found_family is not None
+            graph = self.space.recomputed if v.recompute else self.sg
+            assert graph is not None
+            found = self.slot_families[key] = slot_family(
+                graph, found_family[0], self.choices[key], self.chosen, self.profile,
+                v.micro_batches + 1, 0.0,
+            )  # fmt: skip
+        return found
 
     def family(self, v: Variant) -> tuple[ProblemFamily, tuple | None] | None:
         """The problem family of ``v``'s recomputation and micro-batch count (its units
@@ -951,7 +973,6 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
         beaten,
         cut_bound,
         segment_tables,
-        slot_problem,
         stage_incumbents,
     )
 
@@ -969,10 +990,9 @@ def _staged_incumbents(b: _Built, at: _MeshProblems, piped: dict) -> tuple | Non
     if found is None:
         return None
     key = (v.recompute, v.micro_batches)
-    family, choices, zero = found[0], at.choices[key], ZeroStage(v.zero)
-    m = v.micro_batches
+    family, zero = found[0], ZeroStage(v.zero)
     # one more slot and no activations: the times of the one, the memories of the other
-    slot = slot_problem(b.graph, family, choices, at.chosen, zero, at.profile, m + 1, 0.0)
+    slot = at.slot_family(v).problem(zero_all=zero)
     # the pipelines of this problem price with the tables of b.mp (the family's problem
     # with its ZeRO stage, unless it holds the recompute working set, which they do not
     # price) and prune with the regions, which the solve's incumbents intersect

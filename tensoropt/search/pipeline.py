@@ -282,6 +282,24 @@ def pipeline_search(search, variant, points, picks, segments: Segments, summarie
 _BOUND_SLACK = 1e-9
 
 
+def slot_family(
+    graph: SearchGraph,
+    family: ProblemFamily,
+    choices,
+    chosen: dict,
+    profile: ClusterProfile,
+    slots: int,
+    scale: float,
+) -> ProblemFamily:
+    """``family`` priced with ``slots`` micro-batch slots and its activations scaled by
+    ``scale``, on the family's unit programs (:func:`slot_problem`); its problems of
+    every ZeRO stage share its prices, as the family's own do."""
+    return ProblemFamily(
+        graph, family.plan_mesh, profile, micro_batches=family.micro_batches, choices=choices,
+        chosen=chosen, slots=slots, saved_scale=scale, programs=family.builder.programs,
+    )  # fmt: skip
+
+
 def slot_problem(
     graph: SearchGraph,
     family: ProblemFamily,
@@ -299,10 +317,8 @@ def slot_problem(
     ``_Pricer``), so one problem with m + 1 slots and scale 0 serves as both: its times
     are those of the problem with one more slot, its memories those of the one without
     activations, float for float (``test_one_slot_problem_prices_both``)."""
-    return ProblemFamily(
-        graph, family.plan_mesh, profile, micro_batches=family.micro_batches, choices=choices,
-        chosen=chosen, slots=slots, saved_scale=scale, programs=family.builder.programs,
-    ).problem(zero_all=zero)  # fmt: skip
+    found = slot_family(graph, family, choices, chosen, profile, slots, scale)
+    return found.problem(zero_all=zero)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
