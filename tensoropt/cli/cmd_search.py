@@ -36,9 +36,10 @@ h100) on 64, 256 and 1024 devices takes 48 s with --epsilon 0.05 --stages 1 on 2
 cores, 95 s with --stages 4,16 --micro-batches 1,32 instead, and 563 s with the
 default stages and micro-batch counts (every stage count to 64 and 2, 4 and 8
 micro-batches: each count's stage meshes are searched; 59 s on a faster host, 19.5 s
-there with --stages 1, the stage problems and their cuts pruned by bounds on every cut
-against the points already made, in a second pass after the problems without stages
-and the fewest stages with the most micro-batches); exact took 950 s of CPU
+there with --stages 1, 72 s and 24 s on a slower one; the stage problems and their
+cuts pruned by bounds on every cut against the points already made, in a second pass
+after the problems without stages and the fewest stages with the most
+micro-batches); exact took 950 s of CPU
 without stages when the same epsilon search took 110 s (benchmarks/RESULTS.md,
 "Pipeline stages"). On such a model, name the stage and micro-batch counts you would
 deploy.
