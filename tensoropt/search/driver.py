@@ -423,7 +423,7 @@ class _MeshProblems:
         if found is None:
             return None
         family, reals = found
-        graph = self.space.recomputed if v.recompute else self.sg
+        graph = self.graph(v)
         mp = family.problem(zero_all=ZeroStage(v.zero), working_set=v.recompute)
         same = self.built.setdefault((v.recompute, v.micro_batches), [])
         if any(_covers(other, mp) for other in same):
@@ -439,15 +439,19 @@ class _MeshProblems:
         key = (v.recompute, v.micro_batches)
         found = self.slot_families.get(key)
         if found is None:
-            found_family = self.families[key]
-            assert found_family is not None
-            graph = self.space.recomputed if v.recompute else self.sg
-            assert graph is not None
+            made = self.family(v)
+            assert made is not None
             found = self.slot_families[key] = slot_family(
-                graph, found_family[0], self.choices[key], self.chosen, self.profile,
+                self.graph(v), made[0], self.choices[key], self.chosen, self.profile,
                 v.micro_batches + 1, 0.0,
             )  # fmt: skip
         return found
+
+    def graph(self, v: Variant) -> SearchGraph:
+        """The step ``v``'s problems price: with every block recomputed, or not."""
+        graph = self.space.recomputed if v.recompute else self.sg
+        assert graph is not None
+        return graph
 
     def family(self, v: Variant) -> tuple[ProblemFamily, tuple | None] | None:
         """The problem family of ``v``'s recomputation and micro-batch count (its units
@@ -456,8 +460,7 @@ class _MeshProblems:
         from tensoropt.passes.micro import MicroError
 
         key = (v.recompute, v.micro_batches)
-        graph = self.space.recomputed if v.recompute else self.sg
-        assert graph is not None
+        graph = self.graph(v)
         if key not in self.families:
             choices, reals = None, None
             try:
