@@ -240,9 +240,10 @@ def test_micro_programs_run_the_plan_mesh_program_per_micro_batch(name, mesh, k,
     su, micro = sg.units, micro_mesh(plan_mesh, k)
     programs = ProgramCache(su, micro)
     plain, along = ProgramCache(su, plan_mesh), ProgramCache(su, Mesh((k,), (MICRO_AXIS,)))
+    offered = micro_choices(sg, plan_mesh, k)
     paired = chose = 0
     for u, unit in enumerate(su.units):
-        for strategy, real in micro_choices(sg, plan_mesh, k)[unit.root.name]:
+        for strategy, real in offered[unit.root.name]:
             for zero in (ZeroStage.NONE, ZeroStage.PARAMETERS):
                 try:
                     got = programs.program(u, strategy, zero)
