@@ -185,24 +185,47 @@ def stage_grids(
     terms: PipelineTerms, positions: Sequence[int], stages: int, schedule: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per stage s, the time and memory of ``terms.stage(positions[i], positions[j], s,
-    stages, schedule)`` at [s, i, j] for every i < j (inf elsewhere): the same float
-    operations in the same order, so each entry a cut can use is the float ``stage``
-    gives, in one compiled loop (the first stage's entries with a later start, which no
-    cut uses, are priced without a backward send)."""
+    stages, schedule)`` at [s, i, j] for every (i, j) a cut into ``stages`` stages can
+    give stage s, inf elsewhere: the first stage starts at position 0, the last ends at
+    the last position, and each stage holds at least one segment, so stage s spans
+    s <= i < j <= n - stages + s (n positions). The same float operations in the same
+    order as ``stage``, in one compiled loop. For 2 stages that is 2 n entries of the
+    n^2 a full grid holds."""
     pos = np.asarray(positions, dtype=np.int64)
-    links = [stage_link(terms.profile, s, terms.mesh.size) for s in range(stages)]
-    held = [held_micro_batches(s, terms.micro_batches, stages, schedule) for s in range(stages)]
-    taus = np.empty((stages, len(pos), len(pos)))
-    mems = np.empty_like(taus)
+    alpha, bandwidth, held = _stage_rates(terms, stages, schedule)
+    taus = np.full((stages, len(pos), len(pos)), np.inf)
+    mems = np.full_like(taus, np.inf)
     _grids(
         terms.a, terms.b, terms.base, terms.act, terms.fwd_bytes, terms.fwd_count,
-        terms.bwd_bytes, terms.bwd_count, pos,
-        np.array([link.alpha_s for link in links], dtype=np.float64),
-        np.array([link.bandwidth for link in links], dtype=np.float64),
-        np.array(held, dtype=np.float64), float(terms.micro_batches + stages - 1),
-        float(terms.constant), terms.segments, taus, mems,
+        terms.bwd_bytes, terms.bwd_count, pos, alpha, bandwidth, held,
+        float(terms.micro_batches + stages - 1), float(terms.constant), terms.segments,
+        taus, mems,
     )  # fmt: skip
     return taus, mems
+
+
+# (profile, mesh size, micro-batches, stages, schedule) -> (the profile, each stage's
+# forward link alpha and bandwidth, micro-batches held): the same for every plan of a
+# problem, and stage_link walks every rank of a stage
+_RATES: dict[tuple, tuple] = {}
+
+
+def _stage_rates(terms: PipelineTerms, stages: int, schedule: str):
+    key = (id(terms.profile), terms.mesh.size, terms.micro_batches, stages, schedule)
+    found = _RATES.get(key)
+    if found is None or found[0] is not terms.profile:  # the profile is held: ids stay
+        if len(_RATES) > 256:
+            _RATES.clear()
+        links = [stage_link(terms.profile, s, terms.mesh.size) for s in range(stages)]
+        m = terms.micro_batches
+        held = [held_micro_batches(s, m, stages, schedule) for s in range(stages)]
+        found = _RATES[key] = (
+            terms.profile,
+            np.array([link.alpha_s for link in links], dtype=np.float64),
+            np.array([link.bandwidth for link in links], dtype=np.float64),
+            np.array(held, dtype=np.float64),
+        )
+    return found[1:]
 
 
 @compiled()
@@ -211,20 +234,20 @@ def _grids(
     held, slots, constant, segments, taus, mems,
 ):  # fmt: skip
     """:func:`stage_grids`' loop: stage s sends forward over its own link (``alpha[s]``,
-    ``bandwidth[s]``) and its gradients back over stage s - 1's."""
+    ``bandwidth[s]``) and its gradients back over stage s - 1's; entries outside
+    s <= x < y <= n - stages + s, and the first stage's with x > 0 and the last's with
+    y < n - 1, are left as they are."""
     stages, n = taus.shape[0], pos.size
     for s in range(stages):
-        for x in range(n):
+        x_stop = 1 if s == 0 else n - stages + s
+        y_first = n - 1 if s == stages - 1 else s + 1
+        for x in range(s, x_stop):
             i = pos[x]
             bwd = 0.0
             if s > 0 and i > 0:
                 bwd = bwd_count[i] * alpha[s - 1] + bwd_bytes[i] / bandwidth[s - 1]
-            for y in range(n):
+            for y in range(max(x + 1, y_first), n - stages + s + 1):
                 j = pos[y]
-                if y <= x:
-                    taus[s, x, y] = np.inf
-                    mems[s, x, y] = np.inf
-                    continue
                 p2p = 0.0
                 if j < segments:
                     p2p += fwd_count[j] * alpha[s] + fwd_bytes[j] / bandwidth[s]

@@ -224,16 +224,22 @@ def _bottleneck(cost, mem, tau, cap, t_limit):
     """The least max_s cost[s, c_s, c_(s+1)] over the cuts 0 = c_0 < ... < c_P = n - 1
     whose stages are all allowed (non-empty, mem <= cap, tau <= t_limit), and those cuts
     (inf and no cuts when there are none). Per stage and end position, the first start of
-    the least value wins, as numpy's argmin picks it (compiled: P n^2 steps, no arrays)."""
+    the least value wins, as numpy's argmin picks it (compiled, no arrays). Only what a
+    cut can use is read: the first stage starts at 0, stage s at s or later and ends at
+    most n - P + s, the last ends at n - 1 (P n^2 steps at most, 2 n for P = 2)."""
     stages, n = cost.shape[0], cost.shape[1]
     best = np.full(n, np.inf)
     best[0] = 0.0  # costs are nonnegative: max(0, x) = x
     nxt = np.empty(n)
     back = np.zeros((stages, n), dtype=np.int64)
     for s in range(stages):
-        for k in range(n):
+        nxt[:] = np.inf
+        k_first = n - 1 if s == stages - 1 else s + 1
+        for k in range(k_first, n - stages + s + 1):
             value, arg = np.inf, 0
-            for i in range(k):
+            # best is inf before position s (s stages hold s segments at least), and
+            # an inf start never wins: max(inf, x) < value is false
+            for i in range(s, min(k, 1) if s == 0 else k):
                 if mem[s, i, k] <= cap and tau[s, i, k] <= t_limit:
                     v = max(best[i], cost[s, i, k])
                     if v < value:

@@ -248,10 +248,11 @@ def test_megatron_pp_reference_on_a_two_d_stage_mesh(tmp_path, capsys):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize(("mesh", "k"), [((1,), 2), ((2,), 4)])
 def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedule):
-    """Every (stage, start, end) entry of the compiled grids (the first stage's only from
-    position 0, as every cut starts it there) equals PipelineTerms.stage bit for bit,
-    on several intra-op plans and stage counts (a fused multiply-add or another order of
-    the additions would change some)."""
+    """Every (stage, start, end) entry of the compiled grids that a cut can use equals
+    PipelineTerms.stage bit for bit, on several intra-op plans and stage counts (a
+    fused multiply-add or another order of the additions would change some), and every
+    other entry is inf: the first stage starts at position 0, the last ends at the last,
+    and each stage holds a segment at least."""
     import math
 
     from tensoropt.search.pipeline import positions, stage_grids
@@ -259,22 +260,28 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
     _, _, family, _, segments, tables = _micro_tables(gpt, mesh, k)
     allowed = positions(segments.count)
     checked = 0
-    for point in solve(family.problem().problem).points[:4]:
+    plans = solve(family.problem().problem).points[:4]
+    for point in plans:
         terms = tables.terms(point.choice, working_set=123.0)
         for p in (1, 2, 3, 4):
             taus, mems = stage_grids(terms, allowed, p, schedule)
             for s in range(p):
                 for x, i in enumerate(allowed):
                     for y, j in enumerate(allowed):
-                        if y <= x:
+                        n = len(allowed)
+                        usable = s <= x < y <= n - p + s
+                        usable &= (s > 0 or x == 0) and (s < p - 1 or y == n - 1)
+                        if not usable:
                             assert math.isinf(taus[s, x, y]) and math.isinf(mems[s, x, y])
                             continue
-                        if s == 0 and x > 0:
-                            continue  # no cut gives the first stage a later start
                         want = terms.stage(i, j, s, p, schedule)
                         assert (taus[s, x, y], mems[s, x, y]) == (want.time_s, want.memory_bytes)
                         checked += 1
-    assert checked >= 50
+    # cuts of n positions into p stages: the first and the last stage have n - p
+    # (start, end) pairs each, a middle one every pair of its n - p + 1 positions
+    n = len(allowed)
+    usable = [1] + [2 * (n - p) + (p - 2) * math.comb(n - p + 1, 2) for p in (2, 3, 4)]
+    assert checked == len(plans) * sum(usable) >= 30
 
 
 def test_dumped_costs_recompute_with_stages_searched(gpt, tmp_path, capsys):
