@@ -272,8 +272,7 @@ class SegmentTables:
         self._edge_cols = np.asarray(edge_cols, dtype=np.int64)
         edge_segments = [max(self.segment_of[e.src], self.segment_of[e.dst]) for e in edges]
         self._bins = np.array(list(self.segment_of) + edge_segments, dtype=np.int64)
-        self._traffic: dict = {}  # (value, source unit, its strategy) -> local bytes
-        self._spans: list | None = None  # cut_spans, found on the first terms()
+        self._traffic: _CutTraffic | None = None  # made on the first terms()
         # unit 0 holds the problem's constants (ZeRO-3's gathered bound): every stage does
         self.gathered = 0.0
         if any(pr.zero is ZeroStage.PARAMETERS for ps in plain.programs for pr in ps):
@@ -303,11 +302,9 @@ class SegmentTables:
             np.bincount(self._bins, weights=flat[at], minlength=n) for flat in self._flat
         )
         base[self.segment_of[0]] -= self.gathered
-        if self._spans is None:
-            self._spans = cut_spans(self.sg, self.segment_of)
-        fwd_bytes, fwd_count, bwd_bytes, bwd_count = _cut_traffic(
-            self.plain, choice, self._spans, n, self._traffic
-        )
+        if self._traffic is None:
+            self._traffic = _CutTraffic(self.plain, cut_spans(self.sg, self.segment_of), n)
+        fwd_bytes, fwd_count, bwd_bytes, bwd_count = self._traffic(pick)
         collectives = np.zeros(n, dtype=np.int64)
         if count:
             for c in priced_collectives(self.plain, choice):
@@ -385,37 +382,46 @@ def cut_spans(sg: SearchGraph, segment_of: Sequence[int]) -> list[tuple[int, int
     return list(span.values())
 
 
-def _cut_traffic(
-    mp: MeshProblem,
-    choice: Sequence[int],
-    spans: Sequence[tuple[int, int, Crossing, bool]],
-    n: int,
-    memo: dict | None = None,
-):
-    """Per cut position: bytes and messages of the forward values that cross it per
-    micro-batch, and of their gradients (``spans``: :func:`cut_spans`). ``memo``: a
-    value's local bytes by (value, source unit, its strategy), kept across the choices
-    of one problem. Byte counts are integers, so the sums are exact in any order."""
-    memo = {} if memo is None else memo
-    k = len(spans)
-    first = np.empty(k, dtype=np.int64)
-    stop = np.empty(k, dtype=np.int64)
-    nbytes = np.empty(k)
-    grad = np.empty(k, dtype=bool)
-    for i, (made, last, c, g) in enumerate(spans):
-        key = (c.value.name, c.source, choice[c.source])
-        found = memo.get(key)
-        if found is None:
-            layout = mp.programs[c.source][choice[c.source]].layout(c.source_ref)
-            shape = local_shape(static_shape(c.value), layout, mp.mesh)
-            found = memo[key] = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
-        first[i], stop[i], nbytes[i], grad[i] = made + 1, last + 1, found, g
+class _CutTraffic:
+    """Per cut position, the bytes and messages of the forward values that cross it per
+    micro-batch and of their gradients (``spans``: :func:`cut_spans`), for any choice of
+    one problem ``mp``. The messages are the same for every choice; a value's bytes are
+    its local bytes under its source unit's strategy, found once per (value, strategy).
+    Byte counts are integers, so the sums are exact in any order."""
 
-    def spread(weights: np.ndarray) -> np.ndarray:
+    def __init__(self, mp: MeshProblem, spans: Sequence[tuple[int, int, Crossing, bool]], n: int):
+        self.mp, self.spans, self.n = mp, list(spans), n
+        self.first = np.array([made + 1 for made, _, _, _ in spans], dtype=np.int64)
+        self.stop = np.array([last + 1 for _, last, _, _ in spans], dtype=np.int64)
+        # 1 where the gradient goes back, else 0 (exact)
+        self.back = np.array([1.0 if g else 0.0 for *_, g in spans], dtype=np.float64)
+        self.source = np.array([c.source for _, _, c, _ in spans], dtype=np.int64)
+        sizes = [len(mp.programs[c.source]) for _, _, c, _ in spans]
+        self.offsets = np.cumsum([0, *sizes], dtype=np.int64)[:-1]
+        self.table = np.full(sum(sizes), np.nan)  # per (value, strategy): local bytes
+        self.fwd_count = self._spread(np.ones(len(self.spans)))
+        self.bwd_count = self._spread(self.back)
+
+    def _spread(self, weights: np.ndarray) -> np.ndarray:
         # +w at the first position a value crosses, -w after its last: a running sum
-        diff = np.bincount(first, weights, minlength=n + 2)
-        diff -= np.bincount(stop, weights, minlength=n + 2)
-        return np.cumsum(diff)[: n + 1]
+        diff = np.bincount(self.first, weights, minlength=self.n + 2)
+        diff -= np.bincount(self.stop, weights, minlength=self.n + 2)
+        return np.cumsum(diff)[: self.n + 1]
 
-    back = grad.astype(np.float64)  # 1 where the gradient goes back, else 0 (exact)
-    return spread(nbytes), spread(np.ones(k)), spread(nbytes * back), spread(back)
+    def __call__(self, choice: np.ndarray):
+        """(forward bytes, forward messages, backward bytes, backward messages) per cut
+        position of the plan ``choice`` (a strategy index per unit)."""
+        at = self.offsets + choice[self.source]
+        nbytes = self.table[at]
+        for i in np.flatnonzero(np.isnan(nbytes)).tolist():
+            c = self.spans[i][2]
+            layout = self.mp.programs[c.source][int(choice[c.source])].layout(c.source_ref)
+            shape = local_shape(static_shape(c.value), layout, self.mp.mesh)
+            nbytes[i] = float(np.prod(shape, dtype=np.float64)) * itemsize(c.value)
+            self.table[at[i]] = nbytes[i]
+        return (
+            self._spread(nbytes),
+            self.fwd_count.copy(),
+            self._spread(nbytes * self.back),
+            self.bwd_count.copy(),
+        )
