@@ -218,6 +218,7 @@ class _Pricer:
         micro: int = 1,
         slots: int | None = None,
         saved_scale: float = 1.0,
+        parts: tuple[dict, dict] | None = None,
     ):
         self.sg = sg
         self.mesh = mesh
@@ -229,6 +230,12 @@ class _Pricer:
         self.saved_scale = saved_scale  # 0: price without the activations (cost.pipeline)
         self.conv_cache: dict = {}
         self.node_cache: dict = {}
+        # What a price is made of before the slots and the scale apply (a conversion's
+        # collectives, a node's time per micro-batch and saved bytes): the expensive part,
+        # shared by the pricers of one graph, mesh and profile that differ in slots and
+        # scale only. Each price is then the same float operations as without them.
+        # (conversions, nodes): the pricer's own unless another's are given
+        self.parts: tuple[dict, dict] = ({}, {}) if parts is None else parts
 
     def convert(
         self, have: Layout, need: Layout, shape, isz: int, order: tuple[bool, bool] = (False, False)
@@ -240,29 +247,38 @@ class _Pricer:
         key = (have, need, tuple(shape), isz, order)
         found = self.conv_cache.get(key)
         if found is None:
-            found = self.conv_cache[key] = self._convert(have, need, shape, isz, order)
+            parts = self.parts[0].get(key)
+            if parts is None:
+                parts = self.parts[0][key] = self._conversion(have, need, shape, isz, order)
+            collectives, buffer = parts
+            seconds = 0.0
+            for times, once in collectives:
+                if self.micro > 1 and times == self.micro:
+                    times = self.slots
+                seconds += times * once
+            found = self.conv_cache[key] = (seconds, buffer)
         return found
 
-    def _convert(self, have, need, shape, isz, order) -> tuple[float, float]:
+    def _conversion(self, have, need, shape, isz, order) -> tuple[tuple, float]:
+        """The collectives of a conversion, each as (times issued per step, seconds
+        once), and its buffer bytes."""
         scatter_first, per_step = order
         try:
             steps = conversion_steps(have, need, shape, self.mesh, scatter_first=scatter_first)
         except ShardingError:
-            return 0.0, 0.0
+            return (), 0.0
         dtype = np.dtype(f"V{isz}")
-        seconds = 0.0
+        collectives = []
         for cs, axes, times in issued(steps, self.mesh, self.micro, per_step):
-            if self.micro > 1 and times == self.micro:
-                times = self.slots
             n = int(np.prod([self.mesh.shape[a] for a in axes]))
             link = self.profile.link_for(
                 OP_TYPE[cs.step.kind], axis_link(self.mesh, axes, self.profile)
             )
             volume = comm_bytes(cs.step, cs.in_shape, dtype, n)
             once = latency_terms(cs.step.kind) * link.alpha_s + volume / link.bandwidth
-            seconds += times * once
+            collectives.append((times, once))
         buffer = float(np.prod(steps[-1].out_shape, dtype=np.float64)) * isz if steps else 0.0
-        return seconds, buffer
+        return tuple(collectives), buffer
 
     def node(self, node: ir.Node, strategy: MeshSharding) -> tuple[float, float]:
         """(compute seconds, saved-output bytes) of a forward node under ``strategy``."""
@@ -272,21 +288,39 @@ class _Pricer:
         key = (sa.view_key(node), strategy, saved, masked_fraction(node), adds)
         found = self.node_cache.get(key)
         if found is None:
-            local = sa.localize(node, strategy, self.mesh)
-            seconds = max(self._seconds(op_time, node, local), self._streamed(node, local, True))
-            for j, count in enumerate(adds):  # the backward sums the output's gradients
-                if count:
-                    shape = local.output_shapes[j]
-                    isz = itemsize(node.outputs[j])
-                    add = forward_time("Add", {}, [shape, shape], [shape], isz, self.profile)
-                    seconds += count * add * self.slots
+            parts = self.parts[1].get(key)
+            if parts is None:
+                parts = self.parts[1][key] = self._node_parts(node, strategy, adds)
+            once, streamed, sums, held = parts
+            seconds = max(once * self.slots, streamed * self.slots)
+            for add in sums:  # the backward sums the output's gradients
+                seconds += add * self.slots
             memory = 0.0
-            if node.op_type not in _VIEWS:  # a view of its input holds nothing new
-                for j, shape in enumerate(local.output_shapes):
-                    if node.outputs[j].name in self.sg.saved:
-                        memory += _numel(shape) * itemsize(node.outputs[j]) * self.saved_scale
+            for nbytes in held:
+                memory += nbytes * self.saved_scale
             found = self.node_cache[key] = (seconds, memory)
         return found
+
+    def _node_parts(self, node: ir.Node, strategy: MeshSharding, adds: tuple) -> tuple:
+        """What :meth:`node` prices from: the op's seconds once, its streamed bytes'
+        seconds once (0 when the floor does not apply), the Adds' seconds once per
+        summed gradient (count x one Add), and the bytes of each saved output."""
+        local = sa.localize(node, strategy, self.mesh)
+        once = self._once(op_time, node, local)
+        streamed = self._streamed(node, local, True)
+        sums = []
+        for j, count in enumerate(adds):
+            if count:
+                shape = local.output_shapes[j]
+                isz = itemsize(node.outputs[j])
+                add = forward_time("Add", {}, [shape, shape], [shape], isz, self.profile)
+                sums.append(count * add)
+        held = []
+        if node.op_type not in _VIEWS:  # a view of its input holds nothing new
+            for j, shape in enumerate(local.output_shapes):
+                if node.outputs[j].name in self.sg.saved:
+                    held.append(_numel(shape) * itemsize(node.outputs[j]))
+        return once, streamed, tuple(sums), tuple(held)
 
     def recompute(self, node: ir.Node, strategy: MeshSharding) -> float:
         """Forward seconds per step of a recompute node (``passes.recompute``) under
@@ -294,18 +328,22 @@ class _Pricer:
         key = ("recompute", sa.view_key(node), strategy, masked_fraction(node))
         found = self.node_cache.get(key)
         if found is None:
-            local = sa.localize(node, strategy, self.mesh)
-            seconds = self._seconds(forward_time, node, local)
-            found = self.node_cache[key] = max(seconds, self._streamed(node, local, False))
+            parts = self.parts[1].get(key)
+            if parts is None:
+                local = sa.localize(node, strategy, self.mesh)
+                once = self._once(forward_time, node, local)
+                parts = self.parts[1][key] = (once, self._streamed(node, local, False))
+            found = self.node_cache[key] = max(parts[0] * self.slots, parts[1] * self.slots)
         return found
 
     def _streamed(self, node: ir.Node, local, backward: bool) -> float:
-        """Seconds per step for ``node`` to stream its bytes from memory: its local
-        inputs and outputs, and with ``backward`` the bytes its emitted backward nodes
-        read and write (``backward_bytes``, scaled to the local shard). A floor under
-        the measured price, for calibrated profiles only: their curves come from chains
-        of one op whose operands stay in cache, while a step reads what its forward
-        saved long before, after the rest of the model has passed through the cache.
+        """Seconds per micro-batch slot for ``node`` to stream its bytes from memory:
+        its local inputs and outputs, and with ``backward`` the bytes its emitted
+        backward nodes read and write (``backward_bytes``, scaled to the local shard). A
+        floor under the measured price, for calibrated profiles only: their curves come
+        from chains of one op whose operands stay in cache, while a step reads what its
+        forward saved long before, after the rest of the model has passed through the
+        cache.
         Measured on ResNet-50 and GPT small: element-wise, norm and activation nodes ran
         1.5-3x their chain rates, near this floor (docs/design/measured.md). Only nodes
         that read or make a saved value (``sg.saved``): inside a recomputed block the
@@ -326,16 +364,15 @@ class _Pricer:
             whole = _numel(static_shape(node.outputs[0]))
             share = _numel(local.output_shapes[0]) / whole if whole else 1.0
             moved += backward_bytes(self.sg.graph).get(unit_of(node), 0.0) * share
-        return moved / self.profile.memory_bandwidth * self.slots
+        return moved / self.profile.memory_bandwidth
 
-    def _seconds(self, timer, node: ir.Node, local) -> float:
-        """``timer`` (op_time or forward_time) of ``node``'s local op, per step: once per
-        micro-batch."""
+    def _once(self, timer, node: ir.Node, local) -> float:
+        """``timer`` (op_time or forward_time) of ``node``'s local op, once: a step runs
+        it once per micro-batch slot."""
         attrs = sa.op_view(node).attributes
         ins, outs = local.input_shapes, local.output_shapes
         isz = itemsize(node.outputs[0])
-        once = timer(node.op_type, attrs, ins, outs, isz, self.profile, masked_fraction(node))
-        return once * self.slots
+        return timer(node.op_type, attrs, ins, outs, isz, self.profile, masked_fraction(node))
 
 
 _ACCUMULATIONS_META = "tensoropt.accumulations"
@@ -535,15 +572,16 @@ class _Builder:
         chosen: dict | None = None,
         slots: int | None = None,
         saved_scale: float = 1.0,
-        programs: ProgramCache | None = None,
+        like: _Builder | None = None,
     ):
         self.zero = dict(zero or {})
         self.sg = sg
         self.su = sg.units
         self.mesh = mesh
         self.micro = mesh.shape[0] if mesh.sequential_axis == 0 else 1
-        self.pricer = _Pricer(sg, mesh, profile, self.micro, slots, saved_scale)
-        self.programs = ProgramCache(self.su, mesh, chosen) if programs is None else programs
+        parts = None if like is None else like.pricer.parts
+        self.pricer = _Pricer(sg, mesh, profile, self.micro, slots, saved_scale, parts)
+        self.programs = ProgramCache(self.su, mesh, chosen) if like is None else like.programs
         self.only = only
         self.update_cache: dict = {}
         # Repeated layers price alike: a unit's (time, memory) under a strategy is keyed by
@@ -810,9 +848,9 @@ class ProblemFamily:
     ``choices``: the strategies of each unit (unit name -> strategies; default: every
     strategy :func:`unit_strategies` allows), on the micro mesh when ``micro_batches`` > 1.
     ``chosen``: the nodes' choices shared with other families (``ProgramCache``).
-    ``slots`` and ``saved_scale`` change the pricing only (``_Pricer``); ``programs``: the
-    unit programs of a family of the same graph, mesh and micro-batch count, which they
-    do not change.
+    ``slots`` and ``saved_scale`` change the pricing only (``_Pricer``); ``like``: a
+    family of the same graph, mesh, micro-batch count and profile, whose unit programs
+    (which they do not change) and prices before slots and scale apply this one shares.
     """
 
     def __init__(
@@ -826,18 +864,20 @@ class ProblemFamily:
         chosen: dict | None = None,
         slots: int | None = None,
         saved_scale: float = 1.0,
-        programs: ProgramCache | None = None,
+        like: ProblemFamily | None = None,
     ):
         self.sg = sg
         self.plan_mesh = mesh
         self.micro_batches = micro_batches
         self.mesh = micro_mesh(mesh, micro_batches) if micro_batches > 1 else mesh
+        if like is not None and (
+            like.sg is not sg or like.mesh != self.mesh or like.builder.pricer.profile != profile
+        ):
+            raise ValueError("like: a family of another graph, mesh or profile")
         self.builder = _Builder(
             sg, self.mesh, profile, choices, chosen=chosen, slots=slots,
-            saved_scale=saved_scale, programs=programs,
+            saved_scale=saved_scale, like=None if like is None else like.builder,
         )  # fmt: skip
-        if programs is not None and (programs.su is not sg.units or programs.mesh != self.mesh):
-            raise ValueError("programs: a cache of another graph or mesh")
         self.infos = self.builder.infos()
         self._bound: WorkingSetBound | None = None
         self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard

@@ -523,7 +523,7 @@ def _stored_whole(family: ProblemFamily, choices: dict, reals: tuple):
         family.builder.pricer.profile,
         micro_batches=family.micro_batches,
         choices=kept,
-        programs=family.builder.programs,  # the same programs: nothing runs again
+        like=family,  # the same programs and prices: nothing runs again
     )
     return narrowed, kept, reals
 

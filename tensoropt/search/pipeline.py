@@ -319,7 +319,7 @@ def slot_family(
     every ZeRO stage share its prices, as the family's own do."""
     return ProblemFamily(
         graph, family.plan_mesh, profile, micro_batches=family.micro_batches, choices=choices,
-        chosen=chosen, slots=slots, saved_scale=scale, programs=family.builder.programs,
+        chosen=chosen, slots=slots, saved_scale=scale, like=family,
     )  # fmt: skip
 
 
