@@ -112,11 +112,9 @@ class _Completion:
 
     def run(self) -> dict[str, MeshSharding]:
         roots: dict[str, MeshSharding] = {}
-        for node in self.graph:
-            if node.metadata_props.get(ROLE_KEY, "forward") not in ("forward", "loss"):
-                continue
+        for node, root in _forward_nodes(self.graph, self.su):
             strategy = self._choose(node)
-            if node in self.su.unit_of and self.su.units[self.su.unit_of[node]].root is node:
+            if root:
                 roots[node.name] = strategy
             for i, value in enumerate(node.inputs):
                 need = sa.input_layout(strategy, i)
@@ -144,6 +142,23 @@ class _Completion:
         found = cheapest(node, cands, haves, self.mesh, self.out_terms, lambda _: True)
         self.chosen[key] = found
         return found
+
+
+def _forward_nodes(graph: ir.Graph, su: StepUnits) -> tuple[tuple[ir.Node, bool], ...]:
+    """The forward and loss nodes of ``graph`` in graph order, each with whether it is
+    its unit's root: found once per step's units (a search completes the reference
+    plans on every mesh, walking the same graph)."""
+
+    def walk() -> tuple[tuple[ir.Node, bool], ...]:
+        out = []
+        for node in graph:
+            if node.metadata_props.get(ROLE_KEY, "forward") not in ("forward", "loss"):
+                continue
+            k = su.unit_of.get(node)
+            out.append((node, k is not None and su.units[k].root is node))
+        return tuple(out)
+
+    return su.once(("forward nodes", graph), walk)
 
 
 def listed_strategy(node: ir.Node, unit: UnitStrategy, mesh: Mesh) -> MeshSharding:
