@@ -163,7 +163,10 @@ class MeshSearch:
     """
 
     mesh: Mesh
-    problem: CostProblem
+    # the problem its points are sums of; None for a pipelined search (variant.stages >
+    # 1), whose step is its slowest stage's: the stages' micro-batched problem is not
+    # sent back from the workers with it
+    problem: CostProblem | None
     result: SearchResult
     references: dict[str, tuple[float, float, tuple[int, ...]]]
     unit_names: tuple[str, ...]
@@ -1122,7 +1125,7 @@ def _infeasible_message(searches, budget, space: SearchSpace) -> str:
     best: dict[int, float] = {}
     for s in searches:
         if s.variant.stages > 1:
-            continue  # its problem prices the stages' mesh, not the pipeline
+            continue  # no problem: its step is its slowest stage's, not a sum
         free = solve(s.problem, epsilon=0.25)
         if free.points:
             low = free.points[-1].memory_bytes

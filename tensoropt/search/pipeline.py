@@ -282,6 +282,7 @@ def pipeline_search(search, variant, points, picks, segments: Segments, summarie
     )
     return dataclasses.replace(
         search,
+        problem=None,  # its step is its slowest stage's, not a sum of the problem's entries
         result=SearchResult(
             devices,
             result.mesh,
