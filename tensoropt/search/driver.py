@@ -411,6 +411,10 @@ class _MeshProblems:
         # and without activations (search.pipeline.slot_family), made once: its prices
         # serve the stage problems of every ZeRO stage (_staged_incumbents)
         self.slot_families: dict[tuple[bool, int], ProblemFamily] = {}
+        # (recompute, micro-batches, ZeRO stage) -> the summaries of a problem that only
+        # feeds pipelines (its points are not shown, so _solve_one leaves them to
+        # _pipelined, which describes the plans its pipelines pick)
+        self.describe: dict[tuple[bool, int, int], Callable[[Sequence[int]], str]] = {}
 
     def read_references(self, blocks: Blocks | None) -> None:
         """Keep the reference plans of the plain problem's units (those of the variant
@@ -614,6 +618,11 @@ def _solve_one(
         refs[name] = (t, m, choice)
         ref_summaries[name] = summarize(choice) + suffix
     strategies = b.reals or tuple(u.strategies for u in mp.units)
+    if v.micro_batches == 1 or space.shows_micro:
+        summaries = tuple(summarize(p.choice) + suffix for p in result.points)
+    else:  # it only feeds pipelines: _pipelined describes the plans they pick
+        summaries = ()
+        at.describe[(v.recompute, v.micro_batches, v.zero)] = summarize
     return MeshSearch(
         mesh=mesh,
         problem=mp.problem,
@@ -621,7 +630,7 @@ def _solve_one(
         references=refs,
         unit_names=tuple(u.node.name for u in mp.units),
         unit_layouts=_layouts_of(strategies),
-        summaries=tuple(summarize(p.choice) + suffix for p in result.points),
+        summaries=summaries,
         reference_summaries=ref_summaries,
         strategy_kinds=kinds,
         unit_ops=tuple(u.node.op_type for u in mp.units),
@@ -954,9 +963,8 @@ def _solve_meshes(
                     (p.time_s, p.memory_bytes) for p in s.result.points
                 )
             result, kept = restricted(whole.result, budget, incumbents)
-            search = dataclasses.replace(
-                whole, result=result, summaries=tuple(whole.summaries[i] for i in kept)
-            )
+            summaries = tuple(whole.summaries[i] for i in kept) if whole.summaries else ()
+            search = dataclasses.replace(whole, result=result, summaries=summaries)
         else:
             search = _solve_one(
                 built, at[mesh], (mesh, profile, budget, epsilon), blocks, incumbents
@@ -1040,6 +1048,7 @@ def _pipelined(
     counts = [p for p in space.stage_counts if p * mesh.size in space.pipeline_devices]
     key = (v.recompute, v.micro_batches)
     found = at.families.get(key)
+    summarize = at.describe.pop((*key, v.zero), None)
     if not counts or found is None:
         return []
     family, _ = found
@@ -1055,15 +1064,22 @@ def _pipelined(
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary
-    index = {id(p): i for i, p in enumerate(search.result.points)}
-    by_choice = {tuple(p.choice): index[id(p)] for p in search.result.points}
+    if summarize is None:  # shown too: described already
+        index = {id(p): i for i, p in enumerate(search.result.points)}
+        by_choice = {tuple(p.choice): search.summaries[index[id(p)]] for p in search.result.points}
+    else:
+        by_choice = {tuple(p.choice): None for p in search.result.points}
     out = []
     for p, (points, picks) in sorted(by_count.items()):
         staged = dataclasses.replace(v, stages=p)
         summaries = []
         for choice in picks:
             # a choice off the frontier is the reference plan's (its cuts join the points)
-            core = search.summaries[by_choice[choice]] if choice in by_choice else megatron
+            core = megatron
+            if choice in by_choice:
+                core = by_choice[choice]
+                if core is None:
+                    core = by_choice[choice] = summarize(choice) + (f", {label}" if label else "")
             if label and core.endswith(f", {label}"):
                 core = core[: -len(label) - 2]
             summaries.append(f"pp={p} x ({core})" + (f", {label}" if label else ""))
