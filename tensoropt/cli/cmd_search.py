@@ -29,20 +29,16 @@ The weights are not loaded: planning needs only shapes.
 exact or epsilon: every frontier is exact by default. --epsilon E guarantees instead
 that for every plan on N devices some point of the N-device frontier is at most (1+E)
 times as slow with no more memory (memory is never approximated: budgets and the
-least-memory point stay exact; repeated blocks are composed exactly and the slack is
-spread over the steps around them). For large models on many devices, whose exact
-frontiers reach tens of thousands of points 0.01% apart: the GPT-3 175B shape (Adam,
-h100) on 64, 256 and 1024 devices takes 48 s with --epsilon 0.05 --stages 1 on 2
-cores, 95 s with --stages 4,16 --micro-batches 1,32 instead, and 563 s with the
-default stages and micro-batch counts (every stage count to 64 and 2, 4 and 8
-micro-batches: each count's stage meshes are searched; 59 s on a faster host, 19.5 s
-there with --stages 1, 72 s and 24 s on a slower one; the stage problems and their
-cuts pruned by bounds on every cut against the points already made, in a second pass
-after the problems without stages and the fewest stages with the most
-micro-batches); exact took 950 s of CPU
-without stages when the same epsilon search took 110 s (benchmarks/RESULTS.md,
-"Pipeline stages"). On such a model, name the stage and micro-batch counts you would
-deploy.
+least-memory point stay exact; repeated blocks are composed exactly, each run of them
+is thinned once with half the slack, and the other half is spread over the steps around
+them). For large models on many devices, whose exact frontiers reach tens of thousands of
+points 0.01% apart: the GPT-3 175B shape (Adam, h100) on 64, 256 and 1024 devices with
+--epsilon 0.05 takes about 60 s on 2 cores with the default stages and micro-batch
+counts (every stage count to 64, and 2, 4 and 8 micro-batches: each count's stage meshes
+are searched, their problems and cuts pruned by bounds on every cut against the points
+already made) and 22 s with --stages 1; exact took 950 s of CPU without stages when the
+same epsilon search took 110 s (benchmarks/RESULTS.md, "Pipeline stages"). On such a
+model, name the stage and micro-batch counts you would deploy.
 
 memory axes (--axes split,zero,recompute,micro; split alone by default, as every
 axis multiplies the search time): besides the split of every op, each mesh is

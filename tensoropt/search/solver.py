@@ -7,13 +7,16 @@ re-evaluate it with :meth:`CostProblem.evaluate` (correctly rounded sums, so the
 numbers are exactly what anyone gets from the dumped tables).
 
 Epsilon mode (see docs/design/search.md for the proof). The repeated blocks are composed
-exactly, as in the exact mode. Every filtering step around them (the pruning at the end of
-each factor product) may in addition drop a point p when a kept point q of the same entry
-has q.memory <= p.memory and q.time <= (1 + delta) * p.time. Along any path of the
-computation at most D such steps happen (D = `filter_depth`, computed by running the
-elimination around the composed blocks symbolically first), and sums preserve a relative
-error, so with
-delta = (1 + epsilon) ** (1 / D) - 1 the result satisfies:
+exactly, as in the exact mode, and each composed piece (a run of blocks) is then thinned
+once: a point p of an entry is dropped when a kept point q of the same entry has
+q.memory <= p.memory and q.time <= (1 + delta_b) * p.time, with
+delta_b = (1 + epsilon) ** PIECE_SHARE - 1. A plan's time is a sum with one part per
+piece, so covering every part costs the factor 1 + delta_b once, not once per piece.
+Every filtering step around them (the pruning at the end of each factor product) may
+drop points the same way with delta. Along any path of the computation at most D such
+steps happen (D = `filter_depth`, computed by running the elimination around the
+composed blocks symbolically first), and sums preserve a relative error, so with
+delta = ((1 + epsilon) / (1 + delta_b)) ** (1 / D) - 1 the result satisfies:
 
     for every plan P (in particular every exact frontier point) there is a returned point Q
     with Q.memory <= P.memory and Q.time <= (1 + epsilon) * P.time.
@@ -84,6 +87,10 @@ class Pruning(enum.Enum):
 
 
 BOUND_TRIGGER = 10000
+
+PIECE_SHARE = 0.5
+"""Epsilon mode: the share of log(1 + epsilon) that thins each composed piece of repeated
+blocks once (module docstring); the filtering steps around them share the rest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,15 +343,23 @@ def solve(
     budget = math.inf if memory_budget is None else float(memory_budget)
     delta = None
     ctx = Context(Provenance(), Filter(budget))
-    # The repeated blocks are composed exactly (no thinning: depth 0), adaptively as in the
-    # exact mode; the epsilon slack is spread over the filtering steps around them.
+    # The repeated blocks are composed exactly, adaptively as in the exact mode; in
+    # epsilon mode each piece is then thinned once with a share of the slack, and the
+    # rest is spread over the filtering steps around them (module docstring).
     pieces = _pieces(ctx, prep, regions)
     if epsilon is not None:
-        pieces = [Factor(f.scope, f.shape, f.table) for f in pieces]  # exact: depth 0
+        rest = 1.0 + epsilon
+        if pieces:
+            piece_delta = (1.0 + epsilon) ** PIECE_SHARE - 1.0
+            pieces = [
+                Factor(f.scope, f.shape, None if f.table is None else f.table.thinned(piece_delta))
+                for f in pieces
+            ]  # depth 0: the steps around them start from these
+            rest = (1.0 + epsilon) / (1.0 + piece_delta)
         dry = Context(Provenance(1), Filter(budget), symbolic=True)
         shadows = [Factor(f.scope, f.shape, None) for f in pieces]
         depth = _schedule(dry, prep, regions, shadows).depth
-        delta = (1.0 + epsilon) ** (1.0 / max(depth, 1)) - 1.0
+        delta = rest ** (1.0 / max(depth, 1)) - 1.0
         ctx.flt = Filter(budget, delta)
     # Epsilon mode prunes with the given plans only (module docstring): the bounds' own
     # incumbents are plans this search does not return.

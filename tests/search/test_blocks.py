@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from search_strategies import block_chains, problems, values
 
 from tensoropt.errors import PlanError
@@ -38,8 +41,9 @@ def test_transformer_blocks_detected_and_exact(mesh: tuple[int, ...]) -> None:
 
 def test_epsilon_mode_composes_blocks_exactly_and_guarantee_holds() -> None:
     """Epsilon mode composes the repeated blocks as the exact mode does (adaptive
-    squaring, no thinning inside them): the same pieces, and the slack is spread over
-    the filtering steps around them only (fewer than the exact run's products)."""
+    squaring, no thinning inside them): the same pieces, thinned once with part of the
+    slack, the rest spread over the filtering steps around them (fewer than the exact
+    run's products)."""
     problem = transformer_problem(9, (2,))
     exact = solve(problem, blocks=BlockMode.OFF)
     composed = solve(problem)
@@ -49,6 +53,30 @@ def test_epsilon_mode_composes_blocks_exactly_and_guarantee_holds() -> None:
     got = values(approx)
     for t, m in values(exact):
         assert any(qm <= m and qt <= 1.05 * t * (1 + 1e-12) for qt, qm in got)
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_chains(max_units=12), st.sampled_from([0.05, 0.5, 2.0]))
+def test_epsilon_with_thinned_pieces_covers_every_plan(case, eps) -> None:
+    """The composed blocks thinned with part of the slack and the steps around them with
+    the rest: every plan (by enumeration) has a returned point with no more memory and
+    at most (1 + eps) times its time, and the least memory is exact."""
+    problem, (first, size, count) = case
+    hinted = CostProblem(
+        problem.units, problem.edges, problem.devices, problem.mesh,
+        (BlockHint(first, size, count),),
+    )  # fmt: skip
+    result = solve(hinted, epsilon=eps, blocks=BlockMode.ALWAYS)
+    assert result.stats.blocks  # the pieces were composed (and thinned)
+    got = values(result)
+    plans = [hinted.evaluate(choice) for choice in itertools.product(*map(range, dims(hinted)))]
+    for t, m in plans:
+        assert any(qm <= m and qt <= (1 + eps) * t * (1 + 1e-12) for qt, qm in got), (t, m)
+    assert min(qm for _, qm in got) == min(m for _, m in plans)
+
+
+def dims(problem: CostProblem) -> list[int]:
+    return [len(u.strategies) for u in problem.units]
 
 
 def test_wrong_hint_is_a_plan_error() -> None:
