@@ -1,3 +1,3 @@
-from tensoropt.cli import main
+from tensoropt.cli import console
 
-raise SystemExit(main())
+console()

@@ -10,9 +10,28 @@ from tensoropt.cli.search_json import PickedRow, load_search, plan_of
 from tensoropt.ir.costs import load_costs
 from tensoropt.runtime.run import run_steps
 from tensoropt.search.solver import solve
-from tests.cli.cli_run import assert_bad_input, cli
+from tests.cli.cli_run import assert_bad_input, cli, cli_process
 
 pytest.importorskip("matplotlib")
+
+
+def test_the_command_leaving_at_once_has_written_everything(zoo_file, tmp_path, capsys):
+    """`tensoropt search` leaves with os._exit once main returns (QUICK_EXIT): in a child
+    process with worker processes, its tables, its JSON file and its cost dump are
+    whole, the same as main gives in this process, and the exit code is main's."""
+    argv = ["search", zoo_file("gpt"), "--devices", "2,4", "--axes", "split,stages", "--jobs", "2"]
+    child = cli_process(*argv, "--json-out", tmp_path / "a.json", "--dump-costs",
+                        tmp_path / "a.costs")  # fmt: skip
+    here = cli(capsys, *argv, "--json-out", tmp_path / "b.json", "--dump-costs",
+               tmp_path / "b.costs")  # fmt: skip
+    assert (child.code, here.code) == (0, 0), child.err
+    assert child.out == here.out and "overall frontier" in child.out
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads(
+        (tmp_path / "b.json").read_text()
+    )
+    assert (tmp_path / "a.costs").read_bytes() == (tmp_path / "b.costs").read_bytes()
+    bad = cli_process("search", tmp_path / "missing.onnx")
+    assert_bad_input(bad, "search", "missing.onnx")
 
 
 def test_search_prints_tables_and_writes_json_plot_costs(zoo_file, tmp_path, capsys):
