@@ -92,13 +92,12 @@ def held_micro_batches(stage: int, micro_batches: int, stages: int, schedule: st
 
 def stage_link(profile: ClusterProfile, stage: int, ranks_per_stage: int) -> Link:
     """The link between stage ``stage``'s devices and the next stage's: rank r of a stage
-    talks to rank r of the next, ``ranks_per_stage`` devices apart."""
+    talks to rank r of the next, ``ranks_per_stage`` devices apart. Every such pair
+    shares a node exactly when the two stages' ranks all do: a node boundary anywhere
+    among them falls between some rank and its partner."""
     per_node = profile.devices_per_node
     first = stage * ranks_per_stage
-    same = all(
-        (first + r) // per_node == (first + ranks_per_stage + r) // per_node
-        for r in range(ranks_per_stage)
-    )
+    same = first // per_node == (first + 2 * ranks_per_stage - 1) // per_node
     return profile.intra if same else profile.inter
 
 

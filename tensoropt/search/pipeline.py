@@ -192,40 +192,19 @@ def stage_grids(
     order as ``stage``, in one compiled loop. For 2 stages that is 2 n entries of the
     n^2 a full grid holds."""
     pos = np.asarray(positions, dtype=np.int64)
-    alpha, bandwidth, held = _stage_rates(terms, stages, schedule)
+    links = [stage_link(terms.profile, s, terms.mesh.size) for s in range(stages)]
+    held = [held_micro_batches(s, terms.micro_batches, stages, schedule) for s in range(stages)]
     taus = np.full((stages, len(pos), len(pos)), np.inf)
     mems = np.full_like(taus, np.inf)
     _grids(
         terms.a, terms.b, terms.base, terms.act, terms.fwd_bytes, terms.fwd_count,
-        terms.bwd_bytes, terms.bwd_count, pos, alpha, bandwidth, held,
-        float(terms.micro_batches + stages - 1), float(terms.constant), terms.segments,
-        taus, mems,
+        terms.bwd_bytes, terms.bwd_count, pos,
+        np.array([link.alpha_s for link in links], dtype=np.float64),
+        np.array([link.bandwidth for link in links], dtype=np.float64),
+        np.array(held, dtype=np.float64), float(terms.micro_batches + stages - 1),
+        float(terms.constant), terms.segments, taus, mems,
     )  # fmt: skip
     return taus, mems
-
-
-# (profile, mesh size, micro-batches, stages, schedule) -> (the profile, each stage's
-# forward link alpha and bandwidth, micro-batches held): the same for every plan of a
-# problem, and stage_link walks every rank of a stage
-_RATES: dict[tuple, tuple] = {}
-
-
-def _stage_rates(terms: PipelineTerms, stages: int, schedule: str):
-    key = (id(terms.profile), terms.mesh.size, terms.micro_batches, stages, schedule)
-    found = _RATES.get(key)
-    if found is None or found[0] is not terms.profile:  # the profile is held: ids stay
-        if len(_RATES) > 256:
-            _RATES.clear()
-        links = [stage_link(terms.profile, s, terms.mesh.size) for s in range(stages)]
-        m = terms.micro_batches
-        held = [held_micro_batches(s, m, stages, schedule) for s in range(stages)]
-        found = _RATES[key] = (
-            terms.profile,
-            np.array([link.alpha_s for link in links], dtype=np.float64),
-            np.array([link.bandwidth for link in links], dtype=np.float64),
-            np.array(held, dtype=np.float64),
-        )
-    return found[1:]
 
 
 @compiled()

@@ -239,7 +239,7 @@ def _bottleneck(cost, mem, tau, cap, t_limit):
             value, arg = np.inf, 0
             # best is inf before position s (s stages hold s segments at least), and
             # an inf start never wins: max(inf, x) < value is false
-            for i in range(s, min(k, 1) if s == 0 else k):
+            for i in range(s, 1 if s == 0 else k):
                 if mem[s, i, k] <= cap and tau[s, i, k] <= t_limit:
                     v = max(best[i], cost[s, i, k])
                     if v < value:

@@ -97,3 +97,22 @@ def test_the_bubble_grows_with_the_stages_for_the_same_micro_batches():
     one, _ = terms.price([0, n], "1f1b")
     assert two.time_s < one.time_s  # half the work per stage, 5 slots for 4 micro-batches
     assert two.time_s > one.time_s / 2  # but not half: the bubble and the sends
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 3, 8])
+def test_stage_link_is_intra_node_exactly_when_every_rank_pair_shares_a_node(per_node):
+    """stage_link's closed form against its definition: rank r of stage s talks to rank
+    r of stage s + 1, and the link is the node's own only if every such pair shares a
+    node (uneven node sizes included)."""
+    from tensoropt.cost.pipeline import stage_link
+
+    profile = dataclasses.replace(builtin("h100"), devices_per_node=per_node)
+    assert profile.intra != profile.inter
+    seen = set()
+    for n in range(1, 20):
+        for s in range(12):
+            first = s * n
+            same = all((first + r) // per_node == (first + n + r) // per_node for r in range(n))
+            seen.add(same)
+            assert stage_link(profile, s, n) == (profile.intra if same else profile.inter)
+    assert seen == {True, False} or per_node == 1
