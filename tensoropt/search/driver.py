@@ -1064,11 +1064,13 @@ def _pipelined(
     )  # fmt: skip
     label = v.label(len(space.blocks))
     megatron = "megatron, " + megatron_label(mesh.shape)  # the reference's own summary
-    if summarize is None:  # shown too: described already
-        index = {id(p): i for i, p in enumerate(search.result.points)}
-        by_choice = {tuple(p.choice): search.summaries[index[id(p)]] for p in search.result.points}
+    # each frontier plan's summary: shown ones are described already (with the label),
+    # the others when a pipeline picks them
+    frontier = [tuple(p.choice) for p in search.result.points]
+    if summarize is None:
+        described = dict(zip(frontier, search.summaries, strict=True))
     else:
-        by_choice = {tuple(p.choice): None for p in search.result.points}
+        described = dict.fromkeys(frontier)
     out = []
     for p, (points, picks) in sorted(by_count.items()):
         staged = dataclasses.replace(v, stages=p)
@@ -1076,10 +1078,10 @@ def _pipelined(
         for choice in picks:
             # a choice off the frontier is the reference plan's (its cuts join the points)
             core = megatron
-            if choice in by_choice:
-                core = by_choice[choice]
-                if core is None:
-                    core = by_choice[choice] = summarize(choice) + (f", {label}" if label else "")
+            if choice in described:
+                if described[choice] is None:
+                    described[choice] = summarize(choice)
+                core = described[choice]
             if label and core.endswith(f", {label}"):
                 core = core[: -len(label) - 2]
             summaries.append(f"pp={p} x ({core})" + (f", {label}" if label else ""))
