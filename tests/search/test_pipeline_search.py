@@ -259,6 +259,7 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
 
     _, _, family, _, segments, tables = _micro_tables(gpt, mesh, k)
     allowed = positions(segments.count)
+    n = len(allowed)
     checked = 0
     plans = solve(family.problem().problem).points[:4]
     for point in plans:
@@ -268,7 +269,6 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
             for s in range(p):
                 for x, i in enumerate(allowed):
                     for y, j in enumerate(allowed):
-                        n = len(allowed)
                         usable = s <= x < y <= n - p + s
                         usable &= (s > 0 or x == 0) and (s < p - 1 or y == n - 1)
                         if not usable:
@@ -279,9 +279,8 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
                         checked += 1
     # cuts of n positions into p stages: the first and the last stage have n - p
     # (start, end) pairs each, a middle one every pair of its n - p + 1 positions
-    n = len(allowed)
-    usable = [1] + [2 * (n - p) + (p - 2) * math.comb(n - p + 1, 2) for p in (2, 3, 4)]
-    assert checked == len(plans) * sum(usable) >= 30
+    per_count = [1] + [2 * (n - p) + (p - 2) * math.comb(n - p + 1, 2) for p in (2, 3, 4)]
+    assert checked == len(plans) * sum(per_count) >= 30
 
 
 def test_dumped_costs_recompute_with_stages_searched(gpt, tmp_path, capsys):
