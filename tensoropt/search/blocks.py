@@ -27,7 +27,7 @@ found, and the candidate phases are validated with the same check as hints.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,8 +199,30 @@ def port_dim(prep: Prepared, r: Region) -> int:
 
 
 def detect_regions(prep: Prepared) -> list[Region]:
-    """Repeated-block regions found from the tables alone (disjoint, largest first)."""
+    """Repeated-block regions found from the tables alone (disjoint, largest first).
+
+    Detection reads only which tables are equal (the signatures, numbered in order of
+    first appearance), the edges and the strategy counts: sibling problems with the same
+    structure and other prices (one mesh's micro-batch counts, ZeRO stages, the problem
+    with one more micro-batch slot) find the same regions, detected once per process."""
     sig = _Signatures(prep)
+    key = (tuple(sig.unit), tuple(sig.edge.items()), prep.dims)
+    found = _DETECTED.get(key)
+    if found is None:
+        found = _DETECTED[key] = tuple(_detect(prep, sig))
+        if len(_DETECTED) > _DETECTED_MAX:
+            _DETECTED.popitem(last=False)
+    else:
+        _DETECTED.move_to_end(key)
+    return list(found)
+
+
+# (signatures, edges, strategy counts) -> the regions detected, least recently used out
+_DETECTED: OrderedDict[tuple, tuple[Region, ...]] = OrderedDict()
+_DETECTED_MAX = 256
+
+
+def _detect(prep: Prepared, sig: _Signatures) -> list[Region]:
     masked: set[int] = set()
     regions: list[Region] = []
     while len(regions) < MAX_REGIONS:

@@ -170,8 +170,9 @@ def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
     bucket[t <= 0.0] = -np.inf
     last = np.ones(n, dtype=bool)
     last[:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-    rep = np.flatnonzero(last)
-    rep_of = rep[np.searchsorted(rep, np.arange(n))]
+    rep = np.flatnonzero(last)  # the last point is one (last[-1] stays True)
+    # each point's representative: the first kept index at or after it
+    rep_of = np.repeat(rep, np.diff(rep, prepend=-1))
     ok = t[rep_of] <= t * (1.0 + delta)
     return last | ~ok
 

@@ -118,3 +118,39 @@ def test_worthwhile_decides_as_with_the_whole_graph_work(case) -> None:
             chosen.append(r)
             best = work
     assert blocks.worthwhile(prep, found) == chosen
+
+
+def test_detected_regions_are_shared_only_by_problems_of_one_structure() -> None:
+    """detect_regions keeps what it found per structure (which tables are equal, the
+    edges, the strategy counts): a problem with other prices and the same structure gets
+    the regions a fresh detection finds, and one whose structure differs is detected
+    again (a memo entry served there would cover a block that is not a repeat)."""
+    import dataclasses
+
+    from tensoropt.search import blocks
+    from tensoropt.search.prepared import prepare
+
+    def fresh(problem):
+        prep = prepare(problem)
+        return blocks._detect(prep, blocks._Signatures(prep))
+
+    blocks._DETECTED.clear()
+    first = transformer_problem(6, (2, 2), seed=0)
+    repriced = transformer_problem(6, (2, 2), seed=1)
+    assert first.units != repriced.units  # other prices
+    found = blocks.detect_regions(prepare(first))
+    assert found and found == fresh(first)
+    assert len(blocks._DETECTED) == 1
+    assert blocks.detect_regions(prepare(repriced)) == fresh(repriced) == found
+    assert len(blocks._DETECTED) == 1  # served from the first
+    # layer 3's first unit priced apart from the others: the repeat breaks there
+    k = 1 + 3 * 12
+    unit = first.units[k]
+    odd = dataclasses.replace(
+        unit,
+        strategies=tuple(dataclasses.replace(s, time_s=s.time_s * 1.5) for s in unit.strategies),
+    )
+    broken = dataclasses.replace(first, units=(*first.units[:k], odd, *first.units[k + 1 :]))
+    again = blocks.detect_regions(prepare(broken))
+    assert again == fresh(broken) != found
+    assert len(blocks._DETECTED) == 2
