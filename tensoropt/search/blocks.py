@@ -205,20 +205,41 @@ def detect_regions(prep: Prepared) -> list[Region]:
     first appearance), the edges and the strategy counts: sibling problems with the same
     structure and other prices (one mesh's micro-batch counts, ZeRO stages, the problem
     with one more micro-batch slot) find the same regions, detected once per process."""
+    return list(_found(prep).detected)
+
+
+def auto_regions(prep: Prepared) -> list[Region]:
+    """``worthwhile(prep, detect_regions(prep))``, the regions the automatic mode
+    composes: the table work it compares reads only the edges and strategy counts, so
+    this too is found once per structure."""
+    found = _found(prep)
+    if found.chosen is None:
+        found.chosen = tuple(worthwhile(prep, list(found.detected)))
+    return list(found.chosen)
+
+
+@dataclass(slots=True)
+class _Found:
+    detected: tuple[Region, ...]
+    chosen: tuple[Region, ...] | None = None  # auto_regions', once asked
+
+
+def _found(prep: Prepared) -> _Found:
     sig = _Signatures(prep)
     key = (tuple(sig.unit), tuple(sig.edge.items()), prep.dims)
     found = _DETECTED.get(key)
     if found is None:
-        found = _DETECTED[key] = tuple(_detect(prep, sig))
+        found = _DETECTED[key] = _Found(tuple(_detect(prep, sig)))
         if len(_DETECTED) > _DETECTED_MAX:
             _DETECTED.popitem(last=False)
     else:
         _DETECTED.move_to_end(key)
-    return list(found)
+    return found
 
 
-# (signatures, edges, strategy counts) -> the regions detected, least recently used out
-_DETECTED: OrderedDict[tuple, tuple[Region, ...]] = OrderedDict()
+# (signatures, edges, strategy counts) -> the regions detected and chosen, least
+# recently used out first
+_DETECTED: OrderedDict[tuple, _Found] = OrderedDict()
 _DETECTED_MAX = 256
 
 

@@ -146,15 +146,23 @@ def _reduce_to(
     return arr.min(axis=axes) if axes else np.array(arr)
 
 
-def _entry_argmin(table: Table, score: np.ndarray) -> np.ndarray:
-    """Index of the point of least `score` in each entry; -1 for empty entries."""
-    out = np.full(table.n_entries, -1, dtype=np.int64)
-    nonempty = np.flatnonzero(table.sizes)
-    if not len(nonempty):
-        return out
-    group = np.repeat(np.arange(table.n_entries), table.sizes)
-    order = np.lexsort((score, group))
-    out[nonempty] = order[np.searchsorted(group[order], nonempty)]
+@compiled()
+def _entry_argmins(offsets, t, m, weights):
+    """Per weight (w_t, w_m) and entry: the index of the point of least score w_t t + w_m m
+    (the float numpy gives; scores are finite), the first of equal ones, -1 for an empty
+    entry. One scan per entry: a stable sort of every point per weight picked the same
+    points and took 6% of the all-axes GPT-2-medium search."""
+    channels, entries = weights.shape[0], offsets.size - 1
+    out = np.full((channels, entries), -1, dtype=np.int64)
+    for c in range(channels):
+        wt, wm = weights[c, 0], weights[c, 1]
+        for e in range(entries):
+            best, arg = np.inf, -1
+            for i in range(offsets[e], offsets[e + 1]):
+                score = wt * t[i] + wm * m[i]
+                if arg < 0 or score < best:
+                    best, arg = score, i
+            out[c, e] = arg
     return out
 
 
@@ -245,8 +253,10 @@ def _leaf_plans(sched: Schedule, fid: int, table: Table, weights: np.ndarray) ->
     (+inf for empty entries)."""
     shape = (len(weights), table.n_entries)
     score, t, m = np.full(shape, np.inf), np.full(shape, np.inf), np.full(shape, np.inf)
+    w64 = np.ascontiguousarray(weights, dtype=np.float64)
+    found = _entry_argmins(table.offsets, table.t, table.m, w64)
     for c, w in enumerate(weights):
-        idx = _entry_argmin(table, w[0] * table.t + w[1] * table.m)
+        idx = found[c]
         ok = idx >= 0
         t[c, ok], m[c, ok] = table.t[idx[ok]], table.m[idx[ok]]
         score[c, ok] = w[0] * t[c, ok] + w[1] * m[c, ok]

@@ -49,6 +49,7 @@ from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.search.blocks import (
     MAX_PORT_DIM,
     Region,
+    auto_regions,
     chain_pieces,
     detect_regions,
     hinted_regions,
@@ -190,6 +191,8 @@ def _schedule(ctx: Context, prep: Prepared, regions: list[Region], pieces: list[
 def _regions(problem: CostProblem, prep: Prepared, mode: BlockMode) -> list[Region]:
     if mode is BlockMode.OFF:
         return []
+    if mode is BlockMode.AUTO and not problem.blocks:
+        return auto_regions(prep)
     found = hinted_regions(prep, problem.blocks) if problem.blocks else detect_regions(prep)
     if mode is BlockMode.ALWAYS:
         return [r for r in found if port_dim(prep, r) <= MAX_PORT_DIM]

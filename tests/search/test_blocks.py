@@ -121,10 +121,11 @@ def test_worthwhile_decides_as_with_the_whole_graph_work(case) -> None:
 
 
 def test_detected_regions_are_shared_only_by_problems_of_one_structure() -> None:
-    """detect_regions keeps what it found per structure (which tables are equal, the
-    edges, the strategy counts): a problem with other prices and the same structure gets
-    the regions a fresh detection finds, and one whose structure differs is detected
-    again (a memo entry served there would cover a block that is not a repeat)."""
+    """detect_regions and auto_regions keep what they found per structure (which tables
+    are equal, the edges, the strategy counts): a problem with other prices and the same
+    structure gets the regions a fresh detection finds, and one whose structure differs
+    is detected again (a memo entry served there would cover a block that is not a
+    repeat)."""
     import dataclasses
 
     from tensoropt.search import blocks
@@ -154,3 +155,8 @@ def test_detected_regions_are_shared_only_by_problems_of_one_structure() -> None
     again = blocks.detect_regions(prepare(broken))
     assert again == fresh(broken) != found
     assert len(blocks._DETECTED) == 2
+    # the regions worth composing, kept with them: what worthwhile chooses afresh
+    for problem in (first, repriced, broken, first):
+        prep = prepare(problem)
+        assert blocks.auto_regions(prep) == blocks.worthwhile(prep, fresh(problem))
+    assert blocks.auto_regions(prepare(first)) != blocks.auto_regions(prepare(broken))
