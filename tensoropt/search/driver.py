@@ -206,14 +206,20 @@ class Exploration:
     epsilon: float | None
     memory_budget: float | None
     space: SearchSpace = PLAIN_SPACE  # what was searched (pipeline_devices filled in)
+    # key -> the first search with it, made on the first lookup (a table of every merged
+    # point looks up its source: a scan per point took 4% of an every-axis search)
+    _by_key: dict = field(default_factory=dict, compare=False, repr=False)
 
     def search_of(
         self, devices: int, mesh: tuple[int, ...], variant: Variant = PLAIN
     ) -> MeshSearch:
-        for s in self.searches:
-            if s.key == (devices, tuple(mesh), variant):
-                return s
-        raise KeyError((devices, mesh, variant))
+        if not self._by_key:
+            for s in self.searches:
+                self._by_key.setdefault(s.key, s)
+        found = self._by_key.get((devices, tuple(mesh), variant))
+        if found is None:
+            raise KeyError((devices, mesh, variant))
+        return found
 
     def source_of(self, point: MergedPoint) -> MeshSearch:
         """The search a merged point comes from."""
