@@ -252,14 +252,16 @@ def _leaf_plans(sched: Schedule, fid: int, table: Table, weights: np.ndarray) ->
     """Per weight and entry of a leaf: the score, time and memory of its least-score point
     (+inf for empty entries)."""
     shape = (len(weights), table.n_entries)
-    score, t, m = np.full(shape, np.inf), np.full(shape, np.inf), np.full(shape, np.inf)
     w64 = np.ascontiguousarray(weights, dtype=np.float64)
     found = _entry_argmins(table.offsets, table.t, table.m, w64)
-    for c, w in enumerate(weights):
-        idx = found[c]
-        ok = idx >= 0
-        t[c, ok], m[c, ok] = table.t[idx[ok]], table.m[idx[ok]]
-        score[c, ok] = w[0] * t[c, ok] + w[1] * m[c, ok]
+    ok = found >= 0
+    if not table.t.size:  # no points at all
+        score, t, m = np.full(shape, np.inf), np.full(shape, np.inf), np.full(shape, np.inf)
+    else:  # every channel at once: the same float operations per entry
+        at = np.maximum(found, 0)
+        t = np.where(ok, table.t[at], np.inf)
+        m = np.where(ok, table.m[at], np.inf)
+        score = np.where(ok, w64[:, :1] * t + w64[:, 1:] * m, np.inf)
     full = (len(weights), *sched.shape(fid))
     return score.reshape(full), t.reshape(full), m.reshape(full)
 
