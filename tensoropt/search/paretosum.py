@@ -20,6 +20,12 @@ pair k (entry sizes na, nb), the sum of A's point i and B's point j has position
 ``base_k + i * nb + j``, with base_k the candidates of the pairs before it. The kept points
 are exactly those of forming every candidate in that order and pruning them with
 ``frontier.prune_groups`` (property-tested in tests/search/test_paretosum.py).
+
+On the GPT-3 175B default search the calls pop about two heads per kept point (184 M
+pops, 90 M kept, 30 runs per group on average in the 1229 calls over 4 ms). Rejected,
+measured on those calls: a heap of run indices, each run's key kept with the run (one
+integer moved per level instead of four values), was no faster: 1.02x and 1.08x the
+time in two runs, where an identical copy of this kernel measured 0.99x and 1.05x.
 """
 
 from __future__ import annotations
