@@ -207,8 +207,9 @@ class Exploration:
     memory_budget: float | None
     space: SearchSpace = PLAIN_SPACE  # what was searched (pipeline_devices filled in)
     # key -> the first search with it, made on the first lookup (a table of every merged
-    # point looks up its source: a scan per point took 4% of an every-axis search)
-    _by_key: dict = field(default_factory=dict, compare=False, repr=False)
+    # point looks up its source: a scan per point took 4% of an every-axis search); not
+    # an init field, so dataclasses.replace starts a copy with other searches afresh
+    _by_key: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def search_of(
         self, devices: int, mesh: tuple[int, ...], variant: Variant = PLAIN

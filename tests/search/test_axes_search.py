@@ -294,3 +294,19 @@ def test_the_shared_choice_memo_changes_no_program(models):
                     checked += 1
         assert shared  # the memo was used
     assert checked == 2 * 2 * 2 * len(ZeroStage)
+
+
+def test_search_of_finds_the_searches_of_its_own_exploration(models):
+    """search_of keeps an index made on its first lookup; a copy with other searches
+    (dataclasses.replace) finds only those, not the ones the original indexed."""
+    import dataclasses
+
+    _, _, _, exp = _explore(models["mlp"], [2], "split,micro")
+    first = exp.searches[0]
+    assert exp.search_of(*first.key) is first
+    rest = tuple(s for s in exp.searches if s.key != first.key)
+    assert rest
+    fewer = dataclasses.replace(exp, searches=rest)
+    with pytest.raises(KeyError):
+        fewer.search_of(*first.key)
+    assert fewer.search_of(*rest[0].key) is rest[0]
