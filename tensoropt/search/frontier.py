@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tensoropt.search.jit import compiled
 from tensoropt.search.paretosum import pareto_sums
 from tensoropt.search.provenance import Provenance
 
@@ -157,24 +158,32 @@ def _prune_lexsort(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
 def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
     """Mask of points to keep from pruned frontiers sorted by (group, time).
 
-    Points fall into geometric time buckets of ratio (1 + delta); the last (least-memory)
-    point of each bucket is kept and represents the others, which have at least its memory
-    and at least 1/(1 + delta) of its time. The ratio is re-checked in floating point, so a
-    rounding error at a bucket edge keeps a point rather than breaking the guarantee.
+    Each group is scanned from its last (least-memory) point down: a point p is dropped
+    when the representative kept last, which has less memory, takes at most
+    (1 + delta) * p.time (checked in floating point, so a rounding error keeps a point
+    rather than breaking the guarantee); otherwise p is kept and becomes the
+    representative.
+    The last point of a group is always kept (nothing has less memory), and a point
+    kept is the first one its successor cannot cover, so no smaller subset covers the
+    group (the greedy cover from the right is optimal).
     """
-    n = len(t)
-    if n == 0:
+    if len(t) == 0:
         return np.zeros(0, dtype=bool)
-    with np.errstate(divide="ignore"):
-        bucket = np.floor(np.log(t) / math.log1p(delta))
-    bucket[t <= 0.0] = -np.inf
-    last = np.ones(n, dtype=bool)
-    last[:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-    rep = np.flatnonzero(last)  # the last point is one (last[-1] stays True)
-    # each point's representative: the first kept index at or after it
-    rep_of = np.repeat(rep, np.diff(rep, prepend=-1))
-    ok = t[rep_of] <= t * (1.0 + delta)
-    return last | ~ok
+    return _thin(g, t, 1.0 + delta)
+
+
+@compiled()
+def _thin(g: np.ndarray, t: np.ndarray, ratio: float) -> np.ndarray:
+    n = len(t)
+    keep = np.zeros(n, dtype=np.bool_)
+    rep_t = 0.0
+    rep_g = g[n - 1] + 1
+    for i in range(n - 1, -1, -1):
+        if g[i] != rep_g or not (rep_t <= t[i] * ratio):
+            keep[i] = True
+            rep_t = t[i]
+            rep_g = g[i]
+    return keep
 
 
 def sum_entries(
