@@ -35,6 +35,10 @@ class Factor:
     shape: tuple[int, ...]
     table: Table | None
     depth: int = 0
+    # epsilon mode: lows[j] is the sum of the least times of the leaves (unit, edge and
+    # composed-piece factors) that lie j filtering steps below this factor's output
+    # (docs/design/search.md, "Completion slack"); empty where none is known
+    lows: tuple[float, ...] = ()
 
     @property
     def n_entries(self) -> int:
@@ -90,30 +94,36 @@ def multiply(
     out = tuple(v for v in joint if v not in eliminate)
     oshape = tuple(dims[v] for v in out)
     depth = max(a.depth, b.depth if b is not None else 0) + 1
+    lows = _deeper(a.lows, b.lows if b is not None else ())
     ctx.max_scope = max(ctx.max_scope, len(joint))
     ctx.max_entries = max(ctx.max_entries, math.prod(jshape))
     if ctx.symbolic or a.table is None:
-        return Factor(out, oshape, None, depth)
+        return Factor(out, oshape, None, depth, lows)
     n = math.prod(jshape)
     coords = np.indices(jshape, dtype=np.int64).reshape(len(joint), n)
     pos = {v: i for i, v in enumerate(joint)}
     ia = _ravel(coords[[pos[v] for v in a.scope]], a.shape, n)
     group = _ravel(coords[[pos[v] for v in out]], oshape, n)
+    flt = ctx.flt.at(math.fsum(lows))
     if b is None:
-        table = sum_entries(
-            a.table, ia, None, None, group, math.prod(oshape), ctx.prov, ctx.flt, bound
-        )
+        table = sum_entries(a.table, ia, None, None, group, math.prod(oshape), ctx.prov, flt, bound)
     else:
         assert b.table is not None
         ib = _ravel(coords[[pos[v] for v in b.scope]], b.shape, n)
         table = sum_entries(
-            a.table, ia, b.table, ib, group, math.prod(oshape), ctx.prov, ctx.flt, bound
+            a.table, ia, b.table, ib, group, math.prod(oshape), ctx.prov, flt, bound
         )
     ctx.products += 1
     memory.check()  # the frontiers just grew: stop before the machine runs out
     if table.n_entries:
         ctx.max_frontier = max(ctx.max_frontier, int(table.sizes.max()))
-    return Factor(out, oshape, table, depth)
+    return Factor(out, oshape, table, depth, lows)
+
+
+def _deeper(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    """The ``lows`` of a product of factors with ``a`` and ``b``: one step deeper."""
+    n = max(len(a), len(b))
+    return (0.0, *((a[j] if j < len(a) else 0.0) + (b[j] if j < len(b) else 0.0) for j in range(n)))
 
 
 def product_order(factors: list[Factor]) -> list[int]:
@@ -147,5 +157,5 @@ def translate(ctx: Context, f: Factor, offset: int) -> Factor:
     """The same factor for the block `offset` units later: scope and back-pointers move."""
     scope = tuple(v + offset for v in f.scope)
     if f.table is None:
-        return Factor(scope, f.shape, None, f.depth)
-    return Factor(scope, f.shape, f.table.shifted(ctx.prov, offset), f.depth)
+        return Factor(scope, f.shape, None, f.depth, f.lows)
+    return Factor(scope, f.shape, f.table.shifted(ctx.prov, offset), f.depth, f.lows)

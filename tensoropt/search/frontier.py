@@ -94,12 +94,22 @@ class Filter:
     """What `sum_entries` drops besides dominated points.
 
     budget: points with memory above it (sound: costs are nonnegative, so a partial sum
-    over budget can only grow). delta: one-sided epsilon slack; a point is dropped when a
-    kept point of the same entry has no more memory and at most (1 + delta) times its time.
+    over budget can only grow). delta: one-sided epsilon slack; a point p is dropped when
+    a kept point of the same entry has no more memory and at most
+    (1 + delta) * p.time + slack of time. slack: delta * spread * the least time of the
+    product's leaves (:meth:`at`; docs/design/search.md, "Completion slack").
     """
 
     budget: float = math.inf
     delta: float | None = None
+    spread: float = 0.0
+    slack: float = 0.0
+
+    def at(self, low: float) -> Filter:
+        """This filter for a product whose leaves take at least ``low`` of time."""
+        if self.delta is None or not self.spread:
+            return self
+        return Filter(self.budget, self.delta, self.spread, self.delta * self.spread * low)
 
 
 def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -155,13 +165,13 @@ def _prune_lexsort(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
     return order[keep]
 
 
-def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
+def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float, slack: float = 0.0) -> np.ndarray:
     """Mask of points to keep from pruned frontiers sorted by (group, time).
 
     Each group is scanned from its last (least-memory) point down: a point p is dropped
     when the representative kept last, which has less memory, takes at most
-    (1 + delta) * p.time (checked in floating point, so a rounding error keeps a point
-    rather than breaking the guarantee); otherwise p is kept and becomes the
+    (1 + delta) * p.time + slack (checked in floating point, so a rounding error keeps a
+    point rather than breaking the guarantee); otherwise p is kept and becomes the
     representative.
     The last point of a group is always kept (nothing has less memory), and a point
     kept is the first one its successor cannot cover, so no smaller subset covers the
@@ -169,17 +179,17 @@ def epsilon_thin(g: np.ndarray, t: np.ndarray, delta: float) -> np.ndarray:
     """
     if len(t) == 0:
         return np.zeros(0, dtype=bool)
-    return _thin(g, t, 1.0 + delta)
+    return _thin(g, t, 1.0 + delta, slack)
 
 
 @compiled()
-def _thin(g: np.ndarray, t: np.ndarray, ratio: float) -> np.ndarray:
+def _thin(g: np.ndarray, t: np.ndarray, ratio: float, slack: float) -> np.ndarray:
     n = len(t)
     keep = np.zeros(n, dtype=np.bool_)
     rep_t = 0.0
     rep_g = g[n - 1] + 1
     for i in range(n - 1, -1, -1):
-        if g[i] != rep_g or not (rep_t <= t[i] * ratio):
+        if g[i] != rep_g or not (rep_t <= t[i] * ratio + slack):
             keep[i] = True
             rep_t = t[i]
             rep_g = g[i]
@@ -237,7 +247,7 @@ def sum_entries(
         keep = bound.keep(g, t, m)
         pa, pb, g, t, m = pa[keep], pb[keep], g[keep], t[keep], m[keep]
     if flt.delta is not None:
-        keep = epsilon_thin(g, t, flt.delta)
+        keep = epsilon_thin(g, t, flt.delta, flt.slack)
         pa, pb, g, t, m = pa[keep], pb[keep], g[keep], t[keep], m[keep]
     ids = A.prov[pa] if B is None else prov.pairs(A.prov[pa], B.prov[pb])
     counts = np.bincount(g, minlength=n_groups)

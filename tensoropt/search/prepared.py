@@ -32,19 +32,26 @@ class Prepared:
 
     def unit_factor(self, ctx: Context, i: int) -> Factor:
         """Unary factor of unit i; its points carry LEAF back-pointers."""
+        lows = _least(self.unit_t[i])
         if ctx.symbolic:
-            return Factor((i,), (self.dims[i],), None)
+            return Factor((i,), (self.dims[i],), None, lows=lows)
         leaves = ctx.prov.leaves(i, self.dims[i])
-        return Factor((i,), (self.dims[i],), Table.scalars(self.unit_t[i], self.unit_m[i], leaves))
+        table = Table.scalars(self.unit_t[i], self.unit_m[i], leaves)
+        return Factor((i,), (self.dims[i],), table, lows=lows)
 
     def edge_factor(self, ctx: Context, key: tuple[int, int]) -> Factor:
         """Binary factor of a merged edge; its points carry no back-pointer."""
         a, b = key
         shape = (self.dims[a], self.dims[b])
-        if ctx.symbolic:
-            return Factor(key, shape, None)
         t, m = self.edges[key]
-        return Factor(key, shape, Table.scalars(t.ravel(), m.ravel()))
+        if ctx.symbolic:
+            return Factor(key, shape, None, lows=_least(t))
+        return Factor(key, shape, Table.scalars(t.ravel(), m.ravel()), lows=_least(t))
+
+
+def _least(t: np.ndarray) -> tuple[float, ...]:
+    """A leaf factor's ``lows``: its least time (none for an empty table)."""
+    return (float(t.min()),) if t.size else ()
 
 
 def prepare(problem: CostProblem) -> Prepared:

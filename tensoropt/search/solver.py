@@ -13,9 +13,11 @@ q.memory <= p.memory and q.time <= (1 + delta_b) * p.time, with
 delta_b = (1 + epsilon) ** PIECE_SHARE - 1. A plan's time is a sum with one part per
 piece, so covering every part costs the factor 1 + delta_b once, not once per piece.
 Every filtering step around them (the pruning at the end of each factor product) may
-drop points the same way with delta. Along any path of the computation at most D such
-steps happen (D = `filter_depth`, computed by running the elimination around the
-composed blocks symbolically first), and sums preserve a relative error, so with
+drop points the same way with delta, plus a completion slack of delta * c times the
+least time of the product's leaves (`completion_spread`: the budget that the steps near
+the leaves leave unspent). Along any path of the computation at most D such steps happen
+(D = `filter_depth`, computed by running the elimination around the composed blocks
+symbolically first), and sums preserve a relative error, so with
 delta = ((1 + epsilon) / (1 + delta_b)) ** (1 / D) - 1 the result satisfies:
 
     for every plan P (in particular every exact frontier point) there is a returned point Q
@@ -153,6 +155,36 @@ def _guarantee(eps: float | None, budget: float | None, external) -> str:
     if eps is None:
         return _exact_guarantee(budget, external)
     return _eps_guarantee(eps, budget, external)
+
+
+def _thinned(piece: Factor, delta: float) -> Factor:
+    """A composed piece thinned once (epsilon mode), a leaf of the elimination around
+    the pieces: its ``lows`` is its least time, which every point it keeps takes."""
+    if piece.table is None:
+        return Factor(piece.scope, piece.shape, None)
+    table = piece.table.thinned(delta)
+    lows = (float(table.t.min()),) if len(table.t) else ()
+    return Factor(piece.scope, piece.shape, table, lows=lows)
+
+
+def completion_spread(lows: Sequence[float], depth: int, delta: float) -> float:
+    """The spread c of the completion slack (docs/design/search.md, "Completion slack"):
+    each filtering step k may also drop p for a point within delta * c * L_k more time,
+    L_k the least time of the leaves below k. ``lows[j]``: the least times of the
+    leaves j steps below the top (a leaf of unknown least time counts 0); D = ``depth``,
+    the most steps along any path. With G(j) = (1 + delta)^j - 1, c spends what the
+    leaves above depth D leave of the budget G(D) * T:
+    c = sum_j (G(D) - G(j)) lows[j] / sum_j G(j) lows[j]. 0 without leaves, and when a
+    least time is negative (the bound then fails)."""
+    if not lows or min(lows) < 0.0 or len(lows) > depth + 1:
+        return 0.0
+    lows = [*lows, *([0.0] * (depth + 1 - len(lows)))]
+    grow = [(1.0 + delta) ** j - 1.0 for j in range(depth + 1)]
+    used = math.fsum(g * x for g, x in zip(grow, lows, strict=True))
+    left = math.fsum((grow[depth] - g) * x for g, x in zip(grow, lows, strict=True))
+    if used <= 0.0 or left <= 0.0:
+        return 0.0
+    return left / used * _ROUNDING
 
 
 def _schedule(ctx: Context, prep: Prepared, regions: list[Region], pieces: list[Factor]) -> Factor:
@@ -354,16 +386,13 @@ def solve(
         rest = 1.0 + epsilon
         if pieces:
             piece_delta = (1.0 + epsilon) ** PIECE_SHARE - 1.0
-            pieces = [
-                Factor(f.scope, f.shape, None if f.table is None else f.table.thinned(piece_delta))
-                for f in pieces
-            ]  # depth 0: the steps around them start from these
+            pieces = [_thinned(f, piece_delta) for f in pieces]  # depth 0: leaves
             rest = (1.0 + epsilon) / (1.0 + piece_delta)
         dry = Context(Provenance(1), Filter(budget), symbolic=True)
-        shadows = [Factor(f.scope, f.shape, None) for f in pieces]
-        depth = _schedule(dry, prep, regions, shadows).depth
-        delta = rest ** (1.0 / max(depth, 1)) - 1.0
-        ctx.flt = Filter(budget, delta)
+        shadows = [Factor(f.scope, f.shape, None, lows=f.lows) for f in pieces]
+        top = _schedule(dry, prep, regions, shadows)
+        delta = rest ** (1.0 / max(top.depth, 1)) - 1.0
+        ctx.flt = Filter(budget, delta, completion_spread(top.lows, top.depth, delta))
     # Epsilon mode prunes with the given plans only (module docstring): the bounds' own
     # incumbents are plans this search does not return.
     ctx.bounding = pruning is not Pruning.OFF and (epsilon is None or external is not None)
