@@ -134,6 +134,23 @@ class _GraphFacts:
             else (static_shape(c.value), itemsize(c.value), c.forward and c.value.name in sg.saved)
             for c in su.crossings
         )
+        # per crossing between units, a small int for the part of its price key that
+        # no program changes (its ends, value shape, item size, held buffer); and the
+        # crossings grouped by unit pair (a < b), in pair order, each with whether it
+        # runs from b to a (``_Builder.edges``)
+        static: dict = {}
+        self.crossing_keys = tuple(
+            None
+            if f is None
+            else static.setdefault((c.source_ref, c.index, c.forward, *f), len(static))
+            for c, f in zip(su.crossings, self.crossings, strict=True)
+        )
+        groups: dict[tuple[int, int], list[tuple[int, bool]]] = {}
+        for i, c in enumerate(su.crossings):
+            if c.source != c.target:
+                a = min(c.source, c.target)
+                groups.setdefault((a, max(c.source, c.target)), []).append((i, c.source != a))
+        self.edge_groups = tuple(sorted(groups.items()))
 
 
 _FACTS: list[tuple[SearchGraph, _GraphFacts]] = []  # the few graphs in use, latest last
@@ -589,6 +606,7 @@ class _Builder:
         # backward saves; a crossing's tables by its two units' programs, ends and value.
         self.unit_cache: dict = {}
         self.crossing_cache: dict = {}
+        self.program_rows: dict[tuple[int, ...], int] = {}  # a unit's program ids -> int
         # summed tables of an edge by the ids of its crossings' cached tables (alive in
         # crossing_cache as long as this builder)
         self.edge_cache: dict = {}
@@ -690,35 +708,18 @@ class _Builder:
         return seconds, memory
 
     def _crossing(
-        self, c: Crossing, programs, facts: tuple | None = None, ids: Sequence | None = None
+        self, c: Crossing, programs, facts: tuple, key: tuple
     ) -> tuple[np.ndarray, np.ndarray]:
         """(time, memory) tables [source strategy][target strategy] of one crossing;
-        ``facts``: its (shape, item size, held) (``_GraphFacts.crossings``), ``ids``: per
-        unit, the identities of its programs (both found here when not given).
+        ``facts``: its (shape, item size, held) (``_GraphFacts.crossings``); ``key``:
+        its two units' programs and its static part, as small ints (``edges``).
 
         Each distinct (holder layout, entry layout) pair is priced once. The converted
         buffer counts as memory only when the backward reads the value (it is saved, as
         a node's output is); otherwise it lives from the conversion to its reader."""
-        if facts is None:
-            facts = (
-                static_shape(c.value),
-                itemsize(c.value),
-                c.forward and c.value.name in self.sg.saved,
-            )
-        shape, isz, kept = facts
-        # programs are shared objects (ProgramCache), alive for the whole build
-        key = (
-            tuple(map(id, programs[c.source])) if ids is None else ids[c.source],
-            c.source_ref,
-            tuple(map(id, programs[c.target])) if ids is None else ids[c.target],
-            c.index,
-            c.forward,
-            kept,
-            shape,
-            isz,
-        )
         found = self.crossing_cache.get(key)
         if found is None:
+            shape, isz, kept = facts
             found = self._crossing_tables(c, programs, shape, isz, kept)
             self.crossing_cache[key] = found
         return found
@@ -739,16 +740,19 @@ class _Builder:
 
     def edges(self, infos, programs) -> tuple[list[Edge], list[Crossing]]:
         found = self.su.crossings
-        facts = graph_facts(self.sg).crossings
-        ids = [tuple(map(id, ps)) for ps in programs]
-        pairs: dict[tuple[int, int], list[tuple[Crossing, tuple]]] = {}
-        for c, f in zip(found, facts, strict=True):
-            if c.source == c.target:
-                continue
-            pairs.setdefault((min(c.source, c.target), max(c.source, c.target)), []).append((c, f))
+        facts = graph_facts(self.sg)
+        # each unit's programs as a small int: programs are shared objects
+        # (ProgramCache), alive for the whole build, so their identities name them
+        named = self.program_rows
+        rows = [named.setdefault(tuple(map(id, ps)), len(named)) for ps in programs]
+        at, keys = facts.crossings, facts.crossing_keys
         edges = []
-        for (a, b), cs in sorted(pairs.items()):
-            parts = [(*self._crossing(c, programs, f, ids), c.source != a) for c, f in cs]
+        for (a, b), cs in facts.edge_groups:
+            parts = []
+            for i, flip in cs:
+                c = found[i]
+                key = (rows[c.source], rows[c.target], keys[i])
+                parts.append((*self._crossing(c, programs, at[i], key), flip))
             # repeated layers sum the same cached crossing tables: one table object for
             # all of them (built once, and validated once by CostProblem)
             key = tuple((id(t), id(m), flip) for t, m, flip in parts)
