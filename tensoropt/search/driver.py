@@ -368,15 +368,28 @@ def _reference_choices(
         except TensorOptError as exc:
             log.info("reference %s not expressible on %s: %s", name, mesh, exc)
             continue
-        choice = []
-        for info in units:
-            chosen = roots[info.node.name]
-            if chosen not in info.strategies:
-                break
-            choice.append(info.strategies.index(chosen))
-        else:
-            out[name] = tuple(choice)
+        found = _positions([info.strategies for info in units], [roots[i.node.name] for i in units])
+        if found is not None:
+            out[name] = found
     return out
+
+
+def _positions(rows: Sequence[Sequence], wanted: Sequence) -> tuple[int, ...] | None:
+    """Per unit, the first position of ``wanted[k]`` in ``rows[k]``; None when a row
+    lacks it. Repeated layers share their rows: each distinct row is indexed once."""
+    index: dict[int, dict] = {}
+    out = []
+    for row, want in zip(rows, wanted, strict=True):
+        where = index.get(id(row))
+        if where is None:
+            where = index[id(row)] = {}
+            for i, x in enumerate(row):
+                where.setdefault(x, i)
+        i = where.get(want)
+        if i is None:
+            return None
+        out.append(i)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -671,13 +684,8 @@ def _layouts_of(strategies) -> tuple[UnitLayouts, ...]:
 def _mapped(choice: Sequence[int], strategies, mp: MeshProblem) -> tuple[int, ...] | None:
     """A plain problem's choice (of ``strategies``, per unit) as a choice of ``mp`` (same
     units, strategies looked up by value); None when a strategy is not offered there."""
-    out = []
-    for offered, s, target in zip(strategies, choice, mp.units, strict=True):
-        strategy = offered[s]
-        if strategy not in target.strategies:
-            return None
-        out.append(target.strategies.index(strategy))
-    return tuple(out)
+    wanted = [offered[s] for offered, s in zip(strategies, choice, strict=True)]
+    return _positions([target.strategies for target in mp.units], wanted)
 
 
 def explore(
@@ -1118,13 +1126,8 @@ def _megatron_in(b: _Built, at: _MeshProblems) -> tuple[int, ...] | None:
     plain = at.plain_refs.get("megatron")
     if plain is None or at.plain_strategies is None or b.reals is None or v.zero or v.recompute:
         return None
-    choice = []
-    for k, (offered, s) in enumerate(zip(at.plain_strategies, plain, strict=True)):
-        want = offered[s]
-        if want not in b.reals[k]:
-            return None
-        choice.append(b.reals[k].index(want))
-    return tuple(choice)
+    wanted = [offered[s] for offered, s in zip(at.plain_strategies, plain, strict=True)]
+    return _positions(b.reals, wanted)
 
 
 # the axes that trade step time for memory, as --axes names them
