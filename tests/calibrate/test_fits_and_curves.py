@@ -569,17 +569,18 @@ def test_conversion_buffers_count_only_when_the_backward_reads_the_value(mlp_tin
     """A forward conversion's result is memory of the step only when the value is saved
     for the backward (as a node's output is); otherwise it lives from the conversion to
     its reader and is not resident (measured: docs/design/measured.md)."""
-    from tensoropt.cost.model import ProblemFamily
+    from tensoropt.cost.model import ProblemFamily, graph_facts
     from tensoropt.ir.mesh import Mesh
 
     sg = mlp_tiny_sg
     family = ProblemFamily(sg, Mesh((2,), ("x",)), builtin("h100"))
     mp = family.problem()
+    facts = graph_facts(sg).crossings  # per crossing: (shape, item size, held)
     kept = passing = 0
-    for c in mp.crossings:
+    for c, f in zip(mp.crossings, facts, strict=True):
         if c.source == c.target or not c.forward:
             continue
-        times, mems = family.builder._crossing(c, mp.programs)
+        times, mems = family.builder._crossing_tables(c, mp.programs, *f)
         if c.value.name in sg.saved:
             kept += bool(mems.any())
         else:
