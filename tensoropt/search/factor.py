@@ -104,7 +104,7 @@ def multiply(
     pos = {v: i for i, v in enumerate(joint)}
     ia = _ravel(coords[[pos[v] for v in a.scope]], a.shape, n)
     group = _ravel(coords[[pos[v] for v in out]], oshape, n)
-    flt = ctx.flt.at(math.fsum(lows))
+    flt = ctx.flt.at(lows)
     if b is None:
         table = sum_entries(a.table, ia, None, None, group, math.prod(oshape), ctx.prov, flt, bound)
     else:

@@ -22,6 +22,7 @@ solving the same problem twice returns the same choices.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,11 +106,14 @@ class Filter:
     spread: float = 0.0
     slack: float = 0.0
 
-    def at(self, low: float) -> Filter:
-        """This filter for a product whose leaves take at least ``low`` of time."""
+    def at(self, lows: Sequence[float]) -> Filter:
+        """This filter for a product whose leaves take at least ``sum(lows)`` of time
+        (``Factor.lows``; summed only where the slack is used)."""
         if self.delta is None or not self.spread:
             return self
-        return Filter(self.budget, self.delta, self.spread, self.delta * self.spread * low)
+        return Filter(
+            self.budget, self.delta, self.spread, self.delta * self.spread * math.fsum(lows)
+        )
 
 
 def prune_groups(g: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:

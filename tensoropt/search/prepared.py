@@ -32,7 +32,7 @@ class Prepared:
 
     def unit_factor(self, ctx: Context, i: int) -> Factor:
         """Unary factor of unit i; its points carry LEAF back-pointers."""
-        lows = _least(self.unit_t[i])
+        lows = least_time(self.unit_t[i])
         if ctx.symbolic:
             return Factor((i,), (self.dims[i],), None, lows=lows)
         leaves = ctx.prov.leaves(i, self.dims[i])
@@ -44,13 +44,13 @@ class Prepared:
         a, b = key
         shape = (self.dims[a], self.dims[b])
         t, m = self.edges[key]
-        if ctx.symbolic:
-            return Factor(key, shape, None, lows=_least(t))
-        return Factor(key, shape, Table.scalars(t.ravel(), m.ravel()), lows=_least(t))
+        table = None if ctx.symbolic else Table.scalars(t.ravel(), m.ravel())
+        return Factor(key, shape, table, lows=least_time(t))
 
 
-def _least(t: np.ndarray) -> tuple[float, ...]:
-    """A leaf factor's ``lows``: its least time (none for an empty table)."""
+def least_time(t: np.ndarray) -> tuple[float, ...]:
+    """A leaf factor's ``lows`` (``Factor.lows``): its least time, none for an empty
+    table."""
     return (float(t.min()),) if t.size else ()
 
 

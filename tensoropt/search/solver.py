@@ -64,7 +64,7 @@ from tensoropt.search.evaluate import evaluate_rows, flat_tables, relaxed_lows
 from tensoropt.search.factor import Context, Factor, multiply_all
 from tensoropt.search.frontier import Filter, prune_groups
 from tensoropt.search.hubs import find_splits, split_factors
-from tensoropt.search.prepared import Prepared, prepare
+from tensoropt.search.prepared import Prepared, least_time, prepare
 from tensoropt.search.provenance import Provenance
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,7 @@ def _thinned(piece: Factor, delta: float) -> Factor:
     if piece.table is None:
         return Factor(piece.scope, piece.shape, None)
     table = piece.table.thinned(delta)
-    lows = (float(table.t.min()),) if len(table.t) else ()
-    return Factor(piece.scope, piece.shape, table, lows=lows)
+    return Factor(piece.scope, piece.shape, table, lows=least_time(table.t))
 
 
 def completion_spread(lows: Sequence[float], depth: int, delta: float) -> float:
