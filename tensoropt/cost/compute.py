@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tensoropt.cost.cluster import ClusterProfile, OpCurve
+from tensoropt.ir.layout import numel
 
 _FAMILIES = {
     "MatMul": "matmul",
@@ -68,7 +69,7 @@ def family(op_type: str) -> str:
 
 
 def _numel(shape: Sequence[int] | None) -> float:
-    return 0.0 if shape is None else float(np.prod(shape, dtype=np.float64))
+    return 0.0 if shape is None else numel(shape)
 
 
 def forward_flops(op_type: str, attrs, in_shapes, out_shapes) -> float:
@@ -81,7 +82,7 @@ def forward_flops(op_type: str, attrs, in_shapes, out_shapes) -> float:
         return 2.0 * out * k
     if op_type in ("Conv", "ConvTranspose") and in_shapes[1]:
         w = in_shapes[1]
-        per_out = float(np.prod(w[1:], dtype=np.float64))
+        per_out = numel(w[1:])
         base = out if op_type == "Conv" else _numel(in_shapes[0])
         return 2.0 * base * per_out
     if family(op_type) in ("softmax", "norm"):
@@ -115,7 +116,7 @@ def contraction_rows(op_type: str, attrs, in_shapes) -> float:
     if len(a) == 1:
         return 1.0
     if len(b) <= 2:
-        return float(np.prod(a[:-1], dtype=np.float64))
+        return numel(a[:-1])
     return float(a[-2])
 
 
@@ -133,7 +134,7 @@ def conv_key(attrs, in_shapes, out_shapes) -> tuple[float, float, int]:
     group = float(attrs.get("group", 1))
     cin = float(w[1]) * group
     channels = math.sqrt(cin * float(w[0])) / group
-    positions = float(out[0]) * float(np.prod(out[2:], dtype=np.float64))
+    positions = float(out[0]) * numel(out[2:])
     return channels, positions, int(max(w[2:]))
 
 
@@ -178,7 +179,7 @@ def train_key(op_type: str, attrs, in_shapes, out_shapes, flops: float):
         return 1, rows, math.sqrt(flops / (2.0 * rows))
     if op_type == "BatchNormalization" and in_shapes and len(in_shapes[0] or []) >= 2:
         x = list(in_shapes[0])
-        return 1, float(x[1]), float(x[0]) * float(np.prod(x[2:], dtype=np.float64))
+        return 1, float(x[1]), float(x[0]) * numel(x[2:])
     return None
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ from tensoropt.cost.compute import (
 from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import ROLE_KEY, static_shape
 from tensoropt.ir.costs import CostProblem, Edge, Strategy, Unit
-from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
+from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape, numel
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import ZeroStage
 from tensoropt.ir.redistribute import CollectiveKind, comm_bytes, latency_terms
@@ -151,6 +152,13 @@ class _GraphFacts:
                 a = min(c.source, c.target)
                 groups.setdefault((a, max(c.source, c.target)), []).append((i, c.source != a))
         self.edge_groups = tuple(sorted(groups.items()))
+        # per group, a small int for its crossings' static keys and directions: with the
+        # two units' programs it names the group's summed tables (``_Builder.edges``)
+        kinds: dict = {}
+        self.group_keys = tuple(
+            kinds.setdefault(tuple((self.crossing_keys[i], flip) for i, flip in cs), len(kinds))
+            for _, cs in self.edge_groups
+        )
 
 
 _FACTS: list[tuple[SearchGraph, _GraphFacts]] = []  # the few graphs in use, latest last
@@ -206,7 +214,7 @@ def axis_link(mesh: Mesh, axes: Sequence[int], profile: ClusterProfile):
     """The link a collective over ``axes`` uses: inter-node when its group spans nodes."""
     span = 1
     for a in axes:
-        stride = int(np.prod(mesh.shape[a + 1 :], dtype=np.int64))
+        stride = math.prod(mesh.shape[a + 1 :])
         span = max(span, stride * mesh.shape[a])
     return profile.intra if span <= profile.devices_per_node else profile.inter
 
@@ -287,14 +295,14 @@ class _Pricer:
         dtype = np.dtype(f"V{isz}")
         collectives = []
         for cs, axes, times in issued(steps, self.mesh, self.micro, per_step):
-            n = int(np.prod([self.mesh.shape[a] for a in axes]))
+            n = math.prod(self.mesh.shape[a] for a in axes)
             link = self.profile.link_for(
                 OP_TYPE[cs.step.kind], axis_link(self.mesh, axes, self.profile)
             )
             volume = comm_bytes(cs.step, cs.in_shape, dtype, n)
             once = latency_terms(cs.step.kind) * link.alpha_s + volume / link.bandwidth
             collectives.append((times, once))
-        buffer = float(np.prod(steps[-1].out_shape, dtype=np.float64)) * isz if steps else 0.0
+        buffer = numel(steps[-1].out_shape) * isz if steps else 0.0
         return tuple(collectives), buffer
 
     def node(self, node: ir.Node, strategy: MeshSharding) -> tuple[float, float]:
@@ -523,7 +531,7 @@ def gathered_bound(sg: SearchGraph) -> float:
 
 
 def _numel(shape) -> float:
-    return float(np.prod(shape, dtype=np.float64)) if shape is not None else 0.0
+    return numel(shape) if shape is not None else 0.0
 
 
 def _allowed(node: ir.Node, s: MeshSharding, fixed_inputs, params) -> bool:
@@ -608,8 +616,10 @@ class _Builder:
         self.crossing_cache: dict = {}
         self.program_rows: dict[tuple[int, ...], int] = {}  # a unit's program ids -> int
         # summed tables of an edge by the ids of its crossings' cached tables (alive in
-        # crossing_cache as long as this builder)
+        # crossing_cache as long as this builder), and by its two units' programs and its
+        # group's static key (_GraphFacts.group_keys), which name the same tables
         self.edge_cache: dict = {}
+        self.group_cache: dict = {}
         self.signatures = graph_facts(sg).signatures
 
     def infos(self) -> list[UnitInfo]:
@@ -747,7 +757,14 @@ class _Builder:
         rows = [named.setdefault(tuple(map(id, ps)), len(named)) for ps in programs]
         at, keys = facts.crossings, facts.crossing_keys
         edges = []
-        for (a, b), cs in facts.edge_groups:
+        for ((a, b), cs), group in zip(facts.edge_groups, facts.group_keys, strict=True):
+            # every crossing of the group runs between units a and b, so their programs
+            # and the group's static key name each crossing's key, hence its tables
+            named_edge = (rows[a], rows[b], group)
+            tables = self.group_cache.get(named_edge)
+            if tables is not None:
+                edges.append(Edge(a, b, *tables))
+                continue
             parts = []
             for i, flip in cs:
                 c = found[i]
@@ -766,6 +783,7 @@ class _Builder:
                     times += t
                     mems += m
                 tables = self.edge_cache[key] = (_table(times), _table(mems))
+            self.group_cache[named_edge] = tables
             edges.append(Edge(a, b, *tables))
         return edges, found
 

@@ -180,6 +180,16 @@ class Layout:
                 )
 
 
+def numel(shape: Sequence[int]) -> float:
+    """The element count of ``shape`` as a float: its sizes multiplied in order in float64,
+    as ``float(np.prod(shape, dtype=np.float64))`` gives them, without numpy's per-call
+    cost (the cost model asks for millions of short shapes)."""
+    out = 1.0
+    for d in shape:
+        out *= d
+    return float(out)
+
+
 def local_shape(
     global_shape: Sequence[int], layout: Layout, mesh: Mesh, tensor: str = "tensor"
 ) -> tuple[int, ...]:

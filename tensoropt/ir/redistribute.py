@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensoropt.errors import ShardingError
-from tensoropt.ir.layout import Layout, Partial, Placement, Replicate, Shard, local_shape
+from tensoropt.ir.layout import Layout, Partial, Placement, Replicate, Shard, local_shape, numel
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.vocab import CollectiveKind
 
@@ -176,7 +176,7 @@ def comm_bytes(
     """
     if not step.kind.communicates or n <= 1:
         return 0.0
-    nbytes = float(np.prod(local_shape, dtype=np.float64)) * itemsize(dtype)
+    nbytes = numel(local_shape) * itemsize(dtype)
     if step.kind is CollectiveKind.ALL_GATHER:
         nbytes *= n
     factor = {

@@ -208,3 +208,54 @@ def test_a_calibrated_profile_floors_nodes_at_streaming_their_saved_bytes(gpt_sg
             assert seconds < 1.0  # the kernel price: far below any floor at 1 MB/s
             kept += 1
     assert floored and kept
+
+
+def test_numel_multiplies_in_order_like_numpy():
+    """The cost model's element counts: the float64 product numpy gives, bit for bit,
+    on short shapes whose products pass 2**53 too (where rounding order matters)."""
+    from tensoropt.ir.layout import numel
+
+    rng = np.random.default_rng(7)
+    shapes = [(), (1,), (3, 0, 5), (2**40, 3, 7)]
+    shapes += [
+        tuple(int(d) for d in rng.integers(1, 2**20, size=n))
+        for n in range(1, 7)
+        for _ in range(50)
+    ]
+    for shape in shapes:
+        want = float(np.prod(shape, dtype=np.float64))
+        assert numel(shape) == want and type(numel(shape)) is float, shape
+    assert any(math.prod(s) > 2**53 for s in shapes)
+
+
+def test_edge_tables_are_their_crossings_summed(gpt_sg):
+    """Every edge's tables equal its crossings' tables summed in order, priced afresh,
+    on a micro mesh where repeated layers take their edges from the builder's cache
+    (``_Builder.edges`` names an edge by its units' programs and its group's static key)."""
+    from tensoropt.cost.model import ProblemFamily, graph_facts, micro_choices, split_offer
+    from tensoropt.ir.plan import ZeroStage
+
+    mesh = Mesh((2, 2), ("x", "y"))
+    choices, _ = split_offer(micro_choices(gpt_sg, mesh, 2))
+    family = ProblemFamily(gpt_sg, mesh, builtin("h100"), micro_batches=2, choices=choices)
+    facts = graph_facts(gpt_sg)
+    groups = facts.edge_groups
+    # the builder's caches outlive a problem: the ZeRO problems after the plain one
+    # change some units' programs, and with them their edges' names
+    for zero in (ZeroStage.NONE, ZeroStage.PARAMETERS, ZeroStage.OPTIMIZER):
+        mp = family.problem(zero_all=zero)
+        by_pair = {(e.src, e.dst): e for e in mp.problem.edges}
+        assert len(by_pair) == len(groups)
+        for (a, b), cs in groups:
+            times = np.zeros((len(mp.units[a].strategies), len(mp.units[b].strategies)))
+            mems = np.zeros_like(times)
+            for i, flip in cs:
+                c = mp.crossings[i]
+                t, m = family.builder._crossing_tables(c, mp.programs, *facts.crossings[i])
+                times += t.T if flip else t
+                mems += m.T if flip else m
+            edge = by_pair[(a, b)]
+            assert np.array_equal(np.asarray(edge.time_s), times), (zero, a, b)
+            assert np.array_equal(np.asarray(edge.memory_bytes), mems), (zero, a, b)
+        # repeated layers take their edges from the cache
+        assert len(family.builder.group_cache) < len(groups) * (1 + int(zero))
