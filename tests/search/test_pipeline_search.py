@@ -250,12 +250,15 @@ def test_megatron_pp_reference_on_a_two_d_stage_mesh(tmp_path, capsys):
 def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedule):
     """Every (stage, start, end) entry of the compiled grids that a cut can use equals
     PipelineTerms.stage bit for bit, on several intra-op plans and stage counts (a
-    fused multiply-add or another order of the additions would change some), and every
-    other entry is inf: the first stage starts at position 0, the last ends at the last,
-    and each stage holds a segment at least."""
+    fused multiply-add or another order of the additions would change some): the first
+    stage starts at position 0, the last ends at the last, and each stage holds a
+    segment at least. The other entries are unset, and the frontier over the cuts is the
+    same whatever they hold (inf or 0, the cheapest stage of all): plan_frontier reads
+    none of them."""
     import math
 
     from tensoropt.search.pipeline import positions, stage_grids
+    from tensoropt.search.stages import plan_frontier
 
     _, _, family, _, segments, tables = _micro_tables(gpt, mesh, k)
     allowed = positions(segments.count)
@@ -266,17 +269,27 @@ def test_stage_grids_are_the_floats_of_stage_entry_by_entry(gpt, mesh, k, schedu
         terms = tables.terms(point.choice, working_set=123.0)
         for p in (1, 2, 3, 4):
             taus, mems = stage_grids(terms, allowed, p, schedule)
+            outside = np.zeros(taus.shape, dtype=bool)
             for s in range(p):
                 for x, i in enumerate(allowed):
                     for y, j in enumerate(allowed):
                         usable = s <= x < y <= n - p + s
                         usable &= (s > 0 or x == 0) and (s < p - 1 or y == n - 1)
                         if not usable:
-                            assert math.isinf(taus[s, x, y]) and math.isinf(mems[s, x, y])
+                            outside[s, x, y] = True
                             continue
                         want = terms.stage(i, j, s, p, schedule)
                         assert (taus[s, x, y], mems[s, x, y]) == (want.time_s, want.memory_bytes)
                         checked += 1
+            # what no cut can use does not change the frontier (a free stage would win
+            # wherever it were read)
+            frontiers = []
+            for fill in (np.inf, 0.0):
+                t, m = taus.copy(), mems.copy()
+                t[outside], m[outside] = fill, fill
+                found = plan_frontier(allowed, t, m, "plan")
+                frontiers.append([(q.time_s, q.memory_bytes, q.cuts) for q in found])
+            assert frontiers[0] == frontiers[1] and frontiers[0]
     # cuts of n positions into p stages: the first and the last stage have n - p
     # (start, end) pairs each, a middle one every pair of its n - p + 1 positions
     per_count = [1] + [2 * (n - p) + (p - 2) * math.comb(n - p + 1, 2) for p in (2, 3, 4)]
