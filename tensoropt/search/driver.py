@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import gc
 import logging
 import multiprocessing
 import os
@@ -878,8 +879,15 @@ def _runner(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace, workers:
     # pickled under fork); only the plain-data results come back.
     ctx = multiprocessing.get_context("fork")
     init = (sg, blocks, space, memory.share(workers))
-    with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
-        yield lambda work: (r for rs in pool.imap_unordered(_solve_in_worker, work) for r in rs)
+    # what the workers inherit goes to the collector's permanent generation: their
+    # collections of the younger generations then traverse only what they make, not the
+    # objects the parent left there (under fewer_collections, much of the search graph)
+    gc.freeze()
+    try:
+        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
+            yield lambda work: (r for rs in pool.imap_unordered(_solve_in_worker, work) for r in rs)
+    finally:
+        gc.unfreeze()
 
 
 def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
