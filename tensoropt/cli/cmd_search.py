@@ -33,11 +33,11 @@ least-memory point stay exact; repeated blocks are composed exactly, each run of
 is thinned once with half the slack, and the other half is spread over the steps around
 them). For large models on many devices, whose exact frontiers reach tens of thousands of
 points 0.01% apart: the GPT-3 175B shape (Adam, h100) on 64, 256 and 1024 devices with
---epsilon 0.05 takes 55-56 s on a 2-core Intel Xeon host (10 s more on the first run
+--epsilon 0.05 takes 49-56 s on a 2-core Intel Xeon host (10 s more on the first run
 after an install, which compiles the search's kernels), with the default stages and
 micro-batch counts (every stage count to 64, and 2, 4 and 8 micro-batches: each
 count's stage meshes are searched, their problems and cuts pruned by bounds on every
-cut against the points already made), and 19-20 s with --stages 1; exact took 950 s
+cut against the points already made), and 17-20 s with --stages 1; exact took 950 s
 of CPU without stages when the same epsilon search took 110 s (benchmarks/RESULTS.md,
 "Pipeline stages"). On such a model, name the stage and micro-batch counts you would
 deploy.
