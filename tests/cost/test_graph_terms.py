@@ -243,6 +243,7 @@ def test_edge_tables_are_their_crossings_summed(gpt_sg):
     # the builder's caches outlive a problem: the ZeRO problems after the plain one
     # change some units' programs, and with them their edges' names
     for zero in (ZeroStage.NONE, ZeroStage.PARAMETERS, ZeroStage.OPTIMIZER):
+        named = len(family.builder.group_cache)
         mp = family.problem(zero_all=zero)
         by_pair = {(e.src, e.dst): e for e in mp.problem.edges}
         assert len(by_pair) == len(groups)
@@ -257,5 +258,5 @@ def test_edge_tables_are_their_crossings_summed(gpt_sg):
             edge = by_pair[(a, b)]
             assert np.array_equal(np.asarray(edge.time_s), times), (zero, a, b)
             assert np.array_equal(np.asarray(edge.memory_bytes), mems), (zero, a, b)
-        # repeated layers take their edges from the cache
-        assert len(family.builder.group_cache) < len(groups) * (1 + int(zero))
+        # repeated layers (and edges the ZeRO stage leaves alone) come from the cache
+        assert len(family.builder.group_cache) - named < len(groups)
