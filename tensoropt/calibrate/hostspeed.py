@@ -88,3 +88,12 @@ def host_ratio(now: list[float], calibrated: float | None) -> float | None:
     if not now or not calibrated:
         return None
     return float(np.mean(now)) / calibrated
+
+
+def drift(references: list[float]) -> float | None:
+    """How far the host's speed moved over a calibration: the slowest reference timing
+    over the fastest, less one (0.2: the slowest run took 20% longer); None with fewer
+    than two timings."""
+    if len(references) < 2 or min(references) <= 0:
+        return None
+    return max(references) / min(references) - 1.0

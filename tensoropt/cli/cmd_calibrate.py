@@ -81,12 +81,15 @@ before, 4.6% (worst 18.0%) with mlp small on 2 ranks at -15.5% (its optimizer up
 streams the whole state, and the two ranks shared one memory link); --quick 5.4%
 (worst 12.7%), memory 7.1%, gpt small on 1 rank +12.4% and mlp small on 2 -10.9%.
 With every memory axis (36 plans, default): 9.9%, memory 8.5%; pipelined plans (13):
-8.6%, memory 13.2%. Two calibrations in a row: every compute rate within 15%, the
-collectives' rates up to 19% apart when the host's memory link changed state between
-them (AMD host); every rate within 15% on an Intel host; a model's signed error moves
-by that much between them. A loaded machine (other work on
-the cores) costs both time (the default took 8 minutes at load 5-7) and accuracy (2-rank
-plans 31-41% slower than estimated).
+8.6%, memory 13.2%. Two calibrations in a row: every rate within 15% on an Intel
+host whose speed held; on one whose speed moved 71% within the first (its reference
+graph 3.4-5.9 ms), 6 of 81 rates 20-83% apart (the MatMul training-step grid); on an
+AMD host every compute rate within 15%, the collectives' up to 19% apart when the
+memory link changed state. A model's signed error moves by that much between them.
+The summary gives the reference graph's range, and calibrate warns when it spans more
+than 15%: rates measured minutes later can then differ by as much. A loaded machine
+(other work on the cores) costs both time (the default took 8 minutes at load 5-7) and
+accuracy (2-rank plans 31-41% slower than estimated).
 
 examples:
   tensoropt calibrate -o here.json                         # about 4 minutes on 2 cores
@@ -213,6 +216,13 @@ def _summary(profile: dict) -> str:
             f"{ratios} of one alone's bandwidth each (shared in {shared} of {len(probes)} "
             f"probes; compute was timed {timed})"
         )
+    references = cal.get("host_references_s") or []
+    if references:
+        lines.append(
+            f"  host speed: reference graph {min(references) * 1e3:.2f}-"
+            f"{max(references) * 1e3:.2f} ms over {len(references)} timings "
+            f"(median {cal['host_reference_s'] * 1e3:.2f} ms)"
+        )
     link = profile["intra"]
     lines.append(
         f"  link (joint fit): alpha {link['alpha_s'] * 1e6:.2f} us, "
@@ -235,6 +245,30 @@ def busy_warning(load: float, cores: int) -> str | None:
 
 
 BUSY_LOAD = 0.5  # load average per core above which calibrate warns
+
+
+def drift_warning(references: list[float]) -> str | None:
+    """A warning when the host's speed moved during the calibration by more than
+    DRIFT_WARN (the reference graph, ``calibrate.hostspeed``, timed before each pass and
+    after the last). On a 2-core VM idle throughout, it took 3.4 to 5.9 ms within one
+    calibration, and the next calibration's rates moved up to 83% (the MatMul training
+    step grid; benchmarks/RESULTS.md, "Calibration determinism")."""
+    from tensoropt.calibrate.hostspeed import drift
+
+    moved = drift(references)
+    if moved is None or moved <= DRIFT_WARN:
+        return None
+    return (
+        f"tensoropt calibrate: warning: the host's speed moved {moved:.0%} during this "
+        f"calibration (its reference graph took {min(references) * 1e3:.2f}-"
+        f"{max(references) * 1e3:.2f} ms): another calibration can differ by as much; "
+        "compare two with --against, and read `validate`'s host-corrected error"
+    )
+
+
+# the host's speed moves (slowest reference over fastest, less one) above which calibrate
+# warns: the bound two calibrations in a row are held to
+DRIFT_WARN = 0.15
 
 
 def run(args: argparse.Namespace) -> int:
@@ -324,6 +358,9 @@ def _measure(args: argparse.Namespace, opts, baseline) -> int:
     write_profile(args.output, profile)
     with contextlib.suppress(FileNotFoundError):
         os.remove(partial)
+    drifted = drift_warning(profile["calibration"].get("host_references_s") or [])
+    if drifted:
+        print(drifted, file=sys.stderr)
     if args.json:
         emit(args, integral_bytes(profile))
     else:

@@ -14,6 +14,7 @@ import pytest
 
 from tensoropt.calibrate.kernels import OWN_CURVE_OPS
 from tensoropt.cli import main
+from tensoropt.cli.cmd_calibrate import _summary
 from tensoropt.cost.cluster import load_cluster
 from tensoropt.cost.compute import family
 from tensoropt.errors import TensorOptError
@@ -71,6 +72,11 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     # the host-speed reference (calibrate.hostspeed), timed before the pass and after it
     assert len(cal["host_references_s"]) == 2 and all(x > 0 for x in cal["host_references_s"])
     assert cal["host_reference_s"] == pytest.approx(sum(cal["host_references_s"]) / 2, abs=1e-6)
+    # the summary shows the range they took (what calibrate warns on, drift_warning)
+    low, high = min(cal["host_references_s"]), max(cal["host_references_s"])
+    assert f"host speed: reference graph {low * 1e3:.2f}-{high * 1e3:.2f} ms over 2" in (
+        _summary(data)
+    )
     assert data["machine"]["cores"] == os.cpu_count()
     assert data["memory_bytes"] == data["machine"]["memory_bytes"] > 0
     assert data["versions"]["onnxruntime"] and data["versions"]["mpi4py"]

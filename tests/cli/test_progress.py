@@ -6,6 +6,8 @@ import io
 import re
 import time
 
+import pytest
+
 from tensoropt.cli.progress import Progress
 
 RECORD = re.compile(r"^calibrate: (\d+)/(\d+) \((\d+)%\), \d+ s elapsed, (.+)$")
@@ -38,6 +40,21 @@ def test_calibrate_warns_when_other_work_shares_the_machine():
     line = busy_warning(4.9, 2)
     assert line is not None and "\n" not in line
     assert "load average 4.9 on 2 cores" in line and "calibrate when it is idle" in line
+
+
+def test_calibrate_warns_when_the_hosts_speed_moved_during_it():
+    from tensoropt.calibrate.hostspeed import drift
+    from tensoropt.cli.cmd_calibrate import DRIFT_WARN, drift_warning
+
+    # the references of one calibration on an idle 2-core VM (benchmarks/RESULTS.md)
+    moved = [0.0059012, 0.0034487, 0.0051807, 0.0034796]
+    assert drift(moved) == pytest.approx(0.0059012 / 0.0034487 - 1)
+    line = drift_warning(moved)
+    assert line is not None and "\n" not in line
+    assert "moved 71%" in line and "3.45-5.90 ms" in line and "--against" in line
+    steady = [0.0034, 0.0034 * (1 + DRIFT_WARN) * 0.999, 0.0035]
+    assert drift_warning(steady) is None
+    assert drift_warning([0.0034]) is None and drift([]) is None and drift([0.0, 1.0]) is None
 
 
 def _wait_for_lines(out: io.StringIO, count: int) -> None:
