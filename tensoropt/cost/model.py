@@ -33,7 +33,6 @@ update runs once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -1023,18 +1022,6 @@ class ProblemFamily:
             programs.append(row[0])
             units.append(Unit(info.node.name, row[1]))
         edges, found = builder.edges(infos, programs)
-        problem = CostProblem(
-            tuple(units), tuple(edges), self.plan_mesh.size, tuple(self.plan_mesh.shape)
-        )
-        mp = MeshProblem(
-            problem,
-            self.mesh,
-            tuple(infos),
-            tuple(programs),
-            tuple(found),
-            self.sg,
-            self.micro_batches,
-        )
         # the bounds of what is live at once, as constants on the first unit's entries and
         # per-strategy excesses: the problem stays a sum of its entries
         constant = 0.0
@@ -1060,10 +1047,19 @@ class ProblemFamily:
                         for s, program in zip(units[k].strategies, programs[k], strict=True)
                     ),
                 )
-            mp = dataclasses.replace(
-                mp, problem=dataclasses.replace(mp.problem, units=tuple(units))
-            )
-        return mp
+        # made (and validated) once, with its final entries
+        problem = CostProblem(
+            tuple(units), tuple(edges), self.plan_mesh.size, tuple(self.plan_mesh.shape)
+        )
+        return MeshProblem(
+            problem,
+            self.mesh,
+            tuple(infos),
+            tuple(programs),
+            tuple(found),
+            self.sg,
+            self.micro_batches,
+        )
 
 
 def conversion_order(program: Program, conv: Conversion | None = None) -> tuple[bool, bool]:

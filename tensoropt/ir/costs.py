@@ -193,17 +193,23 @@ def _validate_parts(
                 _check_cost(s.time_s, f"{where}.units[{i}].strategies[{k}].time_s")
                 _check_cost(s.memory_bytes, f"{where}.units[{i}].strategies[{k}].memory_bytes")
     n = len(units)
+    sizes = [len(u.strategies) for u in units]
     checked: set[tuple[int, int, int]] = set()  # tables shared by several edges: once
     for j, e in enumerate(edges):
-        for name, idx in (("src", e.src), ("dst", e.dst)):
-            if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-                raise PlanError(f"{where}.edges[{j}].{name}: expected a unit index in [0, {n})")
-        rows, cols = len(units[e.src].strategies), len(units[e.dst].strategies)
-        for name, table in (("time_s", e.time_s), ("memory_bytes", e.memory_bytes)):
-            key = (id(table), rows, cols)  # the edges hold the tables: ids stay theirs
-            if key not in checked:
-                _check_table(table, rows, cols, f"{where}.edges[{j}].{name}")
-                checked.add(key)
+        src, dst = e.src, e.dst
+        if type(src) is not int or type(dst) is not int or not (0 <= src < n and 0 <= dst < n):
+            for name, idx in (("src", src), ("dst", dst)):
+                if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+                    raise PlanError(f"{where}.edges[{j}].{name}: expected a unit index in [0, {n})")
+        rows, cols = sizes[src], sizes[dst]
+        key = (id(e.time_s), rows, cols)  # the edges hold the tables: ids stay theirs
+        if key not in checked:
+            _check_table(e.time_s, rows, cols, f"{where}.edges[{j}].time_s")
+            checked.add(key)
+        key = (id(e.memory_bytes), rows, cols)
+        if key not in checked:
+            _check_table(e.memory_bytes, rows, cols, f"{where}.edges[{j}].memory_bytes")
+            checked.add(key)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise PlanError(f"{where}.devices: expected a positive integer, found {devices!r}")
     if not mesh or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in mesh):

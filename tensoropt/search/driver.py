@@ -35,6 +35,7 @@ from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes.blocks import Blocks, find_blocks
+from tensoropt.passes.units import share_programs
 from tensoropt.search import memory
 from tensoropt.search.merge import MergedPoint, merge_frontiers
 from tensoropt.search.solver import SearchResult, restricted, solve
@@ -493,6 +494,11 @@ class _MeshProblems:
             choices, reals = None, None
             try:
                 if v.micro_batches > 1:
+                    # the micro meshes combine the plan mesh's programs: the plain
+                    # family's, made already (its level comes first), not made again
+                    plain = self.families.get((v.recompute, 1))
+                    if plain is not None:
+                        share_programs(plain[0].builder.programs)
                     choices, real = split_offer(micro_choices(graph, self.mesh, v.micro_batches))
                     reals = tuple(real[unit.root.name] for unit in graph.units.units)
                 family = ProblemFamily(
@@ -617,8 +623,6 @@ def _solve_one(
                 dataclasses.replace(u, strategies=r) for u, r in zip(mp.units, b.reals, strict=True)
             ),
         )
-    kinds = kind_table(shown, b.graph)
-    summarize = Summarizer(shown, b.graph, kinds)
     space = at.space
     label = v.label(len(space.blocks))
     suffix = f", {label}" if label else ""
@@ -632,6 +636,16 @@ def _solve_one(
             for want, name, base in _VARIANT_REFERENCES
             if want == v and base in at.plain_refs and at.plain_strategies is not None
         }
+    shows = v.micro_batches == 1 or space.shows_micro
+    # A variant problem with no point and no reference plan describes nothing (most of
+    # them come back empty): its strategies' kinds are left out. The plain problems keep
+    # theirs (report reads the units from the first problem of a device count), and so
+    # do the problems that feed pipelines (_pipelined describes the plans they pick).
+    if v.plain or result.points or any(c is not None for c in named.values()) or not shows:
+        kinds = kind_table(shown, b.graph)
+        summarize = Summarizer(shown, b.graph, kinds)
+    else:
+        kinds = ()
     for name, choice in named.items():
         if choice is None:
             continue
@@ -639,7 +653,7 @@ def _solve_one(
         refs[name] = (t, m, choice)
         ref_summaries[name] = summarize(choice) + suffix
     strategies = b.reals or tuple(u.strategies for u in mp.units)
-    if v.micro_batches == 1 or space.shows_micro:
+    if shows:
         summaries = tuple(summarize(p.choice) + suffix for p in result.points)
     else:  # it only feeds pipelines: _pipelined describes the plans they pick
         summaries = ()

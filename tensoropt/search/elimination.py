@@ -24,6 +24,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 
+from tensoropt.rules.sharding.memo import Memo
 from tensoropt.search.bounds import BoundSet, Schedule, Step, compute_bounds
 from tensoropt.search.factor import Context, Factor, multiply_all
 
@@ -81,7 +82,26 @@ def elimination_order(
     scopes: Iterable[tuple[int, ...]], dims: dict[int, int], todo: set[int]
 ) -> tuple[list[int], int]:
     """Order in which to eliminate the units `todo` (the others in `scopes` stay) and its
-    table work: the sum over steps of the joint table size of the unit and its neighbours."""
+    table work: the sum over steps of the joint table size of the unit and its neighbours.
+
+    A pure function of its arguments, memoised: the problems of one mesh that differ only
+    in their entries (ZeRO stages, one family's variants) and the meshes whose units
+    offer as many strategies share their factor graphs."""
+    scopes = tuple(scopes)
+    key = (scopes, tuple(sorted(dims.items())), frozenset(todo))
+    found = _ORDERS.get(key)
+    if found is None:
+        found = _ORDERS.put(key, _elimination_order(scopes, dims, todo))
+    order, work = found
+    return list(order), work
+
+
+_ORDERS = Memo(256)  # (scopes, dims, todo) -> (order, work)
+
+
+def _elimination_order(
+    scopes: tuple[tuple[int, ...], ...], dims: dict[int, int], todo: set[int]
+) -> tuple[tuple[int, ...], int]:
     adj = _graph(list(scopes), todo)
 
     def weight(a: dict[int, set[int]], v: int) -> int:
@@ -93,7 +113,10 @@ def elimination_order(
     def min_weight(a: dict[int, set[int]], v: int) -> Key:
         return (weight(a, v), _fill(a, v), v)
 
-    return min((_greedy(adj, dims, todo, k) for k in (min_weight, min_fill)), key=lambda r: r[1])
+    order, work = min(
+        (_greedy(adj, dims, todo, k) for k in (min_weight, min_fill)), key=lambda r: r[1]
+    )
+    return tuple(order), work
 
 
 def _plan(

@@ -267,9 +267,10 @@ class _NoMemo(dict):
 
 
 def test_the_shared_choice_memo_changes_no_program(models):
-    """The families of one mesh share the nodes' choices (with and without recomputed
-    blocks, every ZeRO stage, on the plan's and the micro mesh): every program and every
-    entry equals those of families that choose every node afresh."""
+    """The families of one mesh share the nodes' choices and the programs (with and
+    without recomputed blocks, every ZeRO stage, on the plan's and the micro mesh): every
+    program and every entry equals those of families that choose every node afresh, and
+    the recomputed step takes some of its programs from the plain one."""
     args = _args(models["gpt"])
     sg = search_graph(args)
     space = search_space(args, sg)
@@ -277,6 +278,7 @@ def test_the_shared_choice_memo_changes_no_program(models):
     checked = 0
     for mesh in (Mesh((2,), ("dp",)), Mesh((2, 2), ("dp", "tp"))):
         shared: dict = {}
+        made: dict[int, set[int]] = {id(sg): set(), id(space.recomputed): set()}
         for graph in (sg, space.recomputed):
             for k in (1, 2):
                 choices = None
@@ -291,8 +293,11 @@ def test_the_shared_choice_memo_changes_no_program(models):
                     b = fresh.problem(zero_all=stage, working_set=graph is not sg)
                     assert a.programs == b.programs, (mesh, k, stage)
                     assert a.problem == b.problem, (mesh, k, stage)
+                    made[id(graph)].update(id(p) for ps in a.programs for p in ps)
                     checked += 1
         assert shared  # the memo was used
+        # the units that recomputation leaves as they were take the plain step's programs
+        assert made[id(sg)] & made[id(space.recomputed)], mesh
     assert checked == 2 * 2 * 2 * len(ZeroStage)
 
 
