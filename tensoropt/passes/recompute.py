@@ -227,14 +227,56 @@ def apply_recompute(model: ir.Model, data_inputs: Sequence[str], names: Iterable
             f"plan recompute: no block {unknown[0]!r} in this model "
             f"({_available(list(blocks.values()))}); list blocks that `tensoropt inspect` shows"
         )
-    added = sum(_recompute(graph, blocks[name]) for name in names)
+    step = _StepIndex(graph)
+    added = sum(_recompute(graph, blocks[name], step) for name in names)
     model.metadata_props[APPLIED_KEY] = json.dumps(list(names))
     return added
 
 
-def _recompute(graph: ir.Graph, block: Block) -> int:
-    nodes = {n.name: n for n in graph}
-    members = [nodes[name] for name in block.nodes]
+class _StepIndex:
+    """The step's nodes by name, their order, its values by name and each value's total
+    gradient (the last backward value made as its gradient), found in one walk before any
+    block is recomputed. What recomputing a block adds (clones, tagged recompute, and
+    their dependency) is none of these for another block: its nodes are not the block's,
+    it makes no gradient, and inserting it keeps the other nodes' relative order."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.nodes: dict[str, ir.Node] = {}
+        self.order: dict[ir.Node, int] = {}
+        self.values: dict[str, ir.Value] = {}
+        self.gradient: dict[str, ir.Value] = {}
+        for v in graph.inputs:
+            self.values.setdefault(v.name, v)
+        backward = Role.BACKWARD.value
+        for i, node in enumerate(graph):
+            self.nodes.setdefault(node.name, node)
+            self.order[node] = i
+            is_backward = _role(node) == backward
+            for v in node.outputs:
+                self.values.setdefault(v.name, v)
+                if is_backward:
+                    for name in grad_of(v):
+                        self.gradient[name] = v  # the last one made wins
+
+    def value(self, name: str) -> ir.Value:
+        found = self.values.get(name)
+        if found is None:
+            raise AssertionError(f"no value {name!r} in the step")
+        return found
+
+    def gradient_at(self, block: Block) -> ir.Value:
+        """The total gradient of the block's output."""
+        found = self.gradient.get(block.output)
+        if found is None:
+            raise PlanError(
+                f"{block.name}: no gradient reaches its output {block.output!r}, so there is "
+                "nothing to recompute it for; leave it out of --recompute"
+            )
+        return found
+
+
+def _recompute(graph: ir.Graph, block: Block, step: _StepIndex) -> int:
+    members = [step.nodes[name] for name in block.nodes]
     member_set = set(members)
     backward = Role.BACKWARD.value
     # values of the block the backward reads (the block's output stays: the next block's
@@ -250,12 +292,14 @@ def _recompute(graph: ir.Graph, block: Block) -> int:
     needed = _ancestors(read, member_set)
     clones_of = [n for n in members if n in needed]
     _refuse_random(block, clones_of)
-    source = _value(graph, block.input)
-    grad = _gradient_at(graph, block)
+    source = step.value(block.input)
+    grad = step.gradient_at(block)
     readers = [
         u.node for v in read for u in v.uses() if _role(u.node) == backward and u.node not in needed
     ]
-    order = {n: i for i, n in enumerate(graph)}
+    order = step.order
+    if any(r not in order for r in readers):  # a node another block's recomputation made
+        order = {n: i for i, n in enumerate(graph)}
     first = min(readers, key=order.__getitem__)
     if order[grad.producer()] >= order[first]:  # type: ignore[index]
         raise PlanError(
@@ -326,34 +370,6 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
         return producer.attributes["value"].as_tensor().numpy()
     return None
-
-
-def _value(graph: ir.Graph, name: str) -> ir.Value:
-    for v in graph.inputs:
-        if v.name == name:
-            return v
-    for node in graph:
-        for v in node.outputs:
-            if v.name == name:
-                return v
-    raise AssertionError(f"no value {name!r} in the step")
-
-
-def _gradient_at(graph: ir.Graph, block: Block) -> ir.Value:
-    """The total gradient of the block's output: the last value made as its gradient."""
-    found = None
-    for node in graph:
-        if _role(node) != Role.BACKWARD.value:
-            continue
-        for v in node.outputs:
-            if block.output in grad_of(v):
-                found = v
-    if found is None:
-        raise PlanError(
-            f"{block.name}: no gradient reaches its output {block.output!r}, so there is "
-            "nothing to recompute it for; leave it out of --recompute"
-        )
-    return found
 
 
 def _tags(block: str, unit: str) -> dict[str, str]:
