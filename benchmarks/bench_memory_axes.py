@@ -108,6 +108,9 @@ def search_time(tmp: str, repeats: int, devices: list[int]) -> list[str]:
             print(f"{axes}: {cpu:.1f} s CPU, {counts[axes]}", flush=True)
     base = statistics.median(runs["split"])
     every = statistics.median(runs[ALL])
+    # each pair's own ratio: the two searches of a pair run minutes apart at most, so a
+    # host whose speed moves between pairs moves both
+    pairs = [a / b for a, b in zip(runs[ALL], runs["split"], strict=True)]
     return [
         TIME,
         "",
@@ -117,6 +120,9 @@ def search_time(tmp: str, repeats: int, devices: list[int]) -> list[str]:
         "|---|---|---|---|---|",
         f"| split | {counts['split'][0]} | {counts['split'][1]} | {base:.1f} s | 1.00 |",
         f"| {ALL} | {counts[ALL][0]} | {counts[ALL][1]} | {every:.1f} s | {every / base:.2f} |",
+        "",
+        f"Each pair's ratio (split, then every axis): "
+        f"{', '.join(f'{r:.2f}' for r in pairs)}; median {statistics.median(pairs):.2f}.",
         "",
         "One process (`jobs=1`), process CPU time, so the ratio holds under load; the "
         "target is 1.5.",
