@@ -221,9 +221,9 @@ class StepUnits:
     required: dict[ir.Value, str | None]  # graph output -> carried input (None: replicated)
     # every value one unit holds and another reads (``crossings``): the same on every mesh
     crossings: tuple[Crossing, ...] = ()
-    # what every mesh's programs and strategies of this step share: the program caches
-    # of the meshes micro meshes are made of, by (mesh shape, axis names); each micro
-    # mesh's :class:`_MicroParts`, by ("micro", shape, names); the micro axis's root
+    # what every mesh's programs and strategies of this step share: the micro axis's
+    # program cache, by (shape, names); each micro mesh's :class:`_MicroParts`, by
+    # ("micro", shape, names); the micro axis's root
     # strategies per micro-batch count, by ("along", k) (``cost.model.micro_choices``)
     shared: dict = field(default_factory=dict, repr=False)
 
@@ -527,6 +527,11 @@ class ProgramCache:
         self._where = (_PROGRAM, tuple(mesh.shape), tuple(mesh.axis_names))
         self._out_terms: dict = {}  # candidate -> its scoring tie-breakers on this mesh
         self._parts = _MicroParts.of(su, mesh)
+        # a micro mesh's programs combine the plan mesh's, taken from the same memo (the
+        # plan mesh's family made most of them already), with the micro axis's
+        self._plan: ProgramCache | None = None
+        if self._parts is not None:
+            self._plan = ProgramCache(su, self._parts.plan_mesh, self._chosen)
 
     def program(self, k: int, strategy: MeshSharding, zero: ZeroStage = ZeroStage.NONE) -> Program:
         unit = self.su.units[k]
@@ -544,7 +549,10 @@ class ProgramCache:
                     f"its op splits the batch) and strategy {strategy} has none; drop "
                     "'zero' for this unit"
                 )
-            forced = None if self._parts is None else self._parts.combined(k, strategy, zero)
+            forced = None
+            if self._parts is not None:
+                assert self._plan is not None
+                forced = self._parts.combined(k, strategy, zero, self._plan)
             chooser = _Chooser(
                 self.su, unit, self.mesh, self._out_terms, zero, shards, self._chosen
             )
@@ -554,14 +562,17 @@ class ProgramCache:
 
 class _MicroParts:
     """A micro mesh's programs as combinations (see the module doc, "Micro meshes"):
-    the plan mesh's programs, the micro axis's, and which of their node strategies
-    combine legally on the micro mesh."""
+    the plan mesh's programs (from the asking cache's memo), the micro axis's (the same
+    for every plan mesh: one cache per step and micro-batch count), and which of their
+    node strategies combine legally on the micro mesh."""
 
     def __init__(self, su: StepUnits, mesh: Mesh) -> None:
         self.su = su
         self.mesh = mesh
-        self.plain = _shared(su, Mesh(tuple(mesh.shape[1:]), tuple(mesh.axis_names[1:])))
-        self.along = _shared(su, Mesh(tuple(mesh.shape[:1]), tuple(mesh.axis_names[:1])))
+        self.plan_mesh = Mesh(tuple(mesh.shape[1:]), tuple(mesh.axis_names[1:]))
+        axis = Mesh(tuple(mesh.shape[:1]), tuple(mesh.axis_names[:1]))
+        key = (tuple(axis.shape), tuple(axis.axis_names))
+        self.along = su.once(key, lambda: ProgramCache(su, axis))
         self._split: dict[MeshSharding, tuple[MeshSharding, MeshSharding]] = {}
         # (unit structure, node position, plan-mesh strategy, micro-axis strategy) ->
         # the combined strategy, or None where the op cannot run it on the micro mesh
@@ -577,24 +588,28 @@ class _MicroParts:
         return su.once(key, lambda: _MicroParts(su, mesh))
 
     def combined(
-        self, k: int, strategy: MeshSharding, zero: ZeroStage
+        self,
+        k: int,
+        strategy: MeshSharding,
+        zero: ZeroStage,
+        plan: ProgramCache,
     ) -> list[MeshSharding | None] | None:
         """Unit ``k``'s node strategies under root ``strategy``: each node's strategy in
-        the plan mesh's program, after its strategy in the micro axis's program; None for
-        a node that cannot run the pair, and in place of the list where a part has no
-        program."""
+        the plan mesh's program (of ``plan``), after its strategy in the micro axis's
+        program; None for a node that cannot run the pair, and in place of the list where
+        a part has no program."""
         parts = self._split.get(strategy)
         if parts is None:
             parts = (MeshSharding(strategy.axes[1:]), MeshSharding(strategy.axes[:1]))
             self._split[strategy] = parts
         try:
-            plain = self.plain.program(k, parts[0], zero)
-            along = self.along.program(k, parts[1])
+            on_plan = plan.program(k, parts[0], zero)
+            on_axis = self.along.program(k, parts[1])
         except (PlanError, ShardingError):
             return None
         unit = self.su.units[k]
         out = []
-        for i, (s, m) in enumerate(zip(plain.strategies, along.strategies, strict=True)):
+        for i, (s, m) in enumerate(zip(on_plan.strategies, on_axis.strategies, strict=True)):
             key = (unit.key, i, s, m)
             if key in self._node:
                 found = self._node[key]
@@ -604,23 +619,7 @@ class _MicroParts:
         return out
 
 
-def _shared(su: StepUnits, mesh: Mesh) -> ProgramCache:
-    """The step's program cache of ``mesh``, made once (``StepUnits.shared``)."""
-    key = (tuple(mesh.shape), tuple(mesh.axis_names))
-    return su.once(key, lambda: ProgramCache(su, mesh))
-
-
 _PROGRAM = object()  # names the program entries of a shared memo (ProgramCache)
-
-
-def share_programs(cache: ProgramCache) -> ProgramCache:
-    """Make ``cache`` the step's shared program cache of its mesh (what :func:`_shared`
-    returns), unless one is there already; returns the one there. A search registers its
-    plan mesh's cache before it builds the micro meshes on that mesh, so that their
-    programs (``_MicroParts.plain``) combine the plan mesh's programs instead of deriving
-    them again (GPT-2-medium over devices 1..64, every axis: 7964 of 40452 programs)."""
-    key = (tuple(cache.mesh.shape), tuple(cache.mesh.axis_names))
-    return cache.su.once(key, lambda: cache)
 
 
 def combine_axes(

@@ -35,7 +35,6 @@ from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes.blocks import Blocks, find_blocks
-from tensoropt.passes.units import share_programs
 from tensoropt.search import memory
 from tensoropt.search.merge import MergedPoint, merge_frontiers
 from tensoropt.search.solver import SearchResult, restricted, solve
@@ -494,11 +493,6 @@ class _MeshProblems:
             choices, reals = None, None
             try:
                 if v.micro_batches > 1:
-                    # the micro meshes combine the plan mesh's programs: the plain
-                    # family's, made already (its level comes first), not made again
-                    plain = self.families.get((v.recompute, 1))
-                    if plain is not None:
-                        share_programs(plain[0].builder.programs)
                     choices, real = split_offer(micro_choices(graph, self.mesh, v.micro_batches))
                     reals = tuple(real[unit.root.name] for unit in graph.units.units)
                 family = ProblemFamily(
