@@ -68,13 +68,14 @@ def family(op_type: str) -> str:
     return _FAMILIES.get(op_type, "elementwise")
 
 
-def _numel(shape: Sequence[int] | None) -> float:
+def numel_or_zero(shape: Sequence[int] | None) -> float:
+    """The element count of ``shape``; 0 for an unknown one (None)."""
     return 0.0 if shape is None else numel(shape)
 
 
 def forward_flops(op_type: str, attrs, in_shapes, out_shapes) -> float:
     """FLOPs of the forward op on these (local) shapes."""
-    out = _numel(out_shapes[0]) if out_shapes else 0.0
+    out = numel_or_zero(out_shapes[0]) if out_shapes else 0.0
     if op_type == "MatMul" and in_shapes[0]:
         return 2.0 * out * in_shapes[0][-1]
     if op_type == "Gemm" and in_shapes[0]:
@@ -83,7 +84,7 @@ def forward_flops(op_type: str, attrs, in_shapes, out_shapes) -> float:
     if op_type in ("Conv", "ConvTranspose") and in_shapes[1]:
         w = in_shapes[1]
         per_out = numel(w[1:])
-        base = out if op_type == "Conv" else _numel(in_shapes[0])
+        base = out if op_type == "Conv" else numel_or_zero(in_shapes[0])
         return 2.0 * base * per_out
     if family(op_type) in ("softmax", "norm"):
         return 8.0 * out
@@ -217,7 +218,7 @@ def masked_time(
     whole plain time at half the scores masked (calibrate: ``softmax_masked_s``)."""
     if op_type != "Softmax" or masked <= 0 or not out_shapes:
         return 0.0
-    return masked * _numel(out_shapes[0]) * profile.softmax_masked_s
+    return masked * numel_or_zero(out_shapes[0]) * profile.softmax_masked_s
 
 
 def op_time(
@@ -276,7 +277,9 @@ def forward_time(
 def _work(op_type: str, attrs, in_shapes, out_shapes, itemsize: int) -> tuple[float, float]:
     """(forward FLOPs, bytes read and written) of one op on its local shapes."""
     flops = forward_flops(op_type, attrs, in_shapes, out_shapes)
-    traffic = itemsize * (sum(_numel(s) for s in in_shapes) + sum(_numel(s) for s in out_shapes))
+    traffic = itemsize * (
+        sum(numel_or_zero(s) for s in in_shapes) + sum(numel_or_zero(s) for s in out_shapes)
+    )
     return flops, traffic
 
 

@@ -49,6 +49,7 @@ from tensoropt.cost.compute import (
     family,
     forward_time,
     grid_update_slots,
+    numel_or_zero,
     op_time,
     update_time,
 )
@@ -343,7 +344,7 @@ class _Pricer:
         if node.op_type not in _VIEWS:  # a view of its input holds nothing new
             for j, shape in enumerate(local.output_shapes):
                 if node.outputs[j].name in self.sg.saved:
-                    held.append(_numel(shape) * itemsize(node.outputs[j]))
+                    held.append(numel_or_zero(shape) * itemsize(node.outputs[j]))
         return once, streamed, tuple(sums), tuple(held)
 
     def recompute(self, node: ir.Node, strategy: MeshSharding) -> float:
@@ -383,10 +384,10 @@ class _Pricer:
             return 0.0
         isz = itemsize(node.outputs[0])
         ins = [shape for shape in local.input_shapes if shape is not None]
-        moved = sum(_numel(shape) for shape in (*ins, *local.output_shapes)) * isz
+        moved = sum(numel_or_zero(shape) for shape in (*ins, *local.output_shapes)) * isz
         if backward:
-            whole = _numel(static_shape(node.outputs[0]))
-            share = _numel(local.output_shapes[0]) / whole if whole else 1.0
+            whole = numel_or_zero(static_shape(node.outputs[0]))
+            share = numel_or_zero(local.output_shapes[0]) / whole if whole else 1.0
             moved += backward_bytes(self.sg.graph).get(unit_of(node), 0.0) * share
         return moved / self.profile.memory_bandwidth
 
@@ -437,7 +438,7 @@ def backward_bytes(graph: ir.Graph) -> Mapping[str, float]:
             for v in (*n.inputs, *n.outputs):
                 if v is not None and v.shape is not None and v.dtype is not None:
                     try:
-                        moved += _numel(static_shape(v)) * v.dtype.itemsize
+                        moved += numel_or_zero(static_shape(v)) * v.dtype.itemsize
                     except (TypeError, ValueError):
                         continue  # a symbolic dimension: not a tensor this model moves
             key = unit_of(n)
@@ -525,12 +526,8 @@ def gathered_bound(sg: SearchGraph) -> float:
         value = sg.graph.initializers.get(name)
         if k is None or value is None:
             continue
-        placed[k] = placed.get(k, 0.0) + _numel(static_shape(value)) * itemsize(value)
+        placed[k] = placed.get(k, 0.0) + numel_or_zero(static_shape(value)) * itemsize(value)
     return 2.0 * max(placed.values(), default=0.0)
-
-
-def _numel(shape) -> float:
-    return numel(shape) if shape is not None else 0.0
 
 
 def _allowed(node: ir.Node, s: MeshSharding, fixed_inputs, params) -> bool:
@@ -690,12 +687,12 @@ class _Builder:
             isz = itemsize(value)
             z = sharded.get(x)
             use = program.entries[x] if z is None else z.use
-            elements = _numel(local_shape(static_shape(value), use, self.mesh, value.name))
+            elements = numel_or_zero(local_shape(static_shape(value), use, self.mesh, value.name))
             updated = elements
             if z is None:
                 memory += param_bytes(elements, elements, states, isz, ZeroStage.NONE, in_place)
             else:
-                updated = _numel(local_shape(static_shape(value), z.shard, self.mesh))
+                updated = numel_or_zero(local_shape(static_shape(value), z.shard, self.mesh))
                 memory += param_bytes(elements, updated, states, isz, program.zero, in_place)
             update = update_time(updated, states, isz, self.pricer.profile)
             if self.micro > 1:  # the gradient's accumulation buffer and its adds
@@ -1102,7 +1099,7 @@ def priced_collectives(mp: MeshProblem, choice: Sequence[int]) -> list[PricedCol
         first, per_step = order
         steps = conversion_steps(have, need, static_shape(value), mp.mesh, scatter_first=first)
         for cs, axes, times in issued(steps, mp.mesh, mp.micro_batches, per_step):
-            nbytes = int(_numel(cs.in_shape)) * isz
+            nbytes = int(numel_or_zero(cs.in_shape)) * isz
             out.append(PricedCollective(OP_TYPE[cs.step.kind], axes, nbytes, times, unit))
 
     for k, unit in enumerate(su.units):
@@ -1301,7 +1298,7 @@ def _node_bytes(unit, program: Program, mesh: Mesh, at: Sequence[int]) -> tuple[
         node = unit.nodes[i]
         local = sa.localize(node, program.strategies[i], mesh)
         shapes = enumerate(local.output_shapes)
-        out.append(sum(_numel(shape) * itemsize(node.outputs[j]) for j, shape in shapes))
+        out.append(sum(numel_or_zero(shape) * itemsize(node.outputs[j]) for j, shape in shapes))
     return tuple(out)
 
 
@@ -1381,7 +1378,7 @@ def _dropped(unit, i: int, program: Program, mp: MeshProblem, plain_saved) -> fl
         return 0.0
     local = sa.localize(node, program.strategies[i], mp.mesh)
     return sum(
-        _numel(shape) * itemsize(node.outputs[j])
+        numel_or_zero(shape) * itemsize(node.outputs[j])
         for j, shape in enumerate(local.output_shapes)
         if node.outputs[j].name in plain_saved and node.outputs[j].name not in mp.sg.saved
     )

@@ -228,7 +228,8 @@ def test_working_sets_memoised_across_repeated_layers_equal_a_direct_count(model
     """UnitWorkingSets, shared by every unit of the recomputed gpt, gives for each (unit,
     program) exactly the per-block bytes of a node-by-node count, and localises each
     structure's recompute nodes once (the repeated layers share the entries)."""
-    from tensoropt.cost.model import _numel, itemsize
+    from tensoropt.cost.compute import numel_or_zero
+    from tensoropt.cost.model import itemsize
     from tensoropt.passes import sharding_adapter as sa
     from tests.helpers.compile import make_mesh
 
@@ -249,7 +250,7 @@ def test_working_sets_memoised_across_repeated_layers_equal_a_direct_count(model
                     continue
                 local = sa.localize(node, program.strategies[i], mp.mesh)
                 direct[block] = direct.get(block, 0.0) + sum(
-                    _numel(shape) * itemsize(node.outputs[j])
+                    numel_or_zero(shape) * itemsize(node.outputs[j])
                     for j, shape in enumerate(local.output_shapes)
                 )
             found = sets.of(unit, program)
