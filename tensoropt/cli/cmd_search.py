@@ -128,7 +128,7 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         "implies micro); all: every one of them. Default: split, and stages at the device "
         "counts above one node of --cluster (devices_per_node: 8 on the built-in ones), "
         "whose micro-batches run only within the pipelines. split,zero,recompute,micro "
-        "takes about 10x the search time of split alone on GPT-2-medium, 1..64 devices",
+        "takes 7-8x the search time of split alone on GPT-2-medium, 1..64 devices",
     )
     p.add_argument(
         "--stages",
@@ -478,16 +478,30 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     if len(shown) < len(merged):
         head += f" ({len(shown)} shown, evenly spaced)"
     print(head, file=out)
-    print(f"  {'n':>3} {'devices':>7} {'mesh':>8} {'step time':>12} {'memory/dev':>12}", file=out)
-    for i, p in shown:
-        stages = p.variant.stages if p.variant is not None else 1
+    # each point's index in its device count's table above (what --pick takes), and what
+    # it uses besides the split, when some shown point uses more
+    picks = {(s.key, _index(s, p)): i for rows in table.values() for i, (s, p) in enumerate(rows)}
+    sources = [exp.source_of(p) for _, p in shown]
+    labels = [s.variant.label(len(s.blocks)) for s in sources]
+    uses = any(labels)
+    print(
+        f"  {'n':>3} {'devices':>7} {'pick':>5} {'mesh':>8} {'step time':>12} {'memory/dev':>12}"
+        + ("  uses" if uses else ""),
+        file=out,
+    )
+    for (i, p), search, label in zip(shown, sources, labels, strict=True):
+        pick = picks.get((search.key, p.index), "-")
         print(
-            f"  {i:>3} {p.devices:>7} {mesh_label(p.mesh, stages):>8} "
-            f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}",
+            f"  {i:>3} {p.devices:>7} {pick:>5} {mesh_label(p.mesh, search.variant.stages):>8} "
+            f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}"
+            + (f"  {label or 'split only'}" if uses else ""),
             file=out,
         )
     print(
-        "  (n: the position in this overall frontier, fastest first; not a --pick index)", file=out
+        "  (n: the position in this overall frontier, fastest first; not a --pick index;\n"
+        "   pick: the point's index at its device count, for `compile --devices N --pick "
+        "INDEX`)",
+        file=out,
     )
     if exp.searches:
         print(f"\nguarantee: {guarantee_of(exp)}", file=out)

@@ -93,6 +93,8 @@ class Summarizer:
         self.replicated = np.array([kind == REPLICATED for _, kind in self.categories], dtype=bool)
 
     def __call__(self, choice: Sequence[int]) -> str:
+        if self.mp.mesh.size == 1:  # one device splits nothing: not "replicated on X" per op
+            return REPLICATED
         picked = self.flat[self.offsets + np.asarray(choice, dtype=np.intp)[self.weighted]]
         cats, first, counts = np.unique(picked, return_index=True, return_counts=True)
         by_op: dict[str, Counter] = defaultdict(Counter)

@@ -314,8 +314,13 @@ def test_devices_forms_follow_the_documented_rule(gpt, capsys):
     assert "A-B every count" in text and "A..B the powers of two" in text
 
 
-def test_tables_say_when_they_sample_and_label_their_indices(gpt, capsys):
-    out = cli(capsys, "search", gpt, "--devices", "1,2")
+def _overall_rows(text: str) -> list[list[str]]:
+    overall = text.split("overall frontier over")[1].split("\n  (n:")[0]
+    return [line.split() for line in overall.splitlines()[2:]]
+
+
+def test_tables_say_when_they_sample_and_label_their_indices(gpt, tmp_path, capsys):
+    out = cli(capsys, "search", gpt, "--devices", "1,2", "--json-out", tmp_path / "s.json")
     assert out.code == 0, out.err
     two = out.out.split("\n2 devices: ")[1].split("\n\n")[0]
     total = int(two.split()[0])
@@ -325,8 +330,39 @@ def test_tables_say_when_they_sample_and_label_their_indices(gpt, capsys):
     header = two.splitlines()[1].split()
     assert header[0] == "pick"
     overall = out.out.split("overall frontier over")[1]
-    assert overall.splitlines()[1].split()[0] == "n"
+    assert overall.splitlines()[1].split()[:3] == ["n", "devices", "pick"]
     assert "not a --pick index" in overall
+    # the pick column is the point's row at its device count, as the JSON says
+    frontier = json.loads((tmp_path / "s.json").read_text())["frontier"]
+    rows = _overall_rows(out.out)
+    assert rows and "uses" not in overall.splitlines()[1]  # the split alone: no column
+    for n, devices, pick, *_ in rows:
+        point = frontier[int(n)]
+        assert (point["devices"], point["row"]) == (int(devices), int(pick))
+
+
+def test_the_overall_frontier_says_what_each_point_uses(gpt, tmp_path, capsys):
+    out = cli(capsys, "search", gpt, "--devices", "2", "--axes", "split,zero,micro",
+              "--json-out", tmp_path / "s.json")  # fmt: skip
+    assert out.code == 0, out.err
+    frontier = json.loads((tmp_path / "s.json").read_text())["frontier"]
+    lines = out.out.split("overall frontier over")[1].splitlines()
+    assert lines[1].split()[-1] == "uses"
+    seen = set()
+    for line in lines[2:]:
+        if not line.strip()[:1].isdigit():
+            break
+        # n, devices, pick, mesh, time and its unit, memory and its unit, then the uses
+        *head, uses = line.split(maxsplit=8)
+        n = int(head[0])
+        problem = frontier[n]["problem"]  # the variant's tag after the mesh: "2+zero-3"
+        zero = next((p for p in problem.split("+") if p.startswith("zero-")), None)
+        micro = next((p[6:] for p in problem.split("+") if p.startswith("micro-")), None)
+        assert (zero in uses) if zero else "zero" not in uses, (problem, uses)
+        assert (f"{micro} micro-batches" in uses) if micro else "micro" not in uses
+        assert (uses == "split only") == (problem == "2"), (problem, uses)
+        seen.add(uses)
+    assert "split only" in seen and len(seen) > 1
 
 
 # -- item 10: wording ------------------------------------------------------------------------
