@@ -296,19 +296,27 @@ class AxisRow:
 
 
 def axis_gains(exp: Exploration) -> list[AxisRow]:
-    """The least memory per device each cumulative set of axes reaches. Exact: the search
-    solves the levels in this order (``search.driver``), so the points a level leaves
-    out are strictly dominated by points of the levels before it."""
-    from tensoropt.search.driver import axis_level
+    """The least memory per device each cumulative set of axes reaches, None at a level
+    whose axis was not searched at that device count (not the level before it again:
+    that would say the axis buys nothing). Exact: the search solves the levels in this
+    order (``search.driver``), so the points a level leaves out are strictly dominated
+    by points of the levels before it."""
+    from tensoropt.search.driver import Axis, axis_level
 
+    space = exp.space
     rows = []
     for d in device_counts(exp):
+        stages = Axis.STAGES in space.axes and d > space.stages_above
+        searched = (True, Axis.ZERO in space.axes, Axis.RECOMPUTE in space.axes,
+                    space.shows_micro, stages)  # fmt: skip
         least: list[Point | None] = [None] * len(AXIS_LEVELS)
         for s in exp.searches:
             if s.devices != d or not s.result.points:
                 continue
             low = _point(s, len(s.result.points) - 1)
             for level in range(axis_level(s.variant), len(AXIS_LEVELS)):
+                if not searched[level]:
+                    continue
                 best = least[level]
                 if best is None or (low.memory_bytes, low.time_s) < (
                     best.memory_bytes,

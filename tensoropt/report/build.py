@@ -110,7 +110,8 @@ def _write_into(
     plots.frontier(
         rows, refs, root / FRONTIER_PNG, f"Frontier per device count: {title}", exp.memory_budget
     )
-    lines += render.frontier_section(rows, head.batch, FRONTIER_PNG, options.table_rows)
+    drawn = {r.name for rs in refs.values() for r in rs}
+    lines += render.frontier_section(rows, head.batch, FRONTIER_PNG, options.table_rows, drawn)
 
     caps = analysis.capacities(exp)
     steps = analysis.capacity_steps(exp)

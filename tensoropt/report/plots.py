@@ -15,13 +15,22 @@ from tensoropt.report.analysis import GIB, Point, Reference
 from tensoropt.report.strategies import Track, kind_order
 
 DPI = 100
+# reference plan -> (marker, legend label, the marker's shape in words)
 _MARKERS = {
-    "data-parallel": ("s", "data-parallel"),
-    "megatron": ("^", "Megatron"),
-    "fsdp": ("D", "FSDP (ZeRO-3 + recompute)"),
-    "megatron+recompute": ("v", "Megatron + recompute"),
-    "megatron+pp": ("d", "Megatron + pipeline stages"),
+    "data-parallel": ("s", "data-parallel", "squares"),
+    "megatron": ("^", "Megatron", "triangles"),
+    "fsdp": ("D", "FSDP (ZeRO-3 + recompute)", "diamonds"),
+    "megatron+recompute": ("v", "Megatron + recompute", "down triangles"),
+    "megatron+pp": ("d", "Megatron + pipeline stages", "thin diamonds"),
 }
+
+
+def reference_key(names) -> str:
+    """What the frontier figure's open markers are, for the reference plans ``names``
+    that it draws: "open squares: data-parallel; open triangles: Megatron"."""
+    return "; ".join(
+        f"open {shape}: {label}" for name, (_, label, shape) in _MARKERS.items() if name in names
+    )
 
 
 def _pyplot():
@@ -134,7 +143,7 @@ def frontier(
                 zorder=z,
             )
         for r in refs.get(d, ()):
-            marker, _ = _MARKERS[r.name]
+            marker, _, _ = _MARKERS[r.name]
             ax.scatter(
                 [r.time_s * 1e3],
                 [r.memory_bytes / scale],
@@ -146,7 +155,7 @@ def frontier(
                 label=f"_{r.name} at {devices_label(d)}",
             )
     shown = {r.name for rs in refs.values() for r in rs}  # the legend names what is drawn
-    for name, (marker, label) in _MARKERS.items():
+    for name, (marker, label, _) in _MARKERS.items():
         if name in shown:
             ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
     if budget is not None:

@@ -114,15 +114,27 @@ def fmt_flops(rate: float) -> str:
 
 
 def frontier_section(
-    rows: Mapping[int, Sequence[Point]], batch: int, png: str, per_count: int = 5
+    rows: Mapping[int, Sequence[Point]],
+    batch: int,
+    png: str,
+    per_count: int = 5,
+    references: Sequence[str] = ("data-parallel", "megatron"),
 ) -> list[str]:
+    """Section 1; ``references``: the reference plans the figure marks."""
+    from tensoropt.report.plots import reference_key
+
     total = sum(len(ps) for ps in rows.values())
+    key = reference_key(references)
+    key = (
+        f" {key[0].upper()}{key[1:]} (the best mesh of each device count, same colour)."
+        if key
+        else ""
+    )
     out = [
         "## 1. The frontier per device count",
         "",
         f"Memory per device against step time, {total} frontier points over "
-        f"{len(rows)} device counts. Open squares: data parallel; open triangles: Megatron "
-        "(the best mesh of each device count, same colour).",
+        f"{len(rows)} device counts.{key}",
         "",
         f"![frontier per device count]({png})",
         "",

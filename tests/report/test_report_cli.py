@@ -44,8 +44,17 @@ def test_report_has_every_section_and_its_figures(gpt_file, tmp_path, capsys):
         assert f"| {capacity} GiB |" in text, capacity
     assert "data parallel" in text and "Megatron" in text
     assert "FSDP (ZeRO-3 + recompute)" in text and "Megatron + recompute" in text
+    # section 1 names the marker of every reference plan the figure draws
+    first = text[text.index("## 1.") : text.index("![frontier")]
+    for key in ("Open squares: data-parallel", "open triangles: Megatron",
+                "open diamonds: FSDP", "open down triangles: Megatron + recompute"):  # fmt: skip
+        assert key in first, key
+    assert "pipeline stages" not in first  # no megatron+pp: stages were not searched
     axes = text[text.index("## 6. What each memory axis buys") :]
     assert "| devices | split | + ZeRO | + recompute | + micro-batches |" in axes
+    # the stages were not searched: a dash in every row, not the level before again
+    rows = [line for line in axes.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 4 |"))]
+    assert len(rows) == 3 and all(row.endswith("| - |") for row in rows), rows
     assert "The memory axes cut the least memory per device by up to" in axes
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     expected = {"frontier.png", "capacity.png", "fewest-devices.png", "strategies-4.png"}
@@ -148,9 +157,14 @@ def test_the_axes_section_matches_the_search_restricted_to_each_level(gpt_file):
     for axes, point in zip(levels, row.least[: len(levels)], strict=True):
         assert point is not None
         assert point.memory_bytes == least(axes)[1], axes
-    # pipeline stages were not searched: that level holds what the levels before it do
-    assert row.least[len(levels)] == row.least[len(levels) - 1]
+    # pipeline stages were not searched: that level is empty (a dash), not the level
+    # before it again, which would say that stages buy nothing
+    assert row.least[len(levels)] is None
     assert row.least[len(levels) - 1].memory_bytes < row.least[0].memory_bytes
+    # a search of the split and ZeRO alone fills those two levels only
+    (row,) = axis_gains(least("split,zero")[0])
+    assert row.least[0] is not None and row.least[1] is not None
+    assert row.least[2:] == (None, None, None)
 
 
 def test_fmt_flops_keeps_three_figures():
