@@ -50,9 +50,10 @@ plans:
                                               count) or 1..8 (powers of two); a single N
                                               means the powers of two below N, and N
   --axes LIST     with --pick (not --search): what that search explores, as `search
-                  --axes` (default split; split,zero,recompute,micro adds the memory
-                  axes, ...,stages pipelined points), so a budget the split alone cannot
-                  meet can pick a point that trades step time for memory
+                  --axes` (default as search's: the split, and pipeline stages at device
+                  counts above one node of --cluster; split,zero,recompute,micro adds the
+                  memory axes, all every axis), so a budget the split alone cannot meet
+                  can pick a point that trades step time for memory
   without --plan or --pick: --plan data-parallel
   MEM takes a unit: 16GiB, 80GB, 512MiB
   near-ties: a policy ranks points by their estimates alone. When the --cluster profile
