@@ -99,6 +99,35 @@ def devices_label(d: int) -> str:
 _COUNT_MARKERS = ("o", "P", "X", "*", "h", "p", "<", ">", "8", "H")
 
 
+# What a point uses besides the split (its problem's variant), when the memory axes or
+# the stages were searched: one filled marker per kind, in its device count's colour.
+# None of the reference plans' markers (open) is among them.
+_USES_MARKERS = {
+    (): ("o", "split only"),
+    ("zero",): ("P", "ZeRO"),
+    ("recompute",): ("X", "recompute"),
+    ("zero", "recompute"): ("*", "ZeRO + recompute"),
+    ("micro",): ("<", "micro-batches"),
+    ("zero", "micro"): (">", "ZeRO + micro-batches"),
+    ("recompute", "micro"): ("h", "recompute + micro-batches"),
+    ("zero", "recompute", "micro"): ("p", "ZeRO + recompute + micro-batches"),
+    ("stages",): ("H", "pipeline stages"),
+}
+
+
+def uses_of(variant) -> tuple[str, ...]:
+    """The key of :data:`_USES_MARKERS` for a point's problem variant: the axes it uses
+    besides the split (any pipelined point is ``("stages",)``)."""
+    if variant.stages > 1:
+        return ("stages",)
+    used = (
+        ("zero", bool(variant.zero)),
+        ("recompute", variant.recompute),
+        ("micro", variant.micro_batches > 1),
+    )
+    return tuple(name for name, on in used if on)
+
+
 def frontier(
     rows: Mapping[int, Sequence[Point]],
     refs: Mapping[int, Sequence[Reference]],
@@ -114,7 +143,12 @@ def frontier(
     one, and a count with a single point gets a larger marker: a short frontier stays
     visible where a longer one passes through the same place. A reference marker's
     artist is labelled ``_NAME at D devices`` (the underscore keeps it out of the
-    legend), so that it can be found and checked against the search's figures."""
+    legend), so that it can be found and checked against the search's figures.
+
+    When some point uses a memory axis or pipeline stages, the staircases have no
+    markers of their own: each point gets the filled marker of what it uses
+    (:data:`_USES_MARKERS`, named in the legend) in its count's colour, one artist per
+    (count, kind) labelled ``_uses KIND of count D``."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.0, 4.8))
     mems = [p.memory_bytes for ps in rows.values() for p in ps]
@@ -124,6 +158,8 @@ def frontier(
     scale, unit = memory_scale(mems)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     order = sorted(rows, key=lambda d: -len(rows[d]))
+    by_uses = any(uses_of(p.variant) for ps in rows.values() for p in ps)
+    drawn_uses: set[tuple[str, ...]] = set()
     for k, d in enumerate(rows):
         points = rows[d]
         c = colors[k % len(colors)]
@@ -131,17 +167,28 @@ def frontier(
             xs = [p.time_s * 1e3 for p in points]
             ys = [p.memory_bytes / scale for p in points]
             z = 2 + order.index(d) / max(len(order), 1)
+            ms = 7 if len(points) == 1 else 3
             ax.step(
                 xs,
                 ys,
                 where="post",
                 color=c,
                 label=devices_label(d),
-                marker=_COUNT_MARKERS[k % len(_COUNT_MARKERS)],
-                ms=7 if len(points) == 1 else 3,
+                marker=None if by_uses else _COUNT_MARKERS[k % len(_COUNT_MARKERS)],
+                ms=ms,
                 lw=1.2,
                 zorder=z,
             )
+            if by_uses:
+                kinds: dict[tuple[str, ...], list[int]] = {}
+                for i, p in enumerate(points):
+                    kinds.setdefault(uses_of(p.variant), []).append(i)
+                for uses, at in kinds.items():
+                    marker, name = _USES_MARKERS[uses]
+                    ax.plot([xs[i] for i in at], [ys[i] for i in at], ls="none",
+                            marker=marker, ms=ms + 2, color=c, zorder=z,
+                            label=f"_uses {name} of count {d}")  # fmt: skip
+                drawn_uses.update(kinds)
         for r in refs.get(d, ()):
             marker, _, _ = _MARKERS[r.name]
             ax.scatter(
@@ -158,6 +205,9 @@ def frontier(
     for name, (marker, label, _) in _MARKERS.items():
         if name in shown:
             ax.scatter([], [], marker=marker, facecolors="none", edgecolors="k", label=label)
+    for uses, (marker, label) in _USES_MARKERS.items():
+        if uses in drawn_uses:
+            ax.plot([], [], ls="none", marker=marker, ms=6, color="k", label=f"uses {label}")
     if budget is not None:
         ax.axhline(budget / scale, color="0.3", ls="--", lw=1.0, label="memory budget")
         mems.append(budget)

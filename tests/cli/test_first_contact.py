@@ -149,6 +149,47 @@ def test_plot_keeps_single_point_counts_visible_and_says_1_device(gpt, tmp_path,
         assert all(lines[k].get_markersize() > lines[o].get_markersize() for o in longer), k
 
 
+def test_plot_marks_what_each_point_uses_of_the_memory_axes(gpt, tmp_path, capsys, drawn):
+    """With the memory axes searched, every frontier point is drawn once, in its count's
+    colour, with the marker of what its problem uses; the legend names those kinds and
+    the staircases carry no markers of their own."""
+    from tensoropt.report.plots import _USES_MARKERS, uses_of
+    from tensoropt.search.driver import device_frontier
+
+    argv = ("--devices", "1,2", "--axes", "split,zero,recompute,micro", "--micro-batches", "1,2")
+    out = cli(capsys, "search", gpt, *argv, "--plot", tmp_path / "f.png")
+    assert out.code == 0, out.err
+    ax = drawn[0].axes[0]
+    scale = _unit_scale(ax)
+    staircases = {line.get_label(): line for line in ax.get_lines() if "device" in line.get_label()}
+    assert set(staircases) == {"1 device", "2 devices"}
+    assert all(line.get_marker() in (None, "None", "") for line in staircases.values())
+    marked = {
+        line.get_label(): line for line in ax.get_lines() if line.get_label().startswith("_uses ")
+    }
+    exp = _explore(gpt, *argv)
+    kinds = set()
+    for d in (1, 2):
+        colour = staircases[f"{d} device" + ("s" if d > 1 else "")].get_color()
+        for search, point in device_frontier(exp, d):
+            uses = uses_of(search.variant)
+            marker, name = _USES_MARKERS[uses]
+            line = marked[f"_uses {name} of count {d}"]
+            assert line.get_marker() == marker and line.get_color() == colour
+            xy = np.column_stack([line.get_xdata(), line.get_ydata()])
+            want = (point.time_s * 1e3, point.memory_bytes / scale)
+            assert np.isclose(xy, want, rtol=1e-9).all(axis=1).any(), (name, want)
+            kinds.add(uses)
+    drawn_points = sum(len(line.get_xdata()) for line in marked.values())
+    assert drawn_points == sum(len(device_frontier(exp, d)) for d in (1, 2))
+    assert {(), ("zero",), ("micro",)} <= kinds  # the tiny GPT's frontier uses each
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    # the legend names exactly the kinds drawn
+    assert {x for x in labels if x.startswith("uses ")} == {
+        f"uses {_USES_MARKERS[k][1]}" for k in kinds
+    }
+
+
 def test_plot_legend_names_only_the_reference_plans_drawn(gpt, tmp_path, capsys, drawn):
     """A model without Megatron blocks (ResNet) gets no Megatron entries in the legend;
     the tiny GPT, which has them, does."""
