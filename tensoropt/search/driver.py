@@ -236,17 +236,25 @@ PIPELINED_GUARANTEE = (
 
 
 def guarantee_of(exp: Exploration) -> str:
-    """What an exploration's frontier guarantees: its plain problems' guarantee, and what
-    its pipelined points are when it has any."""
+    """What an exploration's frontier guarantees: exact or epsilon over every plan of its
+    unpipelined problems (within the memory budget), and what its pipelined points are
+    when it has any.
+
+    Not a problem's own guarantee: the plans a problem was given as incumbents are
+    points of this exploration, so what they dominate is not missing from the merged
+    frontier ("less the points that one of N given plans dominates" holds per problem,
+    not for the whole)."""
     plain = [s for s in exp.searches if s.variant.stages == 1]
-    parts = [plain[0].result.guarantee] if plain else []
+    parts = []
+    within = ""
+    if exp.memory_budget is not None:
+        within = f" with memory <= {_gib(exp.memory_budget)} per device"
+    if plain and exp.epsilon is None:
+        parts = ["exact: the points are the Pareto frontier of every plan" + within]
     if plain and exp.epsilon is not None:  # the meshes of a count cover each other
-        where = "every plan"
-        if exp.memory_budget is not None:
-            where += f" with memory <= {exp.memory_budget!r}"
         parts = [
-            f"epsilon={exp.epsilon!r}: for {where} P on N devices there is a point Q of "
-            f"the N-device frontier with Q.memory <= P.memory and Q.time <= "
+            f"epsilon={exp.epsilon!r}: for every plan P on N devices{within} there is a "
+            f"point Q of the N-device frontier with Q.memory <= P.memory and Q.time <= "
             f"(1 + {exp.epsilon!r}) * P.time"
         ]
     if len(plain) < len(exp.searches):
