@@ -428,8 +428,9 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         if width is not None:
             head += f"; {band.describe(d)}"
         print(head, file=out)
+        pw = max(4, len(str(len(rows) - 1)))  # exact frontiers reach 10,000 points
         print(
-            f"  {'pick':>4} {'mesh':>8} {'step time':>12} {'':1} {'memory/dev':>12} "
+            f"  {'pick':>{pw}} {'mesh':>8} {'step time':>12} {'':1} {'memory/dev':>12} "
             f"{'samples/s':>11}  plan",
             file=out,
         )
@@ -438,7 +439,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         for (i, (s, p)), mark in zip(shown, marks, strict=True):
             mesh = mesh_label(s.mesh.shape, s.variant.stages)
             print(
-                f"  {i:>4} {mesh:>8} {_fmt_time(p.time_s):>12} {'~' if mark else '':1} "
+                f"  {i:>{pw}} {mesh:>8} {_fmt_time(p.time_s):>12} {'~' if mark else '':1} "
                 f"{_fmt_mem(p.memory_bytes):>12} {sg.batch / p.time_s:>11.1f}  "
                 f"{s.summaries[_index(s, p)]}",
                 file=out,
@@ -484,15 +485,16 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     sources = [exp.source_of(p) for _, p in shown]
     labels = [s.variant.label(len(s.blocks)) for s in sources]
     uses = any(labels)
+    w = max(3, len(str(len(merged) - 1)))
     print(
-        f"  {'n':>3} {'devices':>7} {'pick':>5} {'mesh':>8} {'step time':>12} {'memory/dev':>12}"
-        + ("  uses" if uses else ""),
+        f"  {'n':>{w}} {'devices':>7} {'pick':>5} {'mesh':>8} {'step time':>12} "
+        f"{'memory/dev':>12}" + ("  uses" if uses else ""),
         file=out,
     )
     for (i, p), search, label in zip(shown, sources, labels, strict=True):
         pick = picks.get((search.key, p.index), "-")
         print(
-            f"  {i:>3} {p.devices:>7} {pick:>5} {mesh_label(p.mesh, search.variant.stages):>8} "
+            f"  {i:>{w}} {p.devices:>7} {pick:>5} {mesh_label(p.mesh, search.variant.stages):>8} "
             f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}"
             + (f"  {label or 'split only'}" if uses else ""),
             file=out,
