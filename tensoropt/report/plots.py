@@ -100,8 +100,9 @@ _COUNT_MARKERS = ("o", "P", "X", "*", "h", "p", "<", ">", "8", "H")
 
 
 # What a point uses besides the split (its problem's variant), when the memory axes or
-# the stages were searched: one filled marker per kind, in its device count's colour.
-# None of the reference plans' markers (open) is among them.
+# the stages were searched: one filled marker per kind, in its device count's colour
+# (the reference plans' markers are open and larger; a hexagon beside the circle was
+# not told apart at this size, so the pipelined points take a filled square).
 _USES_MARKERS = {
     (): ("o", "split only"),
     ("zero",): ("P", "ZeRO"),
@@ -111,7 +112,7 @@ _USES_MARKERS = {
     ("zero", "micro"): (">", "ZeRO + micro-batches"),
     ("recompute", "micro"): ("h", "recompute + micro-batches"),
     ("zero", "recompute", "micro"): ("p", "ZeRO + recompute + micro-batches"),
-    ("stages",): ("H", "pipeline stages"),
+    ("stages",): ("s", "pipeline stages"),
 }
 
 
