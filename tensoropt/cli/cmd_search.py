@@ -481,7 +481,10 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     print(head, file=out)
     # each point's index in its device count's table above (what --pick takes), and what
     # it uses besides the split, when some shown point uses more
-    picks = {(s.key, _index(s, p)): i for rows in table.values() for i, (s, p) in enumerate(rows)}
+    at = {(id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)}
+    picks = {
+        (s.key, at[id(s), id(p)]): i for rows in table.values() for i, (s, p) in enumerate(rows)
+    }
     sources = [exp.source_of(p) for _, p in shown]
     labels = [s.variant.label(len(s.blocks)) for s in sources]
     uses = any(labels)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -328,3 +329,50 @@ def test_axes_help_and_refusal_name_all(zoo_file, capsys):
 
     assert main(["search", "--help"]) == 0
     assert "all: every one of them" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_tables_stay_in_line_past_four_digit_indices():
+    """A frontier of 10,001 points at one device count (exact frontiers of unbalanced
+    meshes reach that): the per-device table's `pick` and the overall table's `n` widen,
+    so every row's columns end where the header's do."""
+    import io
+    from types import SimpleNamespace
+
+    from tensoropt.cli.cmd_search import print_tables
+    from tensoropt.ir.costs import FrontierPoint
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.search.driver import Exploration, MeshSearch
+    from tensoropt.search.merge import merge_frontiers
+    from tensoropt.search.solver import SearchResult, SearchStats
+
+    def search(devices: int, points: list[tuple[float, float]]) -> MeshSearch:
+        pts = tuple(FrontierPoint(t, m, (0,)) for t, m in points)
+        stats = SearchStats(0, 0, 0, 0, 0, (), 0.0)
+        exact = "exact: the points are the Pareto frontier of every plan"
+        result = SearchResult(devices, (devices,), pts, None, None, None, exact, stats)
+        return MeshSearch(Mesh((devices,), ("dp",)), None, result, {}, ("u",), (),
+                          tuple("plan" for _ in pts), {})  # fmt: skip
+
+    n = 10_001
+    searches = (
+        search(1, [(1.0, 1e9)]),
+        search(2, [(2.0 + k * 1e-3, 9e8 - k * 1e3) for k in range(n)]),
+    )
+    merged = merge_frontiers({s.key: s.result for s in searches})
+    assert len(merged) == n + 1
+    out = io.StringIO()
+    print_tables(SimpleNamespace(batch=8), Exploration(searches, merged, None, None), out)
+    text = out.getvalue()
+
+    def ends(header: str, rows: list[str], columns: int) -> None:
+        want = [m.end() for m in re.finditer(r"\S+", header)][:columns]
+        for row in rows:
+            assert [m.end() for m in re.finditer(r"\S+", row)][:columns] == want, row
+
+    per_device = text.split("\n2 devices: ")[1].split("\n\n")[0].splitlines()
+    rows = [line for line in per_device[2:] if line.strip()[:1].isdigit()]
+    assert any(line.split()[0] == str(n - 1) for line in rows)  # a 5-digit pick
+    ends(per_device[1], rows, 2)  # pick, mesh
+    overall = text.split("overall frontier over")[1].split("\n  (n:")[0].splitlines()
+    assert overall[-1].split()[0] == str(n)  # a 5-digit position
+    ends(overall[1], overall[2:], 4)  # n, devices, pick, mesh
