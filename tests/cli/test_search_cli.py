@@ -341,6 +341,7 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
     from tensoropt.cli.cmd_search import print_tables
     from tensoropt.ir.costs import FrontierPoint
     from tensoropt.ir.mesh import Mesh
+    from tensoropt.report.analysis import device_frontiers
     from tensoropt.search.driver import Exploration, MeshSearch
     from tensoropt.search.merge import merge_frontiers
     from tensoropt.search.solver import SearchResult, SearchStats
@@ -360,9 +361,13 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
     )
     merged = merge_frontiers({s.key: s.result for s in searches})
     assert len(merged) == n + 1
+    exp = Exploration(searches, merged, None, None)
     out = io.StringIO()
-    print_tables(SimpleNamespace(batch=8), Exploration(searches, merged, None, None), out)
+    print_tables(SimpleNamespace(batch=8), exp, out)
     text = out.getvalue()
+    # the report's (and --plot's) frontiers index the same points
+    frontiers = device_frontiers(exp)
+    assert [p.index for p in frontiers[2]] == list(range(n)) and len(frontiers[1]) == 1
 
     def ends(header: str, rows: list[str], columns: int) -> None:
         want = [m.end() for m in re.finditer(r"\S+", header)][:columns]
