@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 
 from tensoropt.cli.common import (
     DEVICES_HELP,
@@ -400,6 +401,20 @@ def _sample(rows, limit=10):
     return [(i, rows[i]) for i in picks]
 
 
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], least: Sequence[int]):
+    """Table lines: the first ``len(least)`` columns right-aligned, each at least as wide
+    as given and as wide as its widest cell (a 10,001-point frontier's index, GPT-3's
+    10441.516 GiB, a pipelined mesh ``pp2:32x16``); a column after them is free text,
+    two spaces on."""
+    n = len(least)
+    widths = [max(w, len(header[c]), *(len(r[c]) for r in rows)) for c, w in enumerate(least)]
+    out = []
+    for cells in (header, *rows):
+        line = "  " + " ".join(cell.rjust(w) for cell, w in zip(cells[:n], widths, strict=True))
+        out.append(line + "".join(f"  {cell}" for cell in cells[n:]))
+    return out
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -428,22 +443,17 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         if width is not None:
             head += f"; {band.describe(d)}"
         print(head, file=out)
-        pw = max(4, len(str(len(rows) - 1)))  # exact frontiers reach 10,000 points
-        print(
-            f"  {'pick':>{pw}} {'mesh':>8} {'step time':>12} {'':1} {'memory/dev':>12} "
-            f"{'samples/s':>11}  plan",
-            file=out,
-        )
         marks = near_ties([p.time_s for _, (_, p) in shown], width)
         tied = tied or any(marks)
-        for (i, (s, p)), mark in zip(shown, marks, strict=True):
-            mesh = mesh_label(s.mesh.shape, s.variant.stages)
-            print(
-                f"  {i:>{pw}} {mesh:>8} {_fmt_time(p.time_s):>12} {'~' if mark else '':1} "
-                f"{_fmt_mem(p.memory_bytes):>12} {sg.batch / p.time_s:>11.1f}  "
-                f"{s.summaries[_index(s, p)]}",
-                file=out,
-            )
+        cells = [
+            (str(i), mesh_label(s.mesh.shape, s.variant.stages), _fmt_time(p.time_s),
+             "~" if mark else "", _fmt_mem(p.memory_bytes), f"{sg.batch / p.time_s:.1f}",
+             s.summaries[_index(s, p)])
+            for (i, (s, p)), mark in zip(shown, marks, strict=True)
+        ]  # fmt: skip
+        header = ("pick", "mesh", "step time", "", "memory/dev", "samples/s", "plan")
+        for line in _columns(header, cells, (4, 8, 12, 1, 12, 11)):
+            print(line, file=out)
     print(
         "  (pick: the point's index at its device count, for `compile --devices N --pick INDEX`)",
         file=out,
@@ -488,20 +498,15 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     sources = [exp.source_of(p) for _, p in shown]
     labels = [s.variant.label(len(s.blocks)) for s in sources]
     uses = any(labels)
-    w = max(3, len(str(len(merged) - 1)))
-    print(
-        f"  {'n':>{w}} {'devices':>7} {'pick':>5} {'mesh':>8} {'step time':>12} "
-        f"{'memory/dev':>12}" + ("  uses" if uses else ""),
-        file=out,
-    )
-    for (i, p), search, label in zip(shown, sources, labels, strict=True):
-        pick = picks.get((search.key, p.index), "-")
-        print(
-            f"  {i:>{w}} {p.devices:>7} {pick:>5} {mesh_label(p.mesh, search.variant.stages):>8} "
-            f"{_fmt_time(p.time_s):>12} {_fmt_mem(p.memory_bytes):>12}"
-            + (f"  {label or 'split only'}" if uses else ""),
-            file=out,
-        )
+    cells = [
+        (str(i), str(p.devices), str(picks.get((search.key, p.index), "-")),
+         mesh_label(p.mesh, search.variant.stages), _fmt_time(p.time_s),
+         _fmt_mem(p.memory_bytes), *([label or "split only"] if uses else ()))
+        for (i, p), search, label in zip(shown, sources, labels, strict=True)
+    ]  # fmt: skip
+    header = ("n", "devices", "pick", "mesh", "step time", "memory/dev", *(["uses"] * uses))
+    for line in _columns(header, cells, (3, 7, 5, 8, 12, 12)):
+        print(line, file=out)
     print(
         "  (n: the position in this overall frontier, fastest first; not a --pick index;\n"
         "   pick: the point's index at its device count, for `compile --devices N --pick "

@@ -333,8 +333,8 @@ def test_axes_help_and_refusal_name_all(zoo_file, capsys):
 
 def test_the_tables_stay_in_line_past_four_digit_indices():
     """A frontier of 10,001 points at one device count (exact frontiers of unbalanced
-    meshes reach that): the per-device table's `pick` and the overall table's `n` widen,
-    so every row's columns end where the header's do."""
+    meshes reach that) and a point of 11,176 GiB (GPT-3 175B at 64 devices without a
+    budget): the columns widen, so every row's columns end where the header's do."""
     import io
     from types import SimpleNamespace
 
@@ -356,7 +356,7 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
 
     n = 10_001
     searches = (
-        search(1, [(1.0, 1e9)]),
+        search(1, [(1.0, 1.2e13)]),
         search(2, [(2.0 + k * 1e-3, 9e8 - k * 1e3) for k in range(n)]),
     )
     merged = merge_frontiers({s.key: s.result for s in searches})
@@ -369,15 +369,21 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
     frontiers = device_frontiers(exp)
     assert [p.index for p in frontiers[2]] == list(range(n)) and len(frontiers[1]) == 1
 
-    def ends(header: str, rows: list[str], columns: int) -> None:
-        want = [m.end() for m in re.finditer(r"\S+", header)][:columns]
+    def ends(header: str, rows: list[str], pairs: dict[int, int]) -> None:
+        """The header's token h ends where each row's token r does, for h, r in pairs
+        (a time or memory cell is two tokens, its header one or two)."""
+        want = [m.end() for m in re.finditer(r"\S+", header)]
         for row in rows:
-            assert [m.end() for m in re.finditer(r"\S+", row)][:columns] == want, row
+            got = [m.end() for m in re.finditer(r"\S+", row)]
+            assert all(want[h] == got[r] for h, r in pairs.items()), (header, row)
 
-    per_device = text.split("\n2 devices: ")[1].split("\n\n")[0].splitlines()
-    rows = [line for line in per_device[2:] if line.strip()[:1].isdigit()]
+    # pick, mesh, "time" over the time's unit, "memory/dev" over the memory's unit
+    for d in (1, 2):
+        table = text.split(f"\n{d} device")[1].split("\n\n")[0].splitlines()
+        rows = [line for line in table[2:] if line.strip()[:1].isdigit()]
+        ends(table[1], rows, {0: 0, 1: 1, 3: 3, 4: 5})
     assert any(line.split()[0] == str(n - 1) for line in rows)  # a 5-digit pick
-    ends(per_device[1], rows, 2)  # pick, mesh
     overall = text.split("overall frontier over")[1].split("\n  (n:")[0].splitlines()
     assert overall[-1].split()[0] == str(n)  # a 5-digit position
-    ends(overall[1], overall[2:], 4)  # n, devices, pick, mesh
+    assert overall[2].endswith(" 11175.871 GiB")  # 13 characters: wider than the header
+    ends(overall[1], overall[2:], {0: 0, 1: 1, 2: 2, 3: 3, 5: 5, 6: 7})
