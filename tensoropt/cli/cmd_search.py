@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from tensoropt.cli.common import (
     DEVICES_HELP,
@@ -401,17 +401,26 @@ def _sample(rows, limit=10):
     return [(i, rows[i]) for i in picks]
 
 
-def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], least: Sequence[int]):
-    """Table lines: the first ``len(least)`` columns right-aligned, each at least as wide
-    as given and as wide as its widest cell (a 10,001-point frontier's index, GPT-3's
-    10441.516 GiB, a pipelined mesh ``pp2:32x16``); a column after them is free text,
-    two spaces on."""
+def _columns(
+    header: Sequence[str] | None,
+    rows: Sequence[Sequence[str]],
+    least: Sequence[int],
+    left: Collection[int] = (),
+) -> list[str]:
+    """Table lines (the header's first, when given): the first ``len(least)`` columns
+    right-aligned (those in ``left`` left-aligned), each at least as wide as given and as
+    wide as its widest cell (a 10,001-point frontier's index, GPT-3's 10441.516 GiB, a
+    pipelined mesh ``pp2:32x16``); a column after them is free text, two spaces on."""
     n = len(least)
-    widths = [max(w, len(header[c]), *(len(r[c]) for r in rows)) for c, w in enumerate(least)]
+    lines = [header, *rows] if header is not None else list(rows)
+    widths = [max(w, *(len(r[c]) for r in lines)) for c, w in enumerate(least)]
     out = []
-    for cells in (header, *rows):
-        line = "  " + " ".join(cell.rjust(w) for cell, w in zip(cells[:n], widths, strict=True))
-        out.append(line + "".join(f"  {cell}" for cell in cells[n:]))
+    for cells in lines:
+        fixed = (
+            cell.ljust(w) if c in left else cell.rjust(w)
+            for c, (cell, w) in enumerate(zip(cells[:n], widths, strict=True))
+        )
+        out.append("  " + " ".join(fixed) + "".join(f"  {cell}" for cell in cells[n:]))
     return out
 
 
@@ -468,6 +477,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     if link is not None:
         print(f"  (memory link: {link})", file=out)
     print("\nreference plans on the same cost model (best mesh per device count):", file=out)
+    cells = []
     for d in table:
         for name in REFERENCE_NAMES:
             best = None
@@ -477,12 +487,11 @@ def print_tables(sg, exp, out=None, band=None) -> None:
                     if best is None or t < best[0]:
                         best = (t, m, mesh_label(s.mesh.shape, s.variant.stages))
             if best:
-                over = "  over the memory budget" if budget is not None and best[1] > budget else ""
-                print(
-                    f"  {_plural(d, 'device'):>11} {name:<18} mesh {best[2]:>8} "
-                    f"{_fmt_time(best[0]):>12} {_fmt_mem(best[1]):>12}{over}",
-                    file=out,
-                )
+                over = ["over the memory budget"] if budget is not None and best[1] > budget else []
+                cells.append((_plural(d, "device"), name, "mesh", best[2], _fmt_time(best[0]),
+                              _fmt_mem(best[1]), *over))  # fmt: skip
+    for line in _columns(None, cells, (11, 18, 4, 8, 12, 12), left={1}):
+        print(line, file=out)
     merged = list(exp.merged)
     shown = _sample(merged, 20)
     head = f"\noverall frontier over (devices, step time, memory/device): {len(merged)} points"

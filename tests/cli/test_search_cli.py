@@ -346,28 +346,22 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
     from tensoropt.search.merge import merge_frontiers
     from tensoropt.search.solver import SearchResult, SearchStats
 
-    def search(devices: int, points: list[tuple[float, float]]) -> MeshSearch:
+    def search(devices: int, points: list[tuple[float, float]], refs=None) -> MeshSearch:
         pts = tuple(FrontierPoint(t, m, (0,)) for t, m in points)
         stats = SearchStats(0, 0, 0, 0, 0, (), 0.0)
         exact = "exact: the points are the Pareto frontier of every plan"
         result = SearchResult(devices, (devices,), pts, None, None, None, exact, stats)
-        return MeshSearch(Mesh((devices,), ("dp",)), None, result, {}, ("u",), (),
+        return MeshSearch(Mesh((devices,), ("dp",)), None, result, refs or {}, ("u",), (),
                           tuple("plan" for _ in pts), {})  # fmt: skip
 
     n = 10_001
     searches = (
-        search(1, [(1.0, 1.2e13)]),
+        search(1, [(1.0, 1.2e13)], {"data-parallel": (1.0, 1.2e13, (0,))}),
         search(2, [(2.0 + k * 1e-3, 9e8 - k * 1e3) for k in range(n)]),
+        search(1024, [(0.5, 1e8)], {"megatron": (0.5, 1e8, (0,))}),  # "1024 devices"
     )
     merged = merge_frontiers({s.key: s.result for s in searches})
-    assert len(merged) == n + 1
-    exp = Exploration(searches, merged, None, None)
-    out = io.StringIO()
-    print_tables(SimpleNamespace(batch=8), exp, out)
-    text = out.getvalue()
-    # the report's (and --plot's) frontiers index the same points
-    frontiers = device_frontiers(exp)
-    assert [p.index for p in frontiers[2]] == list(range(n)) and len(frontiers[1]) == 1
+    assert len(merged) == n + 2
 
     def ends(header: str, rows: list[str], pairs: dict[int, int]) -> None:
         """The header's token h ends where each row's token r does, for h, r in pairs
@@ -377,6 +371,18 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
             got = [m.end() for m in re.finditer(r"\S+", row)]
             assert all(want[h] == got[r] for h, r in pairs.items()), (header, row)
 
+    exp = Exploration(searches, merged, None, None)
+    out = io.StringIO()
+    print_tables(SimpleNamespace(batch=8), exp, out)
+    text = out.getvalue()
+    # the report's (and --plot's) frontiers index the same points
+    frontiers = device_frontiers(exp)
+    assert [p.index for p in frontiers[2]] == list(range(n)) and len(frontiers[1]) == 1
+    # the reference plans: "mesh" and the memory's unit end in one column on every line
+    refs = text.split("(best mesh per device count):\n")[1].split("\n\n")[0].splitlines()
+    assert len(refs) == 2 and refs[1].lstrip().startswith("1024 devices megatron")
+    ends(refs[0], refs[1:], {1: 1, 3: 3, 4: 4, 6: 6, 8: 8})  # "devices", "mesh", units
+
     # pick, mesh, "time" over the time's unit, "memory/dev" over the memory's unit
     for d in (1, 2):
         table = text.split(f"\n{d} device")[1].split("\n\n")[0].splitlines()
@@ -384,6 +390,6 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
         ends(table[1], rows, {0: 0, 1: 1, 3: 3, 4: 5})
     assert any(line.split()[0] == str(n - 1) for line in rows)  # a 5-digit pick
     overall = text.split("overall frontier over")[1].split("\n  (n:")[0].splitlines()
-    assert overall[-1].split()[0] == str(n)  # a 5-digit position
+    assert overall[-1].split()[0] == str(n + 1)  # a 5-digit position
     assert overall[2].endswith(" 11175.871 GiB")  # 13 characters: wider than the header
     ends(overall[1], overall[2:], {0: 0, 1: 1, 2: 2, 3: 3, 5: 5, 6: 7})
