@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         if zero:
             print(f"  {zero}")
         for block, nodes in rc.items():
-            print(f"  recompute {block}: reruns {len(nodes)} nodes: {', '.join(nodes)}")
+            reruns = f"{len(nodes)} node" + ("s" if len(nodes) != 1 else "")
+            print(f"  recompute {block}: reruns {reruns}: {', '.join(nodes)}")
     return 0
 
 
