@@ -413,7 +413,7 @@ def _columns(
     pipelined mesh ``pp2:32x16``); a column after them is free text, two spaces on."""
     n = len(least)
     lines = [header, *rows] if header is not None else list(rows)
-    widths = [max(w, *(len(r[c]) for r in lines)) for c, w in enumerate(least)]
+    widths = [max([w, *(len(r[c]) for r in lines)]) for c, w in enumerate(least)]
     out = []
     for cells in lines:
         fixed = (

@@ -393,3 +393,10 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
     assert overall[-1].split()[0] == str(n + 1)  # a 5-digit position
     assert overall[2].endswith(" 11175.871 GiB")  # 13 characters: wider than the header
     ends(overall[1], overall[2:], {0: 0, 1: 1, 2: 2, 3: 3, 5: 5, 6: 7})
+
+
+def test_a_table_with_no_rows_prints_nothing_and_a_header_alone_keeps_its_widths():
+    from tensoropt.cli.cmd_search import _columns
+
+    assert _columns(None, [], (11, 18)) == []
+    assert _columns(("n", "mesh"), [], (3, 8)) == ["    n     mesh"]
