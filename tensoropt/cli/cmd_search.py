@@ -390,10 +390,6 @@ def per_device_points(exp):
     return {d: device_frontier(exp, d) for d in sorted({s.devices for s in exp.searches})}
 
 
-def _index(search, point) -> int:
-    return search.result.points.index(point)
-
-
 def _sample(rows, limit=10):
     if len(rows) <= limit:
         return list(enumerate(rows))
@@ -457,7 +453,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         cells = [
             (str(i), mesh_label(s.mesh.shape, s.variant.stages), _fmt_time(p.time_s),
              "~" if mark else "", _fmt_mem(p.memory_bytes), f"{sg.batch / p.time_s:.1f}",
-             s.summaries[_index(s, p)])
+             s.summaries[exp.index_of(s, p)])
             for (i, (s, p)), mark in zip(shown, marks, strict=True)
         ]  # fmt: skip
         header = ("pick", "mesh", "step time", "", "memory/dev", "samples/s", "plan")
@@ -500,9 +496,8 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     print(head, file=out)
     # each point's index in its device count's table above (what --pick takes), and what
     # it uses besides the split, when some shown point uses more
-    at = {(id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)}
     picks = {
-        (s.key, at[id(s), id(p)]): i for rows in table.values() for i, (s, p) in enumerate(rows)
+        (s.key, exp.index_of(s, p)): i for rows in table.values() for i, (s, p) in enumerate(rows)
     }
     sources = [exp.source_of(p) for _, p in shown]
     labels = [s.variant.label(len(s.blocks)) for s in sources]

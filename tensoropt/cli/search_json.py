@@ -54,15 +54,12 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
     tables = {id(s): _StrategyTable(s) for s in exp.searches}
     per_device: dict[str, list[dict]] = {}
     row_of: dict[tuple[int, int], int] = {}  # (id(search), point index) -> row
-    position = {  # (id(search), id(point)) -> index in that search's frontier
-        (id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)
-    }
     for d in sorted({s.devices for s in exp.searches}):
         rows = []
         frontier = device_frontier(exp, d)
         ties = near_ties([p.time_s for _, p in frontier], band.time(d) if band else None)
         for i, (s, p) in enumerate(frontier):
-            k = position[(id(s), id(p))]
+            k = exp.index_of(s, p)
             row_of[(id(s), k)] = i
             rows.append(
                 {

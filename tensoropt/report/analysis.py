@@ -103,12 +103,9 @@ def device_counts(exp: Exploration) -> list[int]:
 
 def device_frontiers(exp: Exploration) -> dict[int, list[Point]]:
     """Per device count, its frontier over all its meshes, fastest first."""
-    # each point's index in its search's frontier from one map (a list.index per point
-    # is quadratic: exact frontiers reach 10,000 points)
-    at = {(id(s), id(p)): k for s in exp.searches for k, p in enumerate(s.result.points)}
     out = {}
     for d in device_counts(exp):
-        out[d] = [_point(s, at[id(s), id(p)]) for s, p in device_frontier(exp, d)]
+        out[d] = [_point(s, exp.index_of(s, p)) for s, p in device_frontier(exp, d)]
     return out
 
 

@@ -211,6 +211,9 @@ class Exploration:
     # point looks up its source: a scan per point took 4% of an every-axis search); not
     # an init field, so dataclasses.replace starts a copy with other searches afresh
     _by_key: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    # (id(search), id(point)) -> the point's index in that search's frontier, made on the
+    # first lookup (a list.index per point is quadratic: frontiers reach 10,000 points)
+    _at: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def search_of(
         self, devices: int, mesh: tuple[int, ...], variant: Variant = PLAIN
@@ -222,6 +225,15 @@ class Exploration:
         if found is None:
             raise KeyError((devices, mesh, variant))
         return found
+
+    def index_of(self, search: MeshSearch, point: FrontierPoint) -> int:
+        """The index of ``point`` (an object of ``search.result.points``) in that
+        frontier, as :func:`device_frontier` pairs them."""
+        if not self._at:
+            for s in self.searches:
+                for k, p in enumerate(s.result.points):
+                    self._at[id(s), id(p)] = k
+        return self._at[id(search), id(point)]
 
     def source_of(self, point: MergedPoint) -> MeshSearch:
         """The search a merged point comes from."""
