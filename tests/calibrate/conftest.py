@@ -16,7 +16,8 @@ from tests.helpers.shared import made_once
 @pytest.fixture(scope="session")
 def quick_profile(tmp_path_factory) -> Path:
     """``tensoropt calibrate --quick`` on the default (mpi, 2 ranks) backend, run once
-    per test run (shared by the xdist workers; tests only read it)."""
+    per test run (shared by the xdist workers; tests only read it). It takes half a
+    minute or more, so every test that reads it is marked slow."""
 
     def calibrate(path: Path) -> None:
         assert main(["calibrate", "-o", str(path), "--quick", "--repeats", "3"]) == 0

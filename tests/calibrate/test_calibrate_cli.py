@@ -27,6 +27,7 @@ FAMILIES = {"matmul", "conv", "elementwise", "reduce", "softmax", "norm", "pool"
 CURVES = FAMILIES | set(OWN_CURVE_OPS)  # the zoo's activations have curves of their own
 
 
+@pytest.mark.slow
 def test_quick_profile_has_every_rate_and_family(quick_profile):
     data = load(quick_profile)
     profile = load_cluster(str(quick_profile))
@@ -85,6 +86,7 @@ def test_quick_profile_has_every_rate_and_family(quick_profile):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_entry_records_its_spread(quick_profile):
     data = load(quick_profile)
     spread = data["spread"]
@@ -105,6 +107,7 @@ def test_every_entry_records_its_spread(quick_profile):
         assert fit["alpha_s"] >= 0 and fit["bandwidth"] > 0
 
 
+@pytest.mark.slow
 def test_search_accepts_the_calibrated_profile(quick_profile, zoo_model, capsys, tmp_path):
     model = zoo_model("mlp")
     fastest, used = {}, {}
@@ -137,6 +140,7 @@ def _bad(tmp_path, capsys, profile: dict, *fragments: str, model) -> None:
         assert fragment in err[0], (fragment, err[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "edit, fragments",
     [
@@ -161,6 +165,7 @@ def test_missing_or_negative_rates_exit_2(quick_profile, zoo_model, tmp_path, ca
     _bad(tmp_path, capsys, data, str(tmp_path / "bad.json"), *fragments, model=zoo_model("mlp"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "group"),
     [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],

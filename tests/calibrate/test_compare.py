@@ -18,6 +18,7 @@ from .conftest import load
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.slow
 def test_every_rate_kind_is_compared(quick_profile):
     data = load(quick_profile)
     rates = profile_rates(data)
@@ -28,6 +29,7 @@ def test_every_rate_kind_is_compared(quick_profile):
     assert all(r.change == 0 for r in compare(data, data))
 
 
+@pytest.mark.slow
 def test_the_report_lists_what_moved_beyond_the_bound(quick_profile):
     old = load(quick_profile)
     new = copy.deepcopy(old)
@@ -51,6 +53,7 @@ def _write(tmp_path, obj) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, fragment",
     [
@@ -77,6 +80,7 @@ def test_a_bad_baseline_is_one_line_before_anything_is_measured(
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_calibrate_against_the_last_profile_prints_what_moved(quick_profile, tmp_path, capsys):
     """Also: under umask 022 the profile is readable by others (tests/cli/test_umask.py
     checks the other commands)."""
@@ -93,6 +97,7 @@ def test_calibrate_against_the_last_profile_prints_what_moved(quick_profile, tmp
     assert "rates within 20%" in line or "rates moved more than 20%" in line
 
 
+@pytest.mark.slow
 def test_with_json_stdout_is_the_profile_alone(quick_profile, tmp_path, capsys, monkeypatch):
     from tensoropt.calibrate import profile
 

@@ -35,6 +35,7 @@ def test_the_note_names_the_points_within_the_band_of_the_picked_one():
     assert near_tie_note(times, mems, 1, None, 2) is None
 
 
+@pytest.mark.slow
 def test_validate_record_keeps_each_plans_errors_in_the_profile(
     quick_profile, zoo_model, tmp_path, capsys
 ):
@@ -127,6 +128,7 @@ def _gap_band(times: list[float]) -> float:
     return 1.01 * min(times[k] / times[k - 1] - 1 for k in range(1, len(times)))
 
 
+@pytest.mark.slow
 def test_search_marks_the_points_it_cannot_order(quick_profile, zoo_model, tmp_path, capsys):
     model = str(zoo_model("gpt"))
     band = _gap_band(_times(quick_profile, model, capsys))
@@ -166,6 +168,7 @@ def test_search_marks_the_points_it_cannot_order(quick_profile, zoo_model, tmp_p
     assert not any(r["near_tie_with_previous"] for r in doc["per_device"]["2"])
 
 
+@pytest.mark.slow
 def test_compile_pick_names_the_near_ties(quick_profile, zoo_model, tmp_path, capsys):
     model = str(zoo_model("gpt"))
     times = _times(quick_profile, model, capsys)

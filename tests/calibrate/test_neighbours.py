@@ -30,6 +30,7 @@ def _cpu_seconds(proc: multiprocessing.Process) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@pytest.mark.slow
 def test_neighbours_compute_while_each_case_is_measured_and_stop_after():
     with neighbours.busy_neighbours(1, OPTS, SCHEDULE) as pacer:
         procs = _alive()

@@ -80,6 +80,7 @@ def test_median_round_keeps_the_middle_run_whole():
     assert _median_round(runs[:1]) is runs[0]
 
 
+@pytest.mark.slow
 def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, capsys, monkeypatch):
     model = zoo_model("mlp")
     drawn = record_saved(monkeypatch)
@@ -171,6 +172,7 @@ def test_validate_tiny_model_end_to_end(quick_profile, zoo_model, tmp_path, caps
         assert table[-1].startswith("step time by memory link (the estimate assumes one per")
 
 
+@pytest.mark.slow
 def test_validate_takes_the_memory_axes_and_prices_their_compute(
     quick_profile, zoo_model, tmp_path, capsys
 ):
@@ -194,6 +196,7 @@ def test_validate_takes_the_memory_axes_and_prices_their_compute(
         assert est["comm_s"] == pytest.approx(0.0, abs=1e-12)
 
 
+@pytest.mark.slow
 def test_model_that_fits_nowhere_exits_2(quick_profile, zoo_model, tmp_path, capsys):
     data = load(quick_profile)
     data["memory_bytes"] = 1024.0  # 1 KiB per device: no plan of any model fits
@@ -223,6 +226,7 @@ def test_more_ranks_than_cores_is_named():
     assert "at most 1 device(s)" in oversubscribed(2, 2, cores=2)
 
 
+@pytest.mark.slow
 def test_validate_warns_when_ranks_outnumber_cores(quick_profile, zoo_model, capsys):
     cores = os.cpu_count() or 1
     code = main([

@@ -16,6 +16,7 @@ from tests.cli.cli_run import assert_bad_input, cli, cli_process
 pytest.importorskip("matplotlib")
 
 
+@pytest.mark.slow
 def test_the_command_leaving_at_once_has_written_everything(zoo_file, tmp_path, capsys):
     """`tensoropt search` leaves with os._exit once main returns (QUICK_EXIT): in a child
     process with worker processes, its tables, its JSON file and its cost dump are
@@ -235,6 +236,7 @@ def test_pick_budget_and_index_errors(zoo_file, capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_compile_pick_searches_the_axes_it_is_given(zoo_file, capsys, tmp_path):
     """`compile --pick --axes LIST` picks from the frontier `search --axes LIST` shows: its
     least-memory point at 2 devices is the search's (same estimate), below the split

@@ -237,7 +237,10 @@ EXPORTS = (
     ("llama", "data-parallel", "2"),
     ("resnet", "data-parallel", "2"),
 )
-MPI = (("gpt", "megatron", "2x2"), ("mlp", "data-parallel", "2"))
+MPI = (
+    pytest.param("gpt", "megatron", "2x2", marks=pytest.mark.slow),
+    ("mlp", "data-parallel", "2"),
+)
 
 
 def _cases():

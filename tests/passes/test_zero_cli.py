@@ -130,6 +130,7 @@ def test_zero_on_a_node_that_is_not_a_unit_is_refused(models, tmp_path, capsys):
     assert_bad_input(result, "compile", "'h0/attn/q/Reshape'")
 
 
+@pytest.mark.slow
 def test_a_parameter_no_dimension_of_which_divides(models, tmp_path, capsys):
     """--zero leaves such units at stage 0 and says so; a plan file that asks it on one
     is refused naming the unit and the parameter."""

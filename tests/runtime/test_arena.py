@@ -158,6 +158,7 @@ def test_unknown_arena_mode_is_bad_input(outdirs):
         run_steps(outdirs("dp2"), 1, arena="pooled")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_ranks_give_identical_results_in_every_mode(outdirs):
     outdir = outdirs("dp2_tp2")

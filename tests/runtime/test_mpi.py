@@ -61,6 +61,7 @@ def test_mpi_losses_and_params_equal_local(outdirs, case):
         np.testing.assert_array_equal(mpi.params[name], value)
 
 
+@pytest.mark.slow
 def test_mpi_verify_and_resume(outdirs, tmp_path):
     full = run_steps(outdirs("megatron_tp2"), 4, backend="mpi", verify=True)
     assert full.verify is not None and full.verify.ok
@@ -89,6 +90,7 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_dying_rank_stops_the_run_names_it_and_leaves_nothing(outdirs):
     marker = f"TENSOROPT_TEST_MARKER={uuid.uuid4().hex}"
     env = {**os.environ, "TENSOROPT_FAULT_INJECT": "1:2", marker.split("=")[0]: marker[22:]}
@@ -125,6 +127,7 @@ def test_worker_error_is_reraised_with_its_class(outdirs, tmp_path):
     assert not isinstance(info.value, WorkerFault)
 
 
+@pytest.mark.slow
 def test_hung_rank_is_stopped_by_the_stall_timeout(outdirs, monkeypatch):
     # The stall clock starts at launch, so startup and step 0 must fit in the timeout:
     # 3 s did not on a loaded 2-core CI machine (the job was stopped before step 0).

@@ -204,6 +204,7 @@ def test_pipelined_torch_export_trains_like_one_device(exported, tmp_path, capsy
     assert report.max_rel_error_params <= 1e-4, report.to_json()
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_dead_stage_rank_is_named_and_nothing_is_left_running(gpt, tmp_path, capsys):
     import os

@@ -44,7 +44,9 @@ def test_zero_micro_mpi_equals_local_and_verifies(name, plan_name, spec, stage, 
         np.testing.assert_array_equal(mpi.params[key], value, err_msg=key)
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.mpi)])
+@pytest.mark.parametrize(
+    "backend", ["local", pytest.param("mpi", marks=[pytest.mark.mpi, pytest.mark.slow])]
+)
 def test_zero3_micro_resume_equals_uninterrupted(backend, tmp_path):
     out = tmp_path / "out"
     compile_zero_micro(zoo("mlp"), "data-parallel", "2", 3, 2, out, ADAM)

@@ -49,7 +49,9 @@ def test_zero_mpi_equals_local_and_verifies(name, plan_name, spec, stage, tmp_pa
         np.testing.assert_array_equal(mpi.params[key], value, err_msg=key)
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.mpi)])
+@pytest.mark.parametrize(
+    "backend", ["local", pytest.param("mpi", marks=[pytest.mark.mpi, pytest.mark.slow])]
+)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_resume_equals_uninterrupted(stage, backend, tmp_path):
     out = tmp_path / "out"

@@ -266,6 +266,7 @@ class _NoMemo(dict):
         pass
 
 
+@pytest.mark.slow
 def test_the_shared_choice_memo_changes_no_program(models):
     """The families of one mesh share the nodes' choices and the programs (with and
     without recomputed blocks, every ZeRO stage, on the plan's and the micro mesh): every

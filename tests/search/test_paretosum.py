@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,6 +145,7 @@ def test_sum_entries_returns_the_pareto_set_of_the_sums(seed, sizes):
     assert list(zip(out.t.tolist(), out.m.tolist(), strict=True)) == pareto(sums)
 
 
+@pytest.mark.slow
 def test_the_kernels_run_where_numba_cannot_write_a_cache():
     """With no cache location numba refuses ``cache=True``; the kernels then compile in
     the process (here: numba told to look only inside zip files)."""
