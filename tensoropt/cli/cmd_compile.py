@@ -32,7 +32,7 @@ plans:
                   structure) on the last mesh axis, data parallelism on the others
   fsdp            fully sharded data parallelism: data-parallel on every mesh axis,
                   ZeRO-3 on every unit that places parameters and every block recomputed
-                  (--recompute none keeps the activations)
+                  (--recompute none keeps the activations; --zero N takes stage N)
   PLAN.json       a plan file (schema tensoropt.plan/1), e.g. one written by compile
   --zero N        with --plan: ZeRO stage N (0-3) on every unit whose parameters are
                   replicated over a mesh axis that splits the batch: 1 optimizer states

@@ -440,13 +440,15 @@ def with_zero(
     gives them, so the rest of the plan completes as before. A unit one of whose
     parameters no dimension of which the ZeRO axes divide stays at stage 0 (a note says
     so). Refuses (PlanError naming ``what``) when no unit has a ZeRO axis. Stage 0
-    removes ZeRO from every unit."""
+    removes ZeRO from every unit (a note says from how many, if any had it)."""
     from tensoropt.passes.annotate import complete_plan, step_units
     from tensoropt.passes.units import zero_params, zero_shards
 
     units = {name: dataclasses.replace(u, zero=ZeroStage.NONE) for name, u in plan.units.items()}
     if stage is ZeroStage.NONE:
-        return ZeroApplied(dataclasses.replace(plan, units=units), 0, ())
+        had = sum(u.zero is not ZeroStage.NONE for u in plan.units.values())
+        notes = (f"{what}: ZeRO off on the {had} units that had it",) if had else ()
+        return ZeroApplied(dataclasses.replace(plan, units=units), 0, notes)
     su = step_units(graph, sig)
     roots = complete_plan(graph, sig, plan, data_axes, su)
     count = 0

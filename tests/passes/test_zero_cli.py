@@ -45,6 +45,12 @@ def test_fsdp_is_data_parallel_with_zero_three(models, tmp_path, capsys):
     assert kept.code == 0, kept.err
     assert f"--recompute none: 0 of {len(plan['recompute'])} blocks recomputed" in kept.err
     assert not json.loads((tmp_path / "kept" / "plan.json").read_text()).get("recompute")
+    # --zero 0 takes fsdp's ZeRO off, and says so
+    unsharded = cli(capsys, "compile", models["gpt"], "--devices", 4, "--plan", "fsdp",
+                    "--zero", 0, "-o", tmp_path / "unsharded")  # fmt: skip
+    assert unsharded.code == 0, unsharded.err
+    assert "--zero 0: ZeRO off on the 32 units that had it" in unsharded.err
+    assert not any(_zero(tmp_path / "unsharded").values())
     shown = cli(capsys, "inspect", out)
     assert shown.out.count("  zero: stage 3 on 32 units") == 4  # one line per device
     run = cli(capsys, "run", out, "--steps", 3, "--verify")
