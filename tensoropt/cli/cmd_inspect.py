@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 from tensoropt.cli.json_output import add_json_flag
 from tensoropt.errors import ModelLoadError, OutputDirError, TensorOptError
@@ -23,7 +24,11 @@ reruns, and memory: parameters + optimizer state, and the *liveness peak*, a sec
 figure: every tensor alive at once when the graph runs node by node in file order. The
 estimate counts what a step holds (parameters, gradients, optimizer state, activations
 saved for the backward, converted buffers); the liveness peak is what one sequential
-schedule holds, without the runtime's allocator or segment boundaries.
+schedule holds, without the runtime's allocator or segment boundaries. What the plan
+decides for every device (its ZeRO stages, and the recomputed blocks when every device
+reruns the same) is printed once, under "every device:"; devices whose figures are all
+alike (a data-parallel mesh's ranks) print one section under all their names, and those
+that differ (other collective groups, another pipeline stage) one each.
 
 --json prints, on stdout alone: the mesh, the plan's source and the estimate (null for a
 single device file, which carries none), then per device the same figures as the table,
@@ -201,42 +206,101 @@ def run(args: argparse.Namespace) -> int:
         from tensoropt.cli.cmd_compile import REPLICATED_NOTE
 
         print(f"no collectives on {len(report)} devices: {REPLICATED_NOTE}")
-    zero = _zero_line(args.target)
+    # What the plan decides for every device is said once: its ZeRO stages, and the
+    # recomputed blocks when every device reruns the same (pipeline stages differ).
+    shared = [_zero_line(args.target)]
+    same_blocks = all(rc == recomputed[0] for rc in recomputed)
+    if same_blocks:
+        shared += _recompute_lines(recomputed[0])
+    shared = [line for line in shared if line]
+    if shared and len(report) > 1:
+        print("every device:")
+    for line in shared:
+        print(f"  {line}")
+    # devices whose figures are alike print once, under all their names
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for (name, s), rc in zip(report, recomputed, strict=True):
-        print(
-            f"{name}: {s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
-            f"params+state {_fmt_bytes(s.state_bytes)}, "
-            f"liveness peak {_fmt_bytes(s.peak_bytes)}"
-            + (_relation(s.peak_bytes, estimate) if estimate else "")
-        )
-        if s.micro_batches > 1:
-            print(
-                f"  micro-batches: {s.micro_batches} per step, {s.accumulated} values "
-                "accumulated (counts and bytes below are per step)"
-            )
-        if s.stage is not None:
-            print(
-                f"  pipeline stage {s.stage['stage']} of {s.stage['stages']} "
-                f"({s.stage['schedule']}): receives {_fmt_bytes(s.bytes_received)} per "
-                "step from other stages (Send rows below: to the device named)"
-            )
-        if s.collectives:
-            print(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")
-            for c in s.collectives:
-                group = ",".join(map(str, c.group))
-                print(f"  {c.kind:<14} {group:<24} {c.count:>5} {_fmt_bytes(c.bytes_sent):>12}")
-        shown = list(s.param_shapes.items())
-        print(
-            "  parameter shards: "
-            + ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in shown[:8])
-            + (f" (+{len(shown) - 8} more)" if len(shown) > 8 else "")
-        )
-        if zero:
-            print(f"  {zero}")
-        for block, nodes in rc.items():
-            reruns = f"{len(nodes)} node" + ("s" if len(nodes) != 1 else "")
-            print(f"  recompute {block}: reruns {reruns}: {', '.join(nodes)}")
+        head, body = _device_section(s, estimate)
+        if not same_blocks:
+            body += [f"  {line}" for line in _recompute_lines(rc)]
+        groups.setdefault((head, tuple(body)), []).append(name)
+    for (head, body), names in groups.items():
+        print(f"{_device_names(names)}: {head}")
+        for line in body:
+            print(line)
     return 0
+
+
+def _device_section(s, estimate) -> tuple[str, list[str]]:
+    """One device's figures: the head line (after its name) and the lines below it."""
+    head = (
+        f"{s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
+        f"params+state {_fmt_bytes(s.state_bytes)}, "
+        f"liveness peak {_fmt_bytes(s.peak_bytes)}"
+        + (_relation(s.peak_bytes, estimate) if estimate else "")
+    )
+    body = []
+    if s.micro_batches > 1:
+        body.append(
+            f"  micro-batches: {s.micro_batches} per step, {s.accumulated} values "
+            "accumulated (counts and bytes below are per step)"
+        )
+    if s.stage is not None:
+        body.append(
+            f"  pipeline stage {s.stage['stage']} of {s.stage['stages']} "
+            f"({s.stage['schedule']}): receives {_fmt_bytes(s.bytes_received)} per "
+            "step from other stages (Send rows below: to the device named)"
+        )
+    if s.collectives:
+        body.append(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")
+        for c in s.collectives:
+            group = ",".join(map(str, c.group))
+            body.append(f"  {c.kind:<14} {group:<24} {c.count:>5} {_fmt_bytes(c.bytes_sent):>12}")
+    shown = list(s.param_shapes.items())
+    body.append(
+        "  parameter shards: "
+        + ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in shown[:8])
+        + (f" (+{len(shown) - 8} more)" if len(shown) > 8 else "")
+    )
+    return head, body
+
+
+def _recompute_lines(rc: dict[str, list[str]]) -> list[str]:
+    """Per recomputed block: the forward nodes its clones rerun."""
+    out = []
+    for block, nodes in sorted(rc.items(), key=lambda item: _natural(item[0])):
+        reruns = f"{len(nodes)} node" + ("s" if len(nodes) != 1 else "")
+        out.append(f"recompute {block}: reruns {reruns}: {', '.join(nodes)}")
+    return out
+
+
+def _natural(name: str) -> tuple:
+    """``block_2`` before ``block_10``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def _device_names(names: list[str]) -> str:
+    """``device_0.onnx``, or for devices alike their names, runs of three or more
+    consecutive devices shortened: ``device_0.onnx ... device_7.onnx (8 devices alike)``."""
+    if len(names) == 1:
+        return names[0]
+    found = [re.fullmatch(r"device_(\d+)\.onnx", n) for n in names]
+    if not all(found):
+        return f"{', '.join(names)} ({len(names)} devices alike)"
+    ks = [int(m.group(1)) for m in found if m]
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    parts = []
+    for run in runs:
+        if len(run) >= 3:
+            parts.append(f"device_{run[0]}.onnx ... device_{run[-1]}.onnx")
+        else:
+            parts += [f"device_{k}.onnx" for k in run]
+    return f"{', '.join(parts)} ({len(names)} devices alike)"
 
 
 def _recomputed(model) -> dict[str, list[str]]:

@@ -1,5 +1,5 @@
 """``tensoropt inspect OUTDIR`` and ``inspect device_<k>.onnx`` (text and --json),
-checked against hand computation for a Megatron MLP block."""
+checked against hand computation for a Megatron MLP block; devices alike print once."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ from tests.cli.cli_run import assert_bad_input, cli
 
 F32 = 4
 B, D, H = models.B, models.D, models.H
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny(tmp_path_factory) -> Path:
+    from tensoropt.models import build_model, save_model
+
+    path = tmp_path_factory.mktemp("gpt") / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    return path
 
 
 def _compile(tmp_path: Path, capsys, tp: int) -> Path:
@@ -97,19 +106,21 @@ def test_inspect_text_shows_the_same_numbers(tmp_path, capsys):
     assert outcome.code == 0, outcome.err
     lines = outcome.out.splitlines()
     want = _hand(2)
+    # the two ranks hold, send and run the same: one section names both
     heads = [line for line in lines if line.startswith("device_")]
-    assert len(heads) == 2
-    for head in heads:
-        m = re.match(
-            r"device_\d\.onnx: (\d+) ops, sends (\d+) B per step, params\+state ([\d.]+) KiB", head
-        )
-        assert m, head
-        assert int(m.group(2)) == want["sent"] == 512
-        assert float(m.group(3)) == round(want["state_bytes"] / 1024, 1)
+    assert len(heads) == 1
+    m = re.match(
+        r"device_0\.onnx, device_1\.onnx \(2 devices alike\): (\d+) ops, sends (\d+) B per "
+        r"step, params\+state ([\d.]+) KiB",
+        heads[0],
+    )
+    assert m, heads[0]
+    assert int(m.group(2)) == want["sent"] == 512
+    assert float(m.group(3)) == round(want["state_bytes"] / 1024, 1)
     rows = [line.split() for line in lines if line.strip().startswith("AllReduce")]
-    assert rows == [["AllReduce", "0,1", "2", "512", "B"]] * 2
+    assert rows == [["AllReduce", "0,1", "2", "512", "B"]]
     shards = [line for line in lines if "parameter shards:" in line]
-    assert shards == ["  parameter shards: W0 8x8, W1 8x8, b1 8, W2 8x8, b2 8"] * 2
+    assert shards == ["  parameter shards: W0 8x8, W1 8x8, b1 8, W2 8x8, b2 8"]
 
 
 def test_inspect_one_device_file_equals_its_outdir_entry(tmp_path, capsys):
@@ -134,6 +145,30 @@ def test_inspect_data_parallel_counts_and_traffic(tmp_path, capsys):
         assert (stat["kind"], stat["group"], stat["count"]) == ("AllReduce", [0, 1, 2, 3], 6)
         assert stat["bytes_sent"] == 2 * 3 / 4 * (params + 1) * F32
         assert entry["param_and_state_bytes"] == 2 * params * F32
+    # four devices alike print once; the JSON keeps one entry per device
+    text = cli(capsys, "inspect", out).out
+    heads = [line for line in text.splitlines() if line.startswith("device_")]
+    assert len(heads) == 1 and heads[0].startswith("device_0.onnx ... device_3.onnx (4 devices")
+    assert len(data["devices"]) == 4
+
+
+def test_inspect_keeps_devices_apart_that_differ(tmp_path, capsys, gpt_tiny):
+    """On a dp x tp mesh each device's collectives run in other groups: one section each,
+    and the recomputed blocks, the same on every device, are said once above them."""
+    out = tmp_path / "m22"
+    compiled = cli(capsys, "compile", gpt_tiny, "--devices", 4, "--plan", "megatron",
+                   "--mesh", "2x2", "--recompute", "all", "-o", out)  # fmt: skip
+    assert compiled.code == 0, compiled.err
+    lines = cli(capsys, "inspect", out).out.splitlines()
+    heads = [line for line in lines if line.startswith("device_")]
+    assert [h.split(":")[0] for h in heads] == [f"device_{k}.onnx" for k in range(4)]
+    every = lines.index("every device:")
+    assert every < lines.index(heads[0])
+    blocks = [line for line in lines if line.startswith("  recompute ")]
+    assert [b.split(":")[0] for b in blocks] == [
+        f"  recompute block_{k}" for k in range(len(blocks))
+    ]  # once, in block order
+    assert all(lines.index(b) < lines.index(heads[0]) for b in blocks)
 
 
 @pytest.mark.parametrize(

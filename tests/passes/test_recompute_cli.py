@@ -86,17 +86,17 @@ def test_a_plan_file_naming_an_unknown_block_is_exit_2_one_line(capsys, gpt, tmp
     assert not (tmp_path / "b").exists()
 
 
-def test_inspect_shows_the_recomputed_blocks_per_device(capsys, gpt, tmp_path):
+def test_inspect_shows_the_recomputed_blocks(capsys, gpt, tmp_path):
     assert _compile(capsys, gpt, tmp_path / "o", "--recompute", "block_[14]").code == 0
     shown = cli(capsys, "inspect", tmp_path / "o")
     assert shown.code == 0, shown.err
     lines = [line for line in shown.out.splitlines() if "recompute block_1" in line]
-    assert len(lines) == 2  # one per device
+    assert len(lines) == 1  # the same on every device: said once
     assert "h0/mlp/fc_in/MatMul" in lines[0] and "h0/mlp/act/Gelu" in lines[0]
     assert "reruns 4 nodes: " in lines[0]
     # the last block is the final LayerNormalization alone: one node, said so
     last = [line for line in shown.out.splitlines() if "recompute block_4" in line]
-    assert len(last) == 2 and "reruns 1 node: ln_f/" in last[0]
+    assert len(last) == 1 and "reruns 1 node: ln_f/" in last[0]
     as_json = json.loads(cli(capsys, "inspect", tmp_path / "o", "--json").out)
     for device in as_json["devices"]:
         assert set(device["recompute"]) == {"block_1", "block_4"}

@@ -148,7 +148,9 @@ def test_inspect_shows_micro_batches_and_per_step_collectives(gpt, tmp_path, cap
     manifest = json.loads((out / "manifest.json").read_text())
     result = cli(capsys, "inspect", out)
     assert result.code == 0, result.err
-    assert result.out.count("micro-batches: 2 per step") == 2  # one line per device
+    # the two tensor-parallel ranks are alike: one section names both
+    assert result.out.count("micro-batches: 2 per step") == 1
+    assert "device_0.onnx, device_1.onnx (2 devices alike): " in result.out
     result = cli(capsys, "inspect", out, "--json")
     devices = json.loads(result.out)["devices"]
     per_step = manifest["estimate"]["collectives_per_device"]
