@@ -190,10 +190,12 @@ def add_parser(sub) -> None:
 
 def explore_from_args(args, devices):
     """Import, cost and solve: shared by search, compile --pick and demo."""
+    import multiprocessing
+
     from tensoropt.cli.progress import Progress
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.errors import TensorOptError
-    from tensoropt.search.driver import explore, mesh_label, progress_steps
+    from tensoropt.search.driver import explore, mesh_label, problem_count
     from tensoropt.search.memory import fewer_collections
 
     jobs = getattr(args, "jobs", None)
@@ -212,11 +214,14 @@ def explore_from_args(args, devices):
         space = search_space(args, sg, profile)
         check_counts(args, sg, space, devices)
         whole = bool(getattr(args, "dump_costs", None))
-        total = progress_steps(sg, devices, mesh_spec, space, whole)
-        bar = Progress(total, desc="search", announce=False)
+        total = problem_count(sg, devices, mesh_spec, space, whole)
+        # the problems are counted where they are solved: in the forked workers too
+        counter = multiprocessing.Value("q", 0)
+        bar = Progress(total, desc="search", announce=False, count=lambda: counter.value)
+        bar.describe("no device count finished yet")
 
         def tick(mesh):
-            bar.tick(f"last finished: {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
+            bar.describe(f"last finished: {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
 
         try:
             exp = explore(
@@ -231,6 +236,7 @@ def explore_from_args(args, devices):
                 # the dumped problems carry their whole frontiers, for an external solver
                 whole_frontiers=whole,
                 space=space,
+                counter=counter,
             )
         finally:
             bar.close()

@@ -4,10 +4,11 @@ On a terminal, a bar (tqdm). Otherwise (a log file, a pipe, CI) one line every
 :data:`RECORD_EVERY_S` seconds, from a timer thread so a long item still reports:
 
     calibrate: 45/318 (14%), 62 s elapsed, pass 1/3: Conv 8x32x4x4 x 32x32x3x3
-    search: 3/19 (16%), 40 s elapsed, last finished: 16 devices, mesh 4x4
+    search: 212/548 (39%), 40 s elapsed, last finished: 16 devices, mesh 4x4
 
 (done and total count finished items: a calibration's measured cases, a search's
-meshes, validate's plans, train's steps; the label says what finished last, or for
+problems (each variant of each mesh, counted in the worker processes as they go),
+validate's plans, train's steps; the label says what finished last, or for
 the loops of :class:`Steps` what is under way).
 ``calibrate`` also records once at its start (``announce``); the other commands
 record nothing for work shorter than one period, so quick runs leave stderr alone.
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
 RECORD_EVERY_S = 10.0
+FOLLOW_EVERY_S = 0.5  # how often a bar reads a ``count`` kept elsewhere
 
 
 class Progress:
@@ -37,7 +39,11 @@ class Progress:
         stream: TextIO | None = None,
         every_s: float = RECORD_EVERY_S,
         announce: bool = True,
+        count: Callable[[], int] | None = None,
     ) -> None:
+        """``count``: where the finished items are counted instead of :meth:`tick` (work
+        in other processes, e.g. a shared counter); the bar follows it every
+        :data:`FOLLOW_EVERY_S` seconds."""
         self._stream = stream if stream is not None else sys.stderr
         self._desc = desc
         self._total = total
@@ -48,10 +54,16 @@ class Progress:
         self._stop = threading.Event()
         self._bar = None
         self._thread = None
+        self._count = count
         if is_terminal(self._stream):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=done, desc=desc, file=self._stream, leave=False)
+            if count is not None:
+                self._thread = threading.Thread(
+                    target=self._follow, name=f"{desc}-progress", daemon=True
+                )
+                self._thread.start()
         else:
             if announce:
                 self._record()
@@ -79,6 +91,8 @@ class Progress:
     def line(self) -> str:
         with self._lock:
             done, label = self._done, self._label
+        if self._count is not None:
+            done = self._count()
         share = done / self._total if self._total else 1.0
         elapsed = time.monotonic() - self._t0
         return f"{self._desc}: {done}/{self._total} ({share:.0%}), {elapsed:.0f} s elapsed, {label}"
@@ -92,11 +106,20 @@ class Progress:
         while not self._stop.wait(seconds):
             self._record()
 
+    def _follow(self) -> None:
+        while not self._stop.wait(FOLLOW_EVERY_S):
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        if self._bar is not None and self._count is not None:
+            self._bar.update(self._count() - self._bar.n)
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         if self._bar is not None:
+            self._catch_up()
             self._bar.close()
 
 

@@ -729,6 +729,7 @@ def explore(
     on_problem: Callable[[Mesh], None] | None = None,
     whole_frontiers: bool = False,
     space: SearchSpace = PLAIN_SPACE,
+    counter=None,
 ) -> Exploration:
     """Solve every (devices, mesh, variant) problem (in parallel processes) and merge the
     frontiers. ``space``: the axes searched besides the split (default: none).
@@ -741,7 +742,10 @@ def explore(
     plans are all slower and larger than another's. ``whole_frontiers``: every problem's complete
     frontier instead (``--dump-costs`` records them for an external solver). Jobs are
     spread over ``jobs`` worker processes (fork; default: one per core, at most one per
-    job; 1 = in this process). ``on_problem`` is called once per mesh.
+    job; 1 = in this process). ``on_problem`` is called once per mesh. ``counter``: a
+    shared integer (``multiprocessing.Value``) that counts the problems gone through,
+    solved or left out, in this process or its workers (:func:`problem_count` of them in
+    all), for a progress that moves while a device count's job runs.
     """
     wanted = sorted(set(devices))
     space, devices = searched_counts(space, wanted)
@@ -781,7 +785,7 @@ def explore(
                 on_problem(mesh)
 
     # forked workers inherit the thresholds
-    with memory.fewer_collections(), _runner(sg, blocks, space, workers) as run:
+    with memory.fewer_collections(), _runner(sg, blocks, space, workers, counter) as run:
         if _two_phases(space, chained):
             collect(run(work(_Phase("first"))))
             seeds: dict[int, list[tuple[float, float]]] = {}
@@ -881,32 +885,56 @@ def _first_pass_stages(space: SearchSpace, sg: SearchGraph, meshes: Sequence[Mes
     )
 
 
-def progress_steps(
+def problem_count(
     sg: SearchGraph,
     devices: Sequence[int],
     mesh_spec: str,
     space: SearchSpace,
     whole_frontiers: bool = False,
 ) -> int:
-    """How many times :func:`explore` calls ``on_problem``: once per mesh and pass."""
+    """How many problems :func:`explore` counts on its ``counter``: every variant of
+    every mesh, once per pass (a pass goes through them all, and leaves out those that
+    another pass solves)."""
     filled, counts = searched_counts(space, devices)
     passes = 2 if _two_phases(filled, not whole_frontiers) else 1
-    return len(search_meshes(sg, counts, mesh_spec)) * passes
+    meshes = search_meshes(sg, counts, mesh_spec)
+    return passes * sum(len(filled.variants(sg, m)) for m in meshes)
+
+
+# the shared count of problems gone through (explore's ``counter``), while one is given:
+# set in this process for a search run here, and in each forked worker
+_COUNTER: list = []
+
+
+def _counted(rows):
+    """``rows``, each counted on the shared counter once the loop's body for it has
+    run (solved or left out)."""
+    for row in rows:
+        yield row
+        if _COUNTER:
+            with _COUNTER[0].get_lock():
+                _COUNTER[0].value += 1
 
 
 @contextlib.contextmanager
-def _runner(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace, workers: int):
+def _runner(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace, workers: int, counter=None):
     """A function that solves a list of jobs and gives back each mesh's results
     (:func:`_solve_meshes`) as the jobs finish: in this process (``workers`` 1, or no
     fork) or in ``workers`` forked processes, the same ones for every pass."""
     if workers == 1 or multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
-        with memory.limited(memory.share(1)):
-            yield lambda work: [r for job in work for r in _solve_meshes(sg, job, blocks, space)]
+        _COUNTER[:] = [counter] if counter is not None else []
+        try:
+            with memory.limited(memory.share(1)):
+                yield lambda work: [
+                    r for job in work for r in _solve_meshes(sg, job, blocks, space)
+                ]
+        finally:
+            _COUNTER.clear()
         return
     # A forked worker inherits the search graphs from this process (initargs are not
     # pickled under fork); only the plain-data results come back.
     ctx = multiprocessing.get_context("fork")
-    init = (sg, blocks, space, memory.share(workers))
+    init = (sg, blocks, space, memory.share(workers), counter)
     # what the workers inherit goes to the collector's permanent generation: their
     # collections of the younger generations then traverse only what they make, not the
     # objects the parent left there (under fewer_collections, much of the search graph)
@@ -937,6 +965,7 @@ def _pool_worker_init(
     blocks: Blocks | None,
     space: SearchSpace = PLAIN_SPACE,
     limit: float | None = None,
+    counter=None,
 ) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
     the pool stops its workers with SIGTERM when it closes, and a handler that raises
@@ -944,6 +973,7 @@ def _pool_worker_init(
     the pool's task-queue lock and hang the pool for good (seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_GRAPH[:] = [sg, blocks, space]
+    _COUNTER[:] = [counter] if counter is not None else []
     memory.set_limit(limit)  # its share of the machine (search.memory)
 
 
@@ -974,7 +1004,7 @@ def _solve_meshes(
     # devices -> points made there that prune the stage problems and their cuts: the
     # pipelines made so far, and a second pass's seeds
     piped: dict[int, list[tuple[float, float]]] = {d: list(p) for d, p in phase.seeds.items()}
-    for level, _, _, j, mesh, v in order:
+    for level, _, _, j, mesh, v in _counted(order):
         if phase.part != "all" and (phase.part == "first") != _first_pass(space, sg, mesh, v):
             continue
         feeds = _feeds_pipelines(space, mesh, v)

@@ -112,3 +112,54 @@ def test_an_interrupted_loop_stops_its_records():
     count = len(out.getvalue().splitlines())
     time.sleep(0.2)
     assert len(out.getvalue().splitlines()) == count
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream", [io.StringIO, _Terminal], ids=["records", "bar"])
+def test_a_count_kept_elsewhere_is_what_the_progress_shows(stream):
+    """Work counted in other processes (a search's workers): the records read the count,
+    and the bar follows it and ends at it."""
+    out = stream()
+    seen = [0]
+    bar = Progress(10, desc="search", stream=out, every_s=0.05, count=lambda: seen[0])
+    seen[0] = 7
+    deadline = time.monotonic() + 30
+    while "7/10" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen[0] = 10
+    bar.close()
+    assert "search: 7/10" in out.getvalue() or " 7/10 " in out.getvalue(), out.getvalue()
+    if stream is _Terminal:  # the bar (cleared from the line when closed) ends at the count
+        assert bar._bar is not None and bar._bar.n == 10
+
+
+def test_the_search_counts_every_problem_in_its_workers_too(tmp_path):
+    """``explore``'s counter reaches ``problem_count`` whether the problems are solved in
+    forked workers or here, while most of them are left out, not solved."""
+    import multiprocessing
+
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.cmd_search import search_space
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.models import build_model, save_model
+    from tensoropt.search.driver import explore, problem_count, search_meshes
+
+    path = tmp_path / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    args = build_parser().parse_args(["search", str(path), "--axes", "split,zero,recompute,micro"])
+    sg = search_graph(args)
+    space = search_space(args, sg)
+    devices = [1, 2, 4]
+    total = problem_count(sg, devices, "auto", space)
+    assert total == sum(len(space.variants(sg, m)) for m in search_meshes(sg, devices, "auto"))
+    for jobs in (2, 1):
+        counter = multiprocessing.Value("q", 0)
+        exp = explore(sg, devices, "auto", builtin("h100"), jobs=jobs, space=space,
+                      counter=counter)  # fmt: skip
+        assert counter.value == total, jobs
+        assert len(exp.searches) < total  # the count is of problems, not of searches

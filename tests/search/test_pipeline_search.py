@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -591,20 +592,25 @@ def test_stage_problems_pruned_by_pipelines_leave_the_default_frontier_as_it_was
     space = search_space(args, sg, profile)
 
     ticks = []
+    counter = multiprocessing.Value("q", 0)
 
     def run():
         ticks.clear()
+        counter.value = 0
         exp = driver.explore(
-            sg, [16, 32], "auto", profile, jobs=1, space=space, on_problem=ticks.append
-        )
+            sg, [16, 32], "auto", profile, jobs=1, space=space, on_problem=ticks.append,
+            counter=counter,
+        )  # fmt: skip
         merged = [(p.devices, p.time_s, p.memory_bytes) for p in exp.merged]
         return merged, sum(len(s.result.points) for s in exp.searches), exp.searches
 
     pruned, kept, searches = run()
     cuts = sum(cut)
-    # two passes (driver._two_phases): the callback runs once per mesh and pass
-    steps = driver.progress_steps(sg, [16, 32], "auto", space)
-    assert len(ticks) == steps == 2 * len(set(ticks))
+    # two passes (driver._two_phases): the callback runs once per mesh and pass, and
+    # each pass goes through every problem of every mesh (the progress counts them)
+    assert len(ticks) == 2 * len(set(ticks))
+    problems = sum(len(space.variants(sg, mesh)) for mesh in set(ticks))
+    assert counter.value == driver.problem_count(sg, [16, 32], "auto", space) == 2 * problems
     for mesh in {s.mesh for s in searches}:
         counts = [s.variant.micro_batches for s in searches if s.mesh == mesh]
         assert counts == sorted(counts)
