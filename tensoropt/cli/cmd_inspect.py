@@ -208,12 +208,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"no collectives on {len(report)} devices: {REPLICATED_NOTE}")
     # What the plan decides for every device is said once: its ZeRO stages, and the
     # recomputed blocks when every device reruns the same (pipeline stages differ).
+    # (one device file: below its figures, as every line about it)
     shared = [_zero_line(args.target)]
-    same_blocks = all(rc == recomputed[0] for rc in recomputed)
+    same_blocks = len(report) > 1 and all(rc == recomputed[0] for rc in recomputed)
     if same_blocks:
         shared += _recompute_lines(recomputed[0])
     shared = [line for line in shared if line]
-    if shared and len(report) > 1:
+    if shared:
         print("every device:")
     for line in shared:
         print(f"  {line}")

@@ -169,6 +169,10 @@ def test_inspect_keeps_devices_apart_that_differ(tmp_path, capsys, gpt_tiny):
         f"  recompute block_{k}" for k in range(len(blocks))
     ]  # once, in block order
     assert all(lines.index(b) < lines.index(heads[0]) for b in blocks)
+    # one device file: its blocks below its figures
+    alone = cli(capsys, "inspect", out / "device_2.onnx").out.splitlines()
+    assert alone[0].startswith("device_2.onnx: ")
+    assert [line for line in alone if line.startswith("  recompute ")] == blocks
 
 
 @pytest.mark.parametrize(
