@@ -12,6 +12,8 @@ from tensoropt.cli.common import (
     add_training_options,
     build_step,
     check_output_dir,
+    fmt_memory,
+    fmt_step_time,
     parse_bytes,
     parse_devices,
 )
@@ -617,7 +619,7 @@ def _report(args, result, mesh, notes, estimate, source: str, plan=None) -> None
     print(
         f"wrote {result.outdir}: {result.world_size} device graphs {where}, "
         f"{result.collectives} collectives per device{replicated}; estimated step "
-        f"{estimate.time_s * 1e3:.3f} ms, {estimate.memory_bytes / 2**20:.1f} MiB per "
+        f"{fmt_step_time(estimate.time_s)}, {fmt_memory(estimate.memory_bytes)} per "
         f"device ({estimate.profile}); run it with "
         f"`tensoropt run {args.output} --steps 3 --verify`"
     )

@@ -7,6 +7,7 @@ import json
 import os
 import re
 
+from tensoropt.cli.common import fmt_memory, fmt_step_time
 from tensoropt.cli.json_output import add_json_flag
 from tensoropt.errors import ModelLoadError, OutputDirError, TensorOptError
 
@@ -198,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
     estimate = about.get("estimate")
     if estimate:
         print(
-            f"estimate ({estimate['cluster']}): step {estimate['time_s'] * 1e3:.3f} ms, "
-            f"{_fmt_bytes(estimate['memory_bytes'])} per device, "
+            f"estimate ({estimate['cluster']}): step {fmt_step_time(estimate['time_s'])}, "
+            f"{fmt_memory(estimate['memory_bytes'])} per device, "
             f"{estimate['collectives_per_device']} collectives per device"
         )
     if _replicates_all_work(report):

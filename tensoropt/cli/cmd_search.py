@@ -11,6 +11,8 @@ from tensoropt.cli.common import (
     DEVICES_HELP,
     add_model_input_options,
     check_output_file,
+    fmt_memory,
+    fmt_step_time,
     parse_bytes,
     parse_devices,
     search_graph,
@@ -381,14 +383,6 @@ def recomputed_graph(args):
     return search_graph_of(step), names
 
 
-def _fmt_time(s: float) -> str:
-    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
-
-
-def _fmt_mem(b: float) -> str:
-    return f"{b / 2**30:.3f} GiB" if b >= 2**28 else f"{b / 2**20:.2f} MiB"
-
-
 def per_device_points(exp):
     """{devices: [(MeshSearch, FrontierPoint)]}, non-dominated within each device count."""
     from tensoropt.search.driver import device_frontier
@@ -457,8 +451,8 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         marks = near_ties([p.time_s for _, (_, p) in shown], width)
         tied = tied or any(marks)
         cells = [
-            (str(i), mesh_label(s.mesh.shape, s.variant.stages), _fmt_time(p.time_s),
-             "~" if mark else "", _fmt_mem(p.memory_bytes), f"{sg.batch / p.time_s:.1f}",
+            (str(i), mesh_label(s.mesh.shape, s.variant.stages), fmt_step_time(p.time_s),
+             "~" if mark else "", fmt_memory(p.memory_bytes), f"{sg.batch / p.time_s:.1f}",
              s.summaries[exp.index_of(s, p)])
             for (i, (s, p)), mark in zip(shown, marks, strict=True)
         ]  # fmt: skip
@@ -490,8 +484,8 @@ def print_tables(sg, exp, out=None, band=None) -> None:
                         best = (t, m, mesh_label(s.mesh.shape, s.variant.stages))
             if best:
                 over = ["over the memory budget"] if budget is not None and best[1] > budget else []
-                cells.append((_plural(d, "device"), name, "mesh", best[2], _fmt_time(best[0]),
-                              _fmt_mem(best[1]), *over))  # fmt: skip
+                cells.append((_plural(d, "device"), name, "mesh", best[2], fmt_step_time(best[0]),
+                              fmt_memory(best[1]), *over))  # fmt: skip
     for line in _columns(None, cells, (11, 18, 4, 8, 12, 12), left={1}):
         print(line, file=out)
     merged = list(exp.merged)
@@ -510,8 +504,8 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     uses = any(labels)
     cells = [
         (str(i), str(p.devices), str(picks.get((search.key, p.index), "-")),
-         mesh_label(p.mesh, search.variant.stages), _fmt_time(p.time_s),
-         _fmt_mem(p.memory_bytes), *([label or "split only"] if uses else ()))
+         mesh_label(p.mesh, search.variant.stages), fmt_step_time(p.time_s),
+         fmt_memory(p.memory_bytes), *([label or "split only"] if uses else ()))
         for (i, p), search, label in zip(shown, sources, labels, strict=True)
     ]  # fmt: skip
     header = ("n", "devices", "pick", "mesh", "step time", "memory/dev", *(["uses"] * uses))

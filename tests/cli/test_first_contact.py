@@ -406,6 +406,35 @@ def test_the_overall_frontier_says_what_each_point_uses(gpt, tmp_path, capsys):
     assert "split only" in seen and len(seen) > 1
 
 
+def test_search_compile_and_inspect_print_one_estimate_alike(gpt, tmp_path, capsys):
+    """The same plan's estimate reads the same in the search table, compile's summary and
+    inspect's estimate line (compile printed "0.1 MiB" for a point the table showed as
+    0.08 MiB, and a 43 GiB plan as "44236.8 MiB")."""
+    from tensoropt.cli.common import fmt_memory, fmt_step_time
+
+    out = cli(capsys, "search", gpt, "--devices", "2", "--json-out", tmp_path / "s.json")
+    assert out.code == 0, out.err
+    two = out.out.split("\n2 devices: ")[1].split("\n\n")[0]
+    row = next(line for line in two.splitlines()[2:] if line.split()[:1] == ["0"])
+    cells = row.split()
+    shown_time, shown_memory = " ".join(cells[2:4]), " ".join(cells[4:6])
+    point = json.loads((tmp_path / "s.json").read_text())["per_device"]["2"][0]
+    assert (shown_time, shown_memory) == (
+        fmt_step_time(point["time_s"]), fmt_memory(point["memory_bytes"])
+    )  # fmt: skip
+    outdir = tmp_path / "out"
+    compiled = cli(capsys, "compile", gpt, "--devices", 2, "--pick", 0, "-o", outdir)
+    assert compiled.code == 0, compiled.err
+    assert f"estimated step {shown_time}, {shown_memory} per device" in compiled.out
+    inspected = cli(capsys, "inspect", outdir).out.splitlines()[0]
+    assert inspected.startswith(f"estimate (h100): step {shown_time}, {shown_memory} per device")
+    # the units as the sizes need them
+    assert [fmt_memory(x) for x in (500 * 2**10, 3 * 2**20, 43.2 * 2**30)] == [
+        "500.00 KiB", "3.00 MiB", "43.200 GiB"
+    ]  # fmt: skip
+    assert [fmt_step_time(x) for x in (0.0015, 2.5)] == ["1.500 ms", "2.500 s"]
+
+
 # -- item 10: wording ------------------------------------------------------------------------
 
 
