@@ -19,17 +19,18 @@ collectives per device: the same figures search, compile and validate report), t
 per device: op count, collectives by kind and group, bytes sent per step (ring
 algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B; a pipeline
 stage's Send to another stage's device: its bytes), its pipeline stage, schedule and
-bytes received from other stages, parameter shard
-shapes, the blocks it recomputes (`compile --recompute`) with the forward nodes each
-reruns, and memory: parameters + optimizer state, and the *liveness peak*, a second
-figure: every tensor alive at once when the graph runs node by node in file order. The
-estimate counts what a step holds (parameters, gradients, optimizer state, activations
-saved for the backward, converted buffers); the liveness peak is what one sequential
-schedule holds, without the runtime's allocator or segment boundaries. What the plan
-decides for every device (its ZeRO stages, and the recomputed blocks when every device
-reruns the same) is printed once, under "every device:"; devices whose figures are all
-alike (a data-parallel mesh's ranks) print one section under all their names, and those
-that differ (other collective groups, another pipeline stage) one each.
+bytes received from other stages, parameter shard shapes, the blocks it recomputes
+(`compile --recompute`) with the forward nodes each reruns (the first 8 by name;
+--json names every one), and memory: parameters + optimizer state, and the *liveness
+peak*, a second figure: every tensor alive at once when the graph runs node by node in
+file order. The estimate counts what a step holds (parameters, gradients, optimizer
+state, activations saved for the backward, converted buffers); the liveness peak is
+what one sequential schedule holds, without the runtime's allocator or segment
+boundaries. What the plan decides for every device (its ZeRO stages, and the
+recomputed blocks when every device reruns the same) is printed once, under "every
+device:"; devices whose figures are all alike (a data-parallel mesh's ranks) print one
+section under all their names, and those that differ (other collective groups,
+another pipeline stage) one each.
 
 --json prints, on stdout alone: the mesh, the plan's source and the estimate (null for a
 single device file, which carries none), then per device the same figures as the table,
@@ -267,12 +268,20 @@ def _device_section(s, estimate) -> tuple[str, list[str]]:
     return head, body
 
 
+SHOWN_NODES = 8  # forward nodes named per recomputed block (--json lists every one)
+
+
 def _recompute_lines(rc: dict[str, list[str]]) -> list[str]:
-    """Per recomputed block: the forward nodes its clones rerun."""
+    """Per recomputed block: the forward nodes its clones rerun, the first
+    :data:`SHOWN_NODES` of them by name."""
     out = []
     for block, nodes in sorted(rc.items(), key=lambda item: _natural(item[0])):
         reruns = f"{len(nodes)} node" + ("s" if len(nodes) != 1 else "")
-        out.append(f"recompute {block}: reruns {reruns}: {', '.join(nodes)}")
+        more = len(nodes) - SHOWN_NODES
+        names = ", ".join(nodes[:SHOWN_NODES]) + (
+            f" (+{more} more; --json lists them all)" if more > 0 else ""
+        )
+        out.append(f"recompute {block}: reruns {reruns}: {names}")
     return out
 
 

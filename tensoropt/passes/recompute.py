@@ -195,7 +195,7 @@ def select_blocks(blocks: Sequence[Block], spec: str) -> tuple[str, ...]:
         raise PlanError(
             f"--recompute {spec!r}: matches no block of the model ({_available(blocks)}); "
             "give all, none, or a regular expression of block or node names (`tensoropt "
-            "inspect OUTDIR` of a --recompute all compile lists each block's nodes)"
+            "inspect OUTDIR --json` of a --recompute all compile lists each block's nodes)"
         )
     return tuple(b.name for b in chosen)
 

@@ -169,6 +169,15 @@ def test_inspect_keeps_devices_apart_that_differ(tmp_path, capsys, gpt_tiny):
         f"  recompute block_{k}" for k in range(len(blocks))
     ]  # once, in block order
     assert all(lines.index(b) < lines.index(heads[0]) for b in blocks)
+    # a block's first 8 nodes by name, and how many more (the JSON names every one)
+    listed = json.loads(cli(capsys, "inspect", out, "--json").out)["devices"][0]["recompute"]
+    for line in blocks:
+        block, rest = line.strip()[len("recompute ") :].split(": reruns ", 1)
+        nodes = listed[block]
+        names = rest.split(": ", 1)[1]
+        more = f" (+{len(nodes) - 8} more; --json lists them all)" if len(nodes) > 8 else ""
+        assert names == ", ".join(nodes[:8]) + more
+    assert any(len(nodes) > 8 for nodes in listed.values())
     # one device file: its blocks below its figures
     alone = cli(capsys, "inspect", out / "device_2.onnx").out.splitlines()
     assert alone[0].startswith("device_2.onnx: ")
