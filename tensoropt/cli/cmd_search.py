@@ -383,6 +383,31 @@ def recomputed_graph(args):
     return search_graph_of(step), names
 
 
+def _fewer_devices(table):
+    """``f(d, time, memory)``: the fewest devices below ``d`` with a frontier point at
+    most as slow and as large, or None. ``table``: each count's frontier, fastest first
+    (memory falling), so the point of least memory among those at most as slow is the
+    last one at or below the time."""
+    import bisect
+
+    stairs = {
+        d: ([p.time_s for _, p in rows], [p.memory_bytes for _, p in rows])
+        for d, rows in table.items()
+    }
+
+    def fewer(d: int, time_s: float, memory: float) -> int | None:
+        for c in sorted(stairs):
+            if c >= d:
+                return None
+            times, memories = stairs[c]
+            k = bisect.bisect_right(times, time_s) - 1
+            if k >= 0 and memories[k] <= memory:
+                return c
+        return None
+
+    return fewer
+
+
 def per_device_points(exp):
     """{devices: [(MeshSearch, FrontierPoint)]}, non-dominated within each device count."""
     from tensoropt.search.driver import device_frontier
@@ -430,12 +455,15 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     estimates typically are off and marks the points it cannot order. Under the
     guarantee, the axes searched (``exp.space``) and those left out."""
     from tensoropt.cost.accuracy import near_ties
+    from tensoropt.cost.summary import ALL_REPLICATED
     from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
 
     out = out or sys.stdout
     table = per_device_points(exp)
     budget = exp.memory_budget
     tied = False
+    fewer = _fewer_devices(table)
+    matched = False
     for d, rows in table.items():
         if not rows:
             print(f"\n{_plural(d, 'device')}: no plan fits the memory budget", file=out)
@@ -450,11 +478,17 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         print(head, file=out)
         marks = near_ties([p.time_s for _, (_, p) in shown], width)
         tied = tied or any(marks)
+        plans = [s.summaries[exp.index_of(s, p)] for _, (s, p) in shown]
+        for k, (_, (_, p)) in enumerate(shown):
+            c = fewer(d, p.time_s, p.memory_bytes)
+            if c is not None and not (c == 1 and plans[k] == ALL_REPLICATED):
+                plans[k] += f" (no better than {_plural(c, 'device')})"
+                matched = True
         cells = [
             (str(i), mesh_label(s.mesh.shape, s.variant.stages), fmt_step_time(p.time_s),
              "~" if mark else "", fmt_memory(p.memory_bytes), f"{sg.batch / p.time_s:.1f}",
-             s.summaries[exp.index_of(s, p)])
-            for (i, (s, p)), mark in zip(shown, marks, strict=True)
+             plan)
+            for (i, (s, p)), mark, plan in zip(shown, marks, plans, strict=True)
         ]  # fmt: skip
         header = ("pick", "mesh", "step time", "", "memory/dev", "samples/s", "plan")
         for line in _columns(header, cells, (4, 8, 12, 1, 12, 11)):
@@ -463,6 +497,12 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         "  (pick: the point's index at its device count, for `compile --devices N --pick INDEX`)",
         file=out,
     )
+    if matched:
+        print(
+            "  (no better than N devices: a plan on fewer devices, N, is as fast with no more "
+            "memory per device)",
+            file=out,
+        )
     if tied:
         print(
             "  (~: step time within the error band of the row above: the estimate cannot "

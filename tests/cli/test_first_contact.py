@@ -435,6 +435,36 @@ def test_search_compile_and_inspect_print_one_estimate_alike(gpt, tmp_path, caps
     assert [fmt_step_time(x) for x in (0.0015, 2.5)] == ["1.500 ms", "2.500 s"]
 
 
+def test_rows_that_fewer_devices_match_say_so(gpt, tmp_path, capsys):
+    """A row is marked "no better than N devices" exactly when a point on N < d devices
+    (the fewest such N) is at most as slow with no more memory: how many devices a plan
+    needs. The 1-device comparison of a plan that replicates all work is its own note."""
+    out = cli(capsys, "search", gpt, "--devices", "1..8", "--json-out", tmp_path / "s.json")
+    assert out.code == 0, out.err
+    per_device = json.loads((tmp_path / "s.json").read_text())["per_device"]
+    marked = 0
+    for d in (2, 4, 8):
+        table = out.out.split(f"\n{d} devices: ")[1].split("\n\n")[0]
+        for line in table.splitlines()[2:]:
+            if not line.strip()[:1].isdigit():
+                continue
+            point = per_device[str(d)][int(line.split()[0])]
+            fewer = [
+                c for c in (1, 2, 4) if c < d and any(
+                    q["time_s"] <= point["time_s"] and q["memory_bytes"] <= point["memory_bytes"]
+                    for q in per_device[str(c)]
+                )
+            ]  # fmt: skip
+            if fewer and "(no faster than 1 device)" not in line:
+                noun = "device" if fewer[0] == 1 else "devices"
+                assert line.endswith(f"(no better than {fewer[0]} {noun})"), line
+                marked += 1
+            else:
+                assert "no better than" not in line, line
+    assert marked  # the tiny GPT has such rows at 8 devices
+    assert "(no better than N devices: a plan on fewer devices" in out.out
+
+
 # -- item 10: wording ------------------------------------------------------------------------
 
 
