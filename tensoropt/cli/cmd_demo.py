@@ -16,6 +16,7 @@ from tensoropt.cli.json_output import add_json_flag
 JSON_SCHEMA = "tensoropt.demo/1"
 DEVICES = 2  # the device count the demo compiles and runs
 SEARCHED = "1,2,4,8"
+MEMORY_AXES = "split,zero,recompute,micro"  # the second search's axes, at DEVICES
 
 # The profile the demo prices plans with: a CPU-class device, close to what `tensoropt
 # calibrate` measured on a 2-core x86 machine (contractions ~50 GFLOP/s at half of
@@ -45,6 +46,11 @@ steps (each an ordinary command, printed as it runs, so you can rerun it by hand
      DIR/frontier.png) and says in one sentence what it means
   4. compiles the fastest {DEVICES}-device plan from DIR/search.json to DIR/compiled/
   5. runs 3 training steps on {DEVICES} ranks with --verify against the unpartitioned step
+  6. searches {DEVICES} devices again with the memory axes (--axes {MEMORY_AXES}:
+     ZeRO, recomputation, micro-batches; DIR/memory-axes.json) and says how far they
+     lower the memory per device
+  7. compiles that search's least-memory plan to DIR/least-memory/ and runs 3 steps of
+     it with --verify, as in 5
 and says where everything was written. It takes about half a minute on 2 cores.
 --cluster NAME|FILE prices the plans on another profile instead (default: the CPU-class
 one above); on h100, for instance, the fastest 2-device plan of this model replicates
@@ -88,6 +94,8 @@ class _Paths:
     search: str
     plot: str
     compiled: str
+    axes_search: str
+    least_memory: str
 
     @classmethod
     def under(cls, root: str) -> _Paths:
@@ -98,6 +106,8 @@ class _Paths:
             join(root, "search.json"),
             join(root, "frontier.png"),
             join(root, "compiled"),
+            join(root, "memory-axes.json"),
+            join(root, "least-memory"),
         )
 
 
@@ -141,6 +151,38 @@ def frontier_sentence(doc: dict, devices: int) -> str:
         f"{_fmt_ms(single['time_s'])} on 1 device ({single['time_s'] / fastest['time_s']:.1f}x "
         f"faster) and holds {_fmt_mib(fastest['memory_bytes'])} per device instead of "
         f"{_fmt_mib(single['memory_bytes'])}; {trade}{more}."
+    )
+
+
+def _uses(axes: dict) -> str:
+    """What a search row's ``axes`` use, as the search tables say it."""
+    parts = [f"zero-{axes['zero']}"] if axes.get("zero") else []
+    if axes.get("recompute_blocks"):
+        parts.append(f"{axes['recompute_blocks']} blocks recomputed")
+    if axes.get("micro_batches", 1) > 1:
+        parts.append(f"{axes['micro_batches']} micro-batches")
+    return ", ".join(parts) or "the split alone"
+
+
+def memory_sentence(split: dict, every: dict, devices: int) -> str:
+    """How far the memory axes (``every``, a search with them) lower the least memory
+    per device at ``devices`` against the split alone (``split``), in one sentence."""
+    plain = split["per_device"].get(str(devices), [])
+    rows = every["per_device"].get(str(devices), [])
+    if not plain or not rows:
+        return f"The searches have no frontier at {devices} devices to compare."
+    before, least = plain[-1], rows[-1]
+    if least["memory_bytes"] >= before["memory_bytes"]:
+        return (
+            f"The memory axes do not lower the least memory of {devices} devices: "
+            f"{_fmt_mib(before['memory_bytes'])} per device with the split alone."
+        )
+    return (
+        f"With the memory axes, {devices} devices need as little as "
+        f"{_fmt_mib(least['memory_bytes'])} per device ({_uses(least['axes'])}; "
+        f"{_fmt_ms(least['time_s'])} per step), against {_fmt_mib(before['memory_bytes'])} "
+        f"with the split alone ({_fmt_ms(before['time_s'])}): "
+        f"{before['memory_bytes'] / least['memory_bytes']:.1f}x less."
     )
 
 
@@ -231,6 +273,40 @@ def _run(args: argparse.Namespace) -> int:
         quiet,
         out,
     )
+    axes_argv = ["search", paths.model, "--devices", str(DEVICES), "--cluster", cluster]
+    axes_argv += ["--axes", MEMORY_AXES, "--json-out", paths.axes_search]
+    with contextlib.redirect_stdout(out):
+        _step(f"search {DEVICES} devices with the memory axes", axes_argv, False, out)
+    with open(paths.search, encoding="utf-8") as f, open(paths.axes_search, encoding="utf-8") as g:
+        trade = memory_sentence(json.load(f), json.load(g), DEVICES)
+    _say(f"what the memory axes buy: {trade}", out)
+    least_compiled = _step(
+        f"compile the least-memory {DEVICES}-device plan",
+        [
+            "compile",
+            paths.model,
+            "--devices",
+            str(DEVICES),
+            "--pick",
+            "min-memory",
+            "--search",
+            paths.axes_search,
+            "--cluster",
+            cluster,
+            "-o",
+            paths.least_memory,
+            *as_json,
+        ],
+        quiet,
+        out,
+    )
+    least_ran = _step(
+        f"run 3 steps of it on {DEVICES} ranks and verify against one device",
+        ["run", paths.least_memory, "--steps", "3", "--backend", args.backend, "--verify",
+         *as_json],
+        quiet,
+        out,
+    )  # fmt: skip
     elapsed = time.perf_counter() - start
     written = {
         "model": paths.model,
@@ -238,6 +314,8 @@ def _run(args: argparse.Namespace) -> int:
         "search": paths.search,
         "plot": paths.plot,
         "compiled": paths.compiled,
+        "axes_search": paths.axes_search,
+        "least_memory": paths.least_memory,
     }
     if quiet:
         body = {
@@ -249,6 +327,7 @@ def _run(args: argparse.Namespace) -> int:
             "model": model,
             "compile": compiled,
             "run": ran,
+            "memory_axes": {"sentence": trade, "compile": least_compiled, "run": least_ran},
         }
         emit(args, document(JSON_SCHEMA, body))
         return 0
@@ -259,8 +338,14 @@ def _run(args: argparse.Namespace) -> int:
         "search": "every frontier point (plans as strategy indices: compile --search)",
         "plot": "the frontier plot",
         "compiled": "one training-step graph per device, plan.json, manifest.json",
+        "axes_search": f"the frontier of {DEVICES} devices with the memory axes",
+        "least_memory": "its least-memory plan, compiled",
     }
     for key, path in written.items():
         print(f"  {path:<40} {what[key]}", file=out)
-    print(f"  inspect the compiled graphs: tensoropt inspect {paths.compiled}", file=out)
+    print(
+        f"  inspect the compiled graphs: tensoropt inspect {paths.compiled} (or "
+        f"{paths.least_memory})",
+        file=out,
+    )
     return 0

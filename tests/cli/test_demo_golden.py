@@ -150,3 +150,30 @@ def test_demo_runs_end_to_end_over_mpi(tmp_path):
     for name in ("gpt.onnx", "cluster.json", "frontier.png", "search.json"):
         assert (tmp_path / "demo" / name).exists(), name
     assert (tmp_path / "demo" / "compiled" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_demo_trades_memory_with_the_axes_and_the_plan_trains_like_one_device(demo):
+    """The second search (the memory axes at 2 devices) lowers the least memory below the
+    split alone's; its least-memory point is what compile built (its estimate, and a plan
+    that uses the axes), and three steps of it verify against one device."""
+    root, doc, search, _ = demo
+    every = json.loads((root / "memory-axes.json").read_text())
+    assert every["axes_searched"] == ["split", "zero", "recompute", "micro"]
+    least, before = every["per_device"]["2"][-1], search["per_device"]["2"][-1]
+    assert least["memory_bytes"] < before["memory_bytes"]
+    part = doc["memory_axes"]
+    estimate = part["compile"]["estimate"]
+    assert estimate["memory_bytes"] == least["memory_bytes"]
+    assert estimate["time_s"] == pytest.approx(least["time_s"], rel=1e-12)
+    plan = json.loads((root / "least-memory" / "plan.json").read_text())
+    axes = least["axes"]
+    assert plan["micro_batches"] == axes["micro_batches"]
+    assert len(plan.get("recompute", [])) == axes["recompute_blocks"]
+    zero = {u.get("zero", 0) for u in plan["units"].values()}
+    assert (max(zero) == axes["zero"]) and (axes["zero"] or axes["micro_batches"] > 1)
+    assert part["run"]["verify"]["ok"] is True
+    sentence = part["sentence"]
+    assert sentence.startswith("With the memory axes, 2 devices need as little as")
+    assert f"{least['memory_bytes'] / 2**20:.1f} MiB" in sentence
+    assert f"{before['memory_bytes'] / 2**20:.1f} MiB with the split alone" in sentence
