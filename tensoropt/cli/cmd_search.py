@@ -383,31 +383,6 @@ def recomputed_graph(args):
     return search_graph_of(step), names
 
 
-def _fewer_devices(table):
-    """``f(d, time, memory)``: the fewest devices below ``d`` with a frontier point at
-    most as slow and as large, or None. ``table``: each count's frontier, fastest first
-    (memory falling), so the point of least memory among those at most as slow is the
-    last one at or below the time."""
-    import bisect
-
-    stairs = {
-        d: ([p.time_s for _, p in rows], [p.memory_bytes for _, p in rows])
-        for d, rows in table.items()
-    }
-
-    def fewer(d: int, time_s: float, memory: float) -> int | None:
-        for c in sorted(stairs):
-            if c >= d:
-                return None
-            times, memories = stairs[c]
-            k = bisect.bisect_right(times, time_s) - 1
-            if k >= 0 and memories[k] <= memory:
-                return c
-        return None
-
-    return fewer
-
-
 def per_device_points(exp):
     """{devices: [(MeshSearch, FrontierPoint)]}, non-dominated within each device count."""
     from tensoropt.search.driver import device_frontier
@@ -457,12 +432,15 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import ALL_REPLICATED
     from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
+    from tensoropt.search.merge import fewer_devices
 
     out = out or sys.stdout
     table = per_device_points(exp)
     budget = exp.memory_budget
     tied = False
-    fewer = _fewer_devices(table)
+    fewer = fewer_devices(
+        {d: [(p.time_s, p.memory_bytes) for _, p in rows] for d, rows in table.items()}
+    )
     matched = False
     for d, rows in table.items():
         if not rows:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensoropt.cost.cluster import ClusterProfile
+from tensoropt.cost.summary import ALL_REPLICATED
 from tensoropt.report.analysis import (
     AXIS_LEVELS,
     AxisRow,
@@ -18,6 +19,7 @@ from tensoropt.report.analysis import (
     sample_indices,
 )
 from tensoropt.report.strategies import GroupChange, Track, layer_ranges
+from tensoropt.search.merge import fewer_devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,10 @@ def frontier_section(
         f"![frontier per device count]({png})",
         "",
     ]
+    fewer = fewer_devices(
+        {d: [(p.time_s, p.memory_bytes) for p in points] for d, points in rows.items()}
+    )
+    matched = False
     for d, points in rows.items():
         out.append(f"**{d} device{'s' if d > 1 else ''}**: {_points(len(points))}.")
         out.append("")
@@ -146,6 +152,11 @@ def frontier_section(
         for i in sample_indices(len(points), per_count):
             p = points[i]
             role = "fastest" if i == 0 else ("least memory" if i == len(points) - 1 else "")
+            plan = p.summary
+            c = fewer(d, p.time_s, p.memory_bytes)
+            if c is not None and not (c == 1 and plan == ALL_REPLICATED):
+                plan += f" (no better than {c} device{'s' if c > 1 else ''})"
+                matched = True
             body.append(
                 [
                     str(i),
@@ -154,11 +165,17 @@ def frontier_section(
                     fmt_time(p.time_s),
                     fmt_mem(p.memory_bytes),
                     f"{batch / p.time_s:.4g}",
-                    p.summary,
+                    plan,
                 ]
             )
         out += _table(["#", "", "mesh", "step time", "memory/device", "samples/s", "plan"], body)
         out.append("")
+    if matched:
+        out += [
+            "No better than N devices: a plan on fewer devices, N, is as fast with no more "
+            "memory per device.",
+            "",
+        ]
     return out
 
 

@@ -8,7 +8,7 @@ fewer devices, so the work is a sort plus one binary search per point.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +66,28 @@ def merge_frontiers(
         keep = prune_groups(np.zeros(len(all_t), dtype=np.int64), all_t, all_m)
         st_t, st_m = all_t[keep], all_m[keep]
     return tuple(out)
+
+
+def fewer_devices(
+    frontiers: Mapping[int, Sequence[tuple[float, float]]],
+) -> Callable[[int, float, float], int | None]:
+    """``f(d, time, memory)``: the fewest devices below ``d`` whose frontier (in
+    ``frontiers``: per device count, its (time, memory) points, fastest first and memory
+    falling) holds a point at most as slow and as large; None when no smaller count
+    does. The point of least memory among those at most as slow is the last one at or
+    below the time: one binary search per smaller count."""
+    stairs = {
+        d: (np.array([t for t, _ in points]), np.array([m for _, m in points]))
+        for d, points in sorted(frontiers.items())
+    }
+
+    def fewer(d: int, time_s: float, memory: float) -> int | None:
+        for c, (times, memories) in stairs.items():
+            if c >= d:
+                return None
+            k = int(np.searchsorted(times, time_s, side="right")) - 1
+            if k >= 0 and memories[k] <= memory:
+                return c
+        return None
+
+    return fewer

@@ -44,3 +44,24 @@ def test_merge_matches_brute_force(results) -> None:
     for p in merged:
         src = results[(p.devices, p.mesh)][p.index]
         assert (src.time_s, src.memory_bytes) == (p.time_s, p.memory_bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from([1, 2, 4, 8]), st.lists(st.tuples(VAL, VAL), max_size=6), min_size=1
+    ),
+    st.sampled_from([2, 4, 8, 16]),
+    VAL,
+    VAL,
+)
+def test_fewer_devices_names_the_fewest_count_that_matches(raw, d, t, m):
+    """``fewer_devices`` against a scan of every point of every smaller count."""
+    from tensoropt.search.merge import fewer_devices
+
+    fronts = {c: sorted(pareto(points)) for c, points in raw.items()}
+    want = next(
+        (c for c in sorted(fronts) if c < d and any(a <= t and b <= m for a, b in fronts[c])),
+        None,
+    )
+    assert fewer_devices(fronts)(d, t, m) == want

@@ -1,0 +1,39 @@
+"""Section 1 of the report, rendered from hand-made frontiers."""
+
+from __future__ import annotations
+
+from tensoropt.cost.summary import ALL_REPLICATED
+from tensoropt.report.analysis import Point
+from tensoropt.report.render import frontier_section
+
+
+def _point(devices: int, mesh: tuple[int, ...], time_s: float, memory: float, plan: str):
+    return Point(devices, mesh, 0, time_s, memory, plan)
+
+
+def test_rows_that_fewer_devices_match_say_so():
+    """A row matched by a plan on fewer devices (at most as slow, no more memory) names
+    the fewest such count; a plan that replicates all work keeps its own note."""
+    rows = {
+        1: [_point(1, (1,), 1.0, 100.0, "replicated")],
+        2: [
+            _point(2, (2,), 1.0, 100.0, ALL_REPLICATED),
+            _point(2, (2,), 1.5, 60.0, "tp=2 on MatMul"),
+        ],
+        4: [
+            _point(4, (2, 2), 1.0, 100.0, ALL_REPLICATED),
+            _point(4, (2, 2), 1.6, 60.0, "tp=2 on MatMul"),  # 2 devices do as well
+            _point(4, (4,), 2.0, 40.0, "tp=4 on MatMul"),
+        ],
+    }
+    text = "\n".join(frontier_section(rows, 8, "f.png", per_count=5))
+    lines = text.splitlines()
+    assert sum("no better than" in line for line in lines) == 1
+    (row,) = [line for line in lines if "1.6 s" in line]
+    assert row.endswith("| tp=2 on MatMul (no better than 2 devices) |"), row
+    assert "No better than N devices: a plan on fewer devices" in text
+    assert all(line.endswith(f"| {ALL_REPLICATED} |") for line in lines if "| 1 s |" in line
+               and "replicated (" in line)  # fmt: skip
+    # without such a row, no footnote
+    del rows[4]
+    assert "No better than" not in "\n".join(frontier_section(rows, 8, "f.png"))
