@@ -49,14 +49,18 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import ALL_REPLICATED
     from tensoropt.search.driver import Axis, device_frontier, guarantee_of
+    from tensoropt.search.merge import fewer_devices
 
     shared = exp.searches[0].unit_names if exp.searches else ()
     tables = {id(s): _StrategyTable(s) for s in exp.searches}
     per_device: dict[str, list[dict]] = {}
     row_of: dict[tuple[int, int], int] = {}  # (id(search), point index) -> row
-    for d in sorted({s.devices for s in exp.searches}):
+    frontiers = {d: device_frontier(exp, d) for d in sorted({s.devices for s in exp.searches})}
+    fewer = fewer_devices(
+        {d: [(p.time_s, p.memory_bytes) for _, p in f] for d, f in frontiers.items()}
+    )
+    for d, frontier in frontiers.items():
         rows = []
-        frontier = device_frontier(exp, d)
         ties = near_ties([p.time_s for _, p in frontier], band.time(d) if band else None)
         for i, (s, p) in enumerate(frontier):
             k = exp.index_of(s, p)
@@ -72,6 +76,8 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
                     "samples_per_s": sg.batch / p.time_s,
                     "summary": s.summaries[k],
                     "replicates_all_work": s.summaries[k].startswith(ALL_REPLICATED),
+                    # the fewest devices with a plan at most as slow and as large, if fewer
+                    "no_better_than_devices": fewer(d, p.time_s, p.memory_bytes),
                     "choice": tables[id(s)].add(p.choice),
                     "near_tie_with_previous": ties[i],
                 }

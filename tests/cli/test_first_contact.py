@@ -438,7 +438,8 @@ def test_search_compile_and_inspect_print_one_estimate_alike(gpt, tmp_path, caps
 def test_rows_that_fewer_devices_match_say_so(gpt, tmp_path, capsys):
     """A row is marked "no better than N devices" exactly when a point on N < d devices
     (the fewest such N) is at most as slow with no more memory: how many devices a plan
-    needs. The 1-device comparison of a plan that replicates all work is its own note."""
+    needs; the JSON's ``no_better_than_devices`` says the same. The 1-device comparison
+    of a plan that replicates all work is its own note in the text."""
     out = cli(capsys, "search", gpt, "--devices", "1..8", "--json-out", tmp_path / "s.json")
     assert out.code == 0, out.err
     per_device = json.loads((tmp_path / "s.json").read_text())["per_device"]
@@ -455,6 +456,7 @@ def test_rows_that_fewer_devices_match_say_so(gpt, tmp_path, capsys):
                     for q in per_device[str(c)]
                 )
             ]  # fmt: skip
+            assert point["no_better_than_devices"] == (fewer[0] if fewer else None)
             if fewer and "(no faster than 1 device)" not in line:
                 noun = "device" if fewer[0] == 1 else "devices"
                 assert line.endswith(f"(no better than {fewer[0]} {noun})"), line
