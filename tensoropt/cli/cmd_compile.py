@@ -418,6 +418,14 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     )
     if tie:
         print(tie, file=sys.stderr)
+    fewer = chosen.row.get("no_better_than_devices")  # absent from older search files
+    if fewer and not (fewer == 1 and chosen.row.get("replicates_all_work")):
+        count = f"{fewer} device{'s' if fewer > 1 else ''}"
+        print(
+            f"note: no better than {count}: a plan of {args.search} on {count} is as fast "
+            "with no more memory per device",
+            file=sys.stderr,
+        )
     for line in (summary, *notes):
         print(line, file=sys.stderr)
     _report(args, result, plan.mesh, (source, *notes), estimate, source, plan)

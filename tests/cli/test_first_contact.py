@@ -465,6 +465,16 @@ def test_rows_that_fewer_devices_match_say_so(gpt, tmp_path, capsys):
                 assert "no better than" not in line, line
     assert marked  # the tiny GPT has such rows at 8 devices
     assert "(no better than N devices: a plan on fewer devices" in out.out
+    # compile --search says so of such a point, and not of the others
+    rows = per_device["8"]
+    k = next(i for i, r in enumerate(rows) if (r["no_better_than_devices"] or 1) > 1)
+    fewer = rows[k]["no_better_than_devices"]
+    for pick, said in ((k, True), (len(rows) - 1, rows[-1]["no_better_than_devices"])):
+        compiled = cli(capsys, "compile", gpt, "--devices", 8, "--search", tmp_path / "s.json",
+                       "--pick", pick, "-o", tmp_path / f"p{pick}")  # fmt: skip
+        assert compiled.code == 0, compiled.err
+        note = f"note: no better than {fewer} devices: a plan of "
+        assert (note in compiled.err) == bool(said), compiled.err
 
 
 # -- item 10: wording ------------------------------------------------------------------------
