@@ -27,7 +27,10 @@ what it does: builds the cost problem of the model on every mesh of every device
 count (1-D, and with --mesh auto every 2-D factorisation dp x tp), solves each with
 Frontier Tracking (exact Pareto frontier of estimated step time vs memory per
 device), and merges them into one frontier over (devices, time, memory).
-The weights are not loaded: planning needs only shapes.
+The weights are not loaded: planning needs only shapes. How many devices a plan needs:
+a row of an N-device table that a plan on fewer devices matches (as fast, no more
+memory per device) ends "(no better than M devices)" (JSON: "no_better_than_devices");
+the overall frontier leaves such points out.
 
 exact or epsilon: every frontier is exact by default. --epsilon E guarantees instead
 that for every plan on N devices some point of the N-device frontier is at most (1+E)
