@@ -271,8 +271,32 @@ def _group_line(tr: Track, g: GroupChange) -> str:
     )
 
 
+# what a point's variant uses of each memory axis and of pipeline stages, in the order
+# the search adds them (search.driver.axis_level)
+_AXIS_USES = (
+    ("ZeRO", lambda v: v.zero > 0),
+    ("recomputation", lambda v: v.recompute),
+    ("micro-batches", lambda v: v.micro_batches > 1),
+    ("pipeline stages", lambda v: v.stages > 1),
+)
+
+
+def axes_sentence(tr: Track) -> str | None:
+    """Where along the frontier each memory axis (and pipelining) first appears and how
+    many points use it; None when no point uses one."""
+    parts = []
+    for name, used in _AXIS_USES:
+        found = [i for i, p in enumerate(tr.points) if used(p.variant)]
+        if found:
+            parts.append(f"{name} from {_at(tr, found[0])} on, in {len(found)}")
+    if not parts:
+        return None
+    return "The memory axes along it (points fastest first): " + "; ".join(parts) + "."
+
+
 def change_sentences(tr: Track, changes: Sequence[GroupChange], limit: int = 10) -> list[str]:
-    """Sentences saying which units change strategy where along the frontier."""
+    """Sentences saying which units change strategy where along the frontier, and where
+    the memory axes come in."""
     first, last = tr.points[0], tr.points[-1]
     lines = [
         f"On {tr.devices} devices the frontier has {_points(len(tr.points))}, from "
@@ -280,6 +304,9 @@ def change_sentences(tr: Track, changes: Sequence[GroupChange], limit: int = 10)
         f"{fmt_mem(last.memory_bytes)} at {fmt_time(last.time_s)} (least memory); "
         f"{len(tr.units)} weight units."
     ]
+    axes = axes_sentence(tr)
+    if axes is not None:
+        lines.append(axes)
     moving = [g for g in changes if g.first_point >= 0]
     still = [g for g in changes if g.first_point < 0]
     if not moving:

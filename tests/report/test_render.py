@@ -37,3 +37,30 @@ def test_rows_that_fewer_devices_match_say_so():
     # without such a row, no footnote
     del rows[4]
     assert "No better than" not in "\n".join(frontier_section(rows, 8, "f.png"))
+
+
+def test_the_strategy_section_says_where_each_memory_axis_comes_in():
+    """Section 4 names, per axis, the first frontier point (fastest first) that uses it
+    and how many do; a frontier of the split alone says nothing of the axes."""
+    from tensoropt.report.render import change_sentences
+    from tensoropt.report.strategies import Track
+    from tensoropt.search.driver import PLAIN, Variant
+
+    def at(t, m, v=PLAIN):
+        return Point(2, (2,), 0, t, m, "plan", v)
+
+    points = (
+        at(1.0, 100.0),
+        at(1.1, 80.0, Variant(zero=1)),
+        at(1.3, 60.0, Variant(zero=3, recompute=True)),
+        at(2.0, 40.0, Variant(micro_batches=4, recompute=True)),
+    )
+    lines = change_sentences(Track(2, points, (), ()), [])
+    (axes,) = [line for line in lines if line.startswith("The memory axes along it")]
+    assert axes == (
+        "The memory axes along it (points fastest first): ZeRO from point 1 (80 B, 1.1 s) "
+        "on, in 2; recomputation from point 2 (60 B, 1.3 s) on, in 2; micro-batches from "
+        "point 3 (40 B, 2 s) on, in 1."
+    )
+    plain = change_sentences(Track(2, points[:1], (), ()), [])
+    assert not any("memory axes" in line for line in plain)
