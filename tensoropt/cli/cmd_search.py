@@ -433,7 +433,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     estimates typically are off and marks the points it cannot order. Under the
     guarantee, the axes searched (``exp.space``) and those left out."""
     from tensoropt.cost.accuracy import near_ties
-    from tensoropt.cost.summary import ALL_REPLICATED
+    from tensoropt.cost.summary import replicates_all
     from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
     from tensoropt.search.merge import fewer_devices
 
@@ -462,7 +462,7 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         plans = [s.summaries[exp.index_of(s, p)] for _, (s, p) in shown]
         for k, (_, (_, p)) in enumerate(shown):
             c = fewer(d, p.time_s, p.memory_bytes)
-            if c is not None and not (c == 1 and plans[k] == ALL_REPLICATED):
+            if c is not None and not (c == 1 and replicates_all(plans[k])):
                 plans[k] += f" (no better than {_plural(c, 'device')})"
                 matched = True
         cells = [

@@ -47,7 +47,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
     ``band``: the profile's ErrorBand (cost.accuracy), or None. The axes the search
     explored (``exp.space``) are recorded as ``axes_searched``."""
     from tensoropt.cost.accuracy import near_ties
-    from tensoropt.cost.summary import ALL_REPLICATED
+    from tensoropt.cost.summary import replicates_all
     from tensoropt.search.driver import Axis, device_frontier, guarantee_of
     from tensoropt.search.merge import fewer_devices
 
@@ -75,7 +75,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
                     "memory_bytes": p.memory_bytes,
                     "samples_per_s": sg.batch / p.time_s,
                     "summary": s.summaries[k],
-                    "replicates_all_work": s.summaries[k].startswith(ALL_REPLICATED),
+                    "replicates_all_work": replicates_all(s.summaries[k]),
                     # the fewest devices with a plan at most as slow and as large, if fewer
                     "no_better_than_devices": fewer(d, p.time_s, p.memory_bytes),
                     "choice": tables[id(s)].add(p.choice),

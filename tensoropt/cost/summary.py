@@ -40,6 +40,11 @@ REPLICATED = "replicated"
 ALL_REPLICATED = "replicated (no faster than 1 device)"
 
 
+def replicates_all(summary: str) -> bool:
+    """Whether a point's summary (with what it uses after it) is :data:`ALL_REPLICATED`'s."""
+    return summary.startswith(ALL_REPLICATED)
+
+
 def kind_table(mp: MeshProblem, sg: SearchGraph) -> tuple[tuple[str, ...], ...]:
     """:func:`unit_kind` of every (unit, strategy); repeated layers share their row (the
     kinds depend on the root's op, which of its inputs are parameters and the strategies).

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.summary import ALL_REPLICATED
+from tensoropt.cost.summary import replicates_all
 from tensoropt.report.analysis import (
     AXIS_LEVELS,
     AxisRow,
@@ -154,7 +154,7 @@ def frontier_section(
             role = "fastest" if i == 0 else ("least memory" if i == len(points) - 1 else "")
             plan = p.summary
             c = fewer(d, p.time_s, p.memory_bytes)
-            if c is not None and not (c == 1 and plan == ALL_REPLICATED):
+            if c is not None and not (c == 1 and replicates_all(plan)):
                 plan += f" (no better than {c} device{'s' if c > 1 else ''})"
                 matched = True
             body.append(

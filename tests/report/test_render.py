@@ -21,7 +21,8 @@ def test_rows_that_fewer_devices_match_say_so():
             _point(2, (2,), 1.5, 60.0, "tp=2 on MatMul"),
         ],
         4: [
-            _point(4, (2, 2), 1.0, 100.0, ALL_REPLICATED),
+            # what a replicated point uses follows its summary: still its own note
+            _point(4, (2, 2), 1.0, 100.0, f"{ALL_REPLICATED}, zero-1"),
             _point(4, (2, 2), 1.6, 60.0, "tp=2 on MatMul"),  # 2 devices do as well
             _point(4, (4,), 2.0, 40.0, "tp=4 on MatMul"),
         ],
@@ -32,8 +33,10 @@ def test_rows_that_fewer_devices_match_say_so():
     (row,) = [line for line in lines if "1.6 s" in line]
     assert row.endswith("| tp=2 on MatMul (no better than 2 devices) |"), row
     assert "No better than N devices: a plan on fewer devices" in text
-    assert all(line.endswith(f"| {ALL_REPLICATED} |") for line in lines if "| 1 s |" in line
-               and "replicated (" in line)  # fmt: skip
+    replicated = [line for line in lines if "| 1 s |" in line and "replicated (" in line]
+    assert [line.rstrip(" |").rsplit("| ", 1)[1] for line in replicated] == [
+        ALL_REPLICATED, f"{ALL_REPLICATED}, zero-1"
+    ]  # fmt: skip
     # without such a row, no footnote
     del rows[4]
     assert "No better than" not in "\n".join(frontier_section(rows, 8, "f.png"))
