@@ -154,16 +154,6 @@ def frontier_sentence(doc: dict, devices: int) -> str:
     )
 
 
-def _uses(axes: dict) -> str:
-    """What a search row's ``axes`` use, as the search tables say it."""
-    parts = [f"zero-{axes['zero']}"] if axes.get("zero") else []
-    if axes.get("recompute_blocks"):
-        parts.append(f"{axes['recompute_blocks']} blocks recomputed")
-    if axes.get("micro_batches", 1) > 1:
-        parts.append(f"{axes['micro_batches']} micro-batches")
-    return ", ".join(parts) or "the split alone"
-
-
 def memory_sentence(split: dict, every: dict, devices: int) -> str:
     """How far the memory axes (``every``, a search with them) lower the least memory
     per device at ``devices`` against the split alone (``split``), in one sentence."""
@@ -171,7 +161,11 @@ def memory_sentence(split: dict, every: dict, devices: int) -> str:
     rows = every["per_device"].get(str(devices), [])
     if not plain or not rows:
         return f"The searches have no frontier at {devices} devices to compare."
+    from tensoropt.search.driver import Variant
+
     before, least = plain[-1], rows[-1]
+    variant, blocks = Variant.from_json(least["axes"])
+    uses = variant.label(blocks) or "the split alone"  # as the search tables say it
     if least["memory_bytes"] >= before["memory_bytes"]:
         return (
             f"The memory axes do not lower the least memory of {devices} devices: "
@@ -179,7 +173,7 @@ def memory_sentence(split: dict, every: dict, devices: int) -> str:
         )
     return (
         f"With the memory axes, {devices} devices need as little as "
-        f"{_fmt_mib(least['memory_bytes'])} per device ({_uses(least['axes'])}; "
+        f"{_fmt_mib(least['memory_bytes'])} per device ({uses}; "
         f"{_fmt_ms(least['time_s'])} per step), against {_fmt_mib(before['memory_bytes'])} "
         f"with the split alone ({_fmt_ms(before['time_s'])}): "
         f"{before['memory_bytes'] / least['memory_bytes']:.1f}x less."

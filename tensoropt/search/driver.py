@@ -95,6 +95,18 @@ class Variant:
             "stages": self.stages,
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping) -> tuple[Variant, int]:
+        """The variant and its block count that :meth:`to_json` wrote."""
+        blocks = int(data.get("recompute_blocks", 0))
+        variant = cls(
+            int(data.get("micro_batches", 1)),
+            int(data.get("zero", 0)),
+            blocks > 0,
+            int(data.get("stages", 1)),
+        )
+        return variant, blocks
+
 
 PLAIN = Variant()
 

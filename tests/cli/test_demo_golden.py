@@ -177,3 +177,5 @@ def test_demo_trades_memory_with_the_axes_and_the_plan_trains_like_one_device(de
     assert sentence.startswith("With the memory axes, 2 devices need as little as")
     assert f"{least['memory_bytes'] / 2**20:.1f} MiB" in sentence
     assert f"{before['memory_bytes'] / 2**20:.1f} MiB with the split alone" in sentence
+    uses = sentence.split(" per device (", 1)[1].split(";", 1)[0]
+    assert uses and least["summary"].endswith(f", {uses}")  # as the search tables say it
