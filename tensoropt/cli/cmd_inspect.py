@@ -20,17 +20,17 @@ per device: op count, collectives by kind and group, bytes sent per step (ring
 algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B; a pipeline
 stage's Send to another stage's device: its bytes), its pipeline stage, schedule and
 bytes received from other stages, parameter shard shapes, the blocks it recomputes
-(`compile --recompute`) with the forward nodes each reruns (the first 8 by name;
---json names every one), and memory: parameters + optimizer state, and the *liveness
-peak*, a second figure: every tensor alive at once when the graph runs node by node in
-file order. The estimate counts what a step holds (parameters, gradients, optimizer
-state, activations saved for the backward, converted buffers); the liveness peak is
-what one sequential schedule holds, without the runtime's allocator or segment
-boundaries. What the plan decides for every device (its ZeRO stages, and the
-recomputed blocks when every device reruns the same) is printed once, under "every
-device:"; devices whose figures are all alike (a data-parallel mesh's ranks) print one
-section under all their names, and those that differ (other collective groups,
-another pipeline stage) one each.
+(`compile --recompute`) with the forward nodes each reruns (the first 8 blocks, and
+their first 8 nodes by name; --json names every one), and memory: parameters +
+optimizer state, and the *liveness peak*, a second figure: every tensor alive at once
+when the graph runs node by node in file order. The estimate counts what a step holds
+(parameters, gradients, optimizer state, activations saved for the backward, converted
+buffers); the liveness peak is what one sequential schedule holds, without the
+runtime's allocator or segment boundaries. What the plan decides for every device (its
+ZeRO stages, and the recomputed blocks when every device reruns the same) is printed
+once, under "every device:"; devices whose figures are all alike (a data-parallel
+mesh's ranks) print one section under all their names, and those that differ (other
+collective groups, another pipeline stage) one each.
 
 --json prints, on stdout alone: the mesh, the plan's source and the estimate (null for a
 single device file, which carries none), then per device the same figures as the table,
@@ -269,19 +269,29 @@ def _device_section(s, estimate) -> tuple[str, list[str]]:
 
 
 SHOWN_NODES = 8  # forward nodes named per recomputed block (--json lists every one)
+SHOWN_BLOCKS = 8  # recomputed blocks given a line each; the rest are counted
 
 
 def _recompute_lines(rc: dict[str, list[str]]) -> list[str]:
-    """Per recomputed block: the forward nodes its clones rerun, the first
-    :data:`SHOWN_NODES` of them by name."""
+    """Per recomputed block, the first :data:`SHOWN_BLOCKS` in block order: the forward
+    nodes its clones rerun, the first :data:`SHOWN_NODES` of them by name; then one line
+    that counts the other blocks and their nodes."""
     out = []
-    for block, nodes in sorted(rc.items(), key=lambda item: _natural(item[0])):
+    ordered = sorted(rc.items(), key=lambda item: _natural(item[0]))
+    rest = ordered[SHOWN_BLOCKS:]
+    for block, nodes in ordered[:SHOWN_BLOCKS]:
         reruns = f"{len(nodes)} node" + ("s" if len(nodes) != 1 else "")
         more = len(nodes) - SHOWN_NODES
         names = ", ".join(nodes[:SHOWN_NODES]) + (
             f" (+{more} more; --json lists them all)" if more > 0 else ""
         )
         out.append(f"recompute {block}: reruns {reruns}: {names}")
+    if rest:
+        count = sum(len(nodes) for _, nodes in rest)
+        out.append(
+            f"recompute {rest[0][0]} ... {rest[-1][0]}: {len(rest)} more blocks, rerunning "
+            f"{count} nodes (--json lists them all)"
+        )
     return out
 
 

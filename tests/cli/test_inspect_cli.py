@@ -184,6 +184,26 @@ def test_inspect_keeps_devices_apart_that_differ(tmp_path, capsys, gpt_tiny):
     assert [line for line in alone if line.startswith("  recompute ")] == blocks
 
 
+def test_inspect_counts_the_blocks_past_the_first_eight():
+    """A deep model recomputes a block per layer: the first 8 get a line each, in block
+    order (block_2 before block_10), and one line counts the rest and their nodes."""
+    from tensoropt.cli.cmd_inspect import SHOWN_BLOCKS, _recompute_lines
+
+    rc = {f"block_{b}": [f"h{b}/n{j}" for j in range(1 + b % 3)] for b in range(20)}
+    lines = _recompute_lines(rc)
+    assert len(lines) == SHOWN_BLOCKS + 1 == 9
+    assert [line.split(":")[0] for line in lines[:8]] == [f"recompute block_{b}" for b in range(8)]
+    assert lines[2] == "recompute block_2: reruns 3 nodes: h2/n0, h2/n1, h2/n2"
+    rest = sum(1 + b % 3 for b in range(8, 20))
+    assert lines[8] == (
+        f"recompute block_8 ... block_19: 12 more blocks, rerunning {rest} nodes "
+        "(--json lists them all)"
+    )
+    assert _recompute_lines({k: rc[k] for k in list(rc)[:8]})[-1].startswith(
+        "recompute block_7: "
+    )  # eight blocks: no count line
+
+
 @pytest.mark.parametrize(
     ("make", "fragments"),
     [
