@@ -9,6 +9,7 @@ import sys
 
 from tensoropt.cli.common import (
     TRAINING_HELP,
+    Given,
     add_training_options,
     build_step,
     check_output_dir,
@@ -184,13 +185,16 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--cluster",
         default="h100",
-        help="cluster profile that prices the plan (and --pick's search); default h100",
+        action=Given,
+        help="cluster profile that prices the plan (and --pick's search); default h100, or "
+        "with --search the file's",
     )
     p.add_argument(
         "--search",
         metavar="SEARCH.json",
         help="take --pick's frontier from a `search --json-out` file instead of searching "
-        "again (same model, training options and --cluster as that search)",
+        "again (same model; the training options and --cluster not given are the search's, "
+        "and those given must match it)",
     )
     p.add_argument(
         "--recompute",
@@ -374,6 +378,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     without searching again (the file holds the strategies of every point)."""
     from tensoropt.cli.search_json import (
         check_matches,
+        inherit,
         load_search,
         pick_row,
         plan_of,
@@ -394,7 +399,10 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     else:
         devices = one_count(args.devices)
     sf = load_search(args.search)
+    inherited = inherit(sf, args)
     check_matches(sf, step_options(args), load_cluster(args.cluster).to_json())
+    if inherited:
+        print(f"--search {args.search}: compiling with its {', '.join(inherited)}", file=sys.stderr)
     chosen = pick_row(sf, devices, args.pick, parse_bytes)
     rows = sf.rows(chosen.devices)
     tie = near_tie_note(

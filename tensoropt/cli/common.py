@@ -38,10 +38,32 @@ def fmt_memory(nbytes: float) -> str:
     return f"{nbytes / 2**10:.2f} KiB"
 
 
+class Given(argparse.Action):
+    """Store the value like the default action, and record that the command line gave it
+    (:func:`given`): a default can then be told from the same value given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+class GivenAppend(Given):
+    """``action="append"`` that records the option as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = [*(getattr(namespace, self.dest, None) or ()), values]
+        super().__call__(parser, namespace, items, option_string)
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the command line set ``dest`` (an option stored by :class:`Given`)."""
+    return dest in getattr(args, "given", ())
+
+
 def add_model_input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--input-shape",
-        action="append",
+        action=GivenAppend,
         metavar="NAME=D0xD1",
         help="pin the dynamic dimensions of a model input, e.g. --input-shape "
         "input_ids=8x128 (repeatable); its static dimensions keep their sizes",
@@ -50,14 +72,22 @@ def add_model_input_options(parser: argparse.ArgumentParser) -> None:
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training step")
-    group.add_argument("--loss", choices=["auto", "ce", "mse"], default="auto")
-    group.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    group.add_argument("--loss", choices=["auto", "ce", "mse"], default="auto", action=Given)
+    group.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", action=Given)
     group.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     group.add_argument(
-        "--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = plain SGD)"
+        "--momentum",
+        type=float,
+        default=0.9,
+        action=Given,
+        help="SGD momentum (default 0.9; 0 = plain SGD)",
     )
-    group.add_argument("--trainable", metavar="REGEX", help="also train initializers matching")
-    group.add_argument("--freeze", metavar="REGEX", help="never train initializers matching")
+    group.add_argument(
+        "--trainable", metavar="REGEX", action=Given, help="also train initializers matching"
+    )
+    group.add_argument(
+        "--freeze", metavar="REGEX", action=Given, help="never train initializers matching"
+    )
     add_model_input_options(parser)
 
 

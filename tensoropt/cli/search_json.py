@@ -228,6 +228,36 @@ def check_matches(sf: SearchFile, options: dict, cluster: dict) -> None:
         )
 
 
+def inherit(sf: SearchFile, args) -> list[str]:
+    """Give ``args`` the file's training options and cluster where the command line gave
+    none (a point's strategies belong to the search's step, and its figures to its
+    cluster); returns the flags taken that differ from the command's own defaults, as
+    "--optimizer adam". A file whose cluster is no built-in profile cannot be taken by
+    name: ``check_matches`` then asks for its --cluster."""
+    from tensoropt.cli.common import given
+    from tensoropt.cost.cluster import BUILTIN_NAMES, builtin
+
+    taken = []
+    for name in STEP_OPTIONS:
+        searched = sf.doc["step"].get(name)
+        if given(args, name) or _normal(searched) == _normal(getattr(args, name, None)):
+            continue
+        setattr(args, name, searched)
+        values = searched if isinstance(searched, list) else [searched]
+        taken += [f"--{name.replace('_', '-')} {v}" for v in values]
+    cluster = sf.doc["cluster"]
+    name = str(cluster.get("name", ""))
+    if (
+        not given(args, "cluster")
+        and name.lower() in BUILTIN_NAMES
+        and _normal(builtin(name).to_json()) == _normal(cluster)
+        and name.lower() != str(getattr(args, "cluster", "")).lower()
+    ):
+        args.cluster = name
+        taken.append(f"--cluster {name}")
+    return taken
+
+
 def _normal(value: object) -> object:
     """JSON round trip with byte counts as integers (how the file holds ``value``)."""
     from tensoropt.cli.json_output import integral_bytes

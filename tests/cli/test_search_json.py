@@ -132,6 +132,40 @@ def test_a_file_that_does_not_fit_is_one_line(
     assert not (tmp_path / "o").exists()
 
 
+def test_compile_takes_the_settings_it_was_not_given_from_the_file(zoo_file, tmp_path, capsys):
+    """A file searched with --optimizer adam on a100 compiles without repeating them: the
+    compile says what it took, prices the point as the search did, and its step updates
+    with Adam. A cluster that is no built-in profile is not taken by name."""
+    path = tmp_path / "adam.json"
+    model = zoo_file("gpt")
+    searched = cli(capsys, "search", model, "--devices", 2, "--optimizer", "adam",
+                   "--cluster", "a100", "--json-out", path)  # fmt: skip
+    assert searched.code == 0, searched.err
+    argv = ["compile", model, "--devices", 2, "--pick", "fastest", "--search", path, "--json"]
+    out = cli(capsys, *argv, "-o", tmp_path / "o")
+    assert out.code == 0, out.err
+    assert f"--search {path}: compiling with its --optimizer adam, --cluster a100" in out.err
+    row = json.loads(path.read_text())["per_device"]["2"][0]
+    estimate = json.loads(out.out)["estimate"]
+    assert estimate["time_s"] == pytest.approx(row["time_s"], rel=1e-12)
+    assert estimate["memory_bytes"] == row["memory_bytes"]
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["step"]["optimizer"]["kind"] == "adam"
+    # given alike: nothing to say; given otherwise: refused as before
+    same = cli(capsys, *argv, "--optimizer", "adam", "--cluster", "a100", "-o", tmp_path / "s")
+    assert same.code == 0 and "compiling with its" not in same.err
+    other = cli(capsys, *argv, "--optimizer", "sgd", "-o", tmp_path / "x")
+    assert_bad_input(other, "compile", "searched with --optimizer 'adam'")
+    # a profile from a file: its name is not a profile compile can load
+    doc = json.loads(path.read_text())
+    doc["cluster"]["name"] = "lab"
+    lab = tmp_path / "lab.json"
+    lab.write_text(json.dumps(doc))
+    out = cli(capsys, "compile", model, "--devices", 2, "--pick", "fastest", "--search", lab,
+              "-o", tmp_path / "y")  # fmt: skip
+    assert_bad_input(out, "compile", "searched on cluster 'lab'", "--cluster")
+
+
 def test_search_file_errors(zoo_file, searched, tmp_path, capsys):
     base = ["compile", zoo_file("gpt"), "-o", tmp_path / "o"]
     missing = cli(capsys, *base, "--devices", 2, "--pick", "fastest", "--search", tmp_path / "x")
