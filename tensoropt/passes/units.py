@@ -772,6 +772,7 @@ class _Chooser:
         """The program under ``root``; ``forced``: the nodes' strategies, given (None: the
         node chooses); a given strategy is only placed, its conversions recorded."""
         strategies: list[MeshSharding] = []
+        unread: set[int] = set()  # chosen nodes whose outputs no node has read yet
         for i, node in enumerate(self.unit.nodes):
             original = _original(self.unit, i)
             if i == 0:
@@ -782,6 +783,8 @@ class _Chooser:
                 strategy = strategies[original]
             else:
                 strategy = self._choose(node)
+                unread.add(i)
+            self._relay(node, strategy, strategies, unread)
             self._apply(node, strategy)
             strategies.append(strategy)
         self._graph_outputs(strategies)
@@ -798,6 +801,36 @@ class _Chooser:
             self.zero,
             self.shards,
         )
+
+    def _relay(self, node: ir.Node, strategy: MeshSharding, strategies, unread: set[int]):
+        """Make an unread value in the layout ``node`` reads it in, where its producer can
+        make that layout from the same inputs: a generated tensor (ConstantOfShape, whose
+        rule may shard any output dim) is then made as its local piece, not made whole on
+        every device and sliced. Producers choose before their readers, and with nothing
+        to convert their candidates tie; the least spread one (replicated) wins."""
+        for i, value in enumerate(node.inputs):
+            ref = self.refs.get(value) if value is not None else None
+            if ref is None or ref[0] != "n":
+                continue
+            p = ref[1]
+            if p not in unread:
+                continue
+            unread.discard(p)
+            need = strategy.inputs[i] if i < len(strategy.inputs) else None
+            made = strategies[p]
+            if need is None or made.outputs[ref[2]] == need:
+                continue
+            for cand in sa.candidates(self.unit.nodes[p], self.mesh):
+                outs = list(cand.outputs)
+                outs[ref[2]] = made.outputs[ref[2]]
+                if (
+                    cand.inputs == made.inputs
+                    and cand.outputs[ref[2]] == need
+                    and tuple(outs) == tuple(made.outputs)
+                ):
+                    strategies[p] = cand
+                    self.layouts[ref] = need
+                    break
 
     # -- entries -------------------------------------------------------------------
     def _have(self, value: ir.Value) -> Layout | None:

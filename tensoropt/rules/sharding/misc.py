@@ -4,7 +4,8 @@
   CumSum are linear and offer Partial-in -> Partial-out.
 - Shape and Size read only the shape: their input may be ``P`` (and, for Shape, sharded on
   a dim outside the ``start:end`` window); the output is always ``R``.
-- ConstantOfShape may shard any output dim: the local shape constant is rewritten.
+- ConstantOfShape may shard any output dim: the local shape constant is rewritten; a
+  float zero fill may also be made as a partial sum (zeros on every rank).
 - Constant and Range produce one global value: ``R`` only (slicing a constant per rank is
   the partitioner's job). OneHot may shard the indices dims, never the depth dim.
 """
@@ -107,7 +108,12 @@ def _constant_of_shape_spec(op: OpView) -> FactorSpec:
     ins = (() if op.const_ints(0) is not None else None,)
     if ins[0] is None:  # shape not constant: nothing can be rewritten
         return FactorSpec(((),), (tuple(None for _ in labels),))
-    return FactorSpec(ins, (labels,), generated=True)
+    value = op.attr("value")
+    zeros = (value is None or not np.any(np.asarray(value))) and op.is_float_output(0)
+    # zeros are also a partial sum (of zeros on every rank): a reader that accumulates
+    # into a partial sum takes them as made, not converted from the replicated fill
+    partial = (partial_strategy(op, ()),) if zeros else ()
+    return FactorSpec(ins, (labels,), generated=True, partial=partial)
 
 
 def _constant_of_shape_rewrite(
