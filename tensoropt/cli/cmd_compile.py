@@ -13,12 +13,11 @@ from tensoropt.cli.common import (
     add_training_options,
     build_step,
     check_output_dir,
-    fmt_memory,
-    fmt_step_time,
     parse_bytes,
     parse_devices,
 )
 from tensoropt.cli.json_output import add_json_flag
+from tensoropt.display import fmt_memory, fmt_step_time
 from tensoropt.errors import PlanError, TensorOptError
 
 JSON_SCHEMA = "tensoropt.compile/2"

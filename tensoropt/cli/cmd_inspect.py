@@ -7,8 +7,8 @@ import json
 import os
 import re
 
-from tensoropt.cli.common import fmt_memory, fmt_step_time
 from tensoropt.cli.json_output import add_json_flag
+from tensoropt.display import fmt_memory, fmt_step_time
 from tensoropt.errors import ModelLoadError, OutputDirError, TensorOptError
 
 JSON_SCHEMA = "tensoropt.inspect/1"

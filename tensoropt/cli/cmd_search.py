@@ -11,8 +11,6 @@ from tensoropt.cli.common import (
     DEVICES_HELP,
     add_model_input_options,
     check_output_file,
-    fmt_memory,
-    fmt_step_time,
     parse_bytes,
     parse_devices,
     search_graph,
@@ -20,6 +18,7 @@ from tensoropt.cli.common import (
 )
 from tensoropt.cli.json_output import add_json_flag, add_json_out
 from tensoropt.cli.search_json import SCHEMA
+from tensoropt.display import fmt_memory, fmt_step_time
 from tensoropt.search.memory import SHARE as SEARCH_SHARE
 
 EPILOG = """\

@@ -22,22 +22,6 @@ training options (the update is part of the compiled graph, so compile takes the
 """
 
 
-def fmt_step_time(seconds: float) -> str:
-    """A step time as every command prints an estimate: the search tables, compile's
-    summary and inspect's estimate line show the same text for the same plan."""
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
-
-
-def fmt_memory(nbytes: float) -> str:
-    """Memory per device as every command prints an estimate (see :func:`fmt_step_time`):
-    GiB from a quarter of one, KiB below one MiB."""
-    if nbytes >= 2**28:
-        return f"{nbytes / 2**30:.3f} GiB"
-    if nbytes >= 2**20:
-        return f"{nbytes / 2**20:.2f} MiB"
-    return f"{nbytes / 2**10:.2f} KiB"
-
-
 class Given(argparse.Action):
     """Store the value like the default action, and record that the command line gave it
     (:func:`given`): a default can then be told from the same value given."""

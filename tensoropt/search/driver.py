@@ -29,6 +29,7 @@ from tensoropt.cost.model import (
     micro_choices,
     split_offer,
 )
+from tensoropt.display import fmt_memory
 from tensoropt.errors import InfeasibleError, TensorOptError
 from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
@@ -272,7 +273,7 @@ def guarantee_of(exp: Exploration) -> str:
     parts = []
     within = ""
     if exp.memory_budget is not None:
-        within = f" with memory <= {_gib(exp.memory_budget)} per device"
+        within = f" with memory <= {fmt_memory(exp.memory_budget)} per device"
     if plain and exp.epsilon is None:
         parts = ["exact: the points are the Pareto frontier of every plan" + within]
     if plain and exp.epsilon is not None:  # the meshes of a count cover each other
@@ -1237,7 +1238,7 @@ def _infeasible_message(searches, budget, space: SearchSpace) -> str:
             low = free.points[-1].memory_bytes
             best[s.devices] = min(best.get(s.devices, low), low)
     parts = ", ".join(
-        f"{d} {'device' if d == 1 else 'devices'}: {_gib(m)}" for d, m in sorted(best.items())
+        f"{d} {'device' if d == 1 else 'devices'}: {fmt_memory(m)}" for d, m in sorted(best.items())
     )
     fits = [d for d, m in sorted(best.items()) if m <= budget]
     advice = (
@@ -1253,17 +1254,9 @@ def _infeasible_message(searches, budget, space: SearchSpace) -> str:
         counts = ",".join(map(str, piped))
         staged = f" without pipeline stages; with stages (at {counts} devices) none fits either"
     return (
-        f"no plan fits the memory budget of {_gib(budget)} per device; the smallest "
+        f"no plan fits the memory budget of {fmt_memory(budget)} per device; the smallest "
         f"memory per device reachable is {parts}{staged}; {advice}, or raise --memory-budget"
     )
-
-
-def _gib(n: float) -> str:
-    """A human-readable size (the name is historical)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def point_of(exp: Exploration, merged: MergedPoint) -> tuple[MeshSearch, FrontierPoint]:
@@ -1317,7 +1310,7 @@ def pick_index(
         fits = [k for k, m in enumerate(memories) if m <= budget]
         if not fits:
             raise InfeasibleError(
-                f"--pick {policy}: the smallest memory {at} is {_gib(memories[-1])} "
+                f"--pick {policy}: the smallest memory {at} is {fmt_memory(memories[-1])} "
                 f"per device; add devices{advice}, or raise the budget"
             )
         return fits[0]
@@ -1350,7 +1343,7 @@ def pick(exp: Exploration, devices: int, policy: str, parse_bytes) -> Pick:
                     return Pick(s, p, k, policy)
         raise InfeasibleError(
             f"--pick {policy}: no plan at {', '.join(map(str, counts))} devices fits "
-            f"{_gib(budget)} per device; add devices{advice}, or raise the budget"
+            f"{fmt_memory(budget)} per device; add devices{advice}, or raise the budget"
         )
     rows = device_frontier(exp, devices)
     if not rows:

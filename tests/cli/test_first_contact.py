@@ -410,7 +410,7 @@ def test_search_compile_and_inspect_print_one_estimate_alike(gpt, tmp_path, caps
     """The same plan's estimate reads the same in the search table, compile's summary and
     inspect's estimate line (compile printed "0.1 MiB" for a point the table showed as
     0.08 MiB, and a 43 GiB plan as "44236.8 MiB")."""
-    from tensoropt.cli.common import fmt_memory, fmt_step_time
+    from tensoropt.display import fmt_memory, fmt_step_time
 
     out = cli(capsys, "search", gpt, "--devices", "2", "--json-out", tmp_path / "s.json")
     assert out.code == 0, out.err

@@ -153,7 +153,8 @@ def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
     """The tiny gpt over 4 and 8 devices: solving each count's meshes in a chain with
     incumbents leaves points out of some meshes, but no per-device frontier changes."""
     from tensoropt.cost.cluster import builtin
-    from tensoropt.search.driver import _gib, explore, guarantee_of
+    from tensoropt.display import fmt_memory
+    from tensoropt.search.driver import explore, guarantee_of
     from tensoropt.search.merge import merge_frontiers
 
     sg = _tiny_gpt_graph(tmp_path)
@@ -183,7 +184,7 @@ def test_explore_chained_meshes_give_the_same_frontiers(tmp_path):
     assert guarantee_of(chained) == guarantee_of(whole) == exact
     budget = max(p.memory_bytes for p in chained.merged)
     capped = explore(sg, [4, 8], "auto", builtin("h100"), jobs=1, memory_budget=budget)
-    assert guarantee_of(capped) == f"{exact} with memory <= {_gib(budget)} per device"
+    assert guarantee_of(capped) == f"{exact} with memory <= {fmt_memory(budget)} per device"
 
 
 def _covered(points, by, eps: float) -> bool:
