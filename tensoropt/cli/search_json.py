@@ -311,6 +311,7 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
     """Expand one point of the file into its plan (explicit layouts for every unit)."""
     from tensoropt.ir.mesh import Mesh
     from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy
+    from tensoropt.search.driver import Variant
 
     where = f"{sf.path}: per_device[{picked.devices}][{picked.index}]"
     key = picked.row.get("problem") or mesh_key(picked.row.get("mesh", ()))
@@ -334,7 +335,10 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
             units[name] = UnitStrategy.from_json(options[k], mesh, f"{where} unit {name!r}")
         except PlanError as exc:
             raise SearchFileError(str(exc)) from None
-    axes = entry.get("axes") or {}
+    try:
+        variant, _ = Variant.from_json(entry.get("axes") or {})
+    except (AttributeError, TypeError, ValueError):
+        raise SearchFileError(f"{where}: mesh {key!r} has unreadable axes; search again") from None
     pipeline = picked.row.get("pipeline") or {}
     try:
         return Plan(
@@ -342,8 +346,8 @@ def plan_of(sf: SearchFile, picked: PickedRow, source: str):
             units,
             source=source,
             default=DefaultStrategy.DATA_PARALLEL,
-            micro_batches=axes.get("micro_batches", 1),
-            recompute=tuple(entry.get("recompute") or ()) if axes.get("recompute_blocks") else (),
+            micro_batches=variant.micro_batches,
+            recompute=tuple(entry.get("recompute") or ()) if variant.recompute else (),
             stages=tuple(pipeline.get("starts") or ()),
             schedule=pipeline.get("schedule", "1f1b"),
         )

@@ -115,6 +115,11 @@ def test_a_budget_the_file_cannot_meet_names_the_axes_it_left_out(
         (lambda d: d.update(schema="tensoropt.search/1"), [], "tensoropt.search/1"),
         (lambda d: d.pop("meshes"), [], "missing 'meshes'"),
         (lambda d: d["per_device"]["2"][0].update(choice=[99] * 3), [], "choices for"),
+        (
+            lambda d: [m.update(axes={"micro_batches": "two"}) for m in d["meshes"].values()],
+            [],
+            "unreadable axes",
+        ),
     ],
 )
 def test_a_file_that_does_not_fit_is_one_line(
