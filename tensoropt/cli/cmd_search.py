@@ -29,7 +29,9 @@ device), and merges them into one frontier over (devices, time, memory).
 The weights are not loaded: planning needs only shapes. How many devices a plan needs:
 a row of an N-device table that a plan on fewer devices matches (as fast, no more
 memory per device) ends "(no better than M devices)" (JSON: "no_better_than_devices");
-the overall frontier leaves such points out.
+the overall frontier leaves such points out. A reference plan (data-parallel, megatron,
+and with the memory axes fsdp and megatron+recompute) that no mesh of a count can
+express says why under the reference table (JSON: "references_missing").
 
 exact or epsilon: every frontier is exact by default. --epsilon E guarantees instead
 that for every plan on N devices some point of the N-device frontier is at most (1+E)
@@ -433,7 +435,12 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     guarantee, the axes searched (``exp.space``) and those left out."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import replicates_all
-    from tensoropt.search.driver import REFERENCE_NAMES, guarantee_of, mesh_label
+    from tensoropt.search.driver import (
+        REFERENCE_NAMES,
+        guarantee_of,
+        mesh_label,
+        reference_gaps,
+    )
     from tensoropt.search.merge import fewer_devices
 
     out = out or sys.stdout
@@ -508,6 +515,9 @@ def print_tables(sg, exp, out=None, band=None) -> None:
                               fmt_memory(best[1]), *over))  # fmt: skip
     for line in _columns(None, cells, (11, 18, 4, 8, 12, 12), left={1}):
         print(line, file=out)
+    for d in table:  # the references the axes call for that no mesh of d holds, and why
+        for name, reason in reference_gaps(exp, d).items():
+            print(f"  {_plural(d, 'device')} {name}: none ({reason})", file=out)
     merged = list(exp.merged)
     shown = _sample(merged, 20)
     head = f"\noverall frontier over (devices, step time, memory/device): {len(merged)} points"

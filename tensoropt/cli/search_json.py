@@ -48,7 +48,7 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
     explored (``exp.space``) are recorded as ``axes_searched``."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import replicates_all
-    from tensoropt.search.driver import Axis, device_frontier, guarantee_of
+    from tensoropt.search.driver import Axis, device_frontier, guarantee_of, reference_gaps
     from tensoropt.search.merge import fewer_devices
 
     shared = exp.searches[0].unit_names if exp.searches else ()
@@ -134,6 +134,13 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
             }
             for s in exp.searches
             for name, (t, m, _) in s.references.items()
+        ],
+        # the reference plans the searched axes call for that no problem of a device
+        # count holds, with why (search.driver.reference_gaps)
+        "references_missing": [
+            {"devices": d, "plan": name, "reason": reason}
+            for d in sorted({s.devices for s in exp.searches})
+            for name, reason in reference_gaps(exp, d).items()
         ],
     }
 

@@ -202,6 +202,8 @@ class MeshSearch:
     # pipelined searches (variant.stages > 1): per point, the blocks where stages 1..P-1
     # start (search.pipeline)
     stage_starts: tuple[tuple[str, ...], ...] = ()
+    # the plain problem's: why each reference plan is not expressible on this mesh
+    reference_misses: dict[str, str] = field(default_factory=dict)
 
     @property
     def devices(self) -> int:
@@ -383,10 +385,15 @@ def reference_choices(
 
 
 def _reference_choices(
-    sg: SearchGraph, mesh: Mesh, units: Sequence[UnitInfo], blocks: Blocks | None
+    sg: SearchGraph,
+    mesh: Mesh,
+    units: Sequence[UnitInfo],
+    blocks: Blocks | None,
+    misses: dict[str, str] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """:func:`reference_choices` from the units' strategies on ``mesh`` alone (no prices
-    needed)."""
+    needed); ``misses`` takes why each plan that is not expressible is not."""
+    misses = {} if misses is None else misses
     from tensoropt.passes.annotate import complete_plan
     from tensoropt.passes.plans import builtin_plan
 
@@ -397,15 +404,51 @@ def _reference_choices(
         try:
             built = builtin_plan(name, sg.graph, sg.signature, mesh, blocks)
             if name == "megatron" and not built.plan.units:
+                misses[name] = "megatron: the model has no block it splits"
                 continue
             roots = complete_plan(sg.graph, sg.signature, built.plan, built.data_axes, sg.units)
         except TensorOptError as exc:
             log.info("reference %s not expressible on %s: %s", name, mesh, exc)
+            misses[name] = str(exc)
             continue
         found = _positions([info.strategies for info in units], [roots[i.node.name] for i in units])
         if found is not None:
             out[name] = found
+        else:
+            misses[name] = f"{name}: a unit's strategy is not among those searched on {mesh}"
     return out
+
+
+def reference_gaps(exp: Exploration, devices: int) -> dict[str, str]:
+    """The reference plans the searched axes call for that no problem of ``devices``
+    holds, each with why: the built-in plan's own refusal on the device count's 1-D mesh
+    (e.g. a batch that does not split that many ways), for fsdp and megatron+recompute
+    their base plan's. Pipelined references (megatron+pp) are not listed."""
+    if devices == 1:  # the data-parallel plan is the one plan there
+        return {}
+    wanted = ["data-parallel", "megatron"]
+    if Axis.ZERO in exp.space.axes and Axis.RECOMPUTE in exp.space.axes:
+        wanted.append("fsdp")
+    if Axis.RECOMPUTE in exp.space.axes:
+        wanted.append("megatron+recompute")
+    here = [s for s in exp.searches if s.devices == devices]
+    have = {name for s in here for name in s.references}
+    why: dict[str, str] = {}
+    for s in sorted(here, key=lambda s: s.mesh.ndim):  # the 1-D mesh's reasons first
+        if s.variant.plain:
+            for name, reason in s.reference_misses.items():
+                why.setdefault(name, reason)
+    base = {"fsdp": "data-parallel", "megatron+recompute": "megatron"}
+    gaps = {}
+    for name in wanted:
+        if name in have:
+            continue
+        if name in why or base.get(name) in why:
+            # the refusal without its advice to compile ("; use a device count ...")
+            gaps[name] = (why.get(name) or why[base[name]]).split("; ")[0]
+        else:
+            gaps[name] = f"{name}: not among the problems searched at {devices} devices"
+    return gaps
 
 
 def _positions(rows: Sequence[Sequence], wanted: Sequence) -> tuple[int, ...] | None:
@@ -451,6 +494,7 @@ class _MeshProblems:
         self.families: dict[tuple[bool, int], tuple[ProblemFamily, tuple | None] | None] = {}
         self.built: dict[tuple[bool, int], list[MeshProblem]] = {}
         self.plain_refs: dict[str, tuple[int, ...]] = {}
+        self.plain_misses: dict[str, str] = {}  # why a reference is not expressible here
         # the plain problem's strategies per unit (plain data: they cross to the second
         # phase's jobs with the references, ``_Phase``)
         self.plain_strategies: tuple[tuple, ...] | None = None
@@ -477,7 +521,7 @@ class _MeshProblems:
         assert found is not None  # only a micro-batch count can be refused
         infos = found[0].infos
         self.plain_strategies = tuple(tuple(info.strategies) for info in infos)
-        self.plain_refs = _reference_choices(self.sg, self.mesh, infos, blocks)
+        self.plain_refs = _reference_choices(self.sg, self.mesh, infos, blocks, self.plain_misses)
 
     def build(self, v: Variant) -> _Built | None:
         found = self.family(v)
@@ -706,6 +750,7 @@ def _solve_one(
         if v.zero
         else (),
         blocks=space.blocks if v.recompute else (),
+        reference_misses=dict(at.plain_misses) if v.plain else {},
     )
 
 

@@ -84,6 +84,32 @@ def test_search_prints_tables_and_writes_json_plot_costs(zoo_file, tmp_path, cap
         ]
 
 
+def test_a_reference_no_mesh_can_express_says_why(zoo_file, capsys, tmp_path):
+    """At 3 devices neither the batch of 8 nor Megatron's weights split 3 ways: each
+    reference the axes call for gets a line with the plan's own refusal, in the text and
+    the JSON; every wanted reference of every count is either priced or missing."""
+    path = tmp_path / "s.json"
+    out = cli(capsys, "search", zoo_file("gpt"), "--devices", "2,3", "--axes",
+              "split,zero,recompute", "--json-out", path)  # fmt: skip
+    assert out.code == 0, out.err
+    gaps = [line.strip() for line in out.out.splitlines() if ": none (" in line]
+    assert any(g.startswith("3 devices data-parallel: none (data-parallel over 3 devices: ")
+               and "which 3 does not divide)" in g for g in gaps), gaps  # fmt: skip
+    assert any(g.startswith("3 devices megatron: none (megatron over 3 devices") for g in gaps)
+    doc = json.loads(path.read_text())
+    missing = {(r["devices"], r["plan"]): r["reason"] for r in doc["references_missing"]}
+    assert [f"{_plural(d)} {name}: none ({why})" for (d, name), why in missing.items()] == gaps
+    priced = {(r["devices"], r["plan"]) for r in doc["references"]}
+    wanted = {(d, n) for d in (2, 3) for n in ("data-parallel", "megatron", "fsdp",
+                                               "megatron+recompute")}  # fmt: skip
+    assert wanted <= priced | set(missing) and not priced & set(missing)
+    assert {d for d, _ in missing} == {3}  # every reference is expressible on 2 devices
+
+
+def _plural(d: int) -> str:
+    return f"{d} device" + ("s" if d != 1 else "")
+
+
 def test_memory_budget_below_reach_names_the_smallest_memory(zoo_file, capsys):
     out = cli(capsys, "search", zoo_file("gpt"), "--devices", "1,2", "--memory-budget", "1KiB")
     line = assert_bad_input(out, "search", "1 device:", "2 devices:", "smallest memory")
@@ -382,6 +408,7 @@ def test_the_tables_stay_in_line_past_four_digit_indices():
     assert [p.index for p in frontiers[2]] == list(range(n)) and len(frontiers[1]) == 1
     # the reference plans: "mesh" and the memory's unit end in one column on every line
     refs = text.split("(best mesh per device count):\n")[1].split("\n\n")[0].splitlines()
+    refs = [line for line in refs if ": none (" not in line]  # the plans no mesh holds
     assert len(refs) == 2 and refs[1].lstrip().startswith("1024 devices megatron")
     ends(refs[0], refs[1:], {1: 1, 3: 3, 4: 4, 6: 6, 8: 8})  # "devices", "mesh", units
 
