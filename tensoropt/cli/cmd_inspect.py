@@ -18,19 +18,19 @@ shows the plan's estimate (the cost model's step time, memory per device and
 collectives per device: the same figures search, compile and validate report), then
 per device: op count, collectives by kind and group, bytes sent per step (ring
 algorithms: AllReduce 2(n-1)/n B, AllGather/ReduceScatter (n-1)/n B; a pipeline
-stage's Send to another stage's device: its bytes), its pipeline stage, schedule and
-bytes received from other stages, parameter shard shapes, the blocks it recomputes
-(`compile --recompute`) with the forward nodes each reruns (the first 8 blocks, and
-their first 8 nodes by name; --json names every one), and memory: parameters +
-optimizer state, and the *liveness peak*, a second figure: every tensor alive at once
-when the graph runs node by node in file order. The estimate counts what a step holds
-(parameters, gradients, optimizer state, activations saved for the backward, converted
-buffers); the liveness peak is what one sequential schedule holds, without the
-runtime's allocator or segment boundaries. What the plan decides for every device (its
-ZeRO stages, and the recomputed blocks when every device reruns the same) is printed
-once, under "every device:"; devices whose figures are all alike (a data-parallel
-mesh's ranks) print one section under all their names, and those that differ (other
-collective groups, another pipeline stage) one each.
+stage's Send to the device at its position in another stage, named by that stage: its
+bytes), its pipeline stage, schedule and bytes received from other stages, parameter
+shard shapes, the blocks it recomputes (`compile --recompute`) with the forward nodes
+each reruns (the first 8 blocks, and their first 8 nodes by name; --json names every
+one), and memory: parameters + optimizer state, and the *liveness peak*, a second
+figure: every tensor alive at once when the graph runs node by node in file order. The
+estimate counts what a step holds (parameters, gradients, optimizer state, activations
+saved for the backward, converted buffers); the liveness peak is what one sequential
+schedule holds, without the runtime's allocator or segment boundaries. What the plan
+decides for every device (its ZeRO stages, and the recomputed blocks when every device
+reruns the same) is printed once, under "every device:"; devices whose figures are all
+alike (a data-parallel mesh's ranks) print one section under all their names, and
+those that differ (other collective groups, another pipeline stage) one each.
 
 --json prints, on stdout alone: the mesh, the plan's source and the estimate (null for a
 single device file, which carries none), then per device the same figures as the table,
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     # devices whose figures are alike print once, under all their names
     groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for (name, s), rc in zip(report, recomputed, strict=True):
-        head, body = _device_section(s, estimate)
+        head, body = _device_section(s, estimate, _rank_of(name))
         if not same_blocks:
             body += [f"  {line}" for line in _recompute_lines(rc)]
         groups.setdefault((head, tuple(body)), []).append(name)
@@ -234,8 +234,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_section(s, estimate) -> tuple[str, list[str]]:
-    """One device's figures: the head line (after its name) and the lines below it."""
+def _rank_of(name: str) -> int | None:
+    found = re.fullmatch(r"device_(\d+)\.onnx", name)
+    return int(found.group(1)) if found else None
+
+
+def _peer(s, rank: int | None, peer: int) -> str:
+    """Where a Send goes, as the stage it reaches: "stage 1" for the device at this
+    device's position in that stage (every pipeline Send), else with the device named;
+    so the devices of one stage print alike."""
+    per = s.stage["ranks_per_stage"]
+    where = f"stage {peer // per}"
+    return where if rank is not None and peer % per == rank % per else f"{where} device {peer}"
+
+
+def _device_section(s, estimate, rank: int | None = None) -> tuple[str, list[str]]:
+    """One device's figures: the head line (after its name) and the lines below it;
+    ``rank``: the device's rank, which names its Send peers by stage."""
     head = (
         f"{s.ops} ops, sends {_fmt_bytes(s.bytes_sent)} per step, "
         f"params+state {_fmt_bytes(s.state_bytes)}, "
@@ -252,12 +267,15 @@ def _device_section(s, estimate) -> tuple[str, list[str]]:
         body.append(
             f"  pipeline stage {s.stage['stage']} of {s.stage['stages']} "
             f"({s.stage['schedule']}): receives {_fmt_bytes(s.bytes_received)} per "
-            "step from other stages (Send rows below: to the device named)"
+            "step from other stages (Send rows below: to the device at its position in "
+            "the stage named)"
         )
     if s.collectives:
         body.append(f"  {'collective':<14} {'group':<24} {'count':>5} {'sent/step':>12}")
         for c in s.collectives:
             group = ",".join(map(str, c.group))
+            if c.kind == "Send" and s.stage is not None and len(c.group) == 1:
+                group = _peer(s, rank, c.group[0])
             body.append(f"  {c.kind:<14} {group:<24} {c.count:>5} {_fmt_bytes(c.bytes_sent):>12}")
     shown = list(s.param_shapes.items())
     body.append(

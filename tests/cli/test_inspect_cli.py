@@ -184,6 +184,25 @@ def test_inspect_keeps_devices_apart_that_differ(tmp_path, capsys, gpt_tiny):
     assert [line for line in alone if line.startswith("  recompute ")] == blocks
 
 
+def test_inspect_prints_a_pipeline_stage_once(tmp_path, capsys, gpt_tiny):
+    """Two stages of two devices: each device sends to its own position in the other
+    stage, so the rows name the stage and the devices of a stage print as one; the JSON
+    keeps the peer's rank."""
+    out = tmp_path / "pp"
+    compiled = cli(capsys, "compile", gpt_tiny, "--devices", 4, "--stages", 2,
+                   "--micro-batches", 2, "-o", out)  # fmt: skip
+    assert compiled.code == 0, compiled.err
+    lines = cli(capsys, "inspect", out).out.splitlines()
+    heads = [line.split(":")[0] for line in lines if line.startswith("device_")]
+    assert heads == ["device_0.onnx, device_1.onnx (2 devices alike)",
+                     "device_2.onnx, device_3.onnx (2 devices alike)"]  # fmt: skip
+    sends = [line.split()[:3] for line in lines if line.strip().startswith("Send")]
+    assert sends == [["Send", "stage", "1"], ["Send", "stage", "0"]]
+    data = json.loads(cli(capsys, "inspect", out, "--json").out)["devices"]
+    peers = [[c["group"] for c in d["collectives"] if c["kind"] == "Send"] for d in data]
+    assert peers == [[[2]], [[3]], [[0]], [[1]]]
+
+
 def test_inspect_counts_the_blocks_past_the_first_eight():
     """A deep model recomputes a block per layer: the first 8 get a line each, in block
     order (block_2 before block_10), and one line counts the rest and their nodes."""
