@@ -12,9 +12,10 @@ Every import counts: module level, function level and ``TYPE_CHECKING`` blocks.
     passes
     rules
     ir | models
-    errors
+    display | errors
 
 ``models`` (the zoo's ONNX builders) imports only ``errors``, so it sits with ``ir``.
+``display`` (how every command prints a step time or a memory size) imports nothing.
 ``search`` sits above ``cost``: the search prices strategies with the cost model.
 """
 
@@ -34,7 +35,7 @@ LAYERS = (
     "passes",
     "rules",
     grimp.Layer("ir", "models"),
-    "errors",
+    grimp.Layer("display", "errors"),
 )
 # Modules of the package root that are in no layer: the version string and ``python -m``.
 OUTSIDE = {PACKAGE, f"{PACKAGE}.__main__"}
