@@ -386,6 +386,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     from tensoropt.cost.accuracy import band_of, near_tie_note
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.search.driver import mesh_label
+    from tensoropt.search.merge import fewer_note
 
     check_policy(args.pick)
     if args.mesh is not None:
@@ -426,7 +427,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
     if tie:
         print(tie, file=sys.stderr)
     fewer = chosen.row.get("no_better_than_devices")  # absent from older search files
-    if fewer and not (fewer == 1 and chosen.row.get("replicates_all_work")):
+    if fewer_note(fewer, chosen.row.get("summary", "")):  # the tables' rule
         count = f"{fewer} device{'s' if fewer > 1 else ''}"
         print(
             f"note: no better than {count}: a plan of {args.search} on {count} is as fast "

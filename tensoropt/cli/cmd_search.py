@@ -434,14 +434,13 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     estimates typically are off and marks the points it cannot order. Under the
     guarantee, the axes searched (``exp.space``) and those left out."""
     from tensoropt.cost.accuracy import near_ties
-    from tensoropt.cost.summary import replicates_all
     from tensoropt.search.driver import (
         REFERENCE_NAMES,
         guarantee_of,
         mesh_label,
         reference_gaps,
     )
-    from tensoropt.search.merge import fewer_devices
+    from tensoropt.search.merge import fewer_devices, fewer_note
 
     out = out or sys.stdout
     table = per_device_points(exp)
@@ -467,10 +466,9 @@ def print_tables(sg, exp, out=None, band=None) -> None:
         tied = tied or any(marks)
         plans = [s.summaries[exp.index_of(s, p)] for _, (s, p) in shown]
         for k, (_, (_, p)) in enumerate(shown):
-            c = fewer(d, p.time_s, p.memory_bytes)
-            if c is not None and not (c == 1 and replicates_all(plans[k])):
-                plans[k] += f" (no better than {_plural(c, 'device')})"
-                matched = True
+            note = fewer_note(fewer(d, p.time_s, p.memory_bytes), plans[k])
+            plans[k] += note
+            matched = matched or bool(note)
         cells = [
             (str(i), mesh_label(s.mesh.shape, s.variant.stages), fmt_step_time(p.time_s),
              "~" if mark else "", fmt_memory(p.memory_bytes), f"{sg.batch / p.time_s:.1f}",

@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensoropt.cost.cluster import ClusterProfile
-from tensoropt.cost.summary import replicates_all
 from tensoropt.report.analysis import (
     AXIS_LEVELS,
     AxisRow,
@@ -19,7 +18,7 @@ from tensoropt.report.analysis import (
     sample_indices,
 )
 from tensoropt.report.strategies import GroupChange, Track, layer_ranges
-from tensoropt.search.merge import fewer_devices
+from tensoropt.search.merge import fewer_devices, fewer_note
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +152,9 @@ def frontier_section(
             p = points[i]
             role = "fastest" if i == 0 else ("least memory" if i == len(points) - 1 else "")
             plan = p.summary
-            c = fewer(d, p.time_s, p.memory_bytes)
-            if c is not None and not (c == 1 and replicates_all(plan)):
-                plan += f" (no better than {c} device{'s' if c > 1 else ''})"
-                matched = True
+            note = fewer_note(fewer(d, p.time_s, p.memory_bytes), plan)
+            plan += note
+            matched = matched or bool(note)
             body.append(
                 [
                     str(i),

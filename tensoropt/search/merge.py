@@ -91,3 +91,15 @@ def fewer_devices(
         return None
 
     return fewer
+
+
+def fewer_note(count: int | None, summary: str) -> str:
+    """What a table row of a plan with ``summary`` adds when a plan on ``count`` fewer
+    devices matches it (:func:`fewer_devices`): " (no better than N devices)"; nothing
+    when none does, or when the summary says the plan replicates all work (its own "no
+    faster than 1 device" says more, whichever smaller count was searched)."""
+    from tensoropt.cost.summary import replicates_all
+
+    if count is None or replicates_all(summary):
+        return ""
+    return f" (no better than {count} device{'s' if count != 1 else ''})"

@@ -37,6 +37,13 @@ def test_rows_that_fewer_devices_match_say_so():
     assert [line.rstrip(" |").rsplit("| ", 1)[1] for line in replicated] == [
         ALL_REPLICATED, f"{ALL_REPLICATED}, zero-1"
     ]  # fmt: skip
+    # a replicated plan keeps its own note whichever smaller count matches it (here 2
+    # devices: 1 was not searched)
+    alone = {
+        2: [_point(2, (2,), 1.0, 100.0, ALL_REPLICATED)],
+        4: [_point(4, (4,), 1.0, 100.0, ALL_REPLICATED)],
+    }
+    assert "no better than" not in "\n".join(frontier_section(alone, 8, "f.png", per_count=5))
     # without such a row, no footnote
     del rows[4]
     assert "No better than" not in "\n".join(frontier_section(rows, 8, "f.png"))
