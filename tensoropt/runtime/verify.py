@@ -21,9 +21,12 @@ direction set by rounding (gpt's attention key bias: softmax is invariant to it)
 reduction order reproduces another's there, so when a parameter is over the tolerance
 the reference measures its own *rounding sensitivity*: the same training with the
 batch's samples reversed, which changes only the order of the gradient sums
-(:meth:`Reference.step_and_compare`). With Adam (states ``*__v``) that is a whole second
-trajectory from the first step, since a parameter moved by rounding changes every later
-gradient a little; with SGD, a single reversed step from the same state, summed over the
+(:meth:`Reference.step_and_compare`). That is a whole second trajectory from the first
+step, since a parameter moved by rounding changes every later gradient a little: with
+Adam (states ``*__v``) followed from the first step; with SGD replayed from the first
+step's state over the kept batches when a parameter first goes over the tolerance (a
+model whose batch norms amplify rounding step by step, ResNet-50 small, needs it), and
+past ``MAX_REPLAY`` steps a single reversed step from the same state, summed over the
 steps. A parameter is still within the check when its error is at most
 ``SENSITIVITY_SLACK`` times its sensitivity; the report names such parameters. A
 parameter with a real gradient is sensitive at the 1e-6 level, so the tolerance keeps
@@ -47,6 +50,10 @@ DEFAULT_TOLERANCE = 1e-4
 
 SCALE_FLOOR = 1e-3
 SENSITIVITY_SLACK = 4.0  # a reduction order may differ more than one reordering does
+# SGD keeps the batches of at most this many steps to replay the reversed-sample
+# trajectory when a parameter first goes over the tolerance; past it, one reversed step
+# per step from the reference's state measures the sensitivity
+MAX_REPLAY = 256
 
 
 def rel_error(a: np.ndarray | float, b: np.ndarray | float, floor: float = TINY) -> float:
@@ -171,9 +178,14 @@ class Reference:
     tolerance: float = DEFAULT_TOLERANCE
     # parameter -> its rounding sensitivities summed over the steps measured so far
     sensitivity: dict[str, float] = field(default_factory=dict)
-    # with an adaptive optimizer: a second reference trajectory, every step's samples
-    # reversed, started from the state of the first step compared
+    # a second reference trajectory, every step's samples reversed, from the state of
+    # the first step compared: from that step on with an adaptive optimizer; with SGD
+    # replayed from ``replay`` when a parameter is first over the tolerance
     shadow: dict[str, np.ndarray] | None = None
+    # SGD, until the shadow starts: the batches since the first step compared (None past
+    # MAX_REPLAY steps: one reversed step per step instead) and the state before it
+    replay: list[dict[str, np.ndarray]] | None = field(default_factory=list)
+    replay_start: dict[str, np.ndarray] | None = None
 
     @staticmethod
     def open(outdir: Path, threads: int | None = None, arena=None) -> Reference:
@@ -198,17 +210,26 @@ class Reference:
         ref_loss, self.state = self.session.step(before, batch)  # type: ignore[attr-defined]
         adaptive = _adaptive(before)
         reordered = None
-        if adaptive:
+        if adaptive or self.shadow is not None:
             # the divergence compounds from step to step (a parameter moved by rounding
             # changes every later gradient a little): follow a whole second trajectory
             reordered = _reordered(batch)
             if reordered is not None:
                 start = self.shadow if self.shadow is not None else before
                 _, self.shadow = self.session.step(start, reordered)  # type: ignore[attr-defined]
+        elif self.replay is not None:
+            if self.replay_start is None:
+                self.replay_start = _copied(before)
+            self.replay.append(_copied(batch))
+            if len(self.replay) > MAX_REPLAY:
+                self.replay, self.replay_start = None, None
         floor = param_floor({name: self.state[name] for name in params})
         errors = {name: rel_error(value, self.state[name], floor) for name, value in params.items()}
         over = [name for name, e in errors.items() if e > self.tolerance]
         allowed: dict[str, float] = {}
+        if over and self.shadow is None and not adaptive and self.replay:
+            self.shadow = self._replayed()
+            self.replay, self.replay_start = None, None
         if over and self.shadow is not None:
             for name in over:
                 felt = rel_error(self.shadow[name], self.state[name], floor)
@@ -220,6 +241,21 @@ class Reference:
                 self.sensitivity[name] = self.sensitivity.get(name, 0.0) + felt
                 allowed[name] = SENSITIVITY_SLACK * self.sensitivity[name]
         return VerifyStep(step, loss, float(ref_loss), rel_error(loss, ref_loss), errors, allowed)
+
+    def _replayed(self) -> dict[str, np.ndarray] | None:
+        """The reversed-sample trajectory from the first state over every batch so far;
+        None when a batch cannot be reordered."""
+        state = self.replay_start
+        for batch in self.replay or ():
+            reordered = _reordered(batch)
+            if reordered is None:
+                return None
+            _, state = self.session.step(state, reordered)  # type: ignore[attr-defined]
+        return state
+
+
+def _copied(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in values.items()}
 
 
 def _adaptive(state: Mapping[str, np.ndarray]) -> bool:

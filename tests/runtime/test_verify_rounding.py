@@ -1,7 +1,10 @@
 """``run --verify`` with Adam: a parameter whose exact gradient is zero (gpt's attention
 key bias) moves by rounding noise that Adam normalises; the check measures the
 reference's own sensitivity to the order of the gradient sums and allows that much,
-and still fails a wrong update of any parameter."""
+and still fails a wrong update of any parameter. With SGD, a model whose training
+amplifies rounding from step to step (ResNet-50 small's batch norms) is measured
+against the reference's whole reversed-sample trajectory, replayed when a parameter
+first goes over the tolerance."""
 
 from __future__ import annotations
 
@@ -91,3 +94,61 @@ def test_adam_data_parallel_gpt_small_verifies_over_three_steps(tmp_path):
     assert report is not None and report.ok
     assert report.max_rel_error_params > DEFAULT_TOLERANCE  # the case is real
     assert set(report.noise_params) <= {name for s in report.per_step for name in s.allowed_params}
+
+
+@pytest.fixture(scope="module")
+def sgd_dp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sgd_dp")
+    model = root / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(model))
+    out = root / "out"
+    code = main(["compile", str(model), "--devices", "2", "--plan", "data-parallel", "-o",
+                 str(out)])  # fmt: skip
+    assert code == 0
+    return out
+
+
+@pytest.mark.parametrize("name", [KEY_BIAS, "h0.mlp.fc_in.weight"])
+def test_a_wrong_sgd_update_is_still_caught(sgd_dp, name):
+    """SGD: the wrong parameter is over the tolerance, so the reversed trajectory is
+    replayed (here one step) and measured; a wrong update of lr on one element stays
+    far outside its allowance, and the right values stay within the tolerance."""
+    after_one = run_steps(sgd_dp, 1)
+    right = run_steps(sgd_dp, 2).params
+    batch = make_batch(specs_from_manifest(load_outdir(sgd_dp)), 1, 0)
+
+    def compare(params):
+        ref = Reference.open(sgd_dp)
+        ref.state = {**after_one.params, **after_one.states}
+        return ref, ref.step_and_compare(1, batch, 0.0, params)
+
+    _, ok = compare(right)
+    assert max(ok.rel_error_params.values()) <= DEFAULT_TOLERANCE and not ok.allowed_params
+    wrong = dict(right)
+    wrong[name] = right[name].copy()
+    wrong[name].flat[0] += LR
+    ref, step = compare(wrong)
+    assert ref.shadow is not None and ref.replay is None  # the trajectory was replayed
+    assert name in step.allowed_params
+    assert step.rel_error_params[name] > 10 * step.allowed_params[name]
+    assert step.rel_error_params[name] > DEFAULT_TOLERANCE  # so the verdict fails
+
+
+@pytest.mark.slow
+def test_sgd_resnet50_small_verifies_against_its_reversed_trajectory(tmp_path):
+    """ResNet-50 small, data-parallel on 2 ranks, SGD at lr 0.01: the first step agrees
+    to rounding (2e-7), and the batch norms amplify it step by step (a bias 2.5e-4 off
+    at step 2; one reversed step from the reference's state moves it 7e-8, the
+    reversed trajectory as much as the distributed run). The run verifies, naming those
+    parameters; at lr 0.001 nothing is amplified past the tolerance."""
+    model = tmp_path / "resnet.onnx"
+    save_model(build_model("resnet50", "small"), str(model))
+    out = tmp_path / "out"
+    code = main(["compile", str(model), "--devices", "2", "--plan", "data-parallel", "-o",
+                 str(out)])  # fmt: skip
+    assert code == 0
+    report = run_steps(out, 3, verify=True).verify
+    assert report is not None and report.ok
+    assert report.max_rel_error_params > DEFAULT_TOLERANCE  # the case is real
+    assert report.per_step[0].max_rel_error_params < 1e-6  # the first step: rounding
+    assert report.noise_params and all(".bn." in name for name in report.noise_params)
