@@ -21,18 +21,22 @@ KEY_BIAS = "h0.attn.k_proj.bias"  # softmax is invariant to it: its exact gradie
 LR = 0.01
 
 
-@pytest.fixture(scope="module")
-def adam_dp(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adam_dp")
-    model = root / "gpt.onnx"
-    save_model(build_model("gpt", "tiny"), str(model))
+def _data_parallel(root, preset: str, model: str = "gpt", *extra: str):
+    """``model`` (zoo ``preset``) compiled data-parallel on 2 devices under ``root``."""
+    path = root / f"{model}.onnx"
+    save_model(build_model(model, preset), str(path))
     out = root / "out"
-    code = main([
-        "compile", str(model), "--devices", "2", "--plan", "data-parallel",
-        "--optimizer", "adam", "--lr", str(LR), "-o", str(out),
-    ])  # fmt: skip
+    code = main(["compile", str(path), "--devices", "2", "--plan", "data-parallel",
+                 *extra, "-o", str(out)])  # fmt: skip
     assert code == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def adam_dp(tmp_path_factory):
+    return _data_parallel(
+        tmp_path_factory.mktemp("adam_dp"), "tiny", "gpt", "--optimizer", "adam", "--lr", str(LR)
+    )
 
 
 def test_adam_data_parallel_verifies_with_the_key_bias_within_its_sensitivity(adam_dp):
@@ -82,14 +86,7 @@ def test_adam_data_parallel_gpt_small_verifies_over_three_steps(tmp_path):
     gradients a little, and Adam turns that into whole updates of small-gradient
     elements (wte.weight 4e-4 off at step 2). The reversed-sample reference trajectory
     diverges as much, so the run verifies; each parameter beyond the tolerance is named."""
-    model = tmp_path / "gpt.onnx"
-    save_model(build_model("gpt", "small"), str(model))
-    out = tmp_path / "out"
-    code = main([
-        "compile", str(model), "--devices", "2", "--plan", "data-parallel",
-        "--optimizer", "adam", "-o", str(out),
-    ])  # fmt: skip
-    assert code == 0
+    out = _data_parallel(tmp_path, "small", "gpt", "--optimizer", "adam")
     report = run_steps(out, 3, verify=True).verify
     assert report is not None and report.ok
     assert report.max_rel_error_params > DEFAULT_TOLERANCE  # the case is real
@@ -98,14 +95,7 @@ def test_adam_data_parallel_gpt_small_verifies_over_three_steps(tmp_path):
 
 @pytest.fixture(scope="module")
 def sgd_dp(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sgd_dp")
-    model = root / "gpt.onnx"
-    save_model(build_model("gpt", "tiny"), str(model))
-    out = root / "out"
-    code = main(["compile", str(model), "--devices", "2", "--plan", "data-parallel", "-o",
-                 str(out)])  # fmt: skip
-    assert code == 0
-    return out
+    return _data_parallel(tmp_path_factory.mktemp("sgd_dp"), "tiny")
 
 
 @pytest.mark.parametrize("name", [KEY_BIAS, "h0.mlp.fc_in.weight"])
@@ -141,12 +131,7 @@ def test_sgd_resnet50_small_verifies_against_its_reversed_trajectory(tmp_path):
     at step 2; one reversed step from the reference's state moves it 7e-8, the
     reversed trajectory as much as the distributed run). The run verifies, naming those
     parameters; at lr 0.001 nothing is amplified past the tolerance."""
-    model = tmp_path / "resnet.onnx"
-    save_model(build_model("resnet50", "small"), str(model))
-    out = tmp_path / "out"
-    code = main(["compile", str(model), "--devices", "2", "--plan", "data-parallel", "-o",
-                 str(out)])  # fmt: skip
-    assert code == 0
+    out = _data_parallel(tmp_path, "small", "resnet50")
     report = run_steps(out, 3, verify=True).verify
     assert report is not None and report.ok
     assert report.max_rel_error_params > DEFAULT_TOLERANCE  # the case is real
