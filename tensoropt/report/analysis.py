@@ -21,6 +21,9 @@ from tensoropt.search.driver import (
     device_frontier,
     mesh_label,
 )
+from tensoropt.search.driver import (
+    reference_gaps as _gaps_at,  # the name is this module's, for device counts together
+)
 
 GIB = 2**30
 STANDARD_CAPACITIES_GIB = (16, 24, 32, 40, 48, 80, 141)
@@ -141,6 +144,13 @@ def references(exp: Exploration) -> dict[int, tuple[Reference, ...]]:
                 found.append(best)
         out[d] = tuple(found)
     return out
+
+
+def reference_gaps(exp: Exploration) -> dict[int, dict[str, str]]:
+    """Per device count, the reference plans the searched axes call for that no mesh
+    holds, each with why (``search.driver.reference_gaps``: the search's tables say
+    the same)."""
+    return {d: found for d in device_counts(exp) if (found := _gaps_at(exp, d))}
 
 
 # -- memory capacity -> fastest plan ---------------------------------------------------

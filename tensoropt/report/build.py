@@ -140,7 +140,9 @@ def _write_into(
         blocks.append((tr, strategies.group_changes(tr), png, len(columns)))
         names.append(png)
     lines += render.strategy_section(blocks)
-    lines += render.baseline_section(analysis.baselines(exp), head.batch)
+    lines += render.baseline_section(
+        analysis.baselines(exp), head.batch, analysis.reference_gaps(exp)
+    )
     lines += render.axes_section(analysis.axis_gains(exp))
 
     (root / REPORT_FILE).write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")

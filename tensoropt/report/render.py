@@ -354,7 +354,10 @@ def strategy_section(blocks: Sequence[tuple[Track, Sequence[GroupChange], str, i
     return out
 
 
-def baseline_section(rows: Sequence[BaselineRow], batch: int) -> list[str]:
+def baseline_section(
+    rows: Sequence[BaselineRow], batch: int, gaps: Mapping[int, Mapping[str, str]] | None = None
+) -> list[str]:
+    """Section 5; ``gaps``: per device count, the references no mesh holds and why."""
     out = [
         "## 5. Reference plans against the frontier",
         "",
@@ -395,8 +398,15 @@ def baseline_section(rows: Sequence[BaselineRow], batch: int) -> list[str]:
                     fmt_mem(r.leanest.memory_bytes),
                 ]
             )
+    missing = [
+        f"- {d} devices, {_ref_name_of(name)}: {reason}."
+        for d, found in sorted((gaps or {}).items())
+        for name, reason in found.items()
+    ]
+    if missing:
+        missing = ["Not expressible on any searched mesh of its device count:", "", *missing, ""]
     if not body:
-        return [*out, "No reference plan is expressible on the searched meshes.", ""]
+        return [*out, "No reference plan is expressible on the searched meshes.", "", *missing]
     head = [
         "devices",
         "reference",
@@ -426,16 +436,20 @@ def baseline_section(rows: Sequence[BaselineRow], batch: int) -> list[str]:
             f"{best_save[0]:.2f}x ({best_save[1]}).",
             "",
         ]
-    return out
+    return [*out, *missing]
 
 
 def _ref_name(ref: Reference) -> str:
+    return _ref_name_of(ref.name)
+
+
+def _ref_name_of(name: str) -> str:
     return {
         "data-parallel": "data parallel",
         "megatron": "Megatron",
         "fsdp": "FSDP (ZeRO-3 + recompute)",
         "megatron+recompute": "Megatron + recompute",
-    }.get(ref.name, ref.name)
+    }.get(name, name)
 
 
 def axes_section(rows: Sequence[AxisRow]) -> list[str]:

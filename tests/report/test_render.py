@@ -74,3 +74,17 @@ def test_the_strategy_section_says_where_each_memory_axis_comes_in():
     )
     plain = change_sentences(Track(2, points[:1], (), ()), [])
     assert not any("memory axes" in line for line in plain)
+
+
+def test_section_5_names_the_references_no_mesh_holds():
+    """The references the search could not express are listed with the plan's own
+    refusal under the table, and alone when no reference is expressible at all."""
+    from tensoropt.report.render import baseline_section
+
+    why = "data-parallel over 3 devices: input 'x' dim 0 has size 8, which 3 does not divide"
+    gaps = {3: {"data-parallel": why, "fsdp": why}}
+    lines = baseline_section([], 8, gaps)
+    assert "No reference plan is expressible on the searched meshes." in lines
+    assert f"- 3 devices, data parallel: {why}." in lines
+    assert f"- 3 devices, FSDP (ZeRO-3 + recompute): {why}." in lines
+    assert not any("not expressible" in line.lower() for line in baseline_section([], 8))
