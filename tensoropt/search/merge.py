@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tensoropt.cost.summary import replicates_all
 from tensoropt.ir.costs import FrontierPoint
 from tensoropt.search.frontier import prune_groups
 from tensoropt.search.solver import SearchResult
@@ -98,8 +99,6 @@ def fewer_note(count: int | None, summary: str) -> str:
     devices matches it (:func:`fewer_devices`): " (no better than N devices)"; nothing
     when none does, or when the summary says the plan replicates all work (its own "no
     faster than 1 device" says more, whichever smaller count was searched)."""
-    from tensoropt.cost.summary import replicates_all
-
     if count is None or replicates_all(summary):
         return ""
     return f" (no better than {count} device{'s' if count != 1 else ''})"
