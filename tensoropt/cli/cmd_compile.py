@@ -261,10 +261,10 @@ def check_policy(policy: str) -> None:
 
 def parse_mesh(devices: int, text: str | None, plan: str):
     from tensoropt.ir.mesh import Mesh
+    from tensoropt.passes.plans import builtin_axis_names
 
     if text is None:
-        names = ("tp",) if plan == "megatron" else ("dp",)
-        return Mesh((devices,), names)
+        return Mesh((devices,), builtin_axis_names(plan, 1))
     try:
         dims = tuple(int(x) for x in text.lower().split("x"))
     except ValueError:
@@ -278,8 +278,7 @@ def parse_mesh(devices: int, text: str | None, plan: str):
         raise TensorOptError(
             f"--mesh {text} has {size} devices but --devices is {devices}; make them agree"
         )
-    names = ("dp", "tp") if len(dims) == 2 else (("tp",) if plan == "megatron" else ("dp",))
-    return Mesh(dims, names)
+    return Mesh(dims, builtin_axis_names(plan, len(dims)))
 
 
 def with_micro_batches(plan, args: argparse.Namespace):

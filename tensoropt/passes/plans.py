@@ -26,7 +26,7 @@ import onnx_ir as ir
 from tensoropt.errors import PlanError, ShardingError
 from tensoropt.ir.builder import static_shape
 from tensoropt.ir.layout import Layout, Partial, Replicate, Shard, local_shape
-from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.mesh import Mesh, default_axis_names
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.ir.vocab import MegatronSplit, Role, role_of
 from tensoropt.passes import sharding_adapter as sa
@@ -377,6 +377,15 @@ def _check_batch(graph: ir.Graph, sig: StepSignature, mesh: Mesh, axes, plan: st
 def _axes_text(mesh: Mesh, axes) -> str:
     names = ", ".join(f"{mesh.axis_names[a]}={mesh.shape[a]}" for a in axes)
     return f"mesh axes {names} ({math.prod(mesh.shape[a] for a in axes)} devices)"
+
+
+def builtin_axis_names(name: str, ndim: int) -> tuple[str, ...]:
+    """The axis names of a built-in plan's mesh of ``ndim`` axes: a 1-D Megatron mesh
+    splits the model ("tp"); every other 1-D mesh splits the batch ("dp"); 2-D meshes
+    are ("dp", "tp")."""
+    if ndim == 1:
+        return ("tp",) if name == "megatron" else ("dp",)
+    return default_axis_names(ndim)
 
 
 def builtin_plan(

@@ -395,14 +395,16 @@ def _reference_choices(
     needed); ``misses`` takes why each plan that is not expressible is not."""
     misses = {} if misses is None else misses
     from tensoropt.passes.annotate import complete_plan
-    from tensoropt.passes.plans import builtin_plan
+    from tensoropt.passes.plans import builtin_axis_names, builtin_plan
 
     out = {}
     for name in ("data-parallel", "megatron"):
         if name == "data-parallel" and mesh.ndim > 1:
             continue  # the same plan as on the 1-D mesh of this device count
+        # named as compile names the plan's mesh, so that a refusal reads the same
+        named = Mesh(mesh.shape, builtin_axis_names(name, mesh.ndim))
         try:
-            built = builtin_plan(name, sg.graph, sg.signature, mesh, blocks)
+            built = builtin_plan(name, sg.graph, sg.signature, named, blocks)
             if name == "megatron" and not built.plan.units:
                 misses[name] = "megatron: the model has no block it splits"
                 continue

@@ -104,6 +104,11 @@ def test_a_reference_no_mesh_can_express_says_why(zoo_file, capsys, tmp_path):
                                                "megatron+recompute")}  # fmt: skip
     assert wanted <= priced | set(missing) and not priced & set(missing)
     assert {d for d, _ in missing} == {3}  # every reference is expressible on 2 devices
+    # the refusal is compile's own for the same plan and count (its mesh axis named alike)
+    out = cli(capsys, "compile", zoo_file("gpt"), "--plan", "megatron", "--devices", "3",
+              "-o", tmp_path / "c")  # fmt: skip
+    line = assert_bad_input(out, "compile", "megatron over 3 devices on mesh axis 0 (tp)")
+    assert missing[(3, "megatron")] in line, (missing, line)
 
 
 def _plural(d: int) -> str:
