@@ -47,7 +47,9 @@ gathered buffer dies after the last forward read). Stage 2 is stage 1 within one
 micro-batch; on a micro mesh the stages differ in the order of the gradient's two sums
 (``conversion_steps``' ``scatter_first``): stage 1 sums over the micro-batches first
 (the full gradient is accumulated, reduce-scattered once per step), stages 2 and 3
-reduce-scatter each micro-batch's gradient and accumulate the shard.
+reduce-scatter each micro-batch's gradient and accumulate the shard. A gradient the
+unit makes whole on every rank (an embedding's backward that gathers its incoming
+gradient) is likewise sliced to its shard in each micro-batch at stages 2 and 3.
 
 Micro meshes (``passes.micro``: the micro axis of k micro-batches in front of the plan's
 mesh M): a unit's program runs M's program per micro-batch. Each node takes its strategy
@@ -127,7 +129,8 @@ def conversion_steps(
 
     ``scatter_first`` (:func:`scatters_first`: a unit at ZeRO stage 2 or 3): a sum over
     the mesh's sequential (micro-batch) axis comes after the other axes' steps, so a
-    gradient is reduce-scattered per micro-batch and only its shard is accumulated.
+    gradient is reduce-scattered (or, held whole, sliced) per micro-batch and only its
+    shard is accumulated.
     Without it the sum over the micro-batches comes first (the full gradient is
     accumulated and reduce-scattered once per step: stage 1).
     """
@@ -166,7 +169,8 @@ def scatters_first(zero: ZeroStage) -> bool:
 
 def _scatter_via(have: Layout, need: Layout, mesh: Mesh) -> Layout | None:
     """``need`` still partial over the sequential axis, when ``have`` is partial there
-    and another axis reduce-scatters (partial to split); else None."""
+    and another axis reduce-scatters or slices (partial or replicated to split); else
+    None."""
     seq = mesh.sequential_axis
     if seq is None or mesh.shape[seq] == 1:
         return None
@@ -174,8 +178,10 @@ def _scatter_via(have: Layout, need: Layout, mesh: Mesh) -> Layout | None:
         need.placements[seq], Replicate
     ):
         return None
+    # a reduce-scatter (partial to split), or a slice (replicated to split: a gradient
+    # made whole on every rank, as an embedding's gathered backward)
     scatters = any(
-        isinstance(h, Partial) and isinstance(n, Shard)
+        isinstance(h, (Partial, Replicate)) and isinstance(n, Shard)
         for h, n in zip(have.placements, need.placements, strict=True)
     )
     if not scatters:

@@ -179,15 +179,23 @@ def test_each_stage_reduce_scatters_and_accumulates_where_it_says(stage, tmp_pat
 def test_estimate_holds_the_full_gradient_at_stage_1_and_the_shard_at_stage_2(tmp_path):
     """Stages 1 and 2 differ under micro-batching only in the accumulation buffer: the
     estimate's memory differs by exactly the sharded parameters' elements minus their
-    shards' (bytes), and stage 2 issues the reduce-scatters k times: it is slower."""
-    estimates = {}
+    shards' (bytes), and so do the values the device files accumulate, a gradient made
+    whole on every rank (the embedding's gathered backward) included: it is sliced to
+    its shard in every micro-batch. Stage 2 issues the reduce-scatters k times: it is
+    slower."""
+    estimates, accumulated = {}, {}
+    # at batch 8 (fewer tokens than twice the vocabulary) the embedding's backward
+    # gathers the incoming gradient and scatters it whole on every rank
+    proto = build_model("gpt", "tiny", batch=8)
     for stage in (1, 2):
-        step, plan, axes = zero_micro_step(zoo("gpt"), "data-parallel", "2", stage, 2)
+        step, plan, axes = zero_micro_step(proto, "data-parallel", "2", stage, 2)
         sg, roots, zero, mp = _problem(step, plan, axes)
         estimates[stage] = estimate_plan(
             sg, roots, plan.mesh, builtin("h100"), micro_batches=2, zero=zero
         )
-    saved = 0.0
+        compile_step(step, plan, axes, str(tmp_path / str(stage)))
+        accumulated[stage] = _accumulated_elements(tmp_path / str(stage))
+    saved, elements = 0.0, 0
     for k, unit in enumerate(sg.units.units):
         program = mp.programs[k][0]
         for z in program.shards:
@@ -195,8 +203,10 @@ def test_estimate_holds_the_full_gradient_at_stage_1_and_the_shard_at_stage_2(tm
             whole = np.prod(local_shape(static_shape(value), z.use, mp.mesh))
             shard = np.prod(local_shape(static_shape(value), z.shard, mp.mesh))
             saved += float(whole - shard) * itemsize(value)
+            elements += int(whole - shard)
     assert saved > 0
     assert estimates[1].memory_bytes - estimates[2].memory_bytes == pytest.approx(saved, abs=1)
+    assert accumulated[1] - accumulated[2] == elements
     assert estimates[2].time_s > estimates[1].time_s
     assert estimates[2].collectives > estimates[1].collectives
 
