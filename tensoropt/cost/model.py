@@ -850,13 +850,6 @@ class WorkingSetBound:
         found = sets.of(unit, program)
         return sum(nbytes - self.floors[(k, block)] for block, nbytes in found.items())
 
-    def of(self, mp: MeshProblem, choice: Sequence[int]) -> float:
-        """The bound under ``choice`` of ``mp`` (a problem on the same mesh and step)."""
-        return self.constant + sum(
-            self.excess(k, unit, mp.programs[k][choice[k]], mp.mesh)
-            for k, unit in enumerate(mp.sg.units.units)
-        )
-
 
 class ProblemFamily:
     """The problems of one search graph on one mesh and micro-batch count that differ in
@@ -971,13 +964,26 @@ class ProblemFamily:
         return self._bound
 
     def _excess_of(self, bound: WorkingSetBound, k: int, program: Program) -> float:
-        # programs are shared objects of the builder's cache, alive with the family
+        # keyed by the program's identity, and holding it so that the id stays its own
         key = (k, id(program))
         found = self._excess.get(key)
-        if found is None:
+        if found is None or found[0] is not program:
             unit = self.sg.units.units[k]
-            found = self._excess[key] = bound.excess(k, unit, program, self.mesh, self._sets)
-        return found
+            found = self._excess[key] = (
+                program,
+                bound.excess(k, unit, program, self.mesh, self._sets),
+            )
+        return found[1]
+
+    def working_set_of(self, mp: MeshProblem, choice: Sequence[int]) -> float:
+        """The bound (:meth:`working_set`) under ``choice`` of ``mp``, a problem of the
+        same step on this family's mesh: the constant plus each unit's excess under its
+        chosen program, each excess computed once per (unit, program) (a pipelined
+        search prices thousands of plans of one family)."""
+        bound = self.working_set()
+        return bound.constant + sum(
+            self._excess_of(bound, k, mp.programs[k][choice[k]]) for k in range(len(mp.units))
+        )
 
     def problem(
         self,
@@ -1162,7 +1168,7 @@ def estimate_plan(
         if micro_batches > 1:
             choices, _ = split_offer(micro_choices(sg, mesh, micro_batches))
         family = ProblemFamily(sg, mesh, profile, micro_batches=micro_batches, choices=choices)
-        memory += family.working_set().of(mp, choice)
+        memory += family.working_set_of(mp, choice)
     count = sum(c.times for c in priced_collectives(mp, choice))
     return Estimate(time_s, memory, count, profile.name)
 

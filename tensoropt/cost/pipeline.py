@@ -286,7 +286,8 @@ class SegmentTables:
         self, choice: Sequence[int], working_set: float = 0.0, count: bool = False
     ) -> PipelineTerms:
         """The :class:`PipelineTerms` of one choice; ``working_set``: the recompute
-        working-set bound of the choice (``WorkingSetBound.of``), held by every stage.
+        working-set bound of the choice (``ProblemFamily.working_set_of``), held by every
+        stage.
         ``count``: count its collectives per step (what compile reports; the search
         does not need them, and counting costs more than pricing)."""
         n = self.segments
@@ -358,7 +359,7 @@ def plan_terms(
     if any(RECOMPUTE_KEY in node.metadata_props for node in sg.graph):
         choices, _ = split_offer(micro_choices(sg, mesh, m))
         family = ProblemFamily(sg, mesh, profile, micro_batches=m, choices=choices)
-        working_set = family.working_set().of(plain, choice)
+        working_set = family.working_set_of(plain, choice)
     return tables.terms(choice, working_set, count=True)
 
 

@@ -109,7 +109,6 @@ def pipelined(
             graph, family, profile, segments, family.problem(zero_all=zero), slot
         )
     plain = tables.plain
-    working = family.working_set() if recompute else None
     allowed = positions(segments.count)
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
     chosen_points = list(frontier) + [FrontierPoint(0.0, 0.0, c) for c in extra]
@@ -126,7 +125,7 @@ def pipelined(
             wanted = [p for p in counts if p not in regions or not _inside(regions[p], *at)]
             if not wanted:
                 continue
-        ws = working.of(plain, point.choice) if working is not None else 0.0
+        ws = family.working_set_of(plain, point.choice) if recompute else 0.0
         terms = tables.terms(point.choice, ws)
         choice = tuple(point.choice)
         incumbents = None if extra_choice else held

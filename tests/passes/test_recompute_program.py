@@ -186,7 +186,7 @@ def test_the_estimate_drops_saved_activations_and_adds_the_working_set(models, p
     dropped = sum(d[0] for t in terms for d in t.bytes_dropped)
     added = sum(a[0] for t in terms for a in t.seconds_added)
     working = max(recompute_working_set(mp, choice).values())
-    bound = ProblemFamily(sg, mesh, profile).working_set().of(mp, choice)
+    bound = ProblemFamily(sg, mesh, profile).working_set_of(mp, choice)
     assert dropped > working > 0
     assert bound >= working * (1 - 1e-12)
     assert before.memory_bytes - after.memory_bytes == pytest.approx(dropped - bound, abs=1)
@@ -196,8 +196,9 @@ def test_the_estimate_drops_saved_activations_and_adds_the_working_set(models, p
 @pytest.mark.parametrize("spec", ["2", "2x2"])
 def test_the_working_set_bound_holds_for_every_plan_and_is_a_sum(models, spec):
     """For random plans of the recomputed gpt: the problem's memory with the bound minus
-    without it is WorkingSetBound.of (a sum of entries), at least the largest block's
-    working set, and equal to it when every unit takes its smallest strategy."""
+    without it is ProblemFamily.working_set_of (a sum of entries, the same floats as
+    counted afresh), at least the largest block's working set, and equal to it when
+    every unit takes its smallest strategy."""
     import random
 
     profile = builtin("h100")
@@ -217,7 +218,13 @@ def test_the_working_set_bound_holds_for_every_plan_and_is_a_sum(models, spec):
     for choice in [tuple(floors)] + [tuple(rng.randrange(n) for n in sizes) for _ in range(50)]:
         extra = bounded.problem.evaluate(choice)[1] - plain.problem.evaluate(choice)[1]
         working = max(recompute_working_set(plain, choice).values())
-        assert extra == pytest.approx(bound.of(plain, choice), rel=1e-12)
+        of = family.working_set_of(plain, choice)  # memoised per (unit, program)
+        direct = bound.constant + sum(
+            bound.excess(k, unit, plain.programs[k][choice[k]], plain.mesh)
+            for k, unit in enumerate(sg.units.units)
+        )
+        assert of == direct
+        assert extra == pytest.approx(of, rel=1e-12)
         assert extra >= working * (1 - 1e-12)
         if choice == tuple(floors):
             assert extra == pytest.approx(working, rel=1e-12)
