@@ -893,6 +893,7 @@ class ProblemFamily:
         self._bound: WorkingSetBound | None = None
         self._shardable: dict = {}  # (unit structure, placed, strategy) -> ZeRO can shard
         self._excess: dict = {}  # (unit, id(program)) -> its working-set excess
+        self._excess_rows: dict = {}  # id(problem) -> per unit, per strategy: the excess
         self._sets = UnitWorkingSets(self.mesh)
 
     def zero_stage(self, k: int, strategy: MeshSharding, stage: ZeroStage) -> ZeroStage:
@@ -981,9 +982,14 @@ class ProblemFamily:
         chosen program, each excess computed once per (unit, program) (a pipelined
         search prices thousands of plans of one family)."""
         bound = self.working_set()
-        return bound.constant + sum(
-            self._excess_of(bound, k, mp.programs[k][choice[k]]) for k in range(len(mp.units))
-        )
+        found = self._excess_rows.get(id(mp))
+        if found is None or found[0] is not mp:  # held, so that the id stays its own
+            rows = [
+                [self._excess_of(bound, k, program) for program in programs]
+                for k, programs in enumerate(mp.programs)
+            ]
+            found = self._excess_rows[id(mp)] = (mp, rows)
+        return bound.constant + sum(row[c] for row, c in zip(found[1], choice, strict=True))
 
     def problem(
         self,
