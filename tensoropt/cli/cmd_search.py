@@ -339,7 +339,8 @@ def check_counts(args, sg, space, devices) -> None:
         if bad:
             fits = [k for k in range(2, min(sg.batch, 64) + 1) if sg.batch % k == 0][:6]
             raise TensorOptError(
-                f"--micro-batches {given}: {', '.join(map(str, bad))} does not divide the "
+                f"--micro-batches {given}: {', '.join(map(str, bad))} "
+                f"{'does' if len(bad) == 1 else 'do'} not divide the "
                 f"batch of {sg.batch} samples; give counts that divide it, e.g. "
                 f"{','.join(map(str, fits)) or '1'}"
             )

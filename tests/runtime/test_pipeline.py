@@ -269,6 +269,7 @@ def test_bad_search_stage_counts_are_refused_in_one_line(gpt, capsys, counts):
     [
         (["--micro-batches", "3"], ["--micro-batches 3", "does not divide the batch of 8"]),
         (["--micro-batches", "2,3"], ["3 does not divide", "e.g. 2,4,8"]),
+        (["--micro-batches", "3,5"], ["3, 5 do not divide the batch of 8"]),
         (["--stages", "16"], ["--stages 16", "5 blocks", "at most 5"]),
         (["--stages", "3"], ["--stages 3", "divides none of the device counts 4"]),
     ],
