@@ -87,7 +87,7 @@ def search_for_report(args: argparse.Namespace):
     from tensoropt.cli.cmd_search import axes_line
     from tensoropt.report.build import prepare_report_dir
     from tensoropt.report.render import Header
-    from tensoropt.search.driver import guarantee_of
+    from tensoropt.search.driver import guarantee_of, idle_axes
 
     check_output_dir(args.output, "-o")
     devices = parse_devices(args.devices)
@@ -116,7 +116,7 @@ def search_for_report(args: argparse.Namespace):
         memory_budget=exp.memory_budget,
         guarantee=guarantee_of(exp),
         seconds=time.perf_counter() - start,
-        axes=axes_line(exp.space.axes, exp.space.stages_above),
+        axes=axes_line(exp.space.axes, exp.space.stages_above, idle_axes(exp)),
         estimates=estimates_line(args.cluster, max(devices)),
     )
     return head, profile, exp, detail

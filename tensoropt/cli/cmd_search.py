@@ -548,16 +548,20 @@ def print_tables(sg, exp, out=None, band=None) -> None:
     )
     if exp.searches:
         print(f"\nguarantee: {guarantee_of(exp)}", file=out)
-    print(f"axes: {axes_line(exp.space.axes, exp.space.stages_above)}", file=out)
+    from tensoropt.search.driver import idle_axes
+
+    print(f"axes: {axes_line(exp.space.axes, exp.space.stages_above, idle_axes(exp))}", file=out)
 
 
-def axes_line(axes, stages_above: int = 0) -> str:
+def axes_line(axes, stages_above: int = 0, idle=None) -> str:
     """Which axes a search explored and which it left out (the guarantee holds over the
     plans of the first). ``stages_above``: the stages were searched only at the device
-    counts above it (the default search's stages, across nodes)."""
+    counts above it (the default search's stages, across nodes). ``idle``: asked axes
+    that gave no problem, and why (:func:`idle_axes`); they count as not searched."""
     from tensoropt.search.driver import Axis
 
-    searched = [a.value for a in Axis if a in axes]
+    idle = idle or {}
+    searched = [a.value for a in Axis if a in axes and a not in idle]
     left = [a.value for a in Axis if a not in axes]
     where = ""
     if Axis.STAGES in axes and stages_above:
@@ -565,10 +569,12 @@ def axes_line(axes, stages_above: int = 0) -> str:
             f" (stages above {stages_above} devices: across nodes, each pipeline's "
             "micro-batches within it; --stages 1 leaves them out)"
         )
+    empty = "".join(f"; {a.value} has no plan here: {why}" for a, why in idle.items())
     if not left:
-        return "searched " + ",".join(searched) + where + " (every axis)"
+        every = "" if idle else " (every axis)"
+        return "searched " + ",".join(searched) + where + every + empty
     return (
-        f"searched {','.join(searched)}{where}; not searched: {', '.join(left)} "
+        f"searched {','.join(searched)}{where}{empty}; not searched: {', '.join(left)} "
         "(--axes all adds them; each multiplies the search time, see --help)"
     )
 

@@ -45,10 +45,17 @@ def step_options(args) -> dict:
 def search_document(sg, profile, exp, model_path: str, options: dict, band=None) -> dict:
     """The body of the search JSON (without ``schema``; see json_output.document).
     ``band``: the profile's ErrorBand (cost.accuracy), or None. The axes the search
-    explored (``exp.space``) are recorded as ``axes_searched``."""
+    explored (``exp.space``) are recorded as ``axes_searched``, those of them that gave
+    no problem as ``axes_idle``."""
     from tensoropt.cost.accuracy import near_ties
     from tensoropt.cost.summary import replicates_all
-    from tensoropt.search.driver import Axis, device_frontier, guarantee_of, reference_gaps
+    from tensoropt.search.driver import (
+        Axis,
+        device_frontier,
+        guarantee_of,
+        idle_axes,
+        reference_gaps,
+    )
     from tensoropt.search.merge import fewer_devices
 
     shared = exp.searches[0].unit_names if exp.searches else ()
@@ -94,6 +101,8 @@ def search_document(sg, profile, exp, model_path: str, options: dict, band=None)
         "guarantee": guarantee_of(exp),
         "memory_budget_bytes": exp.memory_budget,
         "axes_searched": [a.value for a in Axis if a in exp.space.axes],
+        # asked axes that gave no problem, and why (ZeRO at one device, ...)
+        "axes_idle": {a.value: why for a, why in idle_axes(exp).items()},
         # stages only at the device counts above this (the default's, across nodes); 0: all
         "stages_above_devices": exp.space.stages_above if Axis.STAGES in exp.space.axes else 0,
         "error_band": band.to_json() if band is not None else None,

@@ -262,6 +262,30 @@ PIPELINED_GUARANTEE = (
 )
 
 
+def idle_axes(exp) -> dict:
+    """{axis: why it has no problem in this search}, for the asked axes ZeRO,
+    recomputation and micro-batching that gave no problem (ZeRO at one device, a model
+    without blocks, no micro-batch count dividing the batch): the axes line must not
+    claim that plans using them were searched."""
+    axes, searches = exp.space.axes, exp.searches
+    idle = {}
+    if Axis.ZERO in axes and not any(s.variant.zero for s in searches):
+        if all(s.devices < 2 for s in searches):
+            idle[Axis.ZERO] = "it needs 2 devices or more"
+        else:
+            idle[Axis.ZERO] = "no unit can shard its parameters on these meshes"
+    if Axis.RECOMPUTE in axes and not any(s.variant.recompute for s in searches):
+        idle[Axis.RECOMPUTE] = "the model has no block to recompute"
+    if Axis.MICRO in axes and not any(s.variant.micro_batches > 1 for s in searches):
+        counts = ",".join(str(k) for k in exp.space.micro_batches if k > 1)
+        idle[Axis.MICRO] = (
+            f"no micro-batch count of {counts} divides the batch"
+            if counts
+            else "--micro-batches gives no count above 1"
+        )
+    return idle
+
+
 def guarantee_of(exp: Exploration) -> str:
     """What an exploration's frontier guarantees: exact or epsilon over every plan of its
     unpipelined problems (within the memory budget), and what its pipelined points are

@@ -355,6 +355,35 @@ def test_axes_lists_and_all(text, want):
         assert line.endswith("(every axis)")
 
 
+@pytest.mark.parametrize(
+    ("argv", "idle"),
+    [
+        (("--axes", "zero", "--devices", "1"), {"zero": "it needs 2 devices or more"}),
+        (
+            ("--axes", "micro", "--devices", "2", "--micro-batches", "1"),
+            {"micro": "--micro-batches gives no count above 1"},
+        ),
+        (("--axes", "zero,micro", "--devices", "2"), {}),
+    ],
+)
+def test_axes_that_give_no_problem_are_not_called_searched(zoo_file, capsys, argv, idle):
+    """An asked axis none of whose plans exists (ZeRO at one device, no micro-batch count
+    above 1) is named with its reason, and left out of the searched list, in the axes line
+    and as the JSON's axes_idle."""
+    path = zoo_file("mlp")
+    out = cli(capsys, "search", path, *argv)
+    assert out.code == 0, out.err
+    line = next(x for x in out.out.splitlines() if x.startswith("axes: "))
+    searched = line.removeprefix("axes: searched ").split(";")[0].split(" ")[0].split(",")
+    for axis, why in idle.items():
+        assert f"; {axis} has no plan here: {why};" in line, line
+        assert axis not in searched, line
+    if not idle:
+        assert "has no plan here" not in line and set(argv[1].split(",")) <= set(searched)
+    doc = json.loads(cli(capsys, "search", path, *argv, "--json").out)
+    assert doc["axes_idle"] == idle
+
+
 def test_axes_help_and_refusal_name_all(zoo_file, capsys):
     out = cli(capsys, "search", zoo_file("mlp"), "--devices", "2", "--axes", "everything")
     assert_bad_input(out, "search", "or all")
