@@ -227,7 +227,8 @@ def explore_from_args(args, devices):
         bar.describe("no device count finished yet")
 
         def tick(mesh):
-            bar.describe(f"last finished: {mesh.size} devices, mesh {mesh_label(mesh.shape)}")
+            devices = _plural(mesh.size, "device")
+            bar.describe(f"last finished: {devices}, mesh {mesh_label(mesh.shape)}")
 
         try:
             exp = explore(
