@@ -4,7 +4,8 @@ Pre: a path to an ONNX model (weights inline or as external data; external-data
 locations must stay inside the model's directory, see ``ir/external.py``).
 Post: an ``onnx_ir.Model`` at ai.onnx opset >= 20 whose every value has a static
 shape and dtype, whose nodes all have unique names and carry
-``tensoropt.role=forward`` / ``tensoropt.unit=<own name>`` metadata.
+``tensoropt.role=forward`` / ``tensoropt.unit=<own name>`` metadata, and which holds no
+fused ``Attention`` or ``RMSNormalization`` (rewritten by ``ir/canonical.py``).
 
 ``load_weights=False`` leaves external-data weights on disk (planning needs only
 shapes), so paper-size models are searched without their weights in memory.
@@ -26,6 +27,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from tensoropt.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
+from tensoropt.ir.canonical import canonicalize
 from tensoropt.ir.external import check_extents, check_locations
 from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY, Role
 
@@ -329,6 +331,9 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
         )
     _retie_transposed_copies(graph)
     _add_dropout_masks(graph)
+    for what, count in canonicalize(graph, path).items():
+        if count:
+            log.info("%s: %d %s rewritten (ir/canonical.py)", path, count, what)
     _name_and_tag(graph)
     if options.supported_ops is not None:
         _check_supported(graph, options.supported_ops, path)

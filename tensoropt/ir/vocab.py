@@ -19,6 +19,9 @@ PARAM_KEY = "tensoropt.param"  # optimizer node metadata: the parameter it updat
 # conversion node metadata: the phase ("forward", "backward") of the reads a ZeRO-3
 # parameter's all-gather serves; the runtime runs it just before them
 ZERO_GATHER_KEY = "tensoropt.zero_gather"
+# initializer metadata: a constant the importer made (ir/canonical.py), not one of the
+# file's; what the user is told about the file's initializers leaves it out
+MADE_KEY = "tensoropt.made"
 
 COLLECTIVE_DOMAIN = "ai.tensoropt"  # the ONNX domain of collectives and conversions
 

@@ -14,7 +14,9 @@ an initializer whose ``pkg.torch.export.graph_signature.InputSpec.kind`` is not
 ``PARAMETER`` (a buffer such as BatchNorm statistics or ``inv_freq``) is frozen,
 and so is a constant the exporter folded from a ``sin``/``cos`` node (recorded in
 ``pkg.onnxscript.optimizer.folded_from``: rotary tables whose Sin/Cos were folded
-away). See docs/design/exports.md.
+away), and so is one folded from a computation that read an activation (only its
+shape can have been read: the attention scale of an opset-20 export of
+``scaled_dot_product_attention``). See docs/design/exports.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tensoropt.errors import NoTrainableParamsError, TensorOptError
+from tensoropt.ir.vocab import MADE_KEY
 from tensoropt.passes.autodiff import is_float
 
 # op_type -> input slots that never carry a trained gradient by policy.
@@ -61,6 +64,7 @@ _MASK_THRESHOLD = -1e4
 _TORCH_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 _FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
 _FOLDED_TABLE = re.compile(r"'(sin|cos)(_\d+)?'")
+_FOLDED_NAME = re.compile(r"'([^']*)'")  # the names of the list folded_from records
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +75,15 @@ class TrainableSelection:
     frozen: tuple[str, ...]
 
     def summary(self, graph: ir.Graph) -> str:
-        """One line for the user: what is trained and which float initializers are not
-        (integer initializers are shapes and indices: never trainable, not counted).
-        ``graph`` is the whole model's: the counts are global, not per device."""
+        """One line for the user: what is trained and which float initializers of the
+        file are not (integer initializers are shapes and indices: never trainable, not
+        counted; nor are the constants the importer made, ``MADE_KEY``). ``graph`` is
+        the whole model's: the counts are global, not per device."""
         elements = sum(int(np.prod(graph.initializers[n].shape.numpy())) for n in self.trained)
-        kept = sum(is_float(graph.initializers[n]) for n in self.frozen)
+        kept = sum(
+            is_float(v) and MADE_KEY not in v.metadata_props
+            for v in (graph.initializers[n] for n in self.frozen)
+        )
         line = f"training {len(self.trained)} parameters ({elements:,} elements, whole model)"
         if kept:
             line += (
@@ -108,13 +116,20 @@ def _is_mask(value: ir.Value) -> bool:
     return bool(array.size) and bool(np.any((array <= _MASK_THRESHOLD) | np.isinf(array)))
 
 
-def _not_a_torch_parameter(value: ir.Value) -> bool:
-    """The exporter says ``value`` is a buffer, or was folded from Sin/Cos (a table)."""
+def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
+    """The exporter says ``value`` is a buffer, or was folded from Sin/Cos (a table), or
+    was folded from a computation that read an activation (a value some node of the
+    graph makes, in ``produced``): no parameter is a function of an activation, so only
+    the activation's shape was read, e.g. ``1 / sqrt(q.shape[-1])``, the attention
+    scale an opset-20 export of ``scaled_dot_product_attention`` folds into a [1]
+    constant."""
     kind = value.metadata_props.get(_TORCH_KIND_KEY)
     if kind is not None and kind != "PARAMETER":
         return True
     folded = value.metadata_props.get(_FOLDED_FROM_KEY, "")
-    return bool(_FOLDED_TABLE.search(folded))
+    if _FOLDED_TABLE.search(folded):
+        return True
+    return any(name in produced for name in _FOLDED_NAME.findall(folded))
 
 
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
@@ -138,6 +153,7 @@ def select_trainable(
 ) -> TrainableSelection:
     """Apply the default policy, then the ``--trainable``/``--freeze`` overrides."""
     reached = _reaches_loss(graph, loss_sources, non_diff)
+    produced = {v.name for node in graph for v in node.outputs if v.name}
     force_on = _compile(trainable, "--trainable")
     force_off = _compile(freeze, "--freeze")
     trained, frozen = [], []
@@ -149,7 +165,7 @@ def select_trainable(
             and len(value.shape) >= 1
             and value in reached
             and not _is_mask(value)
-            and not _not_a_torch_parameter(value)
+            and not _not_a_torch_parameter(value, produced)
         )
         on = default or bool(floaty and force_on and force_on.search(name))
         if force_off and force_off.search(name):

@@ -292,6 +292,58 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+# --- SDPA: the fused building blocks of current torch models ---------------------------
+
+
+class SdpaLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        d = dim // heads
+        self.norm_1 = nn.RMSNorm(dim, eps=1e-6)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * d, bias=False)
+        self.v = nn.Linear(dim, kv_heads * d, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.norm_2 = nn.RMSNorm(dim, eps=1e-6)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def attn(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        d = c // self.heads
+        q = self.q(x).view(b, t, self.heads, d).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, d).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, d).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x))
+        return x + self.down(F.silu(self.up(self.norm_2(x))))
+
+
+class Sdpa(nn.Module):
+    """``F.scaled_dot_product_attention`` (causal, grouped-query: 4 query heads share 2
+    key/value heads) and ``nn.RMSNorm``: exported at opset 20 as primitive ops, at opset
+    23 as ``Attention`` and ``RMSNormalization``."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=4, kv_heads=2, layers=2, hidden=48):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            [SdpaLayer(dim, heads, kv_heads, hidden) for _ in range(layers)]
+        )
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
 # --- ResNet ----------------------------------------------------------------------------
 
 
@@ -368,6 +420,7 @@ class Case:
     inputs: Callable[[torch.Generator], dict[str, torch.Tensor]]
     loss: str  # "ce": logits [..., C] against int64 labels
     reference: Callable[[nn.Module], nn.Module] = lambda m: m  # what the export holds
+    opset: int | None = None  # the exporter's default when None
 
     def model(self) -> nn.Module:
         """The seeded model in eval() mode (how exports for inference are made)."""
@@ -432,6 +485,8 @@ CASES: dict[str, Case] = {
             "ce",
             fuse_batchnorm,
         ),
+        Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g)}, "ce"),
+        Case("sdpa23", Sdpa, lambda g: {"input_ids": _ids(g)}, "ce", opset=23),
     )
 }
 
@@ -448,4 +503,5 @@ def export(case: Case, path: str, *, train_mode: bool = False) -> None:
         input_names=list(inputs),
         dynamo=True,
         external_data=False,
+        **({} if case.opset is None else {"opset_version": case.opset}),
     )

@@ -1,6 +1,8 @@
 """tensoropt on real ``torch.onnx.export(dynamo=True)`` output of standard architectures.
 
-For GPT-2, BERT, ViT, Llama and ResNet style models (tests/exports/models.py):
+For GPT-2, BERT, ViT, Llama and ResNet style models, and a model of
+``scaled_dot_product_attention`` and ``nn.RMSNorm`` exported at opsets 20 and 23
+(tests/exports/models.py):
 
 * the training step's loss equals torch's, and the gradient of every trained
   initializer equals torch autograd's gradient of the parameter it came from
@@ -48,6 +50,8 @@ MEGATRON_NOTES = {
     "vit": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "llama": ("2 MLP and 2 attention blocks",),
     "resnet": ("no attention or MLP block found",),
+    "sdpa": ("2 MLP and 2 attention blocks",),
+    "sdpa23": ("2 MLP and 2 attention blocks",),
 }
 
 
@@ -171,6 +175,26 @@ def test_compiled_plan_verifies(name, plan, mesh, exported, tmp_path):
     assert report is not None and len(report.per_step) == 3
     assert report.max_rel_error_loss <= 1e-4, report.to_json()
     assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+@pytest.mark.slow
+def test_two_spellings_of_one_model_plan_alike(exported, tmp_path):
+    """The opset-20 export (primitive ops, its key transposed through a [B*H, S, d]
+    reshape) and the opset-23 export (Attention, RMSNormalization) of one model compile
+    to the same collectives under Megatron: heads split, no all-to-all, and no gradient
+    all-reduce of a folded attention scale (which is not trained)."""
+    from collections import Counter
+
+    from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
+
+    kinds = {}
+    for name in ("sdpa", "sdpa23"):
+        out = tmp_path / name
+        compile_model(onnx.load(str(exported(name))), "megatron", "2", out)
+        nodes = onnx.load(str(out / "device_0.onnx"), load_external_data=False).graph.node
+        kinds[name] = Counter(n.op_type for n in nodes if n.domain == COLLECTIVE_DOMAIN)
+    assert kinds["sdpa"] == kinds["sdpa23"], kinds
+    assert set(kinds["sdpa"]) == {"AllReduce"}, kinds
 
 
 @pytest.mark.parametrize(("name", "plan", "mesh"), list(_plan_cases(splits=False)))

@@ -1,0 +1,433 @@
+"""Import-time rewrites into the one vocabulary every pass understands.
+
+Two spellings of the same computation should plan alike. :func:`canonicalize` rewrites:
+
+- **Fused ops of newer opsets** (:func:`decompose_fused`).
+  ``torch.onnx.export(..., opset_version=23)`` (and later) emits ``Attention`` for
+  ``scaled_dot_product_attention`` and ``RMSNormalization`` for ``nn.RMSNorm``; opset 20
+  exports spell both out as MatMul, Softmax, ReduceMean and friends. They become those
+  primitives, so that the gradient table, the sharding rules and the cost model see one
+  vocabulary, and a plan splits an attention's heads or batch as it splits the opset-20
+  export of the same model.
+- **Transposes through merged dimensions** (:func:`fold_merged_transposes`). Opset-20
+  exports transpose a 4-D key as ``Reshape`` to [B*H, S, d], ``Transpose`` of the last
+  two, ``Reshape`` back to [B, H, d, S] (a grouped-query key: [B, Hkv, g, S, d] to
+  [B*Hkv*g, S, d] and back to [B, Hkv*g, d, S]). Merging B and H hides the head
+  dimension: a plan that splits heads (Megatron) cannot split the merged one in blocks
+  and pays an all-to-all each way. The chain becomes the Transpose it computes (and a
+  Reshape that merges only the head dimensions).
+
+Pre: a graph whose values have static shapes and dtypes (after shape inference).
+Post: no ``Attention`` or ``RMSNormalization`` node; no Reshape-Transpose-Reshape chain
+that merges leading dimensions, keeps them first and splits them back into runs of
+them; every
+value made here has its static shape and dtype; the constants made here are rank 0,
+shapes, or additive masks (values at the dtype's lowest), which the trainable policy
+never trains (``passes/trainable.py``). A fused node whose form has no primitive
+spelling here (a key/value cache, extra outputs, a sequence-shortened mask) raises
+:class:`UnsupportedOpError` naming the node and what to change.
+
+Numerics: the primitives compute what the ONNX definition computes, in its order
+(``Q*sqrt(scale)``, ``K*sqrt(scale)``, MatMul, softcap, mask, Softmax, MatMul;
+``X / Sqrt(ReduceMean(X*X) + epsilon) * scale``), checked against onnxruntime's fused
+kernels in ``tests/ir/test_canonical.py``. A masked position gets the dtype's lowest
+finite value, as opset-20 exports do, not ``-inf``: a query row whose every key is
+masked then attends uniformly instead of giving zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tensoropt.errors import UnsupportedOpError
+from tensoropt.ir.vocab import MADE_KEY
+
+FUSED = frozenset({"Attention", "RMSNormalization"})
+
+
+def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
+    """Every rewrite of this module on ``graph``, in place; how many of each were made."""
+    return {
+        "fused ops": decompose_fused(graph, path),
+        "merged transposes": fold_merged_transposes(graph),
+    }
+
+
+def fold_merged_transposes(graph: ir.Graph) -> int:
+    """Replace each Reshape -> Transpose -> Reshape chain that merges the leading
+    dimensions G of x into one, transposes the rest with that one kept first, and
+    splits it back into dimensions L that merge runs of G (G itself, or e.g. [B, Hkv*g]
+    for [B, Hkv, g]), by the Transpose of x it computes, then a Reshape merging G into
+    L where L is not G. The chain's inner values stay while something else reads them.
+    Returns the chains replaced."""
+    b = _Builder(graph)
+    done = 0
+    for first in list(graph):
+        if first.op_type != "Reshape" or first.graph is None:
+            continue
+        x, merged = first.inputs[0], first.outputs[0]
+        users = [u for u, _ in merged.uses()]
+        if len(users) != 1 or users[0].op_type != "Transpose" or merged.is_graph_output():
+            continue
+        transpose = users[0]
+        turned = transpose.outputs[0]
+        later = [u for u, _ in turned.uses()]
+        if len(later) != 1 or later[0].op_type != "Reshape" or turned.is_graph_output():
+            continue
+        second = later[0]
+        out = second.outputs[0]
+        xs, ms, os_ = _shape(x), _shape(merged), _shape(out)
+        group = _leading_group(xs, ms)
+        perm = _perm(transpose, len(ms))
+        if group is None or perm[0] != 0:
+            continue
+        rest = [xs[group + i - 1] for i in perm[1:]]
+        lead = os_[: len(os_) - len(rest)]
+        if os_[len(lead) :] != rest or not _merges_runs(xs[:group], lead):
+            continue
+        full = list(range(group)) + [group + i - 1 for i in perm[1:]]
+        b.at(second)
+        new = b.op("Transpose", [x], xs[:group] + rest, out.dtype, "unmerged", perm=full)
+        if lead != xs[:group]:
+            to = b.const(np.array(os_, dtype=np.int64), "shape")
+            new = b.op("Reshape", [new, to], os_, out.dtype, "regrouped")
+        ir.convenience.replace_all_uses_with(out, new, replace_graph_outputs=True)
+        graph.remove(second, safe=True)
+        new.name = out.name
+        for dead in (transpose, first):
+            if not any(o.uses() or o.is_graph_output() for o in dead.outputs):
+                graph.remove(dead, safe=True)
+        done += 1
+    return done
+
+
+def _merges_runs(dims: list[int], lead: list[int]) -> bool:
+    """Whether ``lead`` is ``dims`` with runs of consecutive dimensions merged."""
+    k = 0
+    for want in lead:
+        got = 1
+        while k < len(dims) and got < want:
+            got *= dims[k]
+            k += 1
+        if got != want:
+            return False
+    while k < len(dims) and dims[k] == 1:
+        k += 1
+    return k == len(dims)
+
+
+def _perm(node: ir.Node, rank: int) -> list[int]:
+    a = node.attributes.get("perm")
+    return list(range(rank))[::-1] if a is None else [int(p) for p in a.value]
+
+
+def _leading_group(xs: list[int], ms: list[int]) -> int | None:
+    """g > 1 when ``ms`` is ``xs`` with its first g dimensions merged into one
+    (``ms == [prod(xs[:g])] + xs[g:]``), else None."""
+    g = len(xs) - len(ms) + 1
+    if g < 2 or ms[1:] != xs[g:] or ms[0] != math.prod(xs[:g]):
+        return None
+    return g
+
+
+def decompose_fused(graph: ir.Graph, path: str) -> int:
+    """Rewrite every ``Attention`` and ``RMSNormalization`` node of ``graph`` in place;
+    return how many were rewritten."""
+    todo = [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in FUSED]
+    if not todo:
+        return 0
+    b = _Builder(graph)
+    for node in todo:
+        b.at(node)
+        if node.op_type == "RMSNormalization":
+            out = _rms_norm(b, node, path)
+        else:
+            out = _attention(b, node, path)
+        old = node.outputs[0]
+        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        out.name = old.name  # the graph keeps its value names
+    return len(todo)
+
+
+class _Builder:
+    """Makes nodes before one node of the graph, with named, shaped outputs."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.names = {v.name for n in graph for v in (*n.inputs, *n.outputs) if v is not None}
+        self.names |= set(graph.initializers) | {v.name for v in graph.inputs}
+        self.anchor: ir.Node | None = None
+        self.prefix = ""
+        self.count = 0
+        self._consts: dict[tuple, ir.Value] = {}
+
+    def at(self, node: ir.Node) -> None:
+        self.anchor, self.prefix, self.count = node, node.name or node.op_type, 0
+
+    def _name(self, hint: str) -> str:
+        name = f"{self.prefix}__{hint}"
+        while name in self.names:
+            self.count += 1
+            name = f"{self.prefix}__{hint}_{self.count}"
+        self.names.add(name)
+        return name
+
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value],
+        shape: Sequence[int],
+        dtype: ir.DataType,
+        hint: str,
+        **attrs,
+    ) -> ir.Value:
+        out = ir.Value(name=self._name(hint), shape=ir.Shape(list(shape)))
+        out.type = ir.TensorType(dtype)
+        node = ir.Node(
+            "",
+            op_type,
+            list(inputs),
+            [_attr(k, v) for k, v in attrs.items()],
+            outputs=[out],
+            name=self._name(f"{hint}_node"),
+        )
+        assert self.anchor is not None
+        self.graph.insert_before(self.anchor, node)
+        return out
+
+    def const(self, array: np.ndarray, hint: str) -> ir.Value:
+        """An initializer holding ``array``, shared by equal constants."""
+        key = (array.dtype.str, array.shape, array.tobytes())
+        found = self._consts.get(key)
+        if found is None:
+            name = self._name(hint)
+            found = ir.Value(name=name, shape=ir.Shape(list(array.shape)))
+            found.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+            found.const_value = ir.tensor(array, name=name)
+            found.metadata_props[MADE_KEY] = "import"
+            self.graph.register_initializer(found)
+            self._consts[key] = found
+        return found
+
+
+def _attr(name: str, value) -> ir.Attr:
+    if isinstance(value, (list, tuple)):
+        return ir.AttrInt64s(name, [int(v) for v in value])
+    if isinstance(value, float):
+        return ir.AttrFloat32(name, value)
+    return ir.AttrInt64(name, int(value))
+
+
+def _shape(v: ir.Value) -> list[int]:
+    return [int(d) for d in v.shape]
+
+
+def _np_dtype(dtype: ir.DataType) -> np.dtype:
+    return np.dtype(dtype.numpy())
+
+
+def _int(node: ir.Node, name: str, default: int) -> int:
+    a = node.attributes.get(name)
+    return default if a is None else int(a.value)
+
+
+def _float(node: ir.Node, name: str, default: float | None) -> float | None:
+    a = node.attributes.get(name)
+    return default if a is None else float(a.value)
+
+
+_REEXPORT = "re-export with opset 20, where the exporter spells it out in primitive ops"
+
+
+def _refuse(node: ir.Node, path: str, why: str, fix: str = _REEXPORT) -> UnsupportedOpError:
+    return UnsupportedOpError(f"{path}: {node.op_type} node {node.name!r}: {why}; {fix}")
+
+
+def _rms_norm(b: _Builder, node: ir.Node, path: str) -> ir.Value:
+    x, scale = node.inputs[0], node.inputs[1]
+    shape, dtype = _shape(x), x.dtype
+    rank = len(shape)
+    axis = _int(node, "axis", -1)
+    axis = axis + rank if axis < 0 else axis
+    epsilon = _float(node, "epsilon", 1e-5)
+    stash = _int(node, "stash_type", 1)
+    if not 0 <= axis < rank:
+        raise _refuse(node, path, f"axis {_int(node, 'axis', -1)} is outside rank {rank}")
+    work = ir.DataType(stash)
+    if work != dtype:  # stage one runs in the stash type, then casts back
+        x = b.op("Cast", [x], shape, work, "x_stash", to=int(work))
+    kept = [d if i < axis else 1 for i, d in enumerate(shape)]
+    square = b.op("Mul", [x, x], shape, work, "square")
+    axes = b.const(np.arange(axis, rank, dtype=np.int64), "axes")
+    mean = b.op("ReduceMean", [square, axes], kept, work, "mean_square", keepdims=1)
+    eps = b.const(np.array(epsilon, dtype=_np_dtype(work)), "epsilon")
+    rms = b.op("Sqrt", [b.op("Add", [mean, eps], kept, work, "plus_epsilon")], kept, work, "rms")
+    normal = b.op("Div", [x, rms], shape, work, "normalized")
+    if work != dtype:
+        normal = b.op("Cast", [normal], shape, dtype, "normalized_cast", to=int(dtype))
+    out_type = scale.dtype if scale.dtype is not None else dtype
+    return b.op("Mul", [normal, scale], shape, out_type, "scaled")
+
+
+def _attention(b: _Builder, node: ir.Node, path: str) -> ir.Value:
+    inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
+    q, k, v, mask, past_key, past_value, nonpad = inputs[:7]
+    if past_key is not None or past_value is not None or nonpad is not None:
+        raise _refuse(
+            node,
+            path,
+            "a key/value cache (past_key, past_value or nonpad_kv_seqlen) is inference state",
+            "export the model for training without a cache",
+        )
+    used = [i for i, o in enumerate(node.outputs) if i and (o.uses() or o.is_graph_output())]
+    if used:
+        raise _refuse(
+            node,
+            path,
+            "its outputs present_key, present_value or qk_matmul_output are used",
+            "export the model without them",
+        )
+    dtype = q.dtype
+    three_d = len(q.shape) == 3
+    if three_d:
+        hq, hkv = _int(node, "q_num_heads", 0), _int(node, "kv_num_heads", 0)
+        if hq <= 0 or hkv <= 0:
+            raise _refuse(node, path, "3-D inputs need q_num_heads and kv_num_heads")
+        q4 = _heads(b, q, hq, "q")
+        k4 = _heads(b, k, hkv, "k")
+        v4 = _heads(b, v, hkv, "v")
+    else:
+        q4, k4, v4 = q, k, v
+    bsz, hq, sq, d = _shape(q4)
+    _, hkv, skv, _ = _shape(k4)
+    dv = _shape(v4)[3]
+    if hq % hkv:
+        raise _refuse(node, path, f"{hq} query heads are not a multiple of {hkv} key heads")
+    if hq != hkv:  # grouped-query: each key/value head serves hq/hkv query heads in turn
+        k4 = _repeat_heads(b, k4, hq // hkv, "k")
+        v4 = _repeat_heads(b, v4, hq // hkv, "v")
+    scale = _float(node, "scale", None)
+    root = math.sqrt(1.0 / math.sqrt(d) if scale is None else scale)
+    npd = _np_dtype(dtype)
+    s = b.const(np.array(root, dtype=npd), "sqrt_scale")
+    kt = b.op("Transpose", [k4], [bsz, hq, d, skv], dtype, "k_transposed", perm=[0, 1, 3, 2])
+    scores_shape = [bsz, hq, sq, skv]
+    scores = b.op(
+        "MatMul",
+        [
+            b.op("Mul", [q4, s], [bsz, hq, sq, d], dtype, "q_scaled"),
+            b.op("Mul", [kt, s], [bsz, hq, d, skv], dtype, "k_scaled"),
+        ],
+        scores_shape,
+        dtype,
+        "scores",
+    )
+    softcap = _float(node, "softcap", 0.0) or 0.0
+    if softcap:
+        c = b.const(np.array(softcap, dtype=npd), "softcap")
+        ratio = b.op("Div", [scores, c], scores_shape, dtype, "capped_ratio")
+        scores = b.op(
+            "Mul",
+            [b.op("Tanh", [ratio], scores_shape, dtype, "capped_tanh"), c],
+            scores_shape,
+            dtype,
+            "capped",
+        )
+    lowest = np.finfo(npd).min
+    bias = _window_bias(node, sq, skv, npd, lowest)
+    if bias is not None:
+        scores = b.op("Add", [scores, b.const(bias, "causal_bias")], scores_shape, dtype, "biased")
+    if mask is not None:
+        scores = _apply_mask(b, node, path, scores, mask, scores_shape, skv, lowest)
+    precision = _int(node, "softmax_precision", 0)
+    if precision and ir.DataType(precision) != dtype:
+        work = ir.DataType(precision)
+        wide = b.op("Cast", [scores], scores_shape, work, "scores_cast", to=precision)
+        probs = b.op("Softmax", [wide], scores_shape, work, "probs_wide", axis=-1)
+        probs = b.op("Cast", [probs], scores_shape, dtype, "probs", to=int(dtype))
+    else:
+        probs = b.op("Softmax", [scores], scores_shape, dtype, "probs", axis=-1)
+    y = b.op("MatMul", [probs, v4], [bsz, hq, sq, dv], dtype, "attended")
+    if three_d:
+        t = b.op("Transpose", [y], [bsz, sq, hq, dv], dtype, "y_heads", perm=[0, 2, 1, 3])
+        to = b.const(np.array([bsz, sq, hq * dv], dtype=np.int64), "y_shape")
+        y = b.op("Reshape", [t, to], [bsz, sq, hq * dv], dtype, "y")
+    return y
+
+
+def _heads(b: _Builder, x: ir.Value, heads: int, hint: str) -> ir.Value:
+    """[B, S, H*d] -> [B, H, S, d]."""
+    bsz, seq, hidden = _shape(x)
+    d = hidden // heads
+    to = b.const(np.array([bsz, seq, heads, d], dtype=np.int64), f"{hint}_heads_shape")
+    split = b.op("Reshape", [x, to], [bsz, seq, heads, d], x.dtype, f"{hint}_split")
+    to_heads = [bsz, heads, seq, d]
+    return b.op("Transpose", [split], to_heads, x.dtype, f"{hint}_heads", perm=[0, 2, 1, 3])
+
+
+def _repeat_heads(b: _Builder, x: ir.Value, group: int, hint: str) -> ir.Value:
+    """[B, Hkv, S, d] -> [B, Hkv*group, S, d], each head repeated ``group`` times in turn."""
+    bsz, h, seq, d = _shape(x)
+    one = b.const(np.array([2], dtype=np.int64), "axis_2")
+    wide = b.op("Unsqueeze", [x, one], [bsz, h, 1, seq, d], x.dtype, f"{hint}_unsqueezed")
+    full = b.const(np.array([bsz, h, group, seq, d], dtype=np.int64), f"{hint}_group_shape")
+    grouped = b.op("Expand", [wide, full], [bsz, h, group, seq, d], x.dtype, f"{hint}_grouped")
+    to = b.const(np.array([bsz, h * group, seq, d], dtype=np.int64), f"{hint}_repeat_shape")
+    return b.op("Reshape", [grouped, to], [bsz, h * group, seq, d], x.dtype, f"{hint}_repeated")
+
+
+def _window_bias(node: ir.Node, sq: int, skv: int, npd, lowest) -> np.ndarray | None:
+    """The additive [Sq, Skv] bias of ``is_causal`` and the sliding windows (no cache:
+    offset 0, query i attends key j iff j <= i), or None when neither is set."""
+    causal = bool(_int(node, "is_causal", 0))
+    left, right = _int(node, "left_window_size", -1), _int(node, "right_window_size", -1)
+    if not causal and left < 0 and right < 0:
+        return None
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    allowed = np.ones((sq, skv), dtype=bool)
+    if causal:
+        allowed &= j <= i
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    return np.where(allowed, 0.0, lowest).astype(npd)
+
+
+def _apply_mask(
+    b: _Builder,
+    node: ir.Node,
+    path: str,
+    scores: ir.Value,
+    mask: ir.Value,
+    shape: list[int],
+    skv: int,
+    lowest,
+) -> ir.Value:
+    dims = _shape(mask)
+    if not dims or dims[-1] != skv:
+        raise _refuse(
+            node,
+            path,
+            f"attn_mask {mask.name!r} of shape {dims} does not cover the {skv} keys",
+            "give the mask the keys' full length",
+        )
+    dtype = scores.dtype
+    if mask.dtype == ir.DataType.BOOL:
+        low = b.const(np.array(lowest, dtype=_np_dtype(dtype)), "masked")
+        return b.op("Where", [mask, scores, low], shape, dtype, "masked_scores")
+    if mask.dtype != dtype:
+        raise _refuse(
+            node,
+            path,
+            f"attn_mask {mask.name!r} is {mask.dtype.name}, neither bool nor the scores' "
+            f"{dtype.name}",
+            "export a boolean or an additive float mask",
+        )
+    return b.op("Add", [scores, mask], shape, dtype, "masked_scores")

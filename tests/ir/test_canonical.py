@@ -1,0 +1,200 @@
+"""Fused Attention and RMSNormalization (opset 23+) rewritten into primitive ops at import:
+the rewritten graph computes what onnxruntime's fused kernels compute, and what the
+rewrite cannot spell is refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+
+from tensoropt.errors import UnsupportedOpError
+from tensoropt.ir.canonical import FUSED
+from tensoropt.ir.importer import export_model, import_model
+
+
+def _model(node, inputs, output_type, opset, initializers=()):
+    graph = h.make_graph(
+        [node], "g", inputs, [h.make_tensor_value_info("y", output_type, None)], list(initializers)
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["y"], feeds)[0]
+
+
+def _both(tmp_path, model, feeds):
+    """(fused output, rewritten output), both from onnxruntime; the rewritten graph has no
+    fused node left."""
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    assert not FUSED & {n.op_type for n in rewritten.graph.node}
+    onnx.checker.check_model(rewritten, full_check=True)
+    return _run(model, feeds), _run(rewritten, feeds)
+
+
+def _attention_case(attrs, qs, ks, vs, mask=None, opset=23, seed=0):
+    rng = np.random.default_rng(seed)
+    names = ["q", "k", "v"]
+    shapes = dict(zip(names, (qs, ks, vs), strict=True))
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    inputs = [h.make_tensor_value_info(n, T.FLOAT, s) for n, s in shapes.items()]
+    if mask is not None:
+        inputs.append(
+            h.make_tensor_value_info(
+                "m", onnx.helper.np_dtype_to_tensor_dtype(mask.dtype), mask.shape
+            )
+        )
+        feeds["m"] = mask
+        names.append("m")
+    node = h.make_node("Attention", names, ["y"], name="attn", **attrs)
+    return _model(node, inputs, T.FLOAT, opset), feeds
+
+
+_RNG = np.random.default_rng(1)
+_BOOL = _RNG.random((6, 6)) > 0.4
+np.fill_diagonal(_BOOL, True)  # every query keeps a key
+ATTENTION_CASES = {
+    "causal": ({"is_causal": 1}, [2, 4, 6, 8], [2, 4, 6, 8], [2, 4, 6, 8], None),
+    "grouped causal": ({"is_causal": 1}, [2, 4, 6, 8], [2, 2, 6, 8], [2, 2, 6, 8], None),
+    "multi-query": ({}, [2, 4, 6, 8], [2, 1, 6, 8], [2, 1, 6, 8], None),
+    "3-D grouped": (
+        {"q_num_heads": 4, "kv_num_heads": 2, "is_causal": 1},
+        [2, 6, 32],
+        [2, 6, 16],
+        [2, 6, 12],
+        None,
+    ),
+    "cross, scale and softcap": (
+        {"softcap": 2.0, "scale": 0.3},
+        [2, 4, 6, 8],
+        [2, 4, 9, 8],
+        [2, 4, 9, 5],
+        None,
+    ),
+    "causal cross": ({"is_causal": 1}, [2, 4, 6, 8], [2, 4, 9, 8], [2, 4, 9, 8], None),
+    "bool mask": ({}, [2, 4, 6, 8], [2, 4, 6, 8], [2, 4, 6, 8], _BOOL),
+    "float mask": (
+        {"is_causal": 1},
+        [2, 4, 6, 8],
+        [2, 4, 6, 8],
+        [2, 4, 6, 8],
+        _RNG.standard_normal((2, 1, 6, 6)).astype(np.float32),
+    ),
+    "softmax precision": ({"softmax_precision": 1}, [1, 2, 5, 4], [1, 2, 5, 4], [1, 2, 5, 4], None),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_matches_the_fused_kernel(tmp_path, case):
+    attrs, qs, ks, vs, mask = ATTENTION_CASES[case]
+    fused, ours = _both(tmp_path, *_attention_case(attrs, qs, ks, vs, mask))
+    assert fused.shape == ours.shape
+    np.testing.assert_allclose(ours, fused, rtol=1e-5, atol=1e-6)
+
+
+def test_sliding_windows_of_opset_25_match_the_fused_kernel(tmp_path):
+    for attrs in (
+        {"left_window_size": 2, "is_causal": 1},
+        {"left_window_size": 1, "right_window_size": 2},
+    ):
+        model, feeds = _attention_case(attrs, [2, 2, 7, 4], [2, 2, 7, 4], [2, 2, 7, 4], opset=25)
+        fused, ours = _both(tmp_path, model, feeds)
+        np.testing.assert_allclose(ours, fused, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis", "scale_shape", "dtype"),
+    [
+        ([2, 6, 16], -1, [16], T.FLOAT),
+        ([2, 6, 4, 4], 2, [4, 4], T.FLOAT),
+        ([3, 8], -1, [8], T.FLOAT16),  # stage one in float32 (stash_type 1), then back
+    ],
+)
+def test_rms_normalization_matches_the_fused_kernel(tmp_path, shape, axis, scale_shape, dtype):
+    rng = np.random.default_rng(2)
+    npd = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    scale = onnx.numpy_helper.from_array(
+        (1 + 0.1 * rng.standard_normal(scale_shape)).astype(npd), "w"
+    )
+    node = h.make_node("RMSNormalization", ["x", "w"], ["y"], name="norm", axis=axis, epsilon=1e-3)
+    model = _model(node, [h.make_tensor_value_info("x", dtype, shape)], dtype, 23, [scale])
+    feeds = {"x": rng.standard_normal(shape).astype(npd)}
+    fused, ours = _both(tmp_path, model, feeds)
+    tol = 1e-3 if dtype == T.FLOAT16 else 1e-6
+    np.testing.assert_allclose(
+        ours.astype(np.float32), fused.astype(np.float32), rtol=tol, atol=tol
+    )
+
+
+def test_what_has_no_primitive_spelling_is_refused(tmp_path):
+    past = [h.make_tensor_value_info(n, T.FLOAT, [1, 2, 3, 4]) for n in ("q", "k", "v", "pk", "pv")]
+    node = h.make_node(
+        "Attention", ["q", "k", "v", "", "pk", "pv"], ["y", "pk2", "pv2"], name="att"
+    )
+    graph = h.make_graph(
+        [node],
+        "g",
+        past,
+        [h.make_tensor_value_info(n, T.FLOAT, None) for n in ("y", "pk2", "pv2")],
+    )
+    path = tmp_path / "cache.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]), path)
+    with pytest.raises(UnsupportedOpError, match="'att': a key/value cache .* without a cache"):
+        import_model(path)
+    mask = np.ones((6, 4), dtype=bool)  # shorter than the 6 keys
+    model, _ = _attention_case({}, [1, 2, 6, 4], [1, 2, 6, 4], [1, 2, 6, 4], mask)
+    onnx.save(model, path)
+    with pytest.raises(UnsupportedOpError, match="does not cover the 6 keys"):
+        import_model(path)
+
+
+def _chain(xs, merged, perm, out):
+    """x -> Reshape(merged) -> Transpose(perm) -> Reshape(out) -> y."""
+    shapes = [
+        onnx.numpy_helper.from_array(np.array(merged, dtype=np.int64), "merged"),
+        onnx.numpy_helper.from_array(np.array(out, dtype=np.int64), "out"),
+    ]
+    nodes = [
+        h.make_node("Reshape", ["x", "merged"], ["m"], name="merge"),
+        h.make_node("Transpose", ["m"], ["t"], name="turn", perm=perm),
+        h.make_node("Reshape", ["t", "out"], ["y"], name="split"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, xs)],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        shapes,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize(
+    ("xs", "merged", "perm", "out", "ops"),
+    [
+        # a key transposed through [B*H, S, d]: one 4-D Transpose
+        ([2, 3, 4, 5], [6, 4, 5], [0, 2, 1], [2, 3, 5, 4], ["Transpose"]),
+        # a grouped-query key [B, Hkv, g, S, d] through [B*Hkv*g, S, d] to [B, Hkv*g, d, S]
+        ([2, 2, 3, 4, 5], [12, 4, 5], [0, 2, 1], [2, 6, 5, 4], ["Transpose", "Reshape"]),
+        # split back into other dimensions than runs of the merged ones: kept
+        ([2, 3, 4, 5], [6, 4, 5], [0, 2, 1], [3, 2, 5, 4], ["Reshape", "Transpose", "Reshape"]),
+        # the merged dimension moves: kept
+        ([2, 3, 4, 5], [6, 4, 5], [1, 0, 2], [4, 6, 5], ["Reshape", "Transpose", "Reshape"]),
+    ],
+)
+def test_transposes_through_merged_dimensions_are_unmerged(tmp_path, xs, merged, perm, out, ops):
+    model = _chain(xs, merged, perm, out)
+    path = tmp_path / "chain.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    assert [n.op_type for n in rewritten.graph.node] == ops
+    onnx.checker.check_model(rewritten, full_check=True)
+    x = {"x": np.random.default_rng(3).standard_normal(xs).astype(np.float32)}
+    np.testing.assert_array_equal(_run(rewritten, x), _run(model, x))
