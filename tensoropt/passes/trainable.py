@@ -16,7 +16,8 @@ and so is a constant the exporter folded from a ``sin``/``cos`` node (recorded i
 ``pkg.onnxscript.optimizer.folded_from``: rotary tables whose Sin/Cos were folded
 away), and so is one folded from a computation that read an activation (only its
 shape can have been read: the attention scale of an opset-20 export of
-``scaled_dot_product_attention``). See docs/design/exports.md.
+``scaled_dot_product_attention``) or from the exporter's anonymous ``val_N`` values
+alone (a ``torch.zeros`` made in forward). See docs/design/exports.md.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ _TORCH_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 _FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
 _FOLDED_TABLE = re.compile(r"'(sin|cos)(_\d+)?'")
 _FOLDED_NAME = re.compile(r"'([^']*)'")  # the names of the list folded_from records
+_ANONYMOUS = re.compile(r"val_\d+")  # the exporter's names for values torch did not name
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +124,22 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     graph makes, in ``produced``): no parameter is a function of an activation, so only
     the activation's shape was read, e.g. ``1 / sqrt(q.shape[-1])``, the attention
     scale an opset-20 export of ``scaled_dot_product_attention`` folds into a [1]
-    constant."""
+    constant; or folded from the exporter's anonymous values alone (``val_8``, ...), as a
+    ``torch.zeros(b, 1, t, t)`` mask base made in forward is."""
     kind = value.metadata_props.get(_TORCH_KIND_KEY)
     if kind is not None and kind != "PARAMETER":
         return True
     folded = value.metadata_props.get(_FOLDED_FROM_KEY, "")
+    if not folded:
+        return False
     if _FOLDED_TABLE.search(folded):
         return True
-    return any(name in produced for name in _FOLDED_NAME.findall(folded))
+    names = _FOLDED_NAME.findall(folded)
+    if any(name in produced for name in names):
+        return True
+    # folded from the exporter's own anonymous values alone (``torch.zeros(...)`` made in
+    # forward, shape arithmetic): a parameter would be named by its torch name
+    return bool(names) and all(_ANONYMOUS.fullmatch(name) for name in names)
 
 
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:

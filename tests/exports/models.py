@@ -309,24 +309,28 @@ class SdpaLayer(nn.Module):
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
 
-    def attn(self, x: torch.Tensor) -> torch.Tensor:
+    def attn(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, c = x.shape
         d = c // self.heads
         q = self.q(x).view(b, t, self.heads, d).transpose(1, 2)
         k = self.k(x).view(b, t, self.kv_heads, d).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, d).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
         return self.o(y.transpose(1, 2).reshape(b, t, c))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x), mask)
         return x + self.down(F.silu(self.up(self.norm_2(x))))
 
 
 class Sdpa(nn.Module):
-    """``F.scaled_dot_product_attention`` (causal, grouped-query: 4 query heads share 2
-    key/value heads) and ``nn.RMSNorm``: exported at opset 20 as primitive ops, at opset
-    23 as ``Attention`` and ``RMSNormalization``."""
+    """``F.scaled_dot_product_attention`` (grouped-query: 4 query heads share 2 key/value
+    heads) and ``nn.RMSNorm``: exported at opset 20 as primitive ops, at opset 23 as
+    ``Attention`` and ``RMSNormalization``. The first layer is ``is_causal``; the second
+    takes the additive mask HuggingFace builds from ``attention_mask`` (``torch.zeros``
+    filled with ``finfo.min`` where a key is in the future or padding)."""
 
     def __init__(self, vocab=VOCAB, dim=32, heads=4, kv_heads=2, layers=2, hidden=48):
         super().__init__()
@@ -337,10 +341,14 @@ class Sdpa(nn.Module):
         self.norm = nn.RMSNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        allowed = allowed & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(b, 1, t, t).masked_fill(~allowed, torch.finfo(torch.float32).min)
         x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask if i % 2 else None)
         return self.head(self.norm(x))
 
 
@@ -485,8 +493,14 @@ CASES: dict[str, Case] = {
             "ce",
             fuse_batchnorm,
         ),
-        Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g)}, "ce"),
-        Case("sdpa23", Sdpa, lambda g: {"input_ids": _ids(g)}, "ce", opset=23),
+        Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g), "attention_mask": _ones_mask()}, "ce"),
+        Case(
+            "sdpa23",
+            Sdpa,
+            lambda g: {"input_ids": _ids(g), "attention_mask": _ones_mask()},
+            "ce",
+            opset=23,
+        ),
     )
 }
 

@@ -64,3 +64,16 @@ def test_constants_folded_from_sin_or_cos_are_frozen():
         "scale": {FOLDED: "['sin_2', 'val_7']"},
     }
     assert _trained(meta) == {"W", "b"}
+
+
+def test_constants_folded_from_an_activation_or_anonymous_values_are_frozen():
+    """No parameter is a function of an activation (``r``, made by the graph's Mul: only
+    its shape was read, as for an attention scale 1/sqrt(d)), nor of the exporter's
+    anonymous values alone (a ``torch.zeros`` mask base made in forward)."""
+    meta = {
+        "scale": {FOLDED: "['r', 'val_43', 'val_44']"},
+        "b": {FOLDED: "['val_8', 'val_10']"},
+        "W": {FOLDED: "['layers.0.q_proj.weight', 'val_2']"},  # a parameter's torch name
+        "cos_table": {FOLDED: "['zeros', 'val_1']"},  # an op torch named: kept trained
+    }
+    assert _trained(meta) == {"W", "cos_table"}
