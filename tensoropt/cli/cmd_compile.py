@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -123,10 +124,11 @@ def add_parser(sub) -> None:
     p.add_argument("model", metavar="MODEL.onnx")
     p.add_argument(
         "--devices",
-        required=True,
         metavar="N",
         help="number of devices (ranks); with --pick fewest-devices-under:MEM the candidate "
-        "counts (a list or range, see below)",
+        "counts (a list or range, see below). With --plan it defaults to what the plan "
+        "spans: the --mesh shape's devices times --stages, or a PLAN.json's mesh times "
+        "its stages; --pick needs it",
     )
     p.add_argument(
         "--mesh", help="mesh shape, e.g. 8 or 2x4 (dp x tp) (default: 1-D, all N devices)"
@@ -222,8 +224,10 @@ def _pipeline_options(args: argparse.Namespace):
     return PipelineOptions(verify=True, device_check=check_device_graphs)
 
 
-def one_count(text: str) -> int:
+def one_count(text: str | None) -> int:
     """``--devices N`` where one count is meant (every use but fewest-devices-under)."""
+    if text is None:
+        raise TensorOptError("--pick needs --devices N: the device count to pick a plan for")
     try:
         devices = int(text)
     except ValueError:
@@ -239,10 +243,10 @@ def one_count(text: str) -> int:
 def candidate_counts(text: str) -> list[int]:
     """The device counts ``--pick fewest-devices-under`` chooses from: a list or range as
     for ``search``, or for a single N the powers of two below N, and N."""
-    if text.strip().isdigit():
+    if text is not None and text.strip().isdigit():
         top = one_count(text)
         return sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
-    return parse_devices(text)
+    return parse_devices(one_count(None) if text is None else text)
 
 
 def check_policy(policy: str) -> None:
@@ -259,21 +263,25 @@ def check_policy(policy: str) -> None:
         )
 
 
-def parse_mesh(devices: int, text: str | None, plan: str):
-    from tensoropt.ir.mesh import Mesh
-    from tensoropt.passes.plans import builtin_axis_names
-
-    if text is None:
-        return Mesh((devices,), builtin_axis_names(plan, 1))
+def mesh_dims(text: str) -> tuple[int, ...]:
+    """``--mesh 8`` or ``--mesh 2x4`` as its sizes."""
     try:
         dims = tuple(int(x) for x in text.lower().split("x"))
     except ValueError:
         raise TensorOptError(f"--mesh {text!r} is not like 8 or 2x4") from None
     if any(d < 1 for d in dims) or len(dims) > 2:
         raise TensorOptError(f"--mesh {text!r}: give 1 or 2 positive sizes, e.g. 8 or 2x4")
-    size = 1
-    for d in dims:
-        size *= d
+    return dims
+
+
+def parse_mesh(devices: int, text: str | None, plan: str):
+    from tensoropt.ir.mesh import Mesh
+    from tensoropt.passes.plans import builtin_axis_names
+
+    if text is None:
+        return Mesh((devices,), builtin_axis_names(plan, 1))
+    dims = mesh_dims(text)
+    size = math.prod(dims)
     if size != devices:
         raise TensorOptError(
             f"--mesh {text} has {size} devices but --devices is {devices}; make them agree"
@@ -462,6 +470,22 @@ def stage_count(args: argparse.Namespace) -> int:
     if count < 1:
         raise PlanError(f"--stages {text!r}: expected an integer >= 1")
     return count
+
+
+def _spanned(args: argparse.Namespace, plan_name: str, is_file: bool) -> int:
+    """The devices a plan spans without ``--devices``: the ``--mesh`` shape's, or a plan
+    file's mesh's, times its stages (``--stages``, else the file's own)."""
+    if args.mesh is not None:
+        return math.prod(mesh_dims(args.mesh)) * stage_count(args)
+    if is_file:
+        from tensoropt.ir.plan import Plan
+
+        plan = Plan.load(plan_name)
+        stages = stage_count(args) if args.stages is not None else plan.num_stages
+        return plan.mesh.size * stages
+    raise TensorOptError(
+        f"--plan {plan_name}: give --devices N, or --mesh like 2x4 (the plan spans its devices)"
+    )
 
 
 def stage_devices(args: argparse.Namespace, devices: int) -> int:
@@ -672,8 +696,10 @@ def run(args: argparse.Namespace) -> int:
     if args.pick:
         return _compile_picked(args)
     plan_name = args.plan or "data-parallel"
-    devices = one_count(args.devices)
     is_file = plan_name.endswith(".json") or os.path.sep in plan_name
+    devices = (
+        one_count(args.devices) if args.devices is not None else _spanned(args, plan_name, is_file)
+    )
     if not is_file and plan_name not in ("data-parallel", "megatron", "fsdp"):
         raise PlanError(
             f"--plan {plan_name!r}: use data-parallel, megatron, fsdp or a PLAN.json file"

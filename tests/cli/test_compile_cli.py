@@ -177,6 +177,24 @@ def test_device_count_that_does_not_match_the_mesh(block, tmp_path, argv, fragme
     assert not (tmp_path / "o").exists()
 
 
+def test_a_plan_spans_its_devices_without_devices(block, tmp_path, capsys):
+    """--plan with --mesh (and --stages) or a plan file: --devices defaults to what the
+    plan spans; without either, and for --pick, the line asks for --devices."""
+    out = cli(capsys, "compile", block, "--plan", "megatron", "--mesh", "2x2", "--loss",
+              "mse", "-o", tmp_path / "a", "--json")  # fmt: skip
+    assert out.code == 0, out.err
+    assert json.loads(out.out)["mesh"] == [2, 2]
+    again = cli(capsys, "compile", block, "--plan", tmp_path / "a" / "plan.json", "--loss",
+                "mse", "-o", tmp_path / "b", "--json")  # fmt: skip
+    assert again.code == 0, again.err
+    assert json.loads(again.out)["mesh"] == [2, 2]
+    missing = cli(capsys, "compile", block, "--plan", "megatron", "-o", tmp_path / "c")
+    assert_bad_input(missing, "compile", "give --devices N, or --mesh like 2x4")
+    picked = cli(capsys, "compile", block, "--pick", "fastest", "-o", tmp_path / "c")
+    assert_bad_input(picked, "compile", "--pick needs --devices N")
+    assert not (tmp_path / "c").exists()
+
+
 MALFORMED = {
     "bad-json": ('{"schema": "tensoropt.plan/1", "mesh": ', ["not valid JSON", "line 1"]),
     "wrong-schema": (
