@@ -11,16 +11,20 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   export of the same model.
 - **Transposes through merged dimensions** (:func:`fold_merged_transposes`). Opset-20
   exports transpose a 4-D key as ``Reshape`` to [B*H, S, d], ``Transpose`` of the last
-  two, ``Reshape`` back to [B, H, d, S] (a grouped-query key: [B, Hkv, g, S, d] to
-  [B*Hkv*g, S, d] and back to [B, Hkv*g, d, S]). Merging B and H hides the head
-  dimension: a plan that splits heads (Megatron) cannot split the merged one in blocks
-  and pays an all-to-all each way. The chain becomes the Transpose it computes (and a
-  Reshape that merges only the head dimensions).
+  two, ``Reshape`` back to [B, H, d, S]; ``nn.MultiheadAttention`` splits heads as
+  [T, B, H*d] -> [T, B*H, d] -> [B*H, T, d] -> [B, H, T, d]. Merging B and H hides the
+  head dimension: a plan that splits heads cannot split the merged one in blocks and
+  pays an all-to-all each way. The chain becomes a Reshape to the finest shape both
+  reshapes group ([B, H, S, d], [T, B, H, d]) and the Transpose of that it computes.
+  Pairs of Transposes are composed first (:func:`compose_transposes`).
+- **Unbinds by Gathers** (:func:`split_unbinds`): ``nn.MultiheadAttention`` takes its
+  packed projection apart with layout ops and one Gather per piece; the pieces become
+  the outputs of one Split, as a fused QKV split reads everywhere else.
 
 Pre: a graph whose values have static shapes and dtypes (after shape inference).
-Post: no ``Attention`` or ``RMSNormalization`` node; no Reshape-Transpose-Reshape chain
-that merges leading dimensions, keeps them first and splits them back into runs of
-them; every
+Post: no ``Attention`` or ``RMSNormalization`` node; no Reshape -> Transpose -> Reshape
+chain of single readers whose reshapes have a common refinement that the output groups,
+no Transpose read only by a Transpose, no Gathers that unbind a last dimension; every
 value made here has its static shape and dtype; the constants made here are rank 0,
 shapes, or additive masks (values at the dtype's lowest), which the trainable policy
 never trains (``passes/trainable.py``). A fused node whose form has no primitive
@@ -53,85 +57,252 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
     """Every rewrite of this module on ``graph``, in place; how many of each were made."""
     return {
         "fused ops": decompose_fused(graph, path),
+        "gathered unbinds": split_unbinds(graph),
+        "transpose pairs": compose_transposes(graph),
         "merged transposes": fold_merged_transposes(graph),
     }
 
 
+def _only_user(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The one node reading ``value``, when it is an ``op_type`` and the value is no
+    graph output."""
+    users = [u for u, _ in value.uses()]
+    if len(users) != 1 or users[0].op_type != op_type or value.is_graph_output():
+        return None
+    return users[0]
+
+
+def _drop_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
+    """Remove ``nodes`` (in order) once nothing reads their outputs."""
+    for node in nodes:
+        if node.graph is None:
+            continue
+        if not any(o.uses() or o.is_graph_output() for o in node.outputs):
+            graph.remove(node, safe=True)
+
+
+def _replace(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    name = old.name
+    old.name = None
+    new.name = name
+
+
+def compose_transposes(graph: ir.Graph) -> int:
+    """Transpose(Transpose(x, p), q) becomes Transpose(x, p[q]) where the inner one has
+    no other reader. Returns how many pairs were composed."""
+    b = _Builder(graph)
+    done = 0
+    for inner in list(graph):
+        if inner.op_type != "Transpose" or inner.graph is None:
+            continue
+        outer = _only_user(inner.outputs[0], "Transpose")
+        if outer is None:
+            continue
+        x, out = inner.inputs[0], outer.outputs[0]
+        rank = len(x.shape)
+        p, q = _perm(inner, rank), _perm(outer, rank)
+        b.at(outer)
+        new = b.op("Transpose", [x], _shape(out), out.dtype, "composed", perm=[p[i] for i in q])
+        _replace(graph, out, new)
+        _drop_dead(graph, [outer, inner])
+        done += 1
+    return done
+
+
 def fold_merged_transposes(graph: ir.Graph) -> int:
-    """Replace each Reshape -> Transpose -> Reshape chain that merges the leading
-    dimensions G of x into one, transposes the rest with that one kept first, and
-    splits it back into dimensions L that merge runs of G (G itself, or e.g. [B, Hkv*g]
-    for [B, Hkv, g]), by the Transpose of x it computes, then a Reshape merging G into
-    L where L is not G. The chain's inner values stay while something else reads them.
-    Returns the chains replaced."""
+    """Replace each Reshape -> Transpose -> Reshape chain by Reshape to the finest shape
+    both reshapes are groupings of, the Transpose of that shape it computes, and a
+    Reshape to the output where that is not already it. [T, B, H*d] -> [T, B*H, d] ->
+    [B*H, T, d] -> [B, H, T, d] becomes [T, B, H, d] -> [B, H, T, d]: no dimension merges
+    batch and heads any more. A chain whose shapes have no common refinement, or whose
+    output does not group the transposed refinement, is kept. Returns the chains
+    replaced."""
     b = _Builder(graph)
     done = 0
     for first in list(graph):
         if first.op_type != "Reshape" or first.graph is None:
             continue
         x, merged = first.inputs[0], first.outputs[0]
-        users = [u for u, _ in merged.uses()]
-        if len(users) != 1 or users[0].op_type != "Transpose" or merged.is_graph_output():
+        transpose = _only_user(merged, "Transpose")
+        if transpose is None:
             continue
-        transpose = users[0]
-        turned = transpose.outputs[0]
-        later = [u for u, _ in turned.uses()]
-        if len(later) != 1 or later[0].op_type != "Reshape" or turned.is_graph_output():
+        second = _only_user(transpose.outputs[0], "Reshape")
+        if second is None:
             continue
-        second = later[0]
         out = second.outputs[0]
         xs, ms, os_ = _shape(x), _shape(merged), _shape(out)
-        group = _leading_group(xs, ms)
+        fine = _refinement(xs, ms)
+        if fine is None:
+            continue
+        groups = _groups(fine, ms)
         perm = _perm(transpose, len(ms))
-        if group is None or perm[0] != 0:
+        order = [i for g in perm for i in groups[g]]
+        turned = [fine[i] for i in order]
+        if _groups(turned, os_) is None:
             continue
-        rest = [xs[group + i - 1] for i in perm[1:]]
-        lead = os_[: len(os_) - len(rest)]
-        if os_[len(lead) :] != rest or not _merges_runs(xs[:group], lead):
-            continue
-        full = list(range(group)) + [group + i - 1 for i in perm[1:]]
         b.at(second)
-        new = b.op("Transpose", [x], xs[:group] + rest, out.dtype, "unmerged", perm=full)
-        if lead != xs[:group]:
+        new = x
+        if xs != fine:
+            to = b.const(np.array(fine, dtype=np.int64), "fine_shape")
+            new = b.op("Reshape", [new, to], fine, out.dtype, "refined")
+        new = b.op("Transpose", [new], turned, out.dtype, "unmerged", perm=order)
+        if turned != os_:
             to = b.const(np.array(os_, dtype=np.int64), "shape")
             new = b.op("Reshape", [new, to], os_, out.dtype, "regrouped")
-        ir.convenience.replace_all_uses_with(out, new, replace_graph_outputs=True)
-        graph.remove(second, safe=True)
-        new.name = out.name
-        for dead in (transpose, first):
-            if not any(o.uses() or o.is_graph_output() for o in dead.outputs):
-                graph.remove(dead, safe=True)
+        _replace(graph, out, new)
+        _drop_dead(graph, [second, transpose, first])
         done += 1
     return done
 
 
-def _merges_runs(dims: list[int], lead: list[int]) -> bool:
-    """Whether ``lead`` is ``dims`` with runs of consecutive dimensions merged."""
+def _refinement(a: list[int], b: list[int]) -> list[int] | None:
+    """The coarsest shape that both ``a`` and ``b`` group runs of (their prefix
+    products' union as boundaries), without size-1 dimensions; None when a boundary of
+    one does not divide the next of the other (no common refinement)."""
+    if math.prod(a) != math.prod(b):
+        return None
+    bounds = sorted({p for dims in (a, b) for p in _prefixes(dims)} | {1})
+    fine = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        if hi % lo:
+            return None
+        fine.append(hi // lo)
+    return fine
+
+
+def _prefixes(dims: list[int]) -> list[int]:
+    out, acc = [], 1
+    for d in dims:
+        acc *= d
+        out.append(acc)
+    return out
+
+
+def _groups(fine: list[int], coarse: list[int]) -> list[list[int]] | None:
+    """For each dimension of ``coarse``, the positions of the run of ``fine`` it is the
+    product of (a size-1 dimension takes none); None when ``coarse`` does not group
+    runs of ``fine``."""
+    out: list[list[int]] = []
     k = 0
-    for want in lead:
-        got = 1
-        while k < len(dims) and got < want:
-            got *= dims[k]
+    for want in coarse:
+        run, got = [], 1
+        while k < len(fine) and got < want:
+            got *= fine[k]
+            run.append(k)
             k += 1
         if got != want:
-            return False
-    while k < len(dims) and dims[k] == 1:
-        k += 1
-    return k == len(dims)
+            return None
+        out.append(run)
+    return out if k == len(fine) else None
+
+
+def split_unbinds(graph: ir.Graph) -> int:
+    """A fused projection taken apart by layout ops and Gathers becomes a Split of its
+    last dimension. ``nn.MultiheadAttention`` exports ``y [T, B, 3E]`` as Reshape
+    [T, B, 3, E], Unsqueeze 0, Transpose [3, 1, 2, 0, 4], Squeeze -2, then Gather 0, 1
+    and 2 on axis 0: each is ``y[..., iE:(i+1)E]``, a piece of ``Split(y, 3, axis=-1)``.
+    The chain is followed with a label per dimension (Reshape only where it splits the
+    last dimension into [k, E]); the Gathers are replaced when what remains is y's
+    leading dimensions and E, in order. Returns the chains replaced."""
+    b = _Builder(graph)
+    done = 0
+    for first in list(graph):
+        if first.op_type != "Reshape" or first.graph is None:
+            continue
+        y = first.inputs[0]
+        ys, vs = _shape(y), _shape(first.outputs[0])
+        if len(vs) != len(ys) + 1 or vs[:-2] != ys[:-1] or vs[-2] * vs[-1] != ys[-1]:
+            continue
+        k, e = vs[-2], vs[-1]
+        labels: list = [*range(len(ys) - 1), "k", "e"]
+        chain, value = [first], first.outputs[0]
+        while True:
+            users = [u for u, _ in value.uses()]
+            if value.is_graph_output() or not users:
+                break
+            node = users[0]
+            if len(users) > 1 or node.op_type not in ("Unsqueeze", "Squeeze", "Transpose"):
+                break
+            labels = _relabel(node, labels, _shape(node.outputs[0]))
+            if labels is None:
+                break
+            chain.append(node)
+            value = node.outputs[0]
+        if labels is None or "k" not in labels:
+            continue
+        axis = labels.index("k")
+        gathers = [u for u, _ in value.uses()]
+        picks = [_picked(g, axis, k) for g in gathers]
+        if value.is_graph_output() or not gathers or any(p is None for p in picks):
+            continue
+        rest = [lab for i, lab in enumerate(labels) if i != axis and lab is not None]
+        if rest != [*range(len(ys) - 1), "e"]:
+            continue
+        b.at(gathers[0])
+        split = ir.Node(
+            "",
+            "Split",
+            [y],
+            [ir.AttrInt64("axis", len(ys) - 1), ir.AttrInt64("num_outputs", k)],
+            num_outputs=k,
+            name=b._name("unbind_split"),
+        )
+        graph.insert_before(gathers[0], split)
+        for piece in split.outputs:
+            piece.name = b._name("piece")
+            piece.shape, piece.type = ir.Shape([*ys[:-1], e]), y.type
+        for g, i in zip(gathers, picks, strict=True):
+            old = g.outputs[0]
+            piece = split.outputs[i]
+            if _shape(old) != _shape(piece):
+                to = b.const(np.array(_shape(old), dtype=np.int64), "unbind_shape")
+                b.at(g)
+                piece = b.op("Reshape", [piece, to], _shape(old), old.dtype, "unbind_piece")
+            _replace(graph, old, piece)
+        _drop_dead(graph, [*gathers, *reversed(chain)])
+        done += 1
+    return done
+
+
+def _relabel(node: ir.Node, labels: list, out_shape: list[int]) -> list | None:
+    """The dimension labels after ``node`` (Unsqueeze: new unlabelled 1s; Squeeze: only
+    size-1 dimensions go; Transpose: permuted), or None when it cannot be followed."""
+    rank = len(labels)
+    if node.op_type == "Transpose":
+        return [labels[i] for i in _perm(node, rank)]
+    axes_value = node.inputs[1] if len(node.inputs) > 1 else None
+    if axes_value is None or axes_value.const_value is None:
+        return None
+    axes = [int(a) for a in np.asarray(axes_value.const_value.numpy()).reshape(-1)]
+    if node.op_type == "Unsqueeze":
+        out_rank = rank + len(axes)
+        spots = {a % out_rank for a in axes}
+        it = iter(labels)
+        return [None if i in spots else next(it) for i in range(out_rank)]
+    shape = _shape(node.inputs[0])
+    spots = {a % rank for a in axes}
+    if any(shape[i] != 1 for i in spots):
+        return None
+    return [lab for i, lab in enumerate(labels) if i not in spots]
+
+
+def _picked(node: ir.Node, axis: int, k: int) -> int | None:
+    """The piece a ``Gather(axis, scalar index)`` takes, else None."""
+    if node.op_type != "Gather" or node.attributes.get_int("axis", 0) != axis:
+        return None
+    index = node.inputs[1]
+    if index is None or index.const_value is None:
+        return None
+    i = np.asarray(index.const_value.numpy())
+    if i.shape != ():
+        return None
+    return int(i) % k
 
 
 def _perm(node: ir.Node, rank: int) -> list[int]:
     a = node.attributes.get("perm")
     return list(range(rank))[::-1] if a is None else [int(p) for p in a.value]
-
-
-def _leading_group(xs: list[int], ms: list[int]) -> int | None:
-    """g > 1 when ``ms`` is ``xs`` with its first g dimensions merged into one
-    (``ms == [prod(xs[:g])] + xs[g:]``), else None."""
-    g = len(xs) - len(ms) + 1
-    if g < 2 or ms[1:] != xs[g:] or ms[0] != math.prod(xs[:g]):
-        return None
-    return g
 
 
 def decompose_fused(graph: ir.Graph, path: str) -> int:

@@ -352,6 +352,32 @@ class Sdpa(nn.Module):
         return self.head(self.norm(x))
 
 
+# --- nn.TransformerEncoder: torch's own MultiheadAttention ------------------------------
+
+
+class TorchEncoder(nn.Module):
+    """``nn.TransformerEncoder`` of pre-LN ``nn.TransformerEncoderLayer`` (batch first,
+    GELU): ``nn.MultiheadAttention`` exports its packed in-projection taken apart by
+    Unsqueeze/Transpose/Squeeze and Gathers, heads merged with the batch, and the out
+    projection as a ``Gemm`` with ``transB``."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=2, layers=2, hidden=48):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, hidden, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        with torch.no_grad():  # the encoder deep-copies one layer: make the copies differ
+            for p in self.encoder.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.2)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(input_ids)))
+
+
 # --- ResNet ----------------------------------------------------------------------------
 
 
@@ -493,6 +519,7 @@ CASES: dict[str, Case] = {
             "ce",
             fuse_batchnorm,
         ),
+        Case("mha", TorchEncoder, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g), "attention_mask": _ones_mask()}, "ce"),
         Case(
             "sdpa23",

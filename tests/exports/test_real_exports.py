@@ -1,6 +1,7 @@
 """tensoropt on real ``torch.onnx.export(dynamo=True)`` output of standard architectures.
 
-For GPT-2, BERT, ViT, Llama and ResNet style models, and a model of
+For GPT-2, BERT, ViT, Llama and ResNet style models, torch's own
+``nn.TransformerEncoder``, and a model of
 ``scaled_dot_product_attention`` and ``nn.RMSNorm`` exported at opsets 20 and 23
 (tests/exports/models.py):
 
@@ -50,6 +51,8 @@ MEGATRON_NOTES = {
     "vit": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "llama": ("2 MLP and 2 attention blocks",),
     "resnet": ("no attention or MLP block found",),
+    # nn.MultiheadAttention's out projection is a Gemm with transB: no attention block
+    "mha": ("2 MLP and 0 attention blocks",),
     "sdpa": ("2 MLP and 2 attention blocks",),
     "sdpa23": ("2 MLP and 2 attention blocks",),
 }

@@ -185,8 +185,12 @@ def _chain(xs, merged, perm, out):
         ([2, 2, 3, 4, 5], [12, 4, 5], [0, 2, 1], [2, 6, 5, 4], ["Transpose", "Reshape"]),
         # split back into other dimensions than runs of the merged ones: kept
         ([2, 3, 4, 5], [6, 4, 5], [0, 2, 1], [3, 2, 5, 4], ["Reshape", "Transpose", "Reshape"]),
-        # the merged dimension moves: kept
-        ([2, 3, 4, 5], [6, 4, 5], [1, 0, 2], [4, 6, 5], ["Reshape", "Transpose", "Reshape"]),
+        # the merged dimension moves: the refined transpose, regrouped
+        ([2, 3, 4, 5], [6, 4, 5], [1, 0, 2], [4, 6, 5], ["Transpose", "Reshape"]),
+        # nn.MultiheadAttention's [T, B, H*d] -> [T, B*H, d] -> [B*H, T, d] -> [B, H, T, d]
+        ([8, 4, 32], [8, 16, 8], [1, 0, 2], [4, 4, 8, 8], ["Reshape", "Transpose"]),
+        # shapes without a common refinement: kept
+        ([6, 4], [4, 6], [1, 0], [6, 4], ["Reshape", "Transpose", "Reshape"]),
     ],
 )
 def test_transposes_through_merged_dimensions_are_unmerged(tmp_path, xs, merged, perm, out, ops):
@@ -198,3 +202,72 @@ def test_transposes_through_merged_dimensions_are_unmerged(tmp_path, xs, merged,
     onnx.checker.check_model(rewritten, full_check=True)
     x = {"x": np.random.default_rng(3).standard_normal(xs).astype(np.float32)}
     np.testing.assert_array_equal(_run(rewritten, x), _run(model, x))
+
+
+def _graph_model(nodes, xs, initializers, opset=20):
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, xs)],
+        [h.make_tensor_value_info(f"y{i}", T.FLOAT, None) for i in range(3)],
+        [onnx.numpy_helper.from_array(np.array(v, dtype=np.int64), k) for k, v in initializers],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+
+
+def _rewritten_ops(tmp_path, model, xs):
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    onnx.checker.check_model(rewritten, full_check=True)
+    feeds = {"x": np.random.default_rng(4).standard_normal(xs).astype(np.float32)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
+    for want, got in zip(session.run(None, feeds), ours.run(None, feeds), strict=True):
+        np.testing.assert_array_equal(got, want)
+    return [n.op_type for n in rewritten.graph.node]
+
+
+def test_an_unbind_by_gathers_becomes_a_split(tmp_path):
+    """nn.MultiheadAttention's packed projection [T, B, 3E] taken apart by Reshape,
+    Unsqueeze, Transpose, Squeeze and three Gathers: one Split of the last dimension."""
+    xs = [5, 2, 12]
+    nodes = [
+        h.make_node("Reshape", ["x", "s"], ["v"]),
+        h.make_node("Unsqueeze", ["v", "zero"], ["u"]),
+        h.make_node("Transpose", ["u"], ["t"], perm=[3, 1, 2, 0, 4]),
+        h.make_node("Squeeze", ["t", "minus2"], ["q"]),
+        *[h.make_node("Gather", ["q", f"i{i}"], [f"y{i}"], axis=0) for i in range(3)],
+    ]
+    inits = [("s", [5, 2, 3, 4]), ("zero", [0]), ("minus2", [-2])]
+    inits += [(f"i{i}", i) for i in range(3)]
+    assert _rewritten_ops(tmp_path, _graph_model(nodes, xs, inits), xs) == ["Split"]
+
+
+def test_an_unbind_that_is_no_slice_of_the_last_dimension_is_kept(tmp_path):
+    """The pieces come out with the leading dimensions swapped ([B, T, E], not
+    [T, B, E]): no piece of a Split of x."""
+    xs = [5, 2, 12]
+    nodes = [
+        h.make_node("Reshape", ["x", "s"], ["v"]),
+        h.make_node("Transpose", ["v"], ["q"], perm=[2, 1, 0, 3]),
+        *[h.make_node("Gather", ["q", f"i{i}"], [f"y{i}"], axis=0) for i in range(3)],
+    ]
+    inits = [("s", [5, 2, 3, 4])] + [(f"i{i}", i) for i in range(3)]
+    ops = _rewritten_ops(tmp_path, _graph_model(nodes, xs, inits), xs)
+    assert ops == ["Reshape", "Transpose", "Gather", "Gather", "Gather"]
+
+
+def test_two_transposes_compose(tmp_path):
+    xs = [2, 3, 4, 5]
+    nodes = [
+        h.make_node("Transpose", ["x"], ["a"], perm=[0, 2, 1, 3]),
+        h.make_node("Transpose", ["a"], ["y0"], perm=[3, 0, 2, 1]),
+        h.make_node("Transpose", ["x"], ["y1"], perm=[1, 0, 2, 3]),
+        h.make_node("Identity", ["y1"], ["y2"]),
+    ]
+    assert _rewritten_ops(tmp_path, _graph_model(nodes, xs, []), xs) == [
+        "Transpose",
+        "Transpose",
+        "Identity",
+    ]
