@@ -24,7 +24,9 @@ is built) makes each block's column-parallel side one MatMul, as Megatron-LM's f
   ``MatMul(Unsqueeze(x), Concat(Unsqueeze(Wq), Unsqueeze(Wk), Unsqueeze(Wv)))`` of shape
   ``[.., 3, T, D]``, split back into q, k and v. Their weights stay separate parameters.
   The block input is then read by one MatMul, so its gradient is one partial sum and
-  the backward needs one all-reduce, not one per projection.
+  the backward needs one all-reduce, not one per projection. Projections of different
+  shapes (grouped-query attention's smaller K and V) stack by shape: Q alone, K and V
+  together, two partial sums.
 - a fused QKV weight ``W [C, 3D]`` whose output is split into three (``Split``) or
   reshaped to ``[.., 3, heads, head_dim]`` is trained as its ``[C, 3, D]`` view (the
   same bytes, row-major; its bias ``[3D]`` as ``[3, 1, D]``), multiplied as
@@ -609,9 +611,14 @@ def stack_projections(model: ir.Model) -> Rewrite:
             if not is_stacked(m) and x is not None and len(static_shape(x)) >= 2:
                 by_input.setdefault(x, []).append(m)
         for group in by_input.values():
-            shapes = {static_shape(m.inputs[1]) for m in group}
-            if len(group) > 1 and len(shapes) == 1:
-                groups.append(sorted(group, key=order.__getitem__))
+            # projections of one shape stack; grouped-query attention's smaller K and V
+            # stack apart from Q (one partial sum fewer, not one)
+            by_shape: dict[tuple[int, ...], list[ir.Node]] = {}
+            for m in group:
+                by_shape.setdefault(static_shape(m.inputs[1]), []).append(m)
+            for same in by_shape.values():
+                if len(same) > 1:
+                    groups.append(sorted(same, key=order.__getitem__))
     stacked = 0
     for group in groups:
         if _removable(m.outputs[0] for m in group):
