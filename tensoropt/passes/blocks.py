@@ -13,8 +13,9 @@ Recognition (used on the forward model and on the training step):
   rotary products, ...), from weight MatMuls (Q, K, V, or one fused QKV). The
   projections are column-parallel, O is row-parallel, so heads split across tp.
 
-A *weight MatMul* multiplies an activation by a trained 2-D weight, or by a *stacked*
-weight ``[k, C, D]`` that :func:`stack_projections` builds from trained weights.
+A *weight MatMul* multiplies an activation by a trained 2-D weight, by its transpose
+(``Transpose(W, [1, 0])``, a ``Gemm`` with ``transB``), or by a *stacked* weight
+``[k, C, D]`` that :func:`stack_projections` builds from trained weights.
 
 The rewrite (:func:`stack_projections`, on the forward model before the training step
 is built) makes each block's column-parallel side one MatMul, as Megatron-LM's fused
@@ -33,7 +34,9 @@ is built) makes each block's column-parallel side one MatMul, as Megatron-LM's f
   ``Transpose(W, [1, 0, 2])``. A column split of dim 2 of that view gives each rank
   the columns of the same heads of q, k and v: the per-device ``[q | k | v]`` blocks.
 - an HF ``Conv1D`` projection (``Reshape -> Gemm -> Reshape``, ``view -> addmm ->
-  view``) becomes ``MatMul + Add`` on the unflattened activation first.
+  view``) becomes ``MatMul + Add`` on the unflattened activation first; a ``Gemm`` with
+  ``transB`` (``nn.MultiheadAttention``'s out projection) multiplies by
+  ``Transpose(W)``, a node of its own, so the stored weight keeps its shape and name.
 
 Every rewrite computes the same function with the same parameters (values and names),
 so the step trains exactly as before; only a fused QKV weight's shape changes.
@@ -145,8 +148,26 @@ def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
     return out
 
 
+def transposed_source(b: ir.Value, params: set[str]) -> ir.Value | None:
+    """The trained 2-D weight W when a MatMul operand is ``Transpose(W, [1, 0])`` read by
+    that MatMul alone in the forward (a ``Gemm`` with ``transB``, as
+    ``nn.MultiheadAttention`` exports its out projection, made MatMul by
+    :func:`stack_projections`)."""
+    node = b.producer()
+    if node is None or node.op_type != "Transpose" or not is_forward(node):
+        return None
+    w = node.inputs[0]
+    perm = node.attributes.get("perm")
+    if w is None or w.name not in params or len(static_shape(w)) != 2:
+        return None
+    if sum(is_forward(u.node) for u in b.uses()) != 1:  # the backward reads it too
+        return None
+    return w if perm is None or list(perm.value) == [1, 0] else None
+
+
 def weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
-    """Forward MatMuls by a trained 2-D weight or a stacked weight, in graph order."""
+    """Forward MatMuls by a trained 2-D weight (or its transpose) or a stacked weight, in
+    graph order."""
     out = []
     for node in graph:
         if not is_forward(node) or node.op_type != "MatMul":
@@ -154,7 +175,11 @@ def weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
         w = node.inputs[1]
         if w is None:
             continue
-        if (w.name in params and len(static_shape(w)) == 2) or stacked_sources(w, params):
+        if (
+            (w.name in params and len(static_shape(w)) == 2)
+            or stacked_sources(w, params)
+            or transposed_source(w, params)
+        ):
             out.append(node)
     return out
 
@@ -406,14 +431,17 @@ def _reshaped(value: ir.Value, shape: tuple[int, ...]) -> None:
 
 def _unflatten_gemms(graph: ir.Graph, em: _Emitter) -> int:
     """``Reshape(x [.., C] -> [N, C]) -> Gemm(., W [C, D], b [D]) -> Reshape([.., D])``
-    becomes ``MatMul(x, W) + b`` (HF ``Conv1D``); returns how many."""
+    becomes ``MatMul(x, W) + b`` (HF ``Conv1D``); with ``transB`` (W [D, C],
+    ``nn.MultiheadAttention``'s out projection) ``MatMul(x, Transpose(W)) + b``. Returns
+    how many."""
     count = 0
     for gemm in list(graph):
         if gemm.op_type != "Gemm" or not is_forward(gemm) or len(gemm.inputs) < 2:
             continue
         attrs = gemm.attributes
-        if any(attrs.get_int(k, 0) for k in ("transA", "transB")):
+        if attrs.get_int("transA", 0):
             continue
+        trans_b = bool(attrs.get_int("transB", 0))
         if attrs.get_float("alpha", 1.0) != 1.0 or attrs.get_float("beta", 1.0) != 1.0:
             continue
         flat, w = gemm.inputs[0], gemm.inputs[1]
@@ -427,6 +455,8 @@ def _unflatten_gemms(graph: ir.Graph, em: _Emitter) -> int:
         if after.op_type != "Reshape" or x is None or w is None or w.const_value is None:
             continue
         ws, ys = static_shape(w), static_shape(after.outputs[0])
+        if trans_b and len(ws) == 2:
+            ws = (ws[1], ws[0])
         if len(ws) != 2 or len(ys) < 2 or ys[-1] != ws[1]:
             continue
         if math.prod(ys[:-1]) != static_shape(flat)[0] or static_shape(flat)[1] != ws[0]:
@@ -439,6 +469,8 @@ def _unflatten_gemms(graph: ir.Graph, em: _Emitter) -> int:
         xs = (*ys[:-1], ws[0])
         if static_shape(x) != xs:  # e.g. attention heads merged by the flattening Reshape
             [x] = em.node(gemm, "Reshape", [x, em.ints(xs)], [xs], dtype)
+        if trans_b:  # the weight stays as stored: its transpose is a node of its own
+            [w] = em.node(gemm, "Transpose", [w], [ws], dtype, {"perm": [1, 0]})
         [y] = em.node(gemm, "MatMul", [x, w], [ys], dtype)
         if bias is not None:
             [y] = em.node(gemm, "Add", [y, bias], [ys], dtype)
@@ -607,8 +639,9 @@ def stack_projections(model: ir.Model) -> Rewrite:
     for column, _row in (*blocks.attention, *blocks.mlp):
         by_input: dict[ir.Value, list[ir.Node]] = {}
         for m in column:
-            x = m.inputs[0]
-            if not is_stacked(m) and x is not None and len(static_shape(x)) >= 2:
+            x, w = m.inputs[0], m.inputs[1]
+            stored = w is not None and w.name in params  # not stacked, not transposed
+            if stored and x is not None and len(static_shape(x)) >= 2:
                 by_input.setdefault(x, []).append(m)
         for group in by_input.values():
             # projections of one shape stack; grouped-query attention's smaller K and V

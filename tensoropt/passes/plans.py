@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -39,6 +40,7 @@ from tensoropt.passes.blocks import (
     is_stacked,
     stack_projections,
     stacked_sources,
+    transposed_source,
 )
 from tensoropt.passes.training_step import StepSignature
 from tensoropt.rules.sharding.shape import reshape_groups
@@ -58,16 +60,24 @@ def data_parallel(mesh: Mesh) -> BuiltPlan:
 
 
 def _layouts(
-    x_rank: int, w_rank: int, mesh: Mesh, tp: int, dp_axes, batch_ok: bool, kind: MegatronSplit
+    x_rank: int,
+    w_rank: int,
+    mesh: Mesh,
+    tp: int,
+    dp_axes,
+    batch_ok: bool,
+    kind: MegatronSplit,
+    dims: tuple[int, int] = (0, 0),
 ):
-    """(x, W, out) layouts of a column- or row-parallel MatMul (W 2-D, or stacked 3-D)."""
+    """(x, W, out) layouts of a column- or row-parallel MatMul (W 2-D, or stacked 3-D);
+    ``dims``: the batch dimension of x and of out (:func:`batch_dims`)."""
     x = [Replicate()] * mesh.ndim
     w = [Replicate()] * mesh.ndim
     out = [Replicate()] * mesh.ndim
     for a in dp_axes:
         if batch_ok:
-            x[a] = Shard(0)
-            out[a] = Shard(0)
+            x[a] = Shard(dims[0])
+            out[a] = Shard(dims[1])
     if kind is MegatronSplit.COLUMN:
         w[tp] = Shard(w_rank - 1)
         out[tp] = Shard(x_rank - 1)
@@ -90,6 +100,7 @@ def megatron(
     params = set(sig.params)
     if blocks is None:
         blocks = find_blocks(graph, params)
+    batch = batch_dims(graph, (*sig.data_inputs, *([sig.labels] if sig.labels else [])))
     attention = []
     split_heads: list[str] = []
     for column, row in blocks.attention:
@@ -106,15 +117,17 @@ def megatron(
     units: dict[str, UnitStrategy] = {}
     skipped = []
     for node, kind in roles.items():
-        unit = _unit(node, kind, mesh, tp, dp_axes, params)
+        unit = _unit(node, kind, mesh, tp, dp_axes, params, batch)
         if unit is None:
             skipped.append(node.name)
             continue
         units[node.name] = unit
         if kind is MegatronSplit.COLUMN and is_stacked(node):
             units.update(_stacked_weight_units(node, mesh, tp, params))
+        if transposed_source(node.inputs[1], params) is not None:
+            units.update(_transposed_weight_unit(node, kind, mesh, tp))
         if kind is MegatronSplit.ROW:
-            units.update(_reduce_after(node, mesh, dp_axes, params))
+            units.update(_reduce_after(node, mesh, dp_axes, params, batch))
     counts = f"{len(blocks.mlp)} MLP and {len(attention)} attention blocks"
     notes = [f"megatron: {counts} on mesh axis {tp} (tp)"]
     if split_heads:
@@ -177,14 +190,21 @@ def _viewed_fused(attention, params: set[str]) -> list[str]:
 
 
 def _unit(
-    node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int, dp_axes, params: set[str]
+    node: ir.Node,
+    kind: MegatronSplit,
+    mesh: Mesh,
+    tp: int,
+    dp_axes,
+    params: set[str],
+    batch: dict[ir.Value, int],
 ) -> UnitStrategy | None:
     _check_weight_split(node, kind, mesh, tp, params)
     x = node.inputs[0]
     xshape = static_shape(x)
     wrank = len(static_shape(node.inputs[1]))
-    batch_ok = all(xshape[0] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False
-    xl, wl, ol = _layouts(len(xshape), wrank, mesh, tp, dp_axes, batch_ok, kind)
+    dims = (batch.get(x, 0), batch.get(node.outputs[0], 0))
+    batch_ok = all(xshape[dims[0]] % mesh.shape[a] == 0 for a in dp_axes) if xshape else False
+    xl, wl, ol = _layouts(len(xshape), wrank, mesh, tp, dp_axes, batch_ok, kind, dims)
     for cand in sa.candidates(node, mesh):
         if sa.matches(cand, (xl, wl), (ol,)):
             return UnitStrategy(inputs=(xl, wl), outputs=(ol,))
@@ -234,20 +254,88 @@ def _stacked_weight_units(node: ir.Node, mesh: Mesh, tp: int, params) -> dict[st
     return units
 
 
-def _act_layout(value: ir.Value, mesh: Mesh, dp_axes, params) -> Layout:
+def _transposed_weight_unit(
+    node: ir.Node, kind: MegatronSplit, mesh: Mesh, tp: int
+) -> dict[str, UnitStrategy]:
+    """The Transpose of a weight stored ``[D, C]`` keeps it split as the MatMul reads its
+    transpose (column-parallel: the MatMul's dim 1 is the weight's dim 0; row-parallel:
+    the other way round), so the weight itself is split, never gathered."""
+    build = node.inputs[1].producer()
+    read = 1 if kind is MegatronSplit.COLUMN else 0
+    return _pinned(build, mesh, (_tp_layout(mesh, tp, 1 - read),), (_tp_layout(mesh, tp, read),))
+
+
+def _act_layout(value: ir.Value, mesh: Mesh, dp_axes, params, batch) -> Layout:
     """A block's activations: batch-split over the data axes (as far as they divide),
     whole on tp; parameters and constants replicated."""
     placements = [Replicate()] * mesh.ndim
     if value.name in params or value.const_value is not None:
         return Layout(tuple(placements))
     shape = static_shape(value)
+    d = batch.get(value, 0)
     for a in dp_axes:
-        if shape and shape[0] % mesh.shape[a] == 0:
-            placements[a] = Shard(0)
+        if shape and shape[d] % mesh.shape[a] == 0:
+            placements[a] = Shard(d)
     return Layout(tuple(placements))
 
 
-def _reduce_after(node: ir.Node, mesh: Mesh, dp_axes, params) -> dict[str, UnitStrategy]:
+def batch_dims(graph: ir.Graph, inputs: Sequence[str]) -> dict[ir.Value, int]:
+    """The batch dimension of each forward value that one can be followed to from the
+    data ``inputs`` (their dimension 0): through Transpose and Reshape (the batch keeps
+    its size and what precedes it), Gather, Squeeze/Unsqueeze, MatMul, and ops that keep
+    or right-align their input's dimensions. Seq-first blocks (``nn.MultiheadAttention``
+    transposes [B, T, C] to [T, B, C]) hold the batch in dimension 1, and a data-parallel
+    split of dimension 0 there would split the sequence. Values not followed are left
+    out (callers take dimension 0)."""
+    dims: dict[ir.Value, int] = {
+        v: 0 for v in graph.inputs if v.name in set(inputs) and v.shape is not None and len(v.shape)
+    }
+    for node in graph:
+        if role_of(node) is not Role.FORWARD:
+            continue
+        found = next(
+            ((i, dims[v]) for i, v in enumerate(node.inputs) if v is not None and v in dims), None
+        )
+        if found is None:
+            continue
+        for out in node.outputs:
+            d = _batch_dim_after(node, *found, out)
+            if d is not None:
+                dims[out] = d
+    return dims
+
+
+def _batch_dim_after(node: ir.Node, i: int, d: int, out: ir.Value) -> int | None:
+    src = static_shape(node.inputs[i])
+    dst = static_shape(out)
+    size = src[d]
+    op = node.op_type
+    found: int | None
+    if op == "Transpose":
+        perm = node.attributes.get("perm")
+        order = list(perm.value) if perm is not None else list(range(len(src)))[::-1]
+        found = order.index(d)
+    elif op == "Reshape":
+        before = math.prod(src[:d])
+        found = next(
+            (j for j in range(len(dst)) if math.prod(dst[:j]) == before and dst[j] == size), None
+        )
+    elif op == "Gather" and i == 1:  # the indices carry the batch
+        found = d + node.attributes.get_int("axis", 0) % max(len(static_shape(node.inputs[0])), 1)
+    elif op == "MatMul" and d == len(src) - (2 if i == 1 else 1):
+        found = None  # contracted
+    elif len(dst) == len(src):
+        found = d
+    else:  # broadcast, squeezed or unsqueezed leading dims: right-aligned
+        found = len(dst) - (len(src) - d)
+    if found is None or not 0 <= found < len(dst) or dst[found] != size:
+        return None
+    return found
+
+
+def _reduce_after(
+    node: ir.Node, mesh: Mesh, dp_axes, params, batch: dict[ir.Value, int]
+) -> dict[str, UnitStrategy]:
     """Megatron all-reduces a row-parallel output where the block ends: the Add that
     takes it (its bias, or the residual) reads and makes whole values on tp.
 
@@ -259,8 +347,8 @@ def _reduce_after(node: ir.Node, mesh: Mesh, dp_axes, params) -> dict[str, UnitS
     if len(uses) != 1 or uses[0].node.op_type != "Add":
         return {}
     add = uses[0].node
-    ins = tuple(_act_layout(v, mesh, dp_axes, params) for v in add.inputs)
-    out = (_act_layout(add.outputs[0], mesh, dp_axes, params),)
+    ins = tuple(_act_layout(v, mesh, dp_axes, params, batch) for v in add.inputs)
+    out = (_act_layout(add.outputs[0], mesh, dp_axes, params, batch),)
     for cand in sa.candidates(add, mesh):
         if sa.matches(cand, ins, out):
             return {add.name: UnitStrategy(inputs=ins, outputs=out)}
@@ -322,7 +410,10 @@ def _weight_name(node: ir.Node, params: set[str]) -> str:
     """The trained weight(s) behind a projection MatMul (a stacked one's sources)."""
     w = node.inputs[1]
     sources = stacked_sources(w, params) if is_stacked(node) else None
-    return " + ".join(v.name for v in sources) if sources else w.name
+    if sources:
+        return " + ".join(v.name for v in sources)
+    stored = transposed_source(w, params)
+    return stored.name if stored is not None else w.name
 
 
 def _check_weight_split(
@@ -340,9 +431,12 @@ def _check_weight_split(
     size, n = wshape[dim], mesh.shape[tp]
     if size % n:
         sources = stacked_sources(weight, params) if is_stacked(node) else None
+        stored = transposed_source(weight, params)
         if sources:
             names = ", ".join(repr(v.name) for v in sources)
             dim = len(static_shape(sources[0])) - 1
+        elif stored is not None:  # the weight as stored, [D, C]: the other dim
+            names, dim = repr(stored.name), 1 - dim
         else:
             names = repr(weight.name)
         raise ShardingError(

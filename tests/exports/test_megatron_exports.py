@@ -1,8 +1,9 @@
 """Megatron-LM plans on real ``torch.onnx.export(dynamo=True)`` output.
 
 For GPT-2 (fused ``c_attn`` + ``split``), HF-style GPT-2 (``Conv1D``: Reshape -> Gemm ->
-Reshape), BERT (separate Q/K/V, masked), ViT (fused ``qkv`` + reshape/unbind) and Llama
-(RMSNorm, rotary, SiLU-gated MLP):
+Reshape), BERT (separate Q/K/V, masked), ViT (fused ``qkv`` + reshape/unbind), Llama
+(RMSNorm, rotary, SiLU-gated MLP) and torch's ``nn.TransformerEncoder`` (packed
+in-projection taken apart by Gathers, out projection a ``Gemm`` with ``transB``):
 
 * the forward rewrite of ``passes.blocks`` changes nothing a step computes: loss and
   updated parameters equal those of the export's own step (a fused QKV weight compared
@@ -46,7 +47,7 @@ from tests.helpers.steps import import_proto  # noqa: E402
 from tests.passes.test_collective_counts import _role, collectives  # noqa: E402
 
 SGD = OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9)
-NAMES = ("gpt2", "hf_gpt2", "bert", "vit", "llama")
+NAMES = ("gpt2", "hf_gpt2", "bert", "vit", "llama", "mha")
 QUICK = {("gpt2", "2")}
 
 
@@ -111,6 +112,7 @@ REWRITES = {
     "bert": (0, 2, 0),
     "vit": (0, 0, 2),
     "llama": (0, 4, 0),
+    "mha": (2, 0, 2),  # out projections (Gemm, transB); packed in-projections viewed
 }
 
 
@@ -136,7 +138,7 @@ def test_prepared_step_trains_exactly_as_the_export(name, export_of):
             reshaped += 1
         scale = max(float(np.abs(want).max()), 1e-6)
         assert float(np.abs(got - want).max()) / scale <= 1e-6, key
-    fused = name in ("gpt2", "hf_gpt2", "vit")
+    fused = name in ("gpt2", "hf_gpt2", "vit", "mha")
     assert reshaped == (4 if fused else 0)  # weight and bias of each layer's fused QKV
 
 

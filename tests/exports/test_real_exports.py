@@ -51,8 +51,9 @@ MEGATRON_NOTES = {
     "vit": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "llama": ("2 MLP and 2 attention blocks",),
     "resnet": ("no attention or MLP block found",),
-    # nn.MultiheadAttention's out projection is a Gemm with transB: no attention block
-    "mha": ("2 MLP and 0 attention blocks",),
+    # nn.MultiheadAttention: packed in-projection viewed head-wise, out projection a
+    # Gemm with transB, multiplied by the Transpose of its stored weight
+    "mha": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "sdpa": ("2 MLP and 2 attention blocks",),
     "sdpa23": ("2 MLP and 2 attention blocks",),
 }
