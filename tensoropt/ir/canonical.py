@@ -2,7 +2,9 @@
 
 Two spellings of the same computation should plan alike. :func:`canonicalize` rewrites:
 
-- **Fused ops of newer opsets** (:func:`decompose_fused`).
+- **Fused ops** (:func:`decompose_fused`). ``InstanceNormalization`` (how
+  ``nn.GroupNorm`` exports: Reshape to the groups, InstanceNormalization, Reshape, then
+  the affine Mul and Add) becomes ReduceMean, Sub, Mul, Sqrt and Div.
   ``torch.onnx.export(..., opset_version=23)`` (and later) emits ``Attention`` for
   ``scaled_dot_product_attention`` and ``RMSNormalization`` for ``nn.RMSNorm``; opset 20
   exports spell both out as MatMul, Softmax, ReduceMean and friends. They become those
@@ -22,9 +24,10 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   the outputs of one Split, as a fused QKV split reads everywhere else.
 
 Pre: a graph whose values have static shapes and dtypes (after shape inference).
-Post: no ``Attention`` or ``RMSNormalization`` node; no Reshape -> Transpose -> Reshape
-chain of single readers whose reshapes have a common refinement that the output groups,
-no Transpose read only by a Transpose, no Gathers that unbind a last dimension; every
+Post: no ``Attention``, ``RMSNormalization`` or ``InstanceNormalization`` node; no
+Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a common
+refinement that the output groups, no Transpose read only by a Transpose, no Gathers
+that unbind a last dimension; every
 value made here has its static shape and dtype; the constants made here are rank 0,
 shapes, or additive masks (values at the dtype's lowest), which the trainable policy
 never trains (``passes/trainable.py``). A fused node whose form has no primitive
@@ -50,7 +53,7 @@ import onnx_ir as ir
 from tensoropt.errors import UnsupportedOpError
 from tensoropt.ir.vocab import MADE_KEY
 
-FUSED = frozenset({"Attention", "RMSNormalization"})
+FUSED = frozenset({"Attention", "RMSNormalization", "InstanceNormalization"})
 
 
 def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
@@ -306,8 +309,8 @@ def _perm(node: ir.Node, rank: int) -> list[int]:
 
 
 def decompose_fused(graph: ir.Graph, path: str) -> int:
-    """Rewrite every ``Attention`` and ``RMSNormalization`` node of ``graph`` in place;
-    return how many were rewritten."""
+    """Rewrite every ``Attention``, ``RMSNormalization`` and ``InstanceNormalization``
+    node of ``graph`` in place; return how many were rewritten."""
     todo = [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in FUSED]
     if not todo:
         return 0
@@ -316,6 +319,8 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
         b.at(node)
         if node.op_type == "RMSNormalization":
             out = _rms_norm(b, node, path)
+        elif node.op_type == "InstanceNormalization":
+            out = _instance_norm(b, node)
         else:
             out = _attention(b, node, path)
         old = node.outputs[0]
@@ -443,6 +448,30 @@ def _rms_norm(b: _Builder, node: ir.Node, path: str) -> ir.Value:
         normal = b.op("Cast", [normal], shape, dtype, "normalized_cast", to=int(dtype))
     out_type = scale.dtype if scale.dtype is not None else dtype
     return b.op("Mul", [normal, scale], shape, out_type, "scaled")
+
+
+def _instance_norm(b: _Builder, node: ir.Node) -> ir.Value:
+    """``scale * (x - mean) / sqrt(var + epsilon) + B`` over the spatial dimensions of
+    each (sample, channel); scale and B ([C]) reshaped to [C, 1, ..]: ``nn.GroupNorm``
+    exports as Reshape, InstanceNormalization (of the groups), Reshape, Mul, Add."""
+    x, scale, bias = node.inputs[0], node.inputs[1], node.inputs[2]
+    shape, dtype = _shape(x), x.dtype
+    rank = len(shape)
+    kept = shape[:2] + [1] * (rank - 2)
+    axes = b.const(np.arange(2, rank, dtype=np.int64), "spatial_axes")
+    mean = b.op("ReduceMean", [x, axes], kept, dtype, "mean", keepdims=1)
+    centred = b.op("Sub", [x, mean], shape, dtype, "centred")
+    square = b.op("Mul", [centred, centred], shape, dtype, "square")
+    var = b.op("ReduceMean", [square, axes], kept, dtype, "variance", keepdims=1)
+    eps = b.const(np.array(_float(node, "epsilon", 1e-5), dtype=_np_dtype(dtype)), "epsilon")
+    std = b.op("Sqrt", [b.op("Add", [var, eps], kept, dtype, "plus_epsilon")], kept, dtype, "std")
+    normal = b.op("Div", [centred, std], shape, dtype, "normalized")
+    per_channel = [shape[1]] + [1] * (rank - 2)
+    to = b.const(np.array(per_channel, dtype=np.int64), "channel_shape")
+    s = b.op("Reshape", [scale, to], per_channel, scale.dtype, "scale_per_channel")
+    c = b.op("Reshape", [bias, to], per_channel, bias.dtype, "bias_per_channel")
+    scaled = b.op("Mul", [normal, s], shape, dtype, "scaled")
+    return b.op("Add", [scaled, c], shape, dtype, "shifted")
 
 
 def _attention(b: _Builder, node: ir.Node, path: str) -> ir.Value:

@@ -12,7 +12,9 @@ An initializer ``V`` maps to a torch parameter ``P`` through one of:
 * ``rows``: ``V`` viewed as rows of ``P.shape[-1]`` equals the first rows of ``P``
   (a position table cut to the sequence length, with leading 1-dims added);
 * ``broadcast``: ``P`` has a leading 1-dim and every ``V[i]`` equals ``P[0]`` (a
-  cls token expanded to the batch).
+  cls token expanded to the batch);
+* ``reshaped``: ``V`` is ``P`` with 1-dims added (a GroupNorm weight ``[C]`` stored
+  as ``[C, 1, 1]`` for the affine Mul after the normalisation).
 
 Equality is ``allclose`` at float32 precision (BN folding rounds differently in
 onnxscript and torch). Each mapping turns the gradient of ``V`` into a
@@ -34,6 +36,7 @@ class How(enum.Enum):
     TRANSPOSED = "transposed"
     ROWS = "rows"
     BROADCAST = "broadcast"
+    RESHAPED = "reshaped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,10 @@ def _how(v: np.ndarray, p: np.ndarray) -> How | None:
     broadcast = p.ndim >= 2 and p.shape[0] == 1 and v.shape[1:] == p.shape[1:]
     if broadcast and v.shape[0] > 1 and all(_close(v[i : i + 1], p) for i in range(v.shape[0])):
         return How.BROADCAST
+    squeezed = tuple(d for d in v.shape if d != 1)
+    same_size = v.shape != p.shape and squeezed == tuple(d for d in p.shape if d != 1)
+    if same_size and _close(v.reshape(p.shape), p):
+        return How.RESHAPED
     return None
 
 
@@ -95,4 +102,6 @@ def to_param_grad(match: Match, grad: np.ndarray, param_shape: tuple[int, ...]) 
         rows = grad.size // param_shape[-1]
         out[:rows] = grad.reshape(rows, -1)
         return out
+    if match.how is How.RESHAPED:
+        return grad.reshape(param_shape)
     return grad.sum(axis=0, keepdims=True)

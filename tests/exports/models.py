@@ -419,6 +419,24 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+class ConvNet(nn.Module):
+    """``nn.GroupNorm`` (exported through InstanceNormalization), a depthwise and a
+    pointwise Conv, SiLU and HardSwish, global average pooling, Linear."""
+
+    def __init__(self, width=8, classes=CLASSES):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.norm = nn.GroupNorm(2, width)
+        self.depthwise = nn.Conv2d(width, width, 3, padding=1, groups=width)
+        self.pointwise = nn.Conv2d(width, 2 * width, 1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.silu(self.norm(self.stem(x)))
+        x = F.hardswish(self.pointwise(self.depthwise(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
 def fuse_batchnorm(model: nn.Module) -> nn.Module:
     """A copy of an eval-mode ResNet with every BatchNorm folded into its Conv.
 
@@ -519,6 +537,7 @@ CASES: dict[str, Case] = {
             "ce",
             fuse_batchnorm,
         ),
+        Case("convnet", ConvNet, lambda g: {"x": torch.randn(BATCH, 3, 16, 16, generator=g)}, "ce"),
         Case("mha", TorchEncoder, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g), "attention_mask": _ones_mask()}, "ce"),
         Case(

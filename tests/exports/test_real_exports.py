@@ -1,7 +1,7 @@
 """tensoropt on real ``torch.onnx.export(dynamo=True)`` output of standard architectures.
 
-For GPT-2, BERT, ViT, Llama and ResNet style models, torch's own
-``nn.TransformerEncoder``, and a model of
+For GPT-2, BERT, ViT, Llama and ResNet style models, a GroupNorm/depthwise ConvNet,
+torch's own ``nn.TransformerEncoder``, and a model of
 ``scaled_dot_product_attention`` and ``nn.RMSNorm`` exported at opsets 20 and 23
 (tests/exports/models.py):
 
@@ -51,6 +51,7 @@ MEGATRON_NOTES = {
     "vit": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "llama": ("2 MLP and 2 attention blocks",),
     "resnet": ("no attention or MLP block found",),
+    "convnet": ("no attention or MLP block found",),
     # nn.MultiheadAttention: packed in-projection viewed head-wise, out projection a
     # Gemm with transB, multiplied by the Transpose of its stored weight
     "mha": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
@@ -149,7 +150,7 @@ def _batch_splits(name: str, plan: str, mesh: str) -> bool:
     shards it over every axis, Megatron over all but the tp axis, and over every axis
     when it finds no block (resnet)."""
     dims = [int(x) for x in mesh.split("x")]
-    dp = dims if plan == "data-parallel" or name == "resnet" else dims[:-1]
+    dp = dims if plan == "data-parallel" or name in ("resnet", "convnet") else dims[:-1]
     return 2 % int(np.prod(dp)) == 0
 
 

@@ -271,3 +271,19 @@ def test_two_transposes_compose(tmp_path):
         "Transpose",
         "Identity",
     ]
+
+
+@pytest.mark.parametrize("shape", [[2, 4, 6], [2, 6, 3, 5]])
+def test_instance_normalization_matches_the_fused_kernel(tmp_path, shape):
+    """nn.GroupNorm exports as Reshape, InstanceNormalization, Reshape, Mul, Add."""
+    rng = np.random.default_rng(5)
+    c = shape[1]
+    inits = [
+        onnx.numpy_helper.from_array((1 + 0.1 * rng.standard_normal(c)).astype(np.float32), "s"),
+        onnx.numpy_helper.from_array((0.1 * rng.standard_normal(c)).astype(np.float32), "b"),
+    ]
+    node = h.make_node("InstanceNormalization", ["x", "s", "b"], ["y"], name="norm", epsilon=1e-3)
+    model = _model(node, [h.make_tensor_value_info("x", T.FLOAT, shape)], T.FLOAT, 20, inits)
+    feeds = {"x": (3 * rng.standard_normal(shape) + 1).astype(np.float32)}
+    fused, ours = _both(tmp_path, model, feeds)
+    np.testing.assert_allclose(ours, fused, rtol=1e-5, atol=1e-5)

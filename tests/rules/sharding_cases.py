@@ -103,6 +103,23 @@ def _isnan(rng):
     return [Case("IsNaN", [x])]
 
 
+def _isinf(rng):
+    x = _f(rng, 6, 4)
+    x[rng.random((6, 4)) > 0.7] = np.inf
+    return [Case("IsInf", [x])]
+
+
+def _variadic_f32(op: str) -> Gen:
+    """``_variadic`` in float32 (no double kernel in onnxruntime's CPU provider)."""
+
+    def gen(rng):
+        return [
+            Case(op, [x.astype(np.float32) for x in case.inputs]) for case in _variadic(op)(rng)
+        ]
+
+    return gen
+
+
 def _where(rng):
     return [
         Case("Where", [rng.random((6, 4)) > 0.5, _f(rng, 6, 4), _f(rng, 6, 4)]),
@@ -485,22 +502,36 @@ CASES: dict[str, Gen] = {
     # per-shard results are the same float32 computations (default tolerance 1e-5).
     "Erf": _unary("Erf", dtype=np.float32),
     "Gelu": _unary("Gelu", dtype=np.float32, approximate="tanh"),
+    # the same for these activations: float32 only in onnxruntime's CPU kernels
+    **{
+        op: _unary(op, dtype=np.float32)
+        for op in ("Elu", "LeakyRelu", "HardSigmoid", "HardSwish", "Softplus")
+    },
+    **{op: _unary(op) for op in ("Cos", "Sin", "Round")},
     **{op: _binary(op) for op in ("Add", "Sub", "Mul", "Max", "Min")},
     "Div": _binary("Div", pos=True),
     "Pow": _binary("Pow", pos=True),
     "Sum": _variadic("Sum"),
+    "Mean": _variadic_f32("Mean"),
     "Clip": _clip,
     "Mod": _mod,
-    **{op: _compare(op) for op in ("Equal", "Less", "Greater")},
-    **{op: _logic(op) for op in ("And", "Or", "Not")},
+    **{op: _compare(op) for op in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")},
+    **{op: _logic(op) for op in ("And", "Or", "Xor", "Not")},
     "IsNaN": _isnan,
+    "IsInf": _isinf,
     "Where": _where,
     "Cast": _cast,
     "Identity": _identity,
     "MatMul": _matmul,
     "Gemm": _gemm,
     "Einsum": _einsum,
-    **{op: _reduce(op) for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin")},
+    **{
+        op: _reduce(op)
+        for op in (
+            *("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"),
+            *("ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSumExp"),
+        )
+    },
     "Softmax": _softmax("Softmax"),
     "LogSoftmax": _softmax("LogSoftmax"),
     "LayerNormalization": _layer_norm,

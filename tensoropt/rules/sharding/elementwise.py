@@ -65,8 +65,16 @@ NONLINEAR_UNARY = (
     "Floor",
     "Ceil",
     "Clip",
+    "Cos",
+    "Sin",
+    "Elu",
+    "LeakyRelu",
+    "HardSigmoid",
+    "HardSwish",
+    "Softplus",
+    "Round",
 )
-NONLINEAR_NARY = ("Pow", "Max", "Min", "Mod")
+NONLINEAR_NARY = ("Pow", "Max", "Min", "Mod", "Mean")
 
 RULES: dict[str, ShardingRule] = {
     **{op: elementwise_rule() for op in NONLINEAR_UNARY + NONLINEAR_NARY},

@@ -136,7 +136,13 @@ RULES: dict[str, ShardingRule] = {
     "Identity": elementwise_rule(lambda op: ((0,),)),
     "Cast": FactorRule(_cast_spec),
     "Where": FactorRule(_where_spec),
-    **{op: elementwise_rule() for op in ("Equal", "Less", "Greater", "And", "Or", "Not", "IsNaN")},
+    **{
+        op: elementwise_rule()
+        for op in (
+            *("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"),
+            *("And", "Or", "Xor", "Not", "IsNaN", "IsInf"),
+        )
+    },
     "Trilu": _keep_axes_spec("trilu"),
     "CumSum": _keep_axes_spec("cumsum"),
     "Shape": ShapeRule(),

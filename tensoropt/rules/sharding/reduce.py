@@ -2,7 +2,8 @@
 
 Kept dims are free factors. A reduced dim is a contracting factor: sharding it gives ``P``
 for ReduceSum and ``P`` scaled by 1/n for ReduceMean (the local op takes the mean of its
-piece); ReduceMax / ReduceMin never shard a reduced dim (that would need a max-reduction).
+piece); ReduceMax / ReduceMin and the nonlinear ReduceL1 / ReduceL2 / ReduceSumSquare /
+ReduceLogSumExp never shard a reduced dim (that would need their own combination).
 ReduceSum and ReduceMean are linear: ``P`` in -> ``P`` out.
 """
 
@@ -63,4 +64,9 @@ RULES: dict[str, ShardingRule] = {
     "ReduceMean": reduce_rule(Reduction.MEAN),
     "ReduceMax": reduce_rule(None),
     "ReduceMin": reduce_rule(None),
+    # not linear: a reduced dim is never sharded
+    "ReduceL1": reduce_rule(None),
+    "ReduceL2": reduce_rule(None),
+    "ReduceSumSquare": reduce_rule(None),
+    "ReduceLogSumExp": reduce_rule(None),
 }
