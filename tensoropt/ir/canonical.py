@@ -19,6 +19,8 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   pays an all-to-all each way. The chain becomes a Reshape to the finest shape both
   reshapes group ([B, H, S, d], [T, B, H, d]) and the Transpose of that it computes.
   Pairs of Transposes are composed first (:func:`compose_transposes`).
+- **Resizes** (:func:`resize_as_gathers`): ``F.interpolate`` exports as ``Resize``,
+  which becomes weighted Gathers along each resized dimension.
 - **Unbinds by Gathers** (:func:`split_unbinds`): ``nn.MultiheadAttention`` takes its
   packed projection apart with layout ops and one Gather per piece; the pieces become
   the outputs of one Split, as a fused QKV split reads everywhere else.
@@ -27,12 +29,13 @@ Pre: a graph whose values have static shapes and dtypes (after shape inference).
 Post: no ``Attention``, ``RMSNormalization`` or ``InstanceNormalization`` node; no
 Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a common
 refinement that the output groups, no Transpose read only by a Transpose, no Gathers
-that unbind a last dimension; every
-value made here has its static shape and dtype; the constants made here are rank 0,
-shapes, or additive masks (values at the dtype's lowest), which the trainable policy
-never trains (``passes/trainable.py``). A fused node whose form has no primitive
-spelling here (a key/value cache, extra outputs, a sequence-shortened mask) raises
-:class:`UnsupportedOpError` naming the node and what to change.
+that unbind a last dimension, no Resize but tf_crop_and_resize or of variable scales;
+every value made here has its static shape and dtype; the constants made here carry
+``MADE_KEY`` and are never trained (``passes/trainable.py``): scalars, shapes,
+additive masks (values at the dtype's lowest), gather indices and resize weights. A
+fused node whose form has no primitive spelling here (a key/value cache, extra outputs,
+a sequence-shortened mask) raises :class:`UnsupportedOpError` naming the node and what
+to change.
 
 Numerics: the primitives compute what the ONNX definition computes, in its order
 (``Q*sqrt(scale)``, ``K*sqrt(scale)``, MatMul, softcap, mask, Softmax, MatMul;
@@ -63,7 +66,143 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
         "gathered unbinds": split_unbinds(graph),
         "transpose pairs": compose_transposes(graph),
         "merged transposes": fold_merged_transposes(graph),
+        "resizes": resize_as_gathers(graph),
     }
+
+
+_MAX_TAPS = 8  # input elements one output element of a resize may read
+
+
+def resize_as_gathers(graph: ir.Graph) -> int:
+    """Each ``Resize`` (``F.interpolate``, ``nn.Upsample``) of constant scales or sizes
+    becomes, per resized dimension, a weighted sum of Gathers along it: nearest is one
+    Gather, linear two, cubic four. The weights of a dimension are its interpolation
+    matrix, which is measured by resizing the identity with onnxruntime under the
+    node's own attributes: a resize that is not tf_crop_and_resize is linear in its input
+    and separable over its dimensions, so this is what the op computes, in every
+    coordinate, nearest and antialias mode. ``tf_crop_and_resize`` (an extrapolation
+    value), variable scales and non-stretching aspect policies are kept (and refused at
+    import as unsupported). Returns the resizes rewritten."""
+    b = _Builder(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Resize" or node.domain not in ("", "ai.onnx"):
+            continue
+        taps = _resize_taps(node)
+        if taps is None:
+            continue
+        b.at(node)
+        x, out = node.inputs[0], node.outputs[0]
+        shape = _shape(x)
+        value = x
+        for axis, (index, weight) in taps.items():
+            shape = [*shape[:axis], index.shape[1], *shape[axis + 1 :]]
+            tail = [1] * (len(shape) - axis - 1)
+            total = None
+            for t in range(index.shape[0]):
+                at = b.const(index[t], "resize_index")
+                picked = b.op("Gather", [value, at], shape, x.dtype, "resize_gather", axis=axis)
+                if not np.all(weight[t] == 1.0):
+                    w = b.const(weight[t].reshape([-1, *tail]).astype(_np_dtype(x.dtype)), "w")
+                    picked = b.op("Mul", [picked, w], shape, x.dtype, "resize_weighted")
+                if total is not None:
+                    picked = b.op("Add", [total, picked], shape, x.dtype, "resize_sum")
+                total = picked
+            value = total
+        _replace(graph, out, value)
+        graph.remove(node, safe=True)
+        done += 1
+    return done
+
+
+def _resize_taps(node: ir.Node) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:
+    """{axis: (index [taps, out], weight [taps, out])} of every resized dimension, or
+    None when the rewrite does not apply."""
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    mode = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if mode == "tf_crop_and_resize" or attrs.get("keep_aspect_ratio_policy", "stretch") != (
+        "stretch"
+    ):
+        return None
+    inputs = list(node.inputs) + [None] * (4 - len(node.inputs))
+    x, scales, sizes = inputs[0], inputs[2], inputs[3]
+    xs, os_ = _shape(x), _shape(node.outputs[0])
+    given = None
+    for v in (scales, sizes):
+        if v is not None and v.const_value is not None and v.const_value.size:
+            given = (v is scales, np.asarray(v.const_value.numpy()).reshape(-1))
+    if given is None or "axes" in attrs:
+        return None
+    by_scale, values = given
+    if len(values) != len(xs):
+        return None
+    taps = {}
+    for axis, (n_in, n_out) in enumerate(zip(xs, os_, strict=True)):
+        if by_scale and float(values[axis]) == 1.0 and n_in == n_out:
+            continue
+        if not by_scale and n_in == n_out:
+            continue
+        matrix = _interpolation(node, attrs, n_in, n_out, float(values[axis]), by_scale)
+        if matrix is None:
+            return None
+        found = _as_taps(matrix)
+        if found is None:
+            return None
+        taps[axis] = found
+    return taps
+
+
+def _interpolation(node, attrs, n_in: int, n_out: int, value: float, by_scale: bool):
+    """[n_out, n_in]: the resize of the identity along one dimension (onnxruntime)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    keep = {
+        k: v
+        for k, v in attrs.items()
+        if k in ("antialias", "coordinate_transformation_mode", "cubic_coeff_a")
+        or k in ("exclude_outside", "mode", "nearest_mode")
+    }
+    inputs = ["x", "", "scales" if by_scale else "", "" if by_scale else "sizes"]
+    made = helper.make_node("Resize", inputs, ["y"], **keep)
+    init = (
+        helper.make_tensor("scales", TensorProto.FLOAT, [2], [1.0, value])
+        if by_scale
+        else helper.make_tensor("sizes", TensorProto.INT64, [2], [n_in, n_out])
+    )
+    graph = helper.make_graph(
+        [made],
+        "resize",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n_in, n_in])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [init],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    try:
+        session = ort.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        (y,) = session.run(None, {"x": np.eye(n_in, dtype=np.float32)})
+    except Exception:  # onnxruntime refuses these attributes: the node stays, refused later
+        return None
+    if y.shape != (n_in, n_out):
+        return None
+    return y.T
+
+
+def _as_taps(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The nonzero entries of each row of ``matrix`` as (index, weight), each [taps,
+    rows]; rows with fewer taps read index 0 with weight 0."""
+    rows = [np.flatnonzero(r) for r in matrix]
+    taps = max((len(r) for r in rows), default=0)
+    if taps == 0 or taps > _MAX_TAPS:
+        return None
+    index = np.zeros((taps, len(rows)), dtype=np.int64)
+    weight = np.zeros((taps, len(rows)), dtype=np.float64)
+    for i, r in enumerate(rows):
+        index[: len(r), i] = r
+        weight[: len(r), i] = matrix[i, r]
+    return index, weight
 
 
 def _only_user(value: ir.Value, op_type: str) -> ir.Node | None:

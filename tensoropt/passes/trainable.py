@@ -6,8 +6,9 @@ float initializer only when it has rank >= 1 and reaches the loss through
 differentiable input slots. Slots that take shapes, exponents, indices, axes,
 bounds or running statistics are not differentiable by policy; additive masks
 (values at or below -1e4, or infinite) are frozen; rotary tables (which reach the
-loss only through Sin/Cos) are frozen. ``--trainable``/``--freeze`` regexes
-override, with ``--freeze`` winning.
+loss only through Sin/Cos) are frozen; so are the constants the importer makes
+(``ir/canonical.py``: a resize's interpolation weights). ``--trainable``/``--freeze``
+regexes override, with ``--freeze`` winning.
 
 Files from ``torch.onnx.export(dynamo=True)`` say more, and the policy reads it:
 an initializer whose ``pkg.torch.export.graph_signature.InputSpec.kind`` is not
@@ -175,6 +176,7 @@ def select_trainable(
             and len(value.shape) >= 1
             and value in reached
             and not _is_mask(value)
+            and MADE_KEY not in value.metadata_props  # the importer's constants
             and not _not_a_torch_parameter(value, produced)
         )
         on = default or bool(floaty and force_on and force_on.search(name))

@@ -287,3 +287,84 @@ def test_instance_normalization_matches_the_fused_kernel(tmp_path, shape):
     feeds = {"x": (3 * rng.standard_normal(shape) + 1).astype(np.float32)}
     fused, ours = _both(tmp_path, model, feeds)
     np.testing.assert_allclose(ours, fused, rtol=1e-5, atol=1e-5)
+
+
+RESIZES = {
+    # F.interpolate(scale_factor=2, mode="nearest"): asymmetric, floor
+    "nearest up": (
+        [2, 3, 4, 5],
+        {
+            "mode": "nearest",
+            "coordinate_transformation_mode": "asymmetric",
+            "nearest_mode": "floor",
+        },
+        [1, 1, 2, 2],
+        None,
+    ),
+    "nearest half-pixel down": ([2, 3, 8, 6], {"mode": "nearest"}, [1, 1, 0.5, 0.5], None),
+    "bilinear half-pixel up": ([1, 2, 5, 4], {"mode": "linear"}, [1, 1, 2, 3], None),
+    "bilinear align-corners, sizes": (
+        [1, 2, 5, 4],
+        {"mode": "linear", "coordinate_transformation_mode": "align_corners"},
+        None,
+        [1, 2, 9, 7],
+    ),
+    "linear 1-D pytorch half-pixel down": (
+        [2, 3, 12],
+        {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"},
+        [1, 1, 0.75],
+        None,
+    ),
+    "cubic": ([1, 1, 6, 6], {"mode": "cubic", "cubic_coeff_a": -0.5}, [1, 1, 1.5, 2], None),
+    "linear antialias down": (
+        [1, 1, 9, 8],
+        {"mode": "linear", "antialias": 1},
+        [1, 1, 0.5, 0.5],
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RESIZES))
+def test_resize_matches_the_kernel_as_gathers(tmp_path, case):
+    """A resize becomes weighted Gathers per resized dimension, whatever its mode."""
+    shape, attrs, scales, sizes = RESIZES[case]
+    inits = []
+    if scales is not None:
+        inits.append(onnx.numpy_helper.from_array(np.asarray(scales, np.float32), "scales"))
+    else:
+        inits.append(onnx.numpy_helper.from_array(np.asarray(sizes, np.int64), "sizes"))
+    inputs = ["x", "", "scales"] if scales is not None else ["x", "", "", "sizes"]
+    node = h.make_node("Resize", inputs, ["y"], name="resize", **attrs)
+    model = _model(node, [h.make_tensor_value_info("x", T.FLOAT, shape)], T.FLOAT, 20, inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    ops = {n.op_type for n in rewritten.graph.node}
+    assert "Resize" not in ops and "Gather" in ops, ops
+    feeds = {"x": np.random.default_rng(6).standard_normal(shape).astype(np.float32)}
+    np.testing.assert_allclose(_run(rewritten, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
+
+
+def test_a_crop_and_resize_is_kept():
+    """tf_crop_and_resize extrapolates: not linear in its input, so not rewritten."""
+    from tensoropt.ir.canonical import resize_as_gathers
+
+    node = h.make_node(
+        "Resize",
+        ["x", "roi", "scales"],
+        ["y"],
+        mode="linear",
+        coordinate_transformation_mode="tf_crop_and_resize",
+    )
+    inits = [
+        onnx.numpy_helper.from_array(
+            np.asarray([0, 0, 0.1, 0.1, 1, 1, 0.9, 0.9], np.float32), "roi"
+        ),
+        onnx.numpy_helper.from_array(np.asarray([1, 1, 2, 2], np.float32), "scales"),
+    ]
+    model = _model(node, [h.make_tensor_value_info("x", T.FLOAT, [1, 1, 4, 4])], T.FLOAT, 20, inits)
+    import onnx_ir as ir
+
+    graph = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(model)).graph
+    assert resize_as_gathers(graph) == 0
