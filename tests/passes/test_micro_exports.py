@@ -2,10 +2,12 @@
 
 The exports' batch is 2, so each runs as 2 micro-batches of one sample under Megatron on
 a mesh of 2 (no data-parallel axis) and verifies against the single-device full-batch
-step (max relative error <= 1e-4 over 3 SGD steps). GPT-2 is the quick model. Two are
+step (max relative error <= 1e-4 over 3 SGD steps). GPT-2 is the quick model. Four are
 refused, each in one line: ViT's export folds the class token's expansion to the batch
-into a parameter of batch size, and ResNet has no Megatron block, so its plan is data
-parallel over both devices and leaves one sample per rank.
+into a parameter of batch size; ResNet and the ConvNet have no Megatron block, so their
+plan is data parallel over both devices and leaves one sample per rank; and
+``nn.TransformerEncoder`` runs its attention seq-first, where the micro axis would split
+the sequence.
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ from tests.helpers.steps import import_proto  # noqa: E402
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
 
 
+_ONE_PER_RANK = (
+    r"--micro-batches 2 does not divide the batch: input 'x' has batch 2 over "
+    r"data-parallel size 2 \(1 per rank\)"
+)
 REFUSED = {
     "vit": r"parameter 'expand' \(shape \[2, 1, \d+\]\) is split with the batch",
-    "resnet": r"--micro-batches 2 does not divide the batch: input 'x' has batch 2 over "
-    r"data-parallel size 2 \(1 per rank\)",
+    "resnet": _ONE_PER_RANK,
+    "convnet": _ONE_PER_RANK,
+    # nn.MultiheadAttention's seq-first block ([T, B, C]): the micro axis completes its
+    # units data-parallel on dimension 0, the sequence, and the out projection would
+    # gather the micro-batches
+    "mha": r"--micro-batches 2: unit 'megatron_MatMul_\d+' \(MatMul\) needs the whole batch",
 }
 
 
