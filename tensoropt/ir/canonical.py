@@ -19,6 +19,8 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   pays an all-to-all each way. The chain becomes a Reshape to the finest shape both
   reshapes group ([B, H, S, d], [T, B, H, d]) and the Transpose of that it computes.
   Pairs of Transposes are composed first (:func:`compose_transposes`).
+- **Flattened projections** (:func:`unflatten_gemms`): a ``Gemm`` between a flattening
+  and an unflattening Reshape becomes a MatMul on the unflattened activation.
 - **Resizes** (:func:`resize_as_gathers`): ``F.interpolate`` exports as ``Resize``,
   which becomes weighted Gathers along each resized dimension.
 - **Unbinds by Gathers** (:func:`split_unbinds`): ``nn.MultiheadAttention`` takes its
@@ -67,7 +69,63 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
         "transpose pairs": compose_transposes(graph),
         "merged transposes": fold_merged_transposes(graph),
         "resizes": resize_as_gathers(graph),
+        "flattened Gemms": unflatten_gemms(graph),
     }
+
+
+def unflatten_gemms(graph: ir.Graph) -> int:
+    """``Reshape(x -> [N, C]) -> Gemm(., W [C, D], b [D]) -> Reshape([.., D])`` becomes
+    ``MatMul(x', W) + b`` on ``x'``, x as [.., C] (HF ``Conv1D``: ``view -> addmm ->
+    view``; ``nn.MultiheadAttention``'s out projection). With ``transB`` (W stored
+    [D, C]) the MatMul reads ``Transpose(W)``, a node of its own, so the trained weight
+    keeps its shape and name. Flattening to [N, C] merges the batch with the other
+    leading dimensions: a seq-first block's [T, B] became [T*B], which no split of the
+    batch can reach, and neither a micro-batch. Returns the projections rewritten."""
+    b = _Builder(graph)
+    done = 0
+    for gemm in list(graph):
+        if gemm.op_type != "Gemm" or gemm.domain not in ("", "ai.onnx") or len(gemm.inputs) < 2:
+            continue
+        attrs = {k: a.value for k, a in gemm.attributes.items()}
+        if (
+            attrs.get("transA", 0)
+            or attrs.get("alpha", 1.0) != 1.0
+            or attrs.get("beta", 1.0) != 1.0
+        ):
+            continue
+        flat, w = gemm.inputs[0], gemm.inputs[1]
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        before = flat.producer() if flat is not None else None
+        after = _only_user(gemm.outputs[0], "Reshape")
+        if before is None or before.op_type != "Reshape" or after is None:
+            continue
+        x = before.inputs[0]
+        if x is None or w is None or w.const_value is None:
+            continue
+        ws, ys = _shape(w), _shape(after.outputs[0])
+        if len(ws) != 2 or len(ys) < 2:
+            continue
+        if attrs.get("transB", 0):
+            ws = [ws[1], ws[0]]
+        fs = _shape(flat)
+        if ys[-1] != ws[1] or math.prod(ys[:-1]) != fs[0] or fs[1] != ws[0]:
+            continue
+        if bias is not None and _shape(bias) not in ([ws[1]], [1, ws[1]]):
+            continue
+        b.at(gemm)
+        dtype = after.outputs[0].dtype
+        xs = [*ys[:-1], ws[0]]
+        if _shape(x) != xs:  # e.g. attention heads merged by the flattening Reshape
+            x = b.op("Reshape", [x, b.const(np.array(xs, dtype=np.int64), "shape")], xs, dtype, "x")
+        if attrs.get("transB", 0):
+            w = b.op("Transpose", [w], ws, dtype, "weight_transposed", perm=[1, 0])
+        y = b.op("MatMul", [x, w], ys, dtype, "matmul")
+        if bias is not None:
+            y = b.op("Add", [y, bias], ys, dtype, "bias")
+        _replace(graph, after.outputs[0], y)
+        _drop_dead(graph, [after, gemm, before])
+        done += 1
+    return done
 
 
 _MAX_TAPS = 8  # input elements one output element of a resize may read
@@ -142,7 +200,7 @@ def _resize_taps(node: ir.Node) -> dict[int, tuple[np.ndarray, np.ndarray]] | No
             continue
         if not by_scale and n_in == n_out:
             continue
-        matrix = _interpolation(node, attrs, n_in, n_out, float(values[axis]), by_scale)
+        matrix = _interpolation(attrs, n_in, n_out, float(values[axis]), by_scale)
         if matrix is None:
             return None
         found = _as_taps(matrix)
@@ -152,7 +210,7 @@ def _resize_taps(node: ir.Node) -> dict[int, tuple[np.ndarray, np.ndarray]] | No
     return taps
 
 
-def _interpolation(node, attrs, n_in: int, n_out: int, value: float, by_scale: bool):
+def _interpolation(attrs: dict, n_in: int, n_out: int, value: float, by_scale: bool):
     """[n_out, n_in]: the resize of the identity along one dimension (onnxruntime)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper

@@ -4,8 +4,10 @@ Pre: a path to an ONNX model (weights inline or as external data; external-data
 locations must stay inside the model's directory, see ``ir/external.py``).
 Post: an ``onnx_ir.Model`` at ai.onnx opset >= 20 whose every value has a static
 shape and dtype, whose nodes all have unique names and carry
-``tensoropt.role=forward`` / ``tensoropt.unit=<own name>`` metadata, and which holds no
-fused ``Attention`` or ``RMSNormalization`` (rewritten by ``ir/canonical.py``).
+``tensoropt.role=forward`` / ``tensoropt.unit=<own name>`` metadata, and which holds
+what ``ir/canonical.py`` rewrites in its one spelling (no fused attention or
+normalisation of newer opsets, no Resize of constant scales, no flattened Gemm
+projection, no Reshape-Transpose-Reshape through merged dimensions).
 
 ``load_weights=False`` leaves external-data weights on disk (planning needs only
 shapes), so paper-size models are searched without their weights in memory.

@@ -14,7 +14,7 @@ Recognition (used on the forward model and on the training step):
   projections are column-parallel, O is row-parallel, so heads split across tp.
 
 A *weight MatMul* multiplies an activation by a trained 2-D weight, by its transpose
-(``Transpose(W, [1, 0])``, a ``Gemm`` with ``transB``), or by a *stacked* weight
+(``Transpose(W, [1, 0])``, from a ``Gemm`` with ``transB``), or by a *stacked* weight
 ``[k, C, D]`` that :func:`stack_projections` builds from trained weights.
 
 The rewrite (:func:`stack_projections`, on the forward model before the training step
@@ -33,10 +33,9 @@ is built) makes each block's column-parallel side one MatMul, as Megatron-LM's f
   same bytes, row-major; its bias ``[3D]`` as ``[3, 1, D]``), multiplied as
   ``Transpose(W, [1, 0, 2])``. A column split of dim 2 of that view gives each rank
   the columns of the same heads of q, k and v: the per-device ``[q | k | v]`` blocks.
-- an HF ``Conv1D`` projection (``Reshape -> Gemm -> Reshape``, ``view -> addmm ->
-  view``) becomes ``MatMul + Add`` on the unflattened activation first; a ``Gemm`` with
-  ``transB`` (``nn.MultiheadAttention``'s out projection) multiplies by
-  ``Transpose(W)``, a node of its own, so the stored weight keeps its shape and name.
+An HF ``Conv1D`` projection (``Reshape -> Gemm -> Reshape``) and
+``nn.MultiheadAttention``'s out projection (a ``Gemm`` with ``transB``) arrive as
+MatMuls already: the importer unflattens them (``ir/canonical.unflatten_gemms``).
 
 Every rewrite computes the same function with the same parameters (values and names),
 so the step trains exactly as before; only a fused QKV weight's shape changes.
@@ -45,7 +44,7 @@ so the step trains exactly as before; only a fused QKV weight's shape changes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,8 +150,7 @@ def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
 def transposed_source(b: ir.Value, params: set[str]) -> ir.Value | None:
     """The trained 2-D weight W when a MatMul operand is ``Transpose(W, [1, 0])`` read by
     that MatMul alone in the forward (a ``Gemm`` with ``transB``, as
-    ``nn.MultiheadAttention`` exports its out projection, made MatMul by
-    :func:`stack_projections`)."""
+    ``nn.MultiheadAttention`` exports its out projection, made MatMul at import)."""
     node = b.producer()
     if node is None or node.op_type != "Transpose" or not is_forward(node):
         return None
@@ -182,6 +180,60 @@ def weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
         ):
             out.append(node)
     return out
+
+
+def batch_dims(graph: ir.Graph, inputs: Sequence[str]) -> dict[ir.Value, int]:
+    """The batch dimension of each forward value that one can be followed to from the
+    data ``inputs`` (their dimension 0): through Transpose and Reshape (the batch keeps
+    its size and what precedes it), Gather, Squeeze/Unsqueeze, MatMul, and ops that keep
+    or right-align their input's dimensions. Seq-first blocks (``nn.MultiheadAttention``
+    transposes [B, T, C] to [T, B, C]) hold the batch in dimension 1, and a data-parallel
+    split of dimension 0 there would split the sequence. Values not followed are left
+    out (callers take dimension 0)."""
+    dims: dict[ir.Value, int] = {
+        v: 0 for v in graph.inputs if v.name in set(inputs) and v.shape is not None and len(v.shape)
+    }
+    for node in graph:
+        if role_of(node) is not Role.FORWARD:
+            continue
+        found = next(
+            ((i, dims[v]) for i, v in enumerate(node.inputs) if v is not None and v in dims), None
+        )
+        if found is None:
+            continue
+        for out in node.outputs:
+            d = _batch_dim_after(node, *found, out)
+            if d is not None:
+                dims[out] = d
+    return dims
+
+
+def _batch_dim_after(node: ir.Node, i: int, d: int, out: ir.Value) -> int | None:
+    src = static_shape(node.inputs[i])
+    dst = static_shape(out)
+    size = src[d]
+    op = node.op_type
+    found: int | None
+    if op == "Transpose":
+        perm = node.attributes.get("perm")
+        order = list(perm.value) if perm is not None else list(range(len(src)))[::-1]
+        found = order.index(d)
+    elif op == "Reshape":
+        before = math.prod(src[:d])
+        found = next(
+            (j for j in range(len(dst)) if math.prod(dst[:j]) == before and dst[j] == size), None
+        )
+    elif op == "Gather" and i == 1:  # the indices carry the batch
+        found = d + node.attributes.get_int("axis", 0) % max(len(static_shape(node.inputs[0])), 1)
+    elif op == "MatMul" and d == len(src) - (2 if i == 1 else 1):
+        found = None  # contracted
+    elif len(dst) == len(src):
+        found = d
+    else:  # broadcast, squeezed or unsqueezed leading dims: right-aligned
+        found = len(dst) - (len(src) - d)
+    if found is None or not 0 <= found < len(dst) or dst[found] != size:
+        return None
+    return found
 
 
 def is_stacked(node: ir.Node) -> bool:
@@ -429,60 +481,6 @@ def _reshaped(value: ir.Value, shape: tuple[int, ...]) -> None:
     value.shape = ir.Shape(list(shape))
 
 
-def _unflatten_gemms(graph: ir.Graph, em: _Emitter) -> int:
-    """``Reshape(x [.., C] -> [N, C]) -> Gemm(., W [C, D], b [D]) -> Reshape([.., D])``
-    becomes ``MatMul(x, W) + b`` (HF ``Conv1D``); with ``transB`` (W [D, C],
-    ``nn.MultiheadAttention``'s out projection) ``MatMul(x, Transpose(W)) + b``. Returns
-    how many."""
-    count = 0
-    for gemm in list(graph):
-        if gemm.op_type != "Gemm" or not is_forward(gemm) or len(gemm.inputs) < 2:
-            continue
-        attrs = gemm.attributes
-        if attrs.get_int("transA", 0):
-            continue
-        trans_b = bool(attrs.get_int("transB", 0))
-        if attrs.get_float("alpha", 1.0) != 1.0 or attrs.get_float("beta", 1.0) != 1.0:
-            continue
-        flat, w = gemm.inputs[0], gemm.inputs[1]
-        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
-        before = flat.producer() if flat is not None else None
-        uses = gemm.outputs[0].uses()
-        if before is None or before.op_type != "Reshape" or len(uses) != 1:
-            continue
-        after = uses[0].node
-        x = before.inputs[0]
-        if after.op_type != "Reshape" or x is None or w is None or w.const_value is None:
-            continue
-        ws, ys = static_shape(w), static_shape(after.outputs[0])
-        if trans_b and len(ws) == 2:
-            ws = (ws[1], ws[0])
-        if len(ws) != 2 or len(ys) < 2 or ys[-1] != ws[1]:
-            continue
-        if math.prod(ys[:-1]) != static_shape(flat)[0] or static_shape(flat)[1] != ws[0]:
-            continue
-        if bias is not None and static_shape(bias) not in ((ws[1],), (1, ws[1])):
-            continue
-        if not _removable(after.outputs):
-            continue
-        dtype = after.outputs[0].dtype
-        xs = (*ys[:-1], ws[0])
-        if static_shape(x) != xs:  # e.g. attention heads merged by the flattening Reshape
-            [x] = em.node(gemm, "Reshape", [x, em.ints(xs)], [xs], dtype)
-        if trans_b:  # the weight stays as stored: its transpose is a node of its own
-            [w] = em.node(gemm, "Transpose", [w], [ws], dtype, {"perm": [1, 0]})
-        [y] = em.node(gemm, "MatMul", [x, w], [ys], dtype)
-        if bias is not None:
-            [y] = em.node(gemm, "Add", [y, bias], [ys], dtype)
-        _replace_uses(after.outputs[0], y)
-        for node in (after, gemm):
-            graph.remove(node, safe=True)
-        if not flat.uses() and _removable(before.outputs):
-            graph.remove(before, safe=True)
-        count += 1
-    return count
-
-
 def _stack(graph: ir.Graph, em: _Emitter, group: list[ir.Node]) -> None:
     """Q, K, V (or gate, up) reading one input and of equal weight shapes: one MatMul."""
     order = {n: i for i, n in enumerate(graph)}
@@ -618,7 +616,6 @@ def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> 
 class Rewrite:
     """What :func:`stack_projections` changed."""
 
-    unflattened: int  # Reshape-Gemm-Reshape projections made MatMul + Add
     stacked: int  # groups of projections on one input made one MatMul
     fused: tuple[str, ...]  # fused QKV weights now trained as their [C, k, D] view
 
@@ -627,7 +624,6 @@ def stack_projections(model: ir.Model) -> Rewrite:
     """The forward rewrite of the module doc (mutates ``model``)."""
     graph = model.graph
     em = _Emitter(graph)
-    unflattened = _unflatten_gemms(graph, em)
     params = {
         v.name
         for v in graph.initializers.values()
@@ -662,4 +658,4 @@ def stack_projections(model: ir.Model) -> Rewrite:
         name = m.inputs[1].name if m.inputs[1] is not None else "?"
         if _removable(m.outputs) and _view_fused(graph, em, m, params):
             fused.append(name)
-    return Rewrite(unflattened, stacked, tuple(fused))
+    return Rewrite(stacked, tuple(fused))

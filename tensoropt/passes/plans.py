@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -35,6 +34,7 @@ from tensoropt.passes.blocks import (
     ELEMENTWISE,
     Blocks,
     Rewrite,
+    batch_dims,
     find_blocks,
     is_forward,
     is_stacked,
@@ -277,60 +277,6 @@ def _act_layout(value: ir.Value, mesh: Mesh, dp_axes, params, batch) -> Layout:
         if shape and shape[d] % mesh.shape[a] == 0:
             placements[a] = Shard(d)
     return Layout(tuple(placements))
-
-
-def batch_dims(graph: ir.Graph, inputs: Sequence[str]) -> dict[ir.Value, int]:
-    """The batch dimension of each forward value that one can be followed to from the
-    data ``inputs`` (their dimension 0): through Transpose and Reshape (the batch keeps
-    its size and what precedes it), Gather, Squeeze/Unsqueeze, MatMul, and ops that keep
-    or right-align their input's dimensions. Seq-first blocks (``nn.MultiheadAttention``
-    transposes [B, T, C] to [T, B, C]) hold the batch in dimension 1, and a data-parallel
-    split of dimension 0 there would split the sequence. Values not followed are left
-    out (callers take dimension 0)."""
-    dims: dict[ir.Value, int] = {
-        v: 0 for v in graph.inputs if v.name in set(inputs) and v.shape is not None and len(v.shape)
-    }
-    for node in graph:
-        if role_of(node) is not Role.FORWARD:
-            continue
-        found = next(
-            ((i, dims[v]) for i, v in enumerate(node.inputs) if v is not None and v in dims), None
-        )
-        if found is None:
-            continue
-        for out in node.outputs:
-            d = _batch_dim_after(node, *found, out)
-            if d is not None:
-                dims[out] = d
-    return dims
-
-
-def _batch_dim_after(node: ir.Node, i: int, d: int, out: ir.Value) -> int | None:
-    src = static_shape(node.inputs[i])
-    dst = static_shape(out)
-    size = src[d]
-    op = node.op_type
-    found: int | None
-    if op == "Transpose":
-        perm = node.attributes.get("perm")
-        order = list(perm.value) if perm is not None else list(range(len(src)))[::-1]
-        found = order.index(d)
-    elif op == "Reshape":
-        before = math.prod(src[:d])
-        found = next(
-            (j for j in range(len(dst)) if math.prod(dst[:j]) == before and dst[j] == size), None
-        )
-    elif op == "Gather" and i == 1:  # the indices carry the batch
-        found = d + node.attributes.get_int("axis", 0) % max(len(static_shape(node.inputs[0])), 1)
-    elif op == "MatMul" and d == len(src) - (2 if i == 1 else 1):
-        found = None  # contracted
-    elif len(dst) == len(src):
-        found = d
-    else:  # broadcast, squeezed or unsqueezed leading dims: right-aligned
-        found = len(dst) - (len(src) - d)
-    if found is None or not 0 <= found < len(dst) or dst[found] != size:
-        return None
-    return found
 
 
 def _reduce_after(

@@ -269,3 +269,30 @@ def test_every_micro_batched_point_the_search_offers_compiles(exported, tmp_path
     assert main(["compile", str(model), "--devices", "1", "--micro-batches", "2",
                  "-o", str(tmp_path / "refused")]) == 2  # fmt: skip
     assert "is split with the batch" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cost problem cannot forbid a crossing: the search prices a conversion that "
+    "gathers over the micro axis, which compile refuses (docs/design/memory-axes.md)",
+)
+def test_every_micro_batched_point_the_search_offers_for_a_seq_first_model_compiles(
+    exported, tmp_path, capsys
+):
+    """nn.TransformerEncoder runs attention seq-first: its out projection reads
+    [T*B, D], so a micro-batch split of B cannot reach it without gathering the
+    micro-batches. The search offers such points; compile refuses them."""
+    from tensoropt.cli.search_json import load_search
+
+    model = exported("mha")
+    doc = tmp_path / "s.json"
+    argv = ["search", str(model), "--devices", "1", "--axes", "split,micro"]
+    assert main([*argv, "--micro-batches", "1,2", "--json-out", str(doc)]) == 0
+    capsys.readouterr()
+    frontier = load_search(str(doc)).rows(1)
+    for index in range(len(frontier)):
+        out = tmp_path / f"p{index}"
+        code = main(["compile", str(model), "--search", str(doc), "--devices", "1",
+                     "--pick", str(index), "-o", str(out)])  # fmt: skip
+        assert code == 0, capsys.readouterr().err

@@ -368,3 +368,48 @@ def test_a_crop_and_resize_is_kept():
 
     graph = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(model)).graph
     assert resize_as_gathers(graph) == 0
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_a_flattened_gemm_becomes_a_matmul_on_the_unflattened_activation(tmp_path, trans_b):
+    """[T, B, H, d] -> [T*B, H*d] -> Gemm -> [T, B, D] (nn.MultiheadAttention's out
+    projection, W stored [D, C] with transB; HF Conv1D without): the batch is no longer
+    merged with the sequence, and the stored weight keeps its shape."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((6, 8) if trans_b else (8, 6)).astype(np.float32)
+    inits = [
+        onnx.numpy_helper.from_array(w, "w"),
+        onnx.numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
+        onnx.numpy_helper.from_array(np.asarray([12, 8], np.int64), "flat"),
+        onnx.numpy_helper.from_array(np.asarray([3, 4, 6], np.int64), "back"),
+    ]
+    nodes = [
+        h.make_node("Reshape", ["x", "flat"], ["f"]),
+        h.make_node("Gemm", ["f", "w", "b"], ["g"], transB=trans_b),
+        h.make_node("Reshape", ["g", "back"], ["y0"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [3, 4, 2, 4])],
+        [h.make_tensor_value_info("y0", T.FLOAT, None)],
+        inits,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Gemm" not in ops and ops.count("MatMul") == 1, ops
+    assert ("Transpose" in ops) == bool(trans_b)
+    stored = {t.name: list(t.dims) for t in rewritten.graph.initializer}
+    assert stored["w"] == list(w.shape)
+    feeds = {"x": rng.standard_normal((3, 4, 2, 4)).astype(np.float32)}
+    np.testing.assert_allclose(
+        _run_all(rewritten, feeds), _run_all(model, feeds), rtol=1e-5, atol=1e-5
+    )
+
+
+def _run_all(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]

@@ -44,7 +44,7 @@ REFUSED = {
     # nn.MultiheadAttention's seq-first block ([T, B, C]): the micro axis completes its
     # units data-parallel on dimension 0, the sequence, and the out projection would
     # gather the micro-batches
-    "mha": r"--micro-batches 2: unit 'megatron_MatMul_\d+' \(MatMul\) needs the whole batch",
+    "mha": r"--micro-batches 2: unit '[^']+' \(MatMul\) needs the whole batch",
 }
 
 
