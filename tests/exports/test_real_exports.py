@@ -250,21 +250,10 @@ def test_every_micro_batched_point_the_search_offers_compiles(exported, tmp_path
     compile refuses (each micro-batch would update a piece of a parameter). The search
     must not offer such points: every 1-device point of the split and micro axes
     compiles, and the 2-micro-batch problem is not searched there."""
-    from tensoropt.cli.search_json import load_search
-
     model = exported("vit")
-    doc = tmp_path / "s.json"
-    argv = ["search", str(model), "--devices", "1", "--axes", "split,micro"]
-    assert main([*argv, "--micro-batches", "1,2", "--json-out", str(doc)]) == 0
-    capsys.readouterr()
-    frontier = load_search(str(doc)).rows(1)
+    frontier = _compile_every_micro_point(model, tmp_path, capsys)
     assert frontier, "no 1-device point"
     assert all(row["axes"]["micro_batches"] == 1 for row in frontier)
-    for index in range(len(frontier)):
-        out = tmp_path / f"p{index}"
-        code = main(["compile", str(model), "--search", str(doc), "--devices", "1",
-                     "--pick", str(index), "-o", str(out)])  # fmt: skip
-        assert code == 0, capsys.readouterr().err
     # the batch-sized parameter is compile's reason, stated for the plan itself
     assert main(["compile", str(model), "--devices", "1", "--micro-batches", "2",
                  "-o", str(tmp_path / "refused")]) == 2  # fmt: skip
@@ -280,12 +269,17 @@ def test_every_micro_batched_point_the_search_offers_compiles(exported, tmp_path
 def test_every_micro_batched_point_the_search_offers_for_a_seq_first_model_compiles(
     exported, tmp_path, capsys
 ):
-    """nn.TransformerEncoder runs attention seq-first: its out projection reads
-    [T*B, D], so a micro-batch split of B cannot reach it without gathering the
-    micro-batches. The search offers such points; compile refuses them."""
+    """nn.TransformerEncoder runs attention seq-first ([T, B, C]): the data-parallel
+    completion on the micro axis splits the sequence there, and the out projection
+    gathers the micro-batches. The search offers such points; compile refuses them."""
+    _compile_every_micro_point(exported("mha"), tmp_path, capsys)
+
+
+def _compile_every_micro_point(model, tmp_path, capsys) -> list:
+    """Search ``model`` on 1 device over the split and micro axes (1 or 2 micro-batches)
+    and compile every point of that frontier from the file; its rows."""
     from tensoropt.cli.search_json import load_search
 
-    model = exported("mha")
     doc = tmp_path / "s.json"
     argv = ["search", str(model), "--devices", "1", "--axes", "split,micro"]
     assert main([*argv, "--micro-batches", "1,2", "--json-out", str(doc)]) == 0
@@ -296,3 +290,4 @@ def test_every_micro_batched_point_the_search_offers_for_a_seq_first_model_compi
         code = main(["compile", str(model), "--search", str(doc), "--devices", "1",
                      "--pick", str(index), "-o", str(out)])  # fmt: skip
         assert code == 0, capsys.readouterr().err
+    return frontier
