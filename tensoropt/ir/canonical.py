@@ -153,6 +153,8 @@ def resize_as_gathers(graph: ir.Graph) -> int:
         x, out = node.inputs[0], node.outputs[0]
         shape = _shape(x)
         value = x
+        if not taps:  # a resize to the same size: the input itself
+            value = b.op("Identity", [x], shape, x.dtype, "resize_identity")
         for axis, (index, weight) in taps.items():
             shape = [*shape[:axis], index.shape[1], *shape[axis + 1 :]]
             tail = [1] * (len(shape) - axis - 1)
