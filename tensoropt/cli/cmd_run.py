@@ -153,7 +153,7 @@ def profile_table(profile) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.common import check_output_file
-    from tensoropt.cli.json_output import document, emit
+    from tensoropt.cli.json_output import document, emit, finite_or_null
     from tensoropt.runtime.run import run_steps
 
     if args.tolerance <= 0:
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
                     "world_size": result.world_size,
                     "steps": args.steps,
                     "start_step": result.start_step,
-                    "losses": result.losses,
+                    "losses": finite_or_null(result.losses),  # null where not finite
                     "seconds": result.seconds,
                     "saved_params": args.save_params,
                     "verify": None if report is None else report.to_json(),

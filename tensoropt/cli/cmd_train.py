@@ -14,7 +14,7 @@ from tensoropt.cli.common import (
     save_npz_atomic,
     write_atomic,
 )
-from tensoropt.cli.json_output import add_json_flag, document, emit
+from tensoropt.cli.json_output import add_json_flag, document, emit, finite_or_null
 from tensoropt.errors import TensorOptError
 
 EPILOG = (
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         losses.append(loss)
         if not args.json:
             print(f"{k:>6}  {loss:>12.6f}", flush=True)
+    _warn_if_not_finite(losses, args, proto, step.signature)
     params = {name: state[name] for name in step.signature.params}
     if args.save_params:
         save_npz_atomic(args.save_params, params)
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             document(
                 "tensoropt.train/1",
                 {
-                    "losses": losses,
+                    "losses": finite_or_null(losses),  # null where not finite
                     "steps": args.steps,
                     "optimizer": step.signature.optimizer,
                     "trained_parameters": len(step.signature.params),
@@ -104,3 +105,25 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
     return 0
+
+
+def _warn_if_not_finite(losses, args: argparse.Namespace, proto, sig) -> None:
+    """One line on stderr when a loss is NaN or infinite, naming the inputs the synthetic
+    batch feeds all ones (bool and unbounded integer inputs: an attention mask that
+    attends everywhere reads them so; a padding mask reads them as every key masked)."""
+    import math
+
+    from tensoropt.runtime.data import input_specs, ones_fed
+
+    bad = next((k for k, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if bad is None:
+        return
+    line = f"train: warning: the loss is {losses[bad]} from step {bad}"
+    fed = ones_fed(input_specs(proto, sig)) if args.data is None else []
+    if fed:
+        names = ", ".join(repr(n) for n in fed)
+        line += (
+            f"; the synthetic batch feeds {names} all ones, which a padding mask reads as "
+            "every position masked: give real inputs with --data FILE.npz"
+        )
+    print(line, file=sys.stderr)

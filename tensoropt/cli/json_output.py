@@ -52,6 +52,12 @@ def integral_bytes(obj: object, key: str = "") -> object:
 _NESTED = (dict, list, tuple)
 
 
+def finite_or_null(values) -> list:
+    """``values`` (floats) with NaN and infinities as None: JSON has no literal for them
+    (``json.dumps`` would write ``NaN``, which strict parsers and jq refuse)."""
+    return [v if math.isfinite(v) else None for v in values]
+
+
 def document(schema: str, body: dict) -> dict:
     """``{"schema": schema, **body}`` with byte counts as integers."""
     doc = integral_bytes({"schema": schema, **body})

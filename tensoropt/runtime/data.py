@@ -51,7 +51,7 @@ def make_batch(specs: Sequence[InputSpec], step_index: int, seed: int) -> dict[s
     for spec in specs:
         rng = np.random.default_rng([seed, step_index, zlib.crc32(spec.name.encode())])
         dtype = np.dtype(spec.dtype)
-        if dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and spec.high is None):
+        if _all_ones(spec):
             # Integer inputs that index no table (attention masks, flags): all ones, the
             # "attend everywhere" mask a user means when giving no data.
             batch[spec.name] = np.ones(spec.shape, dtype=dtype)
@@ -62,6 +62,16 @@ def make_batch(specs: Sequence[InputSpec], step_index: int, seed: int) -> dict[s
             draw = rng.standard_normal(size=spec.shape, dtype=np.float32)
             batch[spec.name] = draw.astype(dtype)
     return batch
+
+
+def _all_ones(spec: InputSpec) -> bool:
+    dtype = np.dtype(spec.dtype)
+    return dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and spec.high is None)
+
+
+def ones_fed(specs: Sequence[InputSpec]) -> list[str]:
+    """The inputs :func:`make_batch` feeds all ones (bool, and integers of no bound)."""
+    return [s.name for s in specs if _all_ones(s)]
 
 
 def step_highs(step: Mapping[str, Any]) -> dict[str, int]:

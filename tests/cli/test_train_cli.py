@@ -251,3 +251,49 @@ def test_export_step_passes_the_checker_and_runs(zoo_file, tmp_path, capsys):
             d.dim_value
             for d in next(i for i in model.graph.input if i.name == old).type.tensor_type.shape.dim
         )
+
+
+def _padding_masked(tmp_path: Path) -> Path:
+    """y = Softmax(Where(mask, -inf, x * w)): a torch-style padding mask, where true
+    means masked, so an all-true mask masks every position and the softmax is NaN."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "w"], ["s"]),
+            helper.make_node("Where", ["mask", "low", "s"], ["m"]),
+            helper.make_node("Softmax", ["m"], ["y"], axis=-1),
+        ],
+        "masked",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [
+            numpy_helper.from_array(np.asarray([0.5, 1.0, 1.5], np.float32), "w"),
+            numpy_helper.from_array(np.asarray(-np.inf, np.float32), "low"),
+        ],
+    )
+    return _save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), tmp_path / "m.onnx"
+    )
+
+
+def test_a_loss_that_is_not_finite_is_null_in_json_and_named_with_the_inputs_fed_ones(
+    tmp_path, capsys
+):
+    path = _padding_masked(tmp_path)
+    outcome = cli(capsys, "train", path, "--steps", "2", "--loss", "mse", "--json")
+    assert outcome.code == 0, outcome.err
+    doc = json.loads(outcome.out, parse_constant=lambda c: pytest.fail(f"JSON holds {c}"))
+    assert doc["losses"] == [None, None]
+    [line] = [x for x in outcome.err.splitlines() if "warning" in x]
+    assert "the loss is nan from step 0" in line and "'mask' all ones" in line, line
+    assert "--data FILE.npz" in line
+    # with real inputs (no position masked) the loss is finite and nothing is said
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.ones((2, 3), np.float32), mask=np.zeros((2, 3), bool),
+             labels=np.zeros((2, 3), np.float32))  # fmt: skip
+    fine = cli(capsys, "train", path, "--steps", "1", "--loss", "mse", "--data", data)
+    assert fine.code == 0 and "warning" not in fine.err, fine.err
