@@ -426,7 +426,7 @@ def split_unbinds(graph: ir.Graph) -> int:
             node = users[0]
             if len(users) > 1 or node.op_type not in ("Unsqueeze", "Squeeze", "Transpose"):
                 break
-            labels = _relabel(node, labels, _shape(node.outputs[0]))
+            labels = _relabel(node, labels)
             if labels is None:
                 break
             chain.append(node)
@@ -467,7 +467,7 @@ def split_unbinds(graph: ir.Graph) -> int:
     return done
 
 
-def _relabel(node: ir.Node, labels: list, out_shape: list[int]) -> list | None:
+def _relabel(node: ir.Node, labels: list) -> list | None:
     """The dimension labels after ``node`` (Unsqueeze: new unlabelled 1s; Squeeze: only
     size-1 dimensions go; Transpose: permuted), or None when it cannot be followed."""
     rank = len(labels)
@@ -522,10 +522,8 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
             out = _instance_norm(b, node)
         else:
             out = _attention(b, node, path)
-        old = node.outputs[0]
-        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        _replace(graph, node.outputs[0], out)  # the graph keeps its value names
         graph.remove(node, safe=True)
-        out.name = old.name  # the graph keeps its value names
     return len(todo)
 
 
