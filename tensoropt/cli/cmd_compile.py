@@ -240,13 +240,13 @@ def one_count(text: str | None) -> int:
     return devices
 
 
-def candidate_counts(text: str) -> list[int]:
+def candidate_counts(text: str | None) -> list[int]:
     """The device counts ``--pick fewest-devices-under`` chooses from: a list or range as
     for ``search``, or for a single N the powers of two below N, and N."""
-    if text is not None and text.strip().isdigit():
-        top = one_count(text)
+    if text is None or text.strip().isdigit():
+        top = one_count(text)  # None: refused, --pick needs --devices
         return sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
-    return parse_devices(one_count(None) if text is None else text)
+    return parse_devices(text)
 
 
 def check_policy(policy: str) -> None:

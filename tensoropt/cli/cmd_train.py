@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     summary = step.selection.summary(step.model.graph)
     proto = export_model(step.model)
     # A bad --data file is refused before anything is printed or trained.
-    source = batch_source(input_specs(proto, step.signature), args.data, args.seed, args.steps)
+    specs = input_specs(proto, step.signature)
+    source = batch_source(specs, args.data, args.seed, args.steps)
     print(summary, file=sys.stderr)
     if args.export_step:
         write_atomic(args.export_step, proto.SerializeToString())
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         losses.append(loss)
         if not args.json:
             print(f"{k:>6}  {loss:>12.6f}", flush=True)
-    _warn_if_not_finite(losses, args, proto, step.signature)
+    _warn_if_not_finite(losses, args, specs)
     params = {name: state[name] for name in step.signature.params}
     if args.save_params:
         save_npz_atomic(args.save_params, params)
@@ -107,19 +108,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warn_if_not_finite(losses, args: argparse.Namespace, proto, sig) -> None:
+def _warn_if_not_finite(losses, args: argparse.Namespace, specs) -> None:
     """One line on stderr when a loss is NaN or infinite, naming the inputs the synthetic
     batch feeds all ones (bool and unbounded integer inputs: an attention mask that
     attends everywhere reads them so; a padding mask reads them as every key masked)."""
     import math
 
-    from tensoropt.runtime.data import input_specs, ones_fed
+    from tensoropt.runtime.data import ones_fed
 
     bad = next((k for k, loss in enumerate(losses) if not math.isfinite(loss)), None)
     if bad is None:
         return
     line = f"train: warning: the loss is {losses[bad]} from step {bad}"
-    fed = ones_fed(input_specs(proto, sig)) if args.data is None else []
+    fed = ones_fed(specs) if args.data is None else []
     if fed:
         names = ", ".join(repr(n) for n in fed)
         line += (

@@ -65,8 +65,8 @@ def _how(v: np.ndarray, p: np.ndarray) -> How | None:
     if broadcast and v.shape[0] > 1 and all(_close(v[i : i + 1], p) for i in range(v.shape[0])):
         return How.BROADCAST
     squeezed = tuple(d for d in v.shape if d != 1)
-    same_size = v.shape != p.shape and squeezed == tuple(d for d in p.shape if d != 1)
-    if same_size and _close(v.reshape(p.shape), p):
+    ones_added = v.shape != p.shape and squeezed == tuple(d for d in p.shape if d != 1)
+    if ones_added and _close(v.reshape(p.shape), p):
         return How.RESHAPED
     return None
 
