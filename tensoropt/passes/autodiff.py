@@ -12,7 +12,7 @@ Gradients of a value used several times (tied parameters) accumulate with Add.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -98,8 +98,11 @@ def build_gradients(
     wrt: Sequence[ir.Value],
     registry: GradRegistry,
     builder: Builder,
+    batch_dims: Mapping[ir.Value, int] | None = None,
 ) -> list[ir.Value]:
-    """Append the backward graph; return d(loss)/d(w) for each ``w`` in ``wrt``."""
+    """Append the backward graph; return d(loss)/d(w) for each ``w`` in ``wrt``.
+    ``batch_dims``: the batch dimension of forward values, for the rules that lay out
+    their backward by it (a linear layer's weight gradient)."""
     live = _reaching(graph, wrt, registry)
     contributing = _contributing(graph, loss)
     order = [n for n in graph if n in contributing]
@@ -133,7 +136,7 @@ def build_gradients(
             continue
         rule = registry.get(node.op_type)
         assert rule is not None
-        results = list(rule(GradContext(b, node, grad_outputs, needs)))
+        results = list(rule(GradContext(b, node, grad_outputs, needs, batch_dims or {})))
         if len(results) < len(node.inputs):
             results += [None] * (len(node.inputs) - len(results))
         if len(results) != len(node.inputs):

@@ -21,6 +21,7 @@ from tensoropt.ir.builder import Builder, static_shape
 from tensoropt.ir.importer import SHAPE_ONLY_BYTES
 from tensoropt.ir.vocab import Role
 from tensoropt.passes.autodiff import build_gradients, unit_of
+from tensoropt.passes.blocks import batch_dims
 from tensoropt.passes.loss import LossKind, build_loss, labels_high
 from tensoropt.passes.optimizer import (
     OptimizerKind,
@@ -144,7 +145,8 @@ def build_training_step(model: ir.Model, options: TrainingOptions) -> TrainingSt
         freeze=options.freeze,
     )
     params = [graph.initializers[n] for n in selection.trained]
-    grads = build_gradients(graph, spec.loss, params, GRAD_RULES, builder)
+    batch = batch_dims(graph, data_inputs)
+    grads = build_gradients(graph, spec.loss, params, GRAD_RULES, builder, batch)
     _remove_initializer_inputs(graph)
     for p in params:
         graph.inputs.append(p)

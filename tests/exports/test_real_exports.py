@@ -12,7 +12,8 @@ torch's own ``nn.TransformerEncoder``, and a model of
 * ``tensoropt train`` runs three finite steps and reports the right counts;
 * data-parallel and megatron plans on meshes 2 and 2x2 verify against the
   single-device step (max relative error <= 1e-4 over 3 SGD steps), one also on
-  the mpi backend.
+  the mpi backend; data-parallel moves no activation between devices (seq-first
+  attention and grouped convolutions included);
 
 GPT-2 is the quick model; the others are marked slow.
 """
@@ -176,10 +177,35 @@ def test_compiled_plan_verifies(name, plan, mesh, exported, tmp_path):
     if plan == "megatron":
         for fragment in MEGATRON_NOTES[name]:
             assert any(fragment in note for note in built.notes), built.notes
+    else:
+        assert _moved_activations(tmp_path / "out") == [], name
     report = run_steps(tmp_path / "out", 3, "local", verify=True, threads=1).verify
     assert report is not None and len(report.per_step) == 3
     assert report.max_rel_error_loss <= 1e-4, report.to_json()
     assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+def _moved_activations(out) -> list[str]:
+    """The collectives of device 0 other than all-reduces (of gradients and the loss),
+    leaving out the gathers read by a ScatterND: an embedding's gradient, which the
+    completion gathers where the batch's rows cost less than an all-reduce of the table.
+    A data-parallel plan that keeps the batch split through the backward has none: a
+    seq-first block's linear layers and a grouped convolution's weight gradient keep it
+    in one contiguous block of rows or groups (rules/grad)."""
+    from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
+
+    nodes = onnx.load(str(out / "device_0.onnx"), load_external_data=False).graph.node
+    readers: dict[str, list[str]] = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.op_type)
+    return [
+        f"{node.op_type} {node.name} of {node.input[0]}"
+        for node in nodes
+        if node.domain == COLLECTIVE_DOMAIN
+        and node.op_type != "AllReduce"
+        and not (node.op_type == "AllGather" and set(readers[node.output[0]]) == {"ScatterND"})
+    ]
 
 
 @pytest.mark.slow
@@ -261,18 +287,19 @@ def test_every_micro_batched_point_the_search_offers_compiles(exported, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cost problem cannot forbid a crossing: the search prices a conversion that "
-    "gathers over the micro axis, which compile refuses (docs/design/memory-axes.md)",
-)
-def test_every_micro_batched_point_the_search_offers_for_a_seq_first_model_compiles(
-    exported, tmp_path, capsys
+@pytest.mark.parametrize("name", ["mha", "convnet"])
+def test_every_micro_batched_point_compiles_on_seq_first_and_grouped_conv_models(
+    name, exported, tmp_path, capsys
 ):
-    """nn.TransformerEncoder runs attention seq-first ([T, B, C]): the data-parallel
-    completion on the micro axis splits the sequence there, and the out projection
-    gathers the micro-batches. The search offers such points; compile refuses them."""
-    _compile_every_micro_point(exported("mha"), tmp_path, capsys)
+    """Every point the search offers compiles, micro-batched ones among them, for
+    nn.TransformerEncoder (attention seq-first, [T, B, C]) and a depthwise ConvNet. Their
+    weight gradients keep the batch one contiguous block (``rules.grad``): a linear
+    layer's rows fold as [B * T], a grouped convolution's batch sits outside its groups.
+    Folded as [T * B], or inside the groups, a batch split is a strided piece, and the
+    micro axis gathered the micro-batches there: the search priced the gather, compile
+    refused it."""
+    frontier = _compile_every_micro_point(exported(name), tmp_path, capsys)
+    assert any(row["axes"]["micro_batches"] == 2 for row in frontier)
 
 
 def _compile_every_micro_point(model, tmp_path, capsys) -> list:

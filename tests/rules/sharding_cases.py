@@ -233,6 +233,24 @@ def _conv(rng):
             {"group": 2},
             tol=2e-5,
         ),
+        # depthwise, whole groups split: 6 groups over 2 and 3, not over 4 (2x2)
+        Case(
+            "Conv",
+            [
+                _f(rng, 2, 6, 5, 5, dtype=F32),
+                _f(rng, 12, 1, 3, 3, dtype=F32),
+                _f(rng, 12, dtype=F32),
+            ],
+            {"group": 6, "pads": [1, 1, 1, 1]},
+            tol=2e-5,
+        ),
+        # 2 groups of 4 channels: a split of 4 divides the channels, not the groups
+        Case(
+            "Conv",
+            [_f(rng, 2, 8, 4, 4, dtype=F32), _f(rng, 8, 4, 3, 3, dtype=F32)],
+            {"group": 2},
+            tol=2e-5,
+        ),
     ]
 
 
@@ -247,6 +265,12 @@ def _conv_transpose(rng):
         Case(
             "ConvTranspose",
             [_f(rng, 6, 6, 3, 3, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32)],
+            tol=2e-5,
+        ),
+        Case(
+            "ConvTranspose",
+            [_f(rng, 2, 4, 3, 3, dtype=F32), _f(rng, 4, 3, 2, 2, dtype=F32), _f(rng, 6, dtype=F32)],
+            {"group": 2, "strides": [2, 2]},
             tol=2e-5,
         ),
     ]

@@ -255,6 +255,19 @@ def test_conv_never_shards_spatial_dims_and_batchnorm_training_keeps_batch() -> 
         assert s.inputs[0] in (R, Shard(1)), s
 
 
+def test_grouped_conv_splits_whole_groups_and_runs_fewer_locally() -> None:
+    grouped = [v for v in _views("Conv") + _views("ConvTranspose") if v.attr("group", 1) > 1]
+    assert len(grouped) == 4
+    for view in grouped:
+        group = view.attr("group")
+        for n in (2, 3, 4):
+            found = [s for s in SHARDING_RULES.strategies(view, n) if s.outputs[0] == Shard(1)]
+            channels = view.input_shapes[0][1]
+            assert bool(found) == (group % n == 0 and channels % n == 0), (view.op_type, n)
+            for s in found:
+                assert SHARDING_RULES.localize(view, s, n).attributes["group"] == group // n
+
+
 def test_resolve_unit_by_layouts_and_by_index() -> None:
     view = _views("MatMul")[0]  # (6, 4) @ (4, 12)
     layouts = (Layout.parse("S(0)R"), Layout.parse("RS(1)")), (Layout.parse("S(0)S(1)"),)

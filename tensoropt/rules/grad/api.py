@@ -11,8 +11,8 @@ rules cover the backward graph too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -28,6 +28,9 @@ class GradContext:
     node: ir.Node
     grad_outputs: tuple[ir.Value | None, ...]
     needs: tuple[bool, ...]
+    # the batch dimension of the forward values it can be followed to from the data
+    # inputs (``passes.blocks.batch_dims``); empty where the caller does not know it
+    batch_dims: Mapping[ir.Value, int] = field(default_factory=dict)
 
     @property
     def inputs(self) -> tuple[ir.Value | None, ...]:
@@ -47,6 +50,11 @@ class GradContext:
         value = self.node.inputs[index]
         assert value is not None
         return static_shape(value)
+
+    def batch_dim(self, index: int) -> int | None:
+        """The batch dimension of forward input ``index``, or None when not known."""
+        value = self.node.inputs[index]
+        return None if value is None else self.batch_dims.get(value)
 
     def out_shape(self, index: int = 0) -> tuple[int, ...]:
         return static_shape(self.node.outputs[index])

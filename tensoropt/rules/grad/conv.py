@@ -4,10 +4,14 @@ GlobalAveragePool, GlobalMaxPool.
 - Conv dX is a ConvTranspose of the gradient with the same weight, strides,
   dilations, group and begin pads; the end crop and ``output_padding`` are chosen
   so the result has exactly the input's spatial size.
-- Conv dW is a Conv in which the channels and the batch swap roles: the input,
-  viewed as [C/G, G*N, S], is convolved with the gradient, viewed as [M, N, O],
-  with stride = forward dilation, dilation = forward stride and group G; the
-  result [C/G, M, K'] is cropped to K and transposed to [M, C/G, K].
+- Conv dW is a Conv in which the channels and the batch swap roles, with stride =
+  forward dilation and dilation = forward stride: the input viewed as [C, N, S] is
+  convolved with the gradient viewed as [M, N, O]; the result [C, M, K'] is cropped
+  to K and transposed to [M, C, K]. Grouped (G > 1), the batch joins the groups,
+  outermost: the input viewed as [C/G, N*G, S] by the gradient viewed as [N*M, 1, O]
+  in N*G groups gives [C/G, N*M, K'], summed over N. A batch split stays one
+  contiguous block of the grouped dimension there (with the batch inside the groups,
+  [C/G, G*N, S] in G groups, it would be a strided piece no layout holds).
 - MaxPool recomputes MaxPool with its Indices output, turns the flat indices
   into per-(n, c) plane offsets (Mod by the plane size) and scatter-adds the
   gradient into a [N, C, H*W] zero tensor. Ties go to the index MaxPool reports
@@ -106,22 +110,24 @@ def _conv_input_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
 def _conv_weight_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
     b, x, g = ctx.b, ctx.inputs[0], ctx.grad_outputs[0]
     n, c, *spatial = ctx.shape(0)
+    m, *out = ctx.out_shape()[1:]
     rank = 2 + len(spatial)
     rest = list(range(2, rank))
     if group == 1:
         x_view = b.op("Transpose", [x], {"perm": [1, 0, *rest]})
+        g_view = b.op("Transpose", [g], {"perm": [1, 0, *rest]})
     else:
+        # the batch joins the groups, outermost: [C/G, N*G, S] by [N*M, 1, O] in N*G groups
         grouped = b.op("Reshape", [x, b.ints([n, group, c // group, *spatial])])
-        swapped = b.op("Transpose", [grouped], {"perm": [2, 1, 0, *range(3, rank + 1)]})
-        x_view = b.op("Reshape", [swapped, b.ints([c // group, group * n, *spatial])])
-    g_view = b.op("Transpose", [g], {"perm": [1, 0, *rest]})
+        swapped = b.op("Transpose", [grouped], {"perm": [2, 0, 1, *range(3, rank + 1)]})
+        x_view = b.op("Reshape", [swapped, b.ints([c // group, n * group, *spatial])])
+        g_view = b.op("Reshape", [g, b.ints([n * m, 1, *out])])
     attrs = {
         "strides": list(win.dilations),
         "dilations": list(win.strides),
         "pads": list(win.pads_begin) + list(win.pads_end),
-        "group": group,
+        "group": group if group == 1 else n * group,
     }
-    dw = b.op("Conv", [x_view, g_view], attrs)
     full = [
         (size + pb + pe - (st * (o - 1) + 1)) // d + 1
         for size, o, st, d, pb, pe in zip(
@@ -134,6 +140,10 @@ def _conv_weight_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
             strict=True,
         )
     ]
+    dw = b.op("Conv", [x_view, g_view], attrs)
+    if group != 1:  # [C/G, N*M, K'] -> the sum over the batch
+        per_sample = b.op("Reshape", [dw, b.ints([c // group, n, m, *full])])
+        dw = reduce_sum(b, per_sample, [1], keepdims=False)
     if list(full) != list(win.kernel):
         k = len(win.kernel)
         dw = b.op("Slice", [dw, b.ints([0] * k), b.ints(list(win.kernel)), b.ints(rest)])

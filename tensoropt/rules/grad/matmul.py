@@ -3,7 +3,11 @@ and Einsum (explicit two-or-more-operand equations).
 
 MatMul against a 2-D weight (the linear layer) folds the batch dimensions of
 the activation into rows before the weight gradient, so the weight gradient is
-one 2-D MatMul rather than a batched product followed by a sum.
+one 2-D MatMul rather than a batched product followed by a sum. The batch dimension
+leads the rows: a seq-first activation ``[T, B, C]`` is transposed to ``[B, T, C]``
+first, so a split of the batch stays one contiguous block of rows (folded as
+``[T * B, C]`` it would be a strided piece no layout holds, and a data-parallel or
+micro-batched plan would gather the whole batch there).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def _matmul(ctx: GradContext) -> Grads:
         if len(w2_shape) == 2 and len(a2_shape) > 2:
             # Linear layer: fold batch dims into rows, one 2-D MatMul.
             rows = int(np.prod(a2_shape[:-1]))
+            lead = ctx.batch_dim(0)
+            if lead is not None and 0 < lead < len(a2_shape) - 1:
+                order = [lead, *(d for d in range(len(a2_shape)) if d != lead)]
+                a2 = b.op("Transpose", [a2], {"perm": order})
+                g2 = b.op("Transpose", [g2], {"perm": order})
             a_flat = _reshape(b, a2, (rows, a2_shape[-1]))
             g_flat = _reshape(b, g2, (rows, w2_shape[-1]))
             dw = b.op("MatMul", [b.op("Transpose", [a_flat], {"perm": [1, 0]}), g_flat])

@@ -6,8 +6,10 @@ MaxPool, AveragePool, GlobalAveragePool, BatchNormalization, Dropout.
 - Conv / ConvTranspose (``group == 1``): batch ``S(0)``; output channels (weight dim 0 for
   Conv, 1 for ConvTranspose; bias dim 0) give ``S(1)`` outputs; sharding the contracting
   input channels gives ``P`` outputs with a ``P`` bias. Spatial dims are never sharded: a
-  spatial split needs halo exchange, which the IR does not model. Grouped convolutions shard
-  only the batch.
+  spatial split needs halo exchange, which the IR does not model. Grouped convolutions
+  shard the batch, or whole groups: input channels, weight dim 0 (the grouped dimension of
+  both Conv and ConvTranspose), bias and output channels split together when the split
+  divides ``group``, and the local node runs ``group / n`` groups.
 - Pools: batch and channel. MaxPool with an ``Indices`` output: ``R`` only (the indices are
   flat offsets into the whole input), unless they are read only modulo the input's
   spatial plane (``OpView.reduced_indices``: the gradient rule's use), where a batch or
@@ -22,7 +24,7 @@ MaxPool, AveragePool, GlobalAveragePool, BatchNormalization, Dropout.
 
 from __future__ import annotations
 
-from tensoropt.ir.layout import Partial, Replicate
+from tensoropt.ir.layout import Partial, Replicate, Shard
 from tensoropt.rules.sharding.base import (
     FactorRule,
     FactorSpec,
@@ -65,9 +67,14 @@ def _conv_spec(op: OpView) -> FactorSpec:
     transpose = op.op_type == "ConvTranspose"
     grouped = int(op.attr("group", 1)) != 1
     sp = _spatial(len(x) - 2)
-    c, m = (None, None) if grouped else ("c", "m")
-    lx: Labels = ("n", c, *sp)
-    lw: Labels = ((c, m) if transpose else (m, c)) + sp
+    if grouped:  # "g": whole groups, channels in and out together (_whole_groups)
+        lx: Labels = ("n", "g", *sp)
+        lw: Labels = ("g", None, *sp)
+        m = "g"
+    else:
+        lx = ("n", "c", *sp)
+        lw = (("c", "m") if transpose else ("m", "c")) + sp
+        m = "m"
     has_b = op.has_input(2)
     ins: tuple[Labels | None, ...] = (lx, lw)
     if len(op.input_shapes) > 2:
@@ -81,6 +88,23 @@ def _conv_spec(op: OpView) -> FactorSpec:
         additive=frozenset(bias),
         partial=partial,
     )
+
+
+def _groups_split(op: OpView, s: OpSharding) -> bool:
+    return int(op.attr("group", 1)) != 1 and s.outputs[0] == Shard(1)
+
+
+def _whole_groups(op: OpView, s: OpSharding, n: int) -> bool:
+    """A grouped convolution's channel split holds whole groups: ``n`` divides ``group``
+    (the channel counts dividing is not enough: a group's channels are contiguous)."""
+    return not _groups_split(op, s) or int(op.attr("group", 1)) % n == 0
+
+
+def _local_groups(op: OpView, s: OpSharding, n: int, local) -> tuple[dict, tuple]:
+    attrs = dict(local.attributes)
+    if _groups_split(op, s):
+        attrs["group"] = int(op.attr("group", 1)) // n
+    return attrs, local.const_inputs
 
 
 def _pool_spec(op: OpView) -> FactorSpec:
@@ -128,8 +152,8 @@ RULES: dict[str, ShardingRule] = {
     "Softmax": FactorRule(_softmax_spec),
     "LogSoftmax": FactorRule(_softmax_spec),
     "LayerNormalization": FactorRule(_layer_norm_spec),
-    "Conv": FactorRule(_conv_spec),
-    "ConvTranspose": FactorRule(_conv_spec),
+    "Conv": FactorRule(_conv_spec, _local_groups, _whole_groups),
+    "ConvTranspose": FactorRule(_conv_spec, _local_groups, _whole_groups),
     "MaxPool": FactorRule(_pool_spec),
     "AveragePool": FactorRule(_pool_spec),
     "GlobalAveragePool": FactorRule(_pool_spec),
