@@ -53,14 +53,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory) -> Callable[[str], Path]:
     """``exported(name)``: the path of ``name``'s dynamo export (exported on first use;
-    tests read it and write what they make elsewhere)."""
-    from tests.exports.models import CASES, export
+    tests read it and write what they make elsewhere); ``NAME-noopt``: exported with
+    ``optimize=False``."""
+    from tests.exports.models import case_of, export
     from tests.helpers.shared import made_once
 
     def make(path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            export(CASES[path.stem], str(path))
+            export(case_of(path.stem), str(path))
 
     def get(name: str) -> Path:  # exported once per test run, shared by the xdist workers
         return made_once(tmp_path_factory, f"{name}.onnx", make)

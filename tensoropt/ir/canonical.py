@@ -26,12 +26,17 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
 - **Unbinds by Gathers** (:func:`split_unbinds`): ``nn.MultiheadAttention`` takes its
   packed projection apart with layout ops and one Gather per piece; the pieces become
   the outputs of one Split, as a fused QKV split reads everywhere else.
+- **Slices that partition a dimension** (:func:`slices_as_splits`): ``unbind`` and
+  ``chunk`` export as Slices when not optimized; they become the pieces of one Split,
+  as the optimized export spells them.
+- **CastLike** (:func:`cast_likes`), which ``torch.onnx.export(..., optimize=False)``
+  emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
 Pre: a graph whose values have static shapes and dtypes (after shape inference).
 Post: no ``Attention``, ``RMSNormalization`` or ``InstanceNormalization`` node; no
 Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a common
 refinement that the output groups, no Transpose read only by a Transpose, no Gathers
-that unbind a last dimension, no Resize but tf_crop_and_resize or of variable scales;
+that unbind a last dimension, no Resize but tf_crop_and_resize or of variable scales, no CastLike;
 every value made here has its static shape and dtype; the constants made here carry
 ``MADE_KEY`` and are never trained (``passes/trainable.py``): scalars, shapes,
 additive masks (values at the dtype's lowest), gather indices and resize weights. A
@@ -70,7 +75,122 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
         "merged transposes": fold_merged_transposes(graph),
         "resizes": resize_as_gathers(graph),
         "flattened Gemms": unflatten_gemms(graph),
+        "CastLikes": cast_likes(graph),
+        "partitioning Slices": slices_as_splits(graph),
     }
+
+
+def slices_as_splits(graph: ir.Graph) -> int:
+    """Slices of one value along one axis (constant bounds, step 1) whose pieces
+    partition that axis, in any order, become the outputs of one ``Split``. Returns the
+    Splits made."""
+    done = 0
+    b = _Builder(graph)
+    order = {node: i for i, node in enumerate(graph)}
+    for x in _sliced_values(graph):
+        by_axis: dict[int, list[tuple[int, int, ir.Node]]] = {}
+        shape = _shape(x)
+        for user, _ in x.uses():
+            piece = _slice_piece(user, x, shape)
+            if piece is not None:
+                axis, start, end = piece
+                by_axis.setdefault(axis, []).append((start, end, user))
+        for axis, pieces in by_axis.items():
+            pieces.sort(key=lambda p: (p[0], p[1]))
+            bounds = [p[0] for p in pieces] + [pieces[-1][1]]
+            whole = bounds[0] == 0 and bounds[-1] == shape[axis]
+            if len(pieces) < 2 or not whole:
+                continue
+            if any(a[1] != b[0] for a, b in zip(pieces, pieces[1:], strict=False)):
+                continue
+            _split_pieces(graph, b, x, axis, pieces, order)
+            done += 1
+    return done
+
+
+def _sliced_values(graph: ir.Graph) -> list[ir.Value]:
+    found: dict[ir.Value, None] = {}
+    for node in graph:
+        if node.op_type == "Slice" and node.inputs and node.inputs[0] is not None:
+            found[node.inputs[0]] = None
+    return list(found)
+
+
+def _slice_piece(node: ir.Node, x: ir.Value, shape: list[int]) -> tuple[int, int, int] | None:
+    """(axis, start, end) of a Slice of ``x`` along one axis with step 1, else None."""
+    if node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or node.inputs[0] is not x:
+        return None
+    ins = list(node.inputs) + [None] * (5 - len(node.inputs))
+    values = [None if v is None else _const_ints(v) for v in ins[1:5]]
+    starts, ends, axes, steps = values
+    if starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
+        return None
+    if (ins[3] is not None and axes is None) or (ins[4] is not None and steps is None):
+        return None
+    if steps is not None and list(steps) != [1]:
+        return None
+    rank = len(shape)
+    axis = int(axes[0]) % rank if axes is not None else 0
+    dim = shape[axis]
+    start, end = int(starts[0]), int(ends[0])
+    start = min(max(start + dim if start < 0 else start, 0), dim)
+    end = min(max(end + dim if end < 0 else end, 0), dim)
+    return (axis, start, end) if start < end else None
+
+
+def _const_ints(value: ir.Value) -> list[int] | None:
+    tensor = value.const_value
+    if tensor is None:
+        return None
+    return [int(v) for v in np.asarray(tensor.numpy()).reshape(-1)]
+
+
+def _split_pieces(
+    graph: ir.Graph,
+    b: _Builder,
+    x: ir.Value,
+    axis: int,
+    pieces: list[tuple[int, int, ir.Node]],
+    order: dict[ir.Node, int],
+) -> None:
+    first = min((n for _, _, n in pieces), key=order.__getitem__)
+    b.at(first)
+    sizes = b.const(np.array([end - start for start, end, _ in pieces], np.int64), "sizes")
+    split = ir.Node(
+        "",
+        "Split",
+        [x, sizes],
+        [ir.AttrInt64("axis", axis)],
+        num_outputs=len(pieces),
+        name=b._name("split"),
+    )
+    graph.insert_before(first, split)
+    for (_, _, node), out in zip(pieces, split.outputs, strict=True):
+        old = node.outputs[0]
+        out.shape, out.type = ir.Shape(_shape(old)), old.type
+        _replace(graph, old, out)
+        graph.remove(node, safe=True)
+
+
+def cast_likes(graph: ir.Graph) -> int:
+    """``CastLike(x, like)`` becomes ``Cast(x, to=like's dtype)`` (its ``saturate`` kept).
+    Returns how many were rewritten."""
+    b = _Builder(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type != "CastLike" or node.domain not in ("", "ai.onnx"):
+            continue
+        x, like, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        if x is None or like is None or like.dtype is None or out.shape is None:
+            continue
+        attrs = {"to": like.dtype.value}
+        if "saturate" in node.attributes:
+            attrs["saturate"] = node.attributes["saturate"].value
+        b.at(node)
+        _replace(graph, out, b.op("Cast", [x], _shape(out), like.dtype, "cast", **attrs))
+        graph.remove(node, safe=True)
+        done += 1
+    return done
 
 
 def unflatten_gemms(graph: ir.Graph) -> int:
@@ -399,6 +519,9 @@ def _groups(fine: list[int], coarse: list[int]) -> list[list[int]] | None:
     return out if k == len(fine) else None
 
 
+_UNBIND_CHAIN = frozenset({"Unsqueeze", "Squeeze", "Transpose", "Identity"})
+
+
 def split_unbinds(graph: ir.Graph) -> int:
     """A fused projection taken apart by layout ops and Gathers becomes a Split of its
     last dimension. ``nn.MultiheadAttention`` exports ``y [T, B, 3E]`` as Reshape
@@ -424,7 +547,7 @@ def split_unbinds(graph: ir.Graph) -> int:
             if value.is_graph_output() or not users:
                 break
             node = users[0]
-            if len(users) > 1 or node.op_type not in ("Unsqueeze", "Squeeze", "Transpose"):
+            if len(users) > 1 or node.op_type not in _UNBIND_CHAIN:
                 break
             labels = _relabel(node, labels)
             if labels is None:
@@ -471,6 +594,8 @@ def _relabel(node: ir.Node, labels: list) -> list | None:
     """The dimension labels after ``node`` (Unsqueeze: new unlabelled 1s; Squeeze: only
     size-1 dimensions go; Transpose: permuted), or None when it cannot be followed."""
     rank = len(labels)
+    if node.op_type == "Identity":  # a clone, in unoptimized exports
+        return list(labels)
     if node.op_type == "Transpose":
         return [labels[i] for i in _perm(node, rank)]
     axes_value = node.inputs[1] if len(node.inputs) > 1 else None

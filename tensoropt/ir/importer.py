@@ -31,7 +31,8 @@ from google.protobuf.message import DecodeError
 from tensoropt.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
 from tensoropt.ir.canonical import canonicalize
 from tensoropt.ir.external import check_extents, check_locations
-from tensoropt.ir.vocab import ROLE_KEY, UNIT_KEY, Role
+from tensoropt.ir.fold import fold_shapes
+from tensoropt.ir.vocab import MADE_KEY, ROLE_KEY, UNIT_KEY, Role
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,16 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
     _check_inputs_static(proto, path)
     proto = _upgrade_opset(proto, path)
     proto = _infer(proto, path)
+    proto, folded = fold_shapes(proto, lambda m: _infer(m, path))
+    if folded:
+        log.info(
+            "%s: %d constant shape computations or sequences folded (ir/fold.py)", path, folded
+        )
     model = ir.serde.deserialize_model(proto)
+    for value in model.graph.initializers.values():  # the folds' mark is the tensor's
+        tensor = value.const_value
+        if tensor is not None and MADE_KEY in tensor.metadata_props:
+            value.metadata_props[MADE_KEY] = tensor.metadata_props[MADE_KEY]
     if not options.load_weights:
         _fix_external_base_dir(model, os.path.dirname(os.path.abspath(path)))
     graph = model.graph

@@ -122,7 +122,9 @@ def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
     """The trained weights a stacked ``[k, C, D]`` MatMul operand is built from, if it is one.
 
     Two forms (see the module doc): ``Transpose(W[C, k, D], perm=[1, 0, 2])`` and
-    ``Concat(Unsqueeze(W_i, [0]), ..., axis=0)``.
+    ``Concat(Unsqueeze(W_i, [0]), ..., axis=0)``; and the same of weights stored as torch
+    keeps them, ``[D, C]`` (unoptimized exports): ``Transpose(W[k, D, C], perm=[0, 2,
+    1])`` and ``Transpose(Concat(Unsqueeze(W_i [D, C], [0]), ...), perm=[0, 2, 1])``.
     """
     node = b.producer()
     if node is None or not is_forward(node) or len(static_shape(b)) != 3:
@@ -130,10 +132,21 @@ def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
     if node.op_type == "Transpose":
         perm = node.attributes.get("perm")
         w = node.inputs[0]
-        if perm is not None and list(perm.value) == [1, 0, 2] and w is not None:
-            return [w] if w.name in params else None
+        order = list(perm.value) if perm is not None else None
+        if w is None or order not in ([1, 0, 2], [0, 2, 1]):
+            return None
+        if w.name in params:
+            return [w]
+        return _concat_sources(w, params) if order == [0, 2, 1] else None
+    return _concat_sources(b, params)
+
+
+def _concat_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
+    """The 2-D trained weights of ``Concat(Unsqueeze(W_i, [0]), ..., axis=0)``."""
+    node = b.producer()
+    if node is None or not is_forward(node) or node.op_type != "Concat":
         return None
-    if node.op_type != "Concat" or node.attributes.get_int("axis", 0) != 0:
+    if node.attributes.get_int("axis", 0) != 0:
         return None
     out = []
     for v in node.inputs:
@@ -145,6 +158,14 @@ def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
             return None
         out.append(w)
     return out
+
+
+def stored_transposed(b: ir.Value) -> bool:
+    """Whether a stacked operand is built from weights stored ``[D, C]`` (the
+    ``perm=[0, 2, 1]`` forms of :func:`stacked_sources`)."""
+    node = b.producer()
+    perm = node.attributes.get("perm") if node is not None else None
+    return node is not None and node.op_type == "Transpose" and list(perm.value) == [0, 2, 1]
 
 
 def transposed_source(b: ir.Value, params: set[str]) -> ir.Value | None:
@@ -317,10 +338,26 @@ def param_dependent(graph: ir.Graph, params: set[str]) -> set[ir.Value]:
     return dependent
 
 
+def data_dependent(graph: ir.Graph, params: set[str]) -> set[ir.Value]:
+    """Values computed from some data input (a graph input that is no parameter)."""
+    dependent = {v for v in graph.inputs if v.name not in params}
+    for node in graph:  # topological order
+        if any(v is not None and v in dependent for v in node.inputs):
+            dependent.update(node.outputs)
+    return dependent
+
+
 def attention_sources(
-    o: ir.Node, weights: set[ir.Node], params: set[str], dependent: set[ir.Value]
+    o: ir.Node,
+    weights: set[ir.Node],
+    params: set[str],
+    dependent: set[ir.Value],
+    data: set[ir.Value] | None = None,
 ) -> list[ir.Node] | None:
-    """The projection MatMuls feeding ``o`` through attention ops only, if that holds."""
+    """The projection MatMuls feeding ``o`` through attention ops only, if that holds.
+    Values of parameters alone (``data``: the values that depend on a data input) are
+    read like constants: a relative position bias gathered from its table at constant
+    buckets, which an optimized export folds into one."""
     sources: list[ir.Node] = []
     seen: set[ir.Node] = set()
     stack = [o.inputs[0]]
@@ -328,6 +365,8 @@ def attention_sources(
     while stack:
         value = stack.pop()
         if value is None or is_const(value, params) or value not in dependent:
+            continue
+        if data is not None and value not in data:
             continue
         node = value.producer()
         if node is None or not is_forward(node):
@@ -372,10 +411,11 @@ def find_blocks(graph: ir.Graph, params: set[str]) -> Blocks:
     attention = []
     fused = []
     dependent = param_dependent(graph, params)
+    data = data_dependent(graph, params)
     for o in weights:
         if o in taken or is_stacked(o):
             continue
-        sources = attention_sources(o, weight_set, params, dependent)
+        sources = attention_sources(o, weight_set, params, dependent, data)
         if not sources or any(s in taken for s in sources):
             continue
         if len(sources) == 1 and not is_stacked(sources[0]):
@@ -481,8 +521,10 @@ def _reshaped(value: ir.Value, shape: tuple[int, ...]) -> None:
     value.shape = ir.Shape(list(shape))
 
 
-def _stack(graph: ir.Graph, em: _Emitter, group: list[ir.Node]) -> None:
-    """Q, K, V (or gate, up) reading one input and of equal weight shapes: one MatMul."""
+def _stack(graph: ir.Graph, em: _Emitter, group: list[ir.Node], params: set[str]) -> None:
+    """Q, K, V (or gate, up) reading one input and of equal weight shapes: one MatMul.
+    Weights stored ``[D, C]`` and read through their Transpose stack as ``[k, D, C]``,
+    transposed to ``[k, C, D]`` once."""
     order = {n: i for i, n in enumerate(graph)}
     anchor = min(group, key=order.__getitem__)
     x = group[0].inputs[0]
@@ -492,15 +534,27 @@ def _stack(graph: ir.Graph, em: _Emitter, group: list[ir.Node]) -> None:
     k = len(group)
     r = len(xs)
     dtype = group[0].outputs[0].dtype
+    stored = [transposed_source(m.inputs[1], params) for m in group]
+    flipped = all(w is not None for w in stored)
     [xu] = em.node(anchor, "Unsqueeze", [x, em.ints([r - 2])], [(*xs[:-2], 1, *xs[-2:])], dtype)
-    pieces = [
-        em.node(anchor, "Unsqueeze", [m.inputs[1], em.ints([0])], [(1, cin, d)], dtype)[0]
-        for m in group
-    ]
-    [ws] = em.node(anchor, "Concat", pieces, [(k, cin, d)], dtype, {"axis": 0})
+    if flipped:
+        pieces = [
+            em.node(anchor, "Unsqueeze", [w, em.ints([0])], [(1, d, cin)], dtype)[0] for w in stored
+        ]
+        [wk] = em.node(anchor, "Concat", pieces, [(k, d, cin)], dtype, {"axis": 0})
+        [ws] = em.node(anchor, "Transpose", [wk], [(k, cin, d)], dtype, {"perm": [0, 2, 1]})
+    else:
+        pieces = [
+            em.node(anchor, "Unsqueeze", [m.inputs[1], em.ints([0])], [(1, cin, d)], dtype)[0]
+            for m in group
+        ]
+        [ws] = em.node(anchor, "Concat", pieces, [(k, cin, d)], dtype, {"axis": 0})
     _unstack(em, anchor, xu, ws, [m.outputs[0] for m in group], xs, d, dtype)
+    transposes = [m.inputs[1].producer() for m in group] if flipped else []
     for m in group:
         graph.remove(m, safe=True)
+    for t in transposes:
+        graph.remove(t, safe=True)
 
 
 def _unstack(em: _Emitter, anchor: ir.Node, xu, ws, outs, xs, d, dtype, bias=None) -> ir.Value:
@@ -563,7 +617,10 @@ def _fused_parts(y: ir.Value) -> int | None:
 def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> bool:
     """Fused ``W [C, kD]`` (+ bias) taken apart into k pieces: use its ``[C, k, D]`` view."""
     x, w = m.inputs[0], m.inputs[1]
-    if x is None or w is None or w.const_value is None or len(w.uses()) != 1:
+    if x is None or w is None or len(w.uses()) != 1:
+        return False
+    stored = transposed_source(w, params)  # W [kD, C] as torch keeps it, read transposed
+    if (stored if stored is not None else w).const_value is None:
         return False
     y = m.outputs[0]
     bias = None
@@ -590,8 +647,12 @@ def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> 
     if len(xs) < 2:
         return False
     dtype = y.dtype
-    _reshaped(w, (cin, k, d))
-    [wt] = em.node(m, "Transpose", [w], [(k, cin, d)], dtype, {"perm": [1, 0, 2]})
+    if stored is not None:
+        _reshaped(stored, (k, d, cin))
+        [wt] = em.node(m, "Transpose", [stored], [(k, cin, d)], dtype, {"perm": [0, 2, 1]})
+    else:
+        _reshaped(w, (cin, k, d))
+        [wt] = em.node(m, "Transpose", [w], [(k, cin, d)], dtype, {"perm": [1, 0, 2]})
     [xu] = em.node(m, "Unsqueeze", [x, em.ints([len(xs) - 2])], [(*xs[:-2], 1, *xs[-2:])], dtype)
     if bias is not None:
         _reshaped(bias, (k, 1, d))
@@ -606,7 +667,7 @@ def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> 
         out = static_shape(consumer.outputs[0])
         [v] = em.node(anchor, "Reshape", [pt, em.ints(out)], [out], dtype)
         _replace_uses(consumer.outputs[0], v)
-    for node in (consumer, bias_add, m):
+    for node in (consumer, bias_add, m, w.producer() if stored is not None else None):
         if node is not None:
             graph.remove(node, safe=True)
     return True
@@ -636,22 +697,24 @@ def stack_projections(model: ir.Model) -> Rewrite:
         by_input: dict[ir.Value, list[ir.Node]] = {}
         for m in column:
             x, w = m.inputs[0], m.inputs[1]
-            stored = w is not None and w.name in params  # not stacked, not transposed
-            if stored and x is not None and len(static_shape(x)) >= 2:
+            plain = w is not None and w.name in params  # not stacked
+            flipped = w is not None and transposed_source(w, params) is not None
+            if (plain or flipped) and x is not None and len(static_shape(x)) >= 2:
                 by_input.setdefault(x, []).append(m)
         for group in by_input.values():
             # projections of one shape stack; grouped-query attention's smaller K and V
             # stack apart from Q (one partial sum fewer, not one)
-            by_shape: dict[tuple[int, ...], list[ir.Node]] = {}
-            for m in group:
-                by_shape.setdefault(static_shape(m.inputs[1]), []).append(m)
+            by_shape: dict[tuple, list[ir.Node]] = {}
+            for m in group:  # weights stored [D, C] stack apart from those stored [C, D]
+                flipped = transposed_source(m.inputs[1], params) is not None
+                by_shape.setdefault((static_shape(m.inputs[1]), flipped), []).append(m)
             for same in by_shape.values():
                 if len(same) > 1:
                     groups.append(sorted(same, key=order.__getitem__))
     stacked = 0
     for group in groups:
         if _removable(m.outputs[0] for m in group):
-            _stack(graph, em, group)
+            _stack(graph, em, group, params)
             stacked += 1
     fused = []
     for m, _o in blocks.fused:

@@ -40,6 +40,7 @@ from tensoropt.passes.blocks import (
     is_stacked,
     stack_projections,
     stacked_sources,
+    stored_transposed,
     transposed_source,
 )
 from tensoropt.passes.training_step import StepSignature
@@ -137,10 +138,11 @@ def megatron(
         )
     viewed = _viewed_fused(attention, params)
     if viewed:
+        views = " or ".join(sorted({view for _, view in viewed}))
         notes.append(
-            f"megatron: {len(viewed)} fused QKV weights trained as their [C, 3, D] view and "
+            f"megatron: {len(viewed)} fused QKV weights trained as their {views} view and "
             "split head-wise (each rank holds the same heads of q, k and v): "
-            + ", ".join(viewed[:5])
+            + ", ".join(name for name, _ in viewed[:5])
         )
     if blocks.fused:
         fused = [f"{m.name} -> {o.name}" for m, o in blocks.fused]
@@ -178,15 +180,17 @@ def prepare_model(name: str, model: ir.Model) -> Rewrite | None:
     return stack_projections(model)
 
 
-def _viewed_fused(attention, params: set[str]) -> list[str]:
-    """Fused QKV weights that the rewrite made ``[C, k, D]`` views (a Transpose source)."""
-    names = []
+def _viewed_fused(attention, params: set[str]) -> list[tuple[str, str]]:
+    """(name, view) of the fused QKV weights that the rewrite viewed per head: ``[C, 3,
+    D]``, or ``[3, D, C]`` for one stored as torch keeps it (an unoptimized export)."""
+    found = []
     for column, _row in attention:
         for node in column:
             sources = stacked_sources(node.inputs[1], params) if is_stacked(node) else None
             if sources and len(sources) == 1:
-                names.append(sources[0].name)
-    return names
+                view = "[3, D, C]" if stored_transposed(node.inputs[1]) else "[C, 3, D]"
+                found.append((sources[0].name, view))
+    return found
 
 
 def _unit(
@@ -242,12 +246,19 @@ def _stacked_weight_units(node: ir.Node, mesh: Mesh, tp: int, params) -> dict[st
     weights themselves are column-split, never gathered (``passes.blocks``)."""
     w = node.inputs[1]
     build = w.producer()
-    s2 = _tp_layout(mesh, tp, 2)
+    s0, s1, s2 = (_tp_layout(mesh, tp, d) for d in range(3))
     units: dict[str, UnitStrategy] = {}
+    if stored_transposed(w):  # Transpose(W[k, D, C] or Concat(Unsqueeze(W_i [D, C])), [0, 2, 1])
+        concat = build.inputs[0].producer()
+        if concat is None or concat.op_type != "Concat":
+            return _pinned(build, mesh, (s1,), (s2,))
+        for v in concat.inputs:  # the Transpose follows the Concat's unit
+            units.update(_pinned(v.producer(), mesh, (s0,), (s1,)))
+        units.update(_pinned(concat, mesh, (s1,) * len(concat.inputs), (s1,)))
+        return units
     if build.op_type == "Transpose":  # Transpose(W[C, k, D], [1, 0, 2])
         units.update(_pinned(build, mesh, (s2,), (s2,)))
         return units
-    s1 = _tp_layout(mesh, tp, 1)
     for v in build.inputs:  # Concat(Unsqueeze(W_i [C, D], [0]), ...)
         units.update(_pinned(v.producer(), mesh, (s1,), (s2,)))
     units.update(_pinned(build, mesh, (s2,) * len(build.inputs), (s2,)))
@@ -378,9 +389,9 @@ def _check_weight_split(
     if size % n:
         sources = stacked_sources(weight, params) if is_stacked(node) else None
         stored = transposed_source(weight, params)
-        if sources:
+        if sources:  # the output dim: last as stored [C, D], first as stored [D, C]
             names = ", ".join(repr(v.name) for v in sources)
-            dim = len(static_shape(sources[0])) - 1
+            dim = len(static_shape(sources[0])) - (2 if stored_transposed(weight) else 1)
         elif stored is not None:  # the weight as stored, [D, C]: the other dim
             names, dim = repr(stored.name), 1 - dim
         else:

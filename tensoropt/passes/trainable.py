@@ -19,6 +19,11 @@ away), and so is one folded from a computation that read an activation (only its
 shape can have been read: the attention scale of an opset-20 export of
 ``scaled_dot_product_attention``) or from the exporter's anonymous ``val_N`` values
 alone (a ``torch.zeros`` made in forward). See docs/design/exports.md.
+
+An initializer the optimizer folded from a parameter through an op that repeats it (a
+class token expanded to the batch, a bias table gathered at constant buckets) is still
+trained, since the file cannot say which entries were one parameter; the summary warns,
+naming the parameter and ``optimize=False`` (:func:`folded_copies`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ _FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
 _FOLDED_TABLE = re.compile(r"'(sin|cos)(_\d+)?'")
 _FOLDED_NAME = re.compile(r"'([^']*)'")  # the names of the list folded_from records
 _ANONYMOUS = re.compile(r"val_\d+")  # the exporter's names for values torch did not name
+# the exporter names a value after the torch op that made it: these repeat their input
+_REPLICATING = re.compile(r"(expand|embedding|index|index_select|repeat|tile|gather)(_\d+)?")
+_COPIES_CHECKED = 1 << 22  # elements: larger folded tensors are not read for repeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +84,15 @@ class TrainableSelection:
 
     trained: tuple[str, ...]
     frozen: tuple[str, ...]
+    # trained initializer -> the parameters it repeats values of (:func:`folded_copies`)
+    copies: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def summary(self, graph: ir.Graph) -> str:
         """One line for the user: what is trained and which float initializers of the
         file are not (integer initializers are shapes and indices: never trainable, not
-        counted; nor are the constants the importer made, ``MADE_KEY``). ``graph`` is
-        the whole model's: the counts are global, not per device."""
+        counted; nor are the constants the importer made, ``MADE_KEY``); then a warning
+        line per trained folded copy (:func:`folded_copies`). ``graph`` is the whole
+        model's: the counts are global, not per device."""
         elements = sum(int(np.prod(graph.initializers[n].shape.numpy())) for n in self.trained)
         kept = sum(
             is_float(v) and MADE_KEY not in v.metadata_props
@@ -92,6 +103,15 @@ class TrainableSelection:
             line += (
                 f"; {kept} float initializer{'s' if kept > 1 else ''} not trained "
                 "(constants, masks, buffers or --freeze)"
+            )
+        for name, sources in self.copies:
+            shape = list(graph.initializers[name].shape.numpy())
+            of = f" {', '.join(repr(s) for s in sources)}" if sources else " a parameter"
+            line += (
+                f"\nwarning: initializer {name!r} {shape} repeats values the exporter folded "
+                f"from{of}: each copy is trained on its own, which the torch model does not "
+                "do; export with torch.onnx.export(..., optimize=False) to keep the "
+                f"parameter, or --freeze {name!r}"
             )
         return line
 
@@ -141,6 +161,28 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     # folded from the exporter's own anonymous values alone (``torch.zeros(...)`` made in
     # forward, shape arithmetic): a parameter would be named by its torch name
     return bool(names) and all(_ANONYMOUS.fullmatch(name) for name in names)
+
+
+def folded_copies(value: ir.Value) -> tuple[str, ...] | None:
+    """The parameters ``value`` repeats values of, when the exporter folded it from a
+    parameter through an op that repeats its input (it names the value or an
+    intermediate after the op: ``expand``, ``embedding``, ``index``...) and its values do
+    repeat: ViT's class token expanded to the batch, a relative position bias gathered
+    at constant buckets (T5, Swin). Trained, each copy learns on its own; torch trains
+    one parameter. The parameters are the dotted names the exporter recorded (else its
+    other non-anonymous names; empty when it recorded none). None: not such a copy."""
+    names = _FOLDED_NAME.findall(value.metadata_props.get(_FOLDED_FROM_KEY, ""))
+    if not names or not any(_REPLICATING.fullmatch(n) for n in (value.name or "", *names)):
+        return None
+    tensor = value.const_value
+    if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.size > _COPIES_CHECKED:
+        return None
+    array = tensor.numpy()
+    if np.unique(array).size == array.size:
+        return None
+    named = [n for n in names if not _ANONYMOUS.fullmatch(n)]
+    dotted = [n for n in named if "." in n]
+    return tuple(dotted or [n for n in named if not _REPLICATING.fullmatch(n)])
 
 
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
@@ -193,4 +235,9 @@ def select_trainable(
             "the model has no trainable parameters: no float initializer of rank >= 1 "
             "reaches the loss; check the model's weights, or select some with --trainable REGEX"
         )
-    return TrainableSelection(tuple(trained), tuple(frozen))
+    copies = []
+    for name in trained:
+        sources = folded_copies(graph.initializers[name])
+        if sources is not None:
+            copies.append((name, sources))
+    return TrainableSelection(tuple(trained), tuple(frozen), tuple(copies))

@@ -16,6 +16,7 @@ unique values also make the value-based name mapping unambiguous.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -352,6 +353,41 @@ class Sdpa(nn.Module):
         return self.head(self.norm(x))
 
 
+# --- relative position bias (T5, Swin): a table gathered at constant buckets -----------
+
+
+class RelBias(nn.Module):
+    """Attention whose scores add a learned bias per head and relative-distance bucket
+    (``rel_bias[bucket(j - i)]``, T5 and Swin style): the buckets are constant, so the
+    exporter's optimizer folds the gathered table into a ``[1, H, T, T]`` tensor that
+    repeats the table's values; the case is exported with ``optimize=False``, which keeps
+    the table a parameter and the Gather (and shape arithmetic) in the graph."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=2, layers=2, buckets=8):
+        super().__init__()
+        self.heads, self.buckets = heads, buckets
+        self.embed = nn.Embedding(vocab, dim)
+        self.rel_bias = nn.Embedding(2 * buckets, heads)
+        self.qkv = nn.ModuleList([nn.Linear(dim, 3 * dim) for _ in range(layers)])
+        self.out = nn.ModuleList([nn.Linear(dim, dim) for _ in range(layers)])
+        self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        pos = torch.arange(t)
+        rel = pos[None, :] - pos[:, None]
+        bucket = torch.where(rel > 0, self.buckets, 0) + rel.abs().clamp(max=self.buckets - 1)
+        bias = self.rel_bias(bucket).permute(2, 0, 1).unsqueeze(0)  # [1, H, T, T]
+        x = self.embed(input_ids)
+        for qkv, out, norm in zip(self.qkv, self.out, self.norms, strict=True):
+            q, k, v = qkv(norm(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + bias
+            y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
+            x = x + out(y)
+        return self.head(x)
+
+
 # --- nn.TransformerEncoder: torch's own MultiheadAttention ------------------------------
 
 
@@ -477,6 +513,7 @@ class Case:
     loss: str  # "ce": logits [..., C] against int64 labels
     reference: Callable[[nn.Module], nn.Module] = lambda m: m  # what the export holds
     opset: int | None = None  # the exporter's default when None
+    optimize: bool = True  # torch.onnx.export's optimize: fold constants, drop CastLike
 
     def model(self) -> nn.Module:
         """The seeded model in eval() mode (how exports for inference are made)."""
@@ -544,6 +581,7 @@ CASES: dict[str, Case] = {
         Case("convnet", ConvNet, lambda g: {"x": torch.randn(BATCH, 3, 16, 16, generator=g)}, "ce"),
         Case("mha", TorchEncoder, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g), "attention_mask": _ones_mask()}, "ce"),
+        Case("relbias", RelBias, lambda g: {"input_ids": _ids(g)}, "ce", optimize=False),
         Case(
             "sdpa23",
             Sdpa,
@@ -553,6 +591,19 @@ CASES: dict[str, Case] = {
         ),
     )
 }
+
+
+def case_of(name: str) -> Case:
+    """``CASES[name]``; ``NAME-noopt``: that case exported with ``optimize=False`` (every
+    parameter under its torch name and layout, the computations on them and the shape
+    arithmetic kept: ``tensoropt/ir/fold.py``); ``NAME-opt``: with ``optimize=True``."""
+    base, _, variant = name.partition("-")
+    case = CASES[base]
+    if variant in ("noopt", "opt"):
+        return dataclasses.replace(case, name=name, optimize=variant == "opt")
+    if variant:
+        raise KeyError(name)
+    return case
 
 
 def export(case: Case, path: str, *, train_mode: bool = False) -> None:
@@ -567,5 +618,6 @@ def export(case: Case, path: str, *, train_mode: bool = False) -> None:
         input_names=list(inputs),
         dynamo=True,
         external_data=False,
+        optimize=case.optimize,
         **({} if case.opset is None else {"opset_version": case.opset}),
     )

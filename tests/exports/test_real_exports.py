@@ -38,7 +38,7 @@ from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
 from tensoropt.runtime.run import run_steps  # noqa: E402
 from tensoropt.runtime.single import StepSession  # noqa: E402
 from tests.exports.mapping import match_initializers, to_param_grad  # noqa: E402
-from tests.exports.models import CASES, torch_loss  # noqa: E402
+from tests.exports.models import CASES, case_of, torch_loss  # noqa: E402
 from tests.helpers.compile import compile_model  # noqa: E402
 from tests.helpers.steps import step_proto  # noqa: E402
 
@@ -58,11 +58,20 @@ MEGATRON_NOTES = {
     "mha": ("2 MLP and 2 attention blocks", "2 fused QKV weights trained as their [C, 3, D]"),
     "sdpa": ("2 MLP and 2 attention blocks",),
     "sdpa23": ("2 MLP and 2 attention blocks",),
+    # a relative position bias gathered from its table is read like a constant; the
+    # unoptimized export keeps the fused QKV weight as torch stores it, [3D, C]
+    "relbias": ("0 MLP and 2 attention blocks", "2 fused QKV weights trained as their [3, D, C]"),
 }
 
 
 def _models(quick: str = QUICK):
     return [pytest.param(n, marks=() if n == quick else (pytest.mark.slow,), id=n) for n in CASES]
+
+
+# ``optimize=False`` exports of the cases (``models.case_of``): torch names and layouts,
+# CastLike, sequences and shape arithmetic (``ir/fold.py``); resnet's keeps its
+# BatchNormalization unfolded, unlike its BN-folded reference
+UNOPTIMIZED = [f"{n}-noopt" for n in CASES if n not in ("resnet", "relbias")]
 
 
 def _initializers(path) -> dict[str, np.ndarray]:
@@ -71,7 +80,7 @@ def _initializers(path) -> dict[str, np.ndarray]:
 
 def _torch_reference(name: str):
     """(inputs, labels, loss, {param: value}, {param: grad}) computed by torch."""
-    case = CASES[name]
+    case = case_of(name)
     model = case.reference(case.model())
     gen = torch.Generator().manual_seed(0)
     inputs = case.inputs(gen)  # the export's example inputs (attention masks all ones)
@@ -84,7 +93,9 @@ def _torch_reference(name: str):
     return inputs, labels, loss.item(), params, grads
 
 
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize(
+    "name", [*_models(), *(pytest.param(n, marks=pytest.mark.slow) for n in UNOPTIMIZED)]
+)
 def test_loss_and_gradients_equal_torch_autograd(name, exported):
     path = exported(name)
     inputs, labels, torch_loss_value, params, torch_grads = _torch_reference(name)
@@ -144,6 +155,29 @@ def test_cli_train_runs_three_finite_steps(name, exported, capsys):
         assert f"; {frozen} float initializer" in captured.err, (captured.err, retied)
     else:
         assert "not trained" not in captured.err, (captured.err, retied)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [("vit", "cls_token"), ("relbias-opt", "rel_bias.weight"), ("vit-noopt", None),
+     ("relbias", None)],
+)  # fmt: skip
+def test_trained_copies_of_a_folded_parameter_are_named(name, source, exported, capsys):
+    """The exporter's optimizer folds ViT's class token expanded to the batch, and a
+    relative position bias gathered at constant buckets, into tensors that repeat the
+    parameter's values; trained, each copy learns on its own. train says so, naming the
+    parameter and the fix; the ``optimize=False`` export keeps the parameter (its
+    gradient equals torch's: test_loss_and_gradients_equal_torch_autograd) and is quiet."""
+    path = exported(name)
+    capsys.readouterr()
+    assert main(["train", str(path), "--steps", "1", "--threads", "1"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "repeats values" in line]
+    if source is None:
+        assert warned == []
+    else:
+        assert len(warned) == 1, warned
+        assert f"folded from {source!r}" in warned[0] and "optimize=False" in warned[0]
 
 
 def _batch_splits(name: str, plan: str, mesh: str) -> bool:
@@ -229,6 +263,28 @@ def test_two_spellings_of_one_model_plan_alike(exported, tmp_path):
     # per layer: forward the attention and MLP outputs; backward the MLP input, and the
     # attention input twice: Q, and K with V stacked (grouped-query K and V are smaller)
     assert kinds["sdpa"] == {"AllReduce": 2 * (2 + 3)}, kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "llama", "mha", "sdpa"])
+def test_unoptimized_export_plans_as_the_optimized_one(name, exported, tmp_path):
+    """``optimize=False`` keeps torch's names and layouts: every Linear reads
+    ``Transpose(W [D, C])``, fused QKV weights are [3D, C], ``unbind`` is Slices and a
+    ``split`` a sequence. Megatron finds the same blocks and the device graphs hold the
+    same collectives as for the optimized export of the model (mesh 2)."""
+    from collections import Counter
+
+    from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
+
+    kinds, notes = {}, {}
+    for variant in (name, f"{name}-noopt"):
+        out = tmp_path / variant
+        _, built = compile_model(onnx.load(str(exported(variant))), "megatron", "2", out)
+        nodes = onnx.load(str(out / "device_0.onnx"), load_external_data=False).graph.node
+        kinds[variant] = Counter(n.op_type for n in nodes if n.domain == COLLECTIVE_DOMAIN)
+        notes[variant] = built.notes[0]
+    assert kinds[name] == kinds[f"{name}-noopt"], kinds
+    assert notes[name] == notes[f"{name}-noopt"], notes
 
 
 @pytest.mark.parametrize(("name", "plan", "mesh"), list(_plan_cases(splits=False)))

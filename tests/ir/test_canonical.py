@@ -228,20 +228,62 @@ def _rewritten_ops(tmp_path, model, xs):
     return [n.op_type for n in rewritten.graph.node]
 
 
-def test_an_unbind_by_gathers_becomes_a_split(tmp_path):
+@pytest.mark.parametrize("clone", [False, True])
+def test_an_unbind_by_gathers_becomes_a_split(tmp_path, clone):
     """nn.MultiheadAttention's packed projection [T, B, 3E] taken apart by Reshape,
-    Unsqueeze, Transpose, Squeeze and three Gathers: one Split of the last dimension."""
+    Unsqueeze, Transpose, Squeeze and three Gathers: one Split of the last dimension.
+    The unoptimized export clones the unbound tensor (an Identity) before the Gathers."""
     xs = [5, 2, 12]
     nodes = [
         h.make_node("Reshape", ["x", "s"], ["v"]),
         h.make_node("Unsqueeze", ["v", "zero"], ["u"]),
         h.make_node("Transpose", ["u"], ["t"], perm=[3, 1, 2, 0, 4]),
         h.make_node("Squeeze", ["t", "minus2"], ["q"]),
-        *[h.make_node("Gather", ["q", f"i{i}"], [f"y{i}"], axis=0) for i in range(3)],
-    ]
+        *([h.make_node("Identity", ["q"], ["c"])] if clone else []),
+        *[h.make_node("Gather", ["c" if clone else "q", f"i{i}"], [f"y{i}"], axis=0)
+          for i in range(3)],
+    ]  # fmt: skip
     inits = [("s", [5, 2, 3, 4]), ("zero", [0]), ("minus2", [-2])]
     inits += [(f"i{i}", i) for i in range(3)]
     assert _rewritten_ops(tmp_path, _graph_model(nodes, xs, inits), xs) == ["Split"]
+
+
+def _slices(bounds, axis=-1):
+    nodes, inits = [], [("axis", [axis])]
+    for i, (start, end) in enumerate(bounds):
+        inits += [(f"b{i}", [start]), (f"e{i}", [end])]
+        nodes.append(h.make_node("Slice", ["x", f"b{i}", f"e{i}", "axis"], [f"y{i}"]))
+    return nodes, inits
+
+
+@pytest.mark.parametrize(
+    ("bounds", "ops"),
+    [
+        ([(0, 4), (4, 8), (8, 12)], ["Split"]),  # chunk(3, -1)
+        ([(8, 1 << 62), (0, 4), (4, 8)], ["Split"]),  # any order, an end past the dim
+        ([(-12, -8), (-8, -4), (-4, 12)], ["Split"]),  # negative bounds
+        ([(0, 4), (5, 8), (8, 12)], ["Slice"] * 3),  # a gap
+        ([(0, 5), (4, 8), (8, 12)], ["Slice"] * 3),  # an overlap
+    ],
+)
+def test_slices_that_partition_a_dimension_become_one_split(tmp_path, bounds, ops):
+    """``unbind``/``chunk`` of an unoptimized export: Slices whose pieces cover the
+    dimension exactly once are the pieces of one Split, whatever their order."""
+    xs = [2, 3, 12]
+    nodes, inits = _slices(bounds)
+    assert _rewritten_ops(tmp_path, _graph_model(nodes, xs, inits), xs) == ops
+
+
+def test_cast_like_becomes_a_cast_to_the_static_type(tmp_path):
+    xs = [2, 3]
+    nodes = [
+        h.make_node("Cast", ["x"], ["d"], to=T.DOUBLE),
+        h.make_node("CastLike", ["d", "x"], ["y0"]),
+        h.make_node("Relu", ["y0"], ["y1"]),
+        h.make_node("Neg", ["y0"], ["y2"]),
+    ]
+    ops = _rewritten_ops(tmp_path, _graph_model(nodes, xs, []), xs)
+    assert ops == ["Cast", "Cast", "Relu", "Neg"]
 
 
 def test_an_unbind_that_is_no_slice_of_the_last_dimension_is_kept(tmp_path):
