@@ -2,6 +2,9 @@
 
 Two spellings of the same computation should plan alike. :func:`canonicalize` rewrites:
 
+- **Recurrences** (:func:`decompose_fused`): ``LSTM``, ``GRU`` and ``RNN`` (how
+  ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` export) unrolled over their static sequence
+  (``ir/recurrent.py``).
 - **Fused ops** (:func:`decompose_fused`). ``InstanceNormalization`` (how
   ``nn.GroupNorm`` exports: Reshape to the groups, InstanceNormalization, Reshape, then
   the affine Mul and Add) becomes ReduceMean, Sub, Mul, Sqrt and Div.
@@ -61,9 +64,10 @@ import numpy as np
 import onnx_ir as ir
 
 from tensoropt.errors import UnsupportedOpError
+from tensoropt.ir.recurrent import RECURRENT, unroll
 from tensoropt.ir.vocab import MADE_KEY
 
-FUSED = frozenset({"Attention", "RMSNormalization", "InstanceNormalization"})
+FUSED = frozenset({"Attention", "RMSNormalization", "InstanceNormalization"}) | RECURRENT
 
 
 def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
@@ -641,6 +645,9 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
     b = _Builder(graph)
     for node in todo:
         b.at(node)
+        if node.op_type in RECURRENT:
+            _unrolled(graph, b, node, path)
+            continue
         if node.op_type == "RMSNormalization":
             out = _rms_norm(b, node, path)
         elif node.op_type == "InstanceNormalization":
@@ -650,6 +657,36 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
         _replace(graph, node.outputs[0], out)  # the graph keeps its value names
         graph.remove(node, safe=True)
     return len(todo)
+
+
+def _unrolled(graph: ir.Graph, b: _Builder, node: ir.Node, path: str) -> None:
+    """Replace a recurrent node by its unrolled steps (``ir/recurrent.py``); the steps
+    that make only an output nothing reads are left out."""
+    dtype = node.inputs[0].dtype
+
+    def op(op_type: str, inputs, shape, hint: str, **attrs) -> ir.Value:
+        return b.op(op_type, inputs, shape, dtype, hint, **attrs)
+
+    outs = unroll(node, op, b.const, path)
+    dead = []
+    for old, new in zip(node.outputs, outs, strict=True):
+        if new is None:
+            continue
+        if old.uses() or old.is_graph_output():
+            _replace(graph, old, new)
+        else:
+            dead.append(new)
+    graph.remove(node, safe=True)
+    while dead:  # what only the unread outputs needed
+        value = dead.pop()
+        maker = value.producer()
+        if maker is None or maker.graph is None or value.uses() or value.is_graph_output():
+            continue
+        if any(o.uses() or o.is_graph_output() for o in maker.outputs):
+            continue
+        inputs = [v for v in maker.inputs if v is not None]
+        graph.remove(maker, safe=True)
+        dead.extend(inputs)
 
 
 class _Builder:

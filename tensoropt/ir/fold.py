@@ -14,8 +14,9 @@ see through; :func:`fold_shapes` rewrites both, before the model becomes IR:
   nodes, what earlier folds made), or a ``Shape``/``Size`` of a value whose shape is
   static, or a ``CastLike`` of a constant to a value of known type, is evaluated
   (``onnx.reference``) and its outputs become initializers marked
-  ``MADE_KEY`` (never trained). Float tensors of rank >= 1 held in initializers are
-  never read by a fold: they may be parameters, whose computations stay in the graph.
+  ``MADE_KEY`` (never trained). Float initializers of rank >= 1, and scalars the exporter
+  records as parameters, are never read by a fold: they may be trained, so their
+  computations stay in the graph.
 - **Constant nodes** become initializers too (``Resize`` scales, ``Reshape`` targets),
   read like every other constant.
 - **Sequences**: a ``SplitToSequence`` whose every reader is a ``SequenceAt`` at a
@@ -111,12 +112,21 @@ def _types(model: onnx.ModelProto) -> dict[str, int]:
     return found
 
 
+_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+
+
 def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Values a fold may read: Constant nodes, and initializers that are no parameter
-    (integer or boolean, or a scalar) and whose data is in the file."""
+    (integer or boolean, or a float scalar the exporter does not call a parameter) and
+    whose data is in the file."""
+    params = {
+        info.name
+        for info in graph.value_info
+        if any(p.key == _KIND_KEY and p.value == "PARAMETER" for p in info.metadata_props)
+    }
     found: dict[str, np.ndarray] = {}
     for init in graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
+        if init.data_location == onnx.TensorProto.EXTERNAL or init.name in params:
             continue
         is_float = init.data_type in (
             onnx.TensorProto.FLOAT,
@@ -124,7 +134,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
             onnx.TensorProto.FLOAT16,
             onnx.TensorProto.BFLOAT16,
         )
-        if is_float and int(np.prod(init.dims)) > 1:
+        if is_float and len(init.dims) >= 1:  # may be trained (rank >= 1, or --trainable)
             continue
         found[init.name] = numpy_helper.to_array(init)
     for node in graph.node:
@@ -157,8 +167,10 @@ def _fold_round(model: onnx.ModelProto) -> tuple[int, int]:
     kept: list[onnx.NodeProto] = []
     made: list[onnx.TensorProto] = []
     computed = lifted = 0
+    outputs = {o.name for o in graph.output}
     for node in graph.node:
-        values = _evaluate(node, consts, shapes, types)
+        # a graph output stays the output of a node
+        values = None if outputs & set(node.output) else _evaluate(node, consts, shapes, types)
         if values is None:
             kept.append(node)
             continue

@@ -33,6 +33,8 @@ is built) makes each block's column-parallel side one MatMul, as Megatron-LM's f
   same bytes, row-major; its bias ``[3D]`` as ``[3, 1, D]``), multiplied as
   ``Transpose(W, [1, 0, 2])``. A column split of dim 2 of that view gives each rank
   the columns of the same heads of q, k and v: the per-device ``[q | k | v]`` blocks.
+- weights an unoptimized export reads as torch stores them, ``Transpose(W [D, C])``,
+  stack and view the same way through ``[k, D, C]`` and one ``Transpose(., [0, 2, 1])``.
 An HF ``Conv1D`` projection (``Reshape -> Gemm -> Reshape``) and
 ``nn.MultiheadAttention``'s out projection (a ``Gemm`` with ``transB``) arrive as
 MatMuls already: the importer unflattens them (``ir/canonical.unflatten_gemms``).
@@ -164,8 +166,10 @@ def stored_transposed(b: ir.Value) -> bool:
     """Whether a stacked operand is built from weights stored ``[D, C]`` (the
     ``perm=[0, 2, 1]`` forms of :func:`stacked_sources`)."""
     node = b.producer()
-    perm = node.attributes.get("perm") if node is not None else None
-    return node is not None and node.op_type == "Transpose" and list(perm.value) == [0, 2, 1]
+    if node is None or node.op_type != "Transpose":
+        return False
+    perm = node.attributes.get("perm")
+    return perm is not None and list(perm.value) == [0, 2, 1]
 
 
 def transposed_source(b: ir.Value, params: set[str]) -> ir.Value | None:

@@ -18,7 +18,8 @@ and so is a constant the exporter folded from a ``sin``/``cos`` node (recorded i
 away), and so is one folded from a computation that read an activation (only its
 shape can have been read: the attention scale of an opset-20 export of
 ``scaled_dot_product_attention``) or from the exporter's anonymous ``val_N`` values
-alone (a ``torch.zeros`` made in forward). See docs/design/exports.md.
+and torch's tensor constructors alone (a ``torch.zeros`` made in forward: a mask base,
+``nn.LSTM``'s initial state). See docs/design/exports.md.
 
 An initializer the optimizer folded from a parameter through an op that repeats it (a
 class token expanded to the batch, a bias table gathered at constant buckets) is still
@@ -73,6 +74,8 @@ _FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
 _FOLDED_TABLE = re.compile(r"'(sin|cos)(_\d+)?'")
 _FOLDED_NAME = re.compile(r"'([^']*)'")  # the names of the list folded_from records
 _ANONYMOUS = re.compile(r"val_\d+")  # the exporter's names for values torch did not name
+# torch ops that make a tensor from nothing but a shape (named after the op)
+_CONSTRUCTOR = re.compile(r"(zeros|ones|full|empty|zeros_like|ones_like|full_like)(_\d+)?")
 # the exporter names a value after the torch op that made it: these repeat their input
 _REPLICATING = re.compile(r"(expand|embedding|index|index_select|repeat|tile|gather)(_\d+)?")
 _COPIES_CHECKED = 1 << 22  # elements: larger folded tensors are not read for repeats
@@ -145,8 +148,9 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     graph makes, in ``produced``): no parameter is a function of an activation, so only
     the activation's shape was read, e.g. ``1 / sqrt(q.shape[-1])``, the attention
     scale an opset-20 export of ``scaled_dot_product_attention`` folds into a [1]
-    constant; or folded from the exporter's anonymous values alone (``val_8``, ...), as a
-    ``torch.zeros(b, 1, t, t)`` mask base made in forward is."""
+    constant; or folded from the exporter's anonymous values and tensor constructors
+    alone (``val_8``, ``zeros``), as a ``torch.zeros(b, 1, t, t)`` mask base made in
+    forward is, and ``nn.LSTM``'s zero initial state."""
     kind = value.metadata_props.get(_TORCH_KIND_KEY)
     if kind is not None and kind != "PARAMETER":
         return True
@@ -158,9 +162,12 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     names = _FOLDED_NAME.findall(folded)
     if any(name in produced for name in names):
         return True
-    # folded from the exporter's own anonymous values alone (``torch.zeros(...)`` made in
-    # forward, shape arithmetic): a parameter would be named by its torch name
-    return bool(names) and all(_ANONYMOUS.fullmatch(name) for name in names)
+    # folded from the exporter's own anonymous values and torch's tensor constructors
+    # alone (``torch.zeros(...)`` made in forward, as nn.LSTM's initial state is; shape
+    # arithmetic): a parameter would be named by its torch name
+    return bool(names) and all(
+        _ANONYMOUS.fullmatch(name) or _CONSTRUCTOR.fullmatch(name) for name in names
+    )
 
 
 def folded_copies(value: ir.Value) -> tuple[str, ...] | None:

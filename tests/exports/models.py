@@ -388,6 +388,58 @@ class RelBias(nn.Module):
         return self.head(x)
 
 
+# --- recurrent: nn.LSTM and nn.GRU -----------------------------------------------------
+
+
+class Recurrent(nn.Module):
+    """A two-layer ``nn.LSTM`` (batch first) under a bidirectional ``nn.GRU``: exported
+    as one ``LSTM`` node per layer and a ``GRU`` node (``linear_before_reset``), their
+    weights refolded into ONNX's gate orders; unrolled at import (``ir/recurrent.py``)."""
+
+    def __init__(self, vocab=VOCAB, dim=16, hidden=12):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, hidden, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(hidden, hidden, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x, _ = self.lstm(self.embed(input_ids))
+        x, _ = self.gru(x)
+        return self.head(x)
+
+
+# --- mixture of experts: top-k routing, dense dispatch ---------------------------------
+
+
+class Moe(nn.Module):
+    """A mixture-of-experts MLP (Switch/Mixtral-style top-2 routing over 4 experts) in
+    the static-shape form an export can hold: softmax gates, ``torch.topk``, the kept
+    gates renormalised and scattered back over the experts, every expert run on every
+    token as one batched ``einsum`` and weighted by its gate (zero where not routed)."""
+
+    def __init__(self, vocab=VOCAB, dim=32, experts=4, top=2, hidden=24):
+        super().__init__()
+        self.top = top
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.w_in = nn.Parameter(0.2 * torch.randn(experts, dim, hidden))
+        self.w_out = nn.Parameter(0.2 * torch.randn(experts, hidden, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        h = self.norm(x)
+        probs = self.gate(h).softmax(-1)
+        kept, chosen = torch.topk(probs, self.top, dim=-1)
+        kept = kept / kept.sum(-1, keepdim=True)
+        gates = torch.zeros_like(probs).scatter(-1, chosen, kept)  # [B, T, E]
+        inner = F.silu(torch.einsum("btd,edf->btef", h, self.w_in))
+        out = torch.einsum("btef,efd->bted", inner, self.w_out)
+        return self.head(x + (out * gates.unsqueeze(-1)).sum(2))
+
+
 # --- nn.TransformerEncoder: torch's own MultiheadAttention ------------------------------
 
 
@@ -582,6 +634,8 @@ CASES: dict[str, Case] = {
         Case("mha", TorchEncoder, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("sdpa", Sdpa, lambda g: {"input_ids": _ids(g), "attention_mask": _ones_mask()}, "ce"),
         Case("relbias", RelBias, lambda g: {"input_ids": _ids(g)}, "ce", optimize=False),
+        Case("moe", Moe, lambda g: {"input_ids": _ids(g)}, "ce"),
+        Case("recurrent", Recurrent, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case(
             "sdpa23",
             Sdpa,

@@ -124,3 +124,15 @@ def test_what_a_parameter_feeds_stays_in_the_graph_and_trains(tmp_path):
     assert "bucket" in made
     step = build_training_step(imported, TrainingOptions())
     assert step.signature.params == ("table",)
+
+
+def test_a_scalar_shaped_parameter_is_no_constant(tmp_path):
+    """A learned scale of shape [1] (``nn.Parameter(torch.ones(1))``): ``exp(scale)``
+    reads only it and constants, but it may be trained, so the Exp stays."""
+    inputs = {"x": [2, 3]}
+    nodes = [h.make_node("Exp", ["scale"], ["e"]), h.make_node("Mul", ["x", "e"], ["y"])]
+    model = _model(nodes, inputs, ["y"], [("scale", np.array([0.5], np.float32))])
+    ours = _imported(tmp_path, model, inputs)
+    assert [n.op_type for n in ours.graph.node] == ["Exp", "Mul"]
+    step = build_training_step(import_model(tmp_path / "m.onnx"), TrainingOptions())
+    assert step.signature.params == ("scale",)

@@ -4,10 +4,10 @@ The exports' batch is 2, so each runs as 2 micro-batches of one sample under Meg
 a mesh of 2 (no data-parallel axis) and verifies against the single-device full-batch
 step (max relative error <= 1e-4 over 3 SGD steps). GPT-2 is the quick model;
 ``nn.TransformerEncoder`` runs its attention seq-first ([T, B, C]), where the micro axis
-splits dimension 1. Three are refused, each in one line: ViT's export folds the class
-token's expansion to the batch into a parameter of batch size; ResNet and the ConvNet
-have no Megatron block, so their plan is data parallel over both devices and leaves one
-sample per rank.
+splits dimension 1. Five are refused, each in one line: ViT's export folds the class
+token's expansion to the batch into a parameter of batch size; ResNet, the ConvNet, the
+mixture of experts and the recurrent model have no Megatron block, so their plan is data
+parallel over both devices and leaves one sample per rank.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ REFUSED = {
     "vit": r"parameter 'expand' \(shape \[2, 1, \d+\]\) is split with the batch",
     "resnet": _ONE_PER_RANK,
     "convnet": _ONE_PER_RANK,
+    "moe": _ONE_PER_RANK.replace("'x'", "'input_ids'"),
+    "recurrent": _ONE_PER_RANK.replace("'x'", "'input_ids'"),
 }
 
 

@@ -69,11 +69,14 @@ def test_constants_folded_from_sin_or_cos_are_frozen():
 def test_constants_folded_from_an_activation_or_anonymous_values_are_frozen():
     """No parameter is a function of an activation (``r``, made by the graph's Mul: only
     its shape was read, as for an attention scale 1/sqrt(d)), nor of the exporter's
-    anonymous values alone (a ``torch.zeros`` mask base made in forward)."""
+    anonymous values and tensor constructors alone (a ``torch.zeros`` mask base made in
+    forward, nn.LSTM's zero initial state)."""
     meta = {
         "scale": {FOLDED: "['r', 'val_43', 'val_44']"},
         "b": {FOLDED: "['val_8', 'val_10']"},
         "W": {FOLDED: "['layers.0.q_proj.weight', 'val_2']"},  # a parameter's torch name
-        "cos_table": {FOLDED: "['zeros', 'val_1']"},  # an op torch named: kept trained
+        "cos_table": {FOLDED: "['val_0', 'zeros_2', 'val_14']"},  # torch.zeros in forward
     }
-    assert _trained(meta) == {"W", "cos_table"}
+    assert _trained(meta) == {"W"}
+    # another op torch named cannot be told from a top-level parameter: kept trained
+    assert "cos_table" in _trained({"cos_table": {FOLDED: "['where', 'val_1']"}})

@@ -414,6 +414,14 @@ def _gather(rng):
     ]
 
 
+def _top_k(rng):
+    k = np.array([2], dtype=I64)
+    return [
+        Case("TopK", [_f(rng, 4, 6, 3), k], {"axis": 1}, n_outputs=2, tol=0, consts=frozenset({1})),
+        Case("TopK", [_f(rng, 6, 4), k], {"largest": 0}, n_outputs=2, tol=0, consts=frozenset({1})),
+    ]
+
+
 def _gather_elements(rng):
     return [
         Case(
@@ -582,6 +590,7 @@ CASES: dict[str, Gen] = {
     "GatherND": _gather_nd,
     "ScatterND": _scatter_nd,
     "ScatterElements": _scatter_elements,
+    "TopK": _top_k,
     "OneHot": _onehot,
     "Shape": _shape,
     "Size": _size,

@@ -1,5 +1,6 @@
 """Finite-difference property tests of Gather, GatherND and GatherElements gradients:
-any axis, negative and repeated indices, constant or runtime indices."""
+any axis, negative and repeated indices, constant or runtime indices; of ScatterElements
+and ScatterND (reduction none with distinct positions, add with repeats) and TopK."""
 
 from __future__ import annotations
 
@@ -53,7 +54,64 @@ def _gather_elements(draw):
     return node_case("GatherElements", [normal(rng, shape), _wrap(draw, idx)], {"axis": axis})
 
 
-CASES = {"Gather": _gather(), "GatherND": _gather_nd(), "GatherElements": _gather_elements()}
+@st.composite
+def _scatter_elements(draw):
+    """Distinct positions per slice for reduction none (overwrites of one position race);
+    any positions, repeats included, for add."""
+    rng = rng_of(draw)
+    shape = draw(shapes(1, 3, 2, 5))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    reduction = draw(st.sampled_from(["none", "add"]))
+    upd_shape = list(shape)
+    upd_shape[axis] = draw(st.integers(1, shape[axis]))
+    if reduction == "none":
+        moved = np.moveaxis(np.zeros(upd_shape), axis, -1).shape
+        rows = [rng.permutation(shape[axis])[: moved[-1]] for _ in range(int(np.prod(moved[:-1])))]
+        idx = np.moveaxis(np.reshape(rows, moved), -1, axis).astype(np.int64)
+    else:
+        idx = _indices(rng, shape[axis], upd_shape, draw(st.booleans()))
+    args = [normal(rng, shape), _wrap(draw, idx), normal(rng, upd_shape)]
+    return node_case("ScatterElements", args, {"axis": axis, "reduction": reduction})
+
+
+@st.composite
+def _scatter_nd(draw):
+    """Rows of a [N, ...] tensor: distinct rows for none, repeats for add."""
+    rng = rng_of(draw)
+    shape = draw(shapes(1, 3, 2, 5))
+    reduction = draw(st.sampled_from(["none", "add"]))
+    count = draw(st.integers(1, shape[0]))
+    if reduction == "none":
+        rows = rng.permutation(shape[0])[:count]
+    else:
+        rows = _indices(rng, shape[0], (count,), draw(st.booleans()))
+    idx = np.asarray(rows, dtype=np.int64).reshape(count, 1)
+    args = [normal(rng, shape), _wrap(draw, idx), normal(rng, (count, *shape[1:]))]
+    return node_case("ScatterND", args, {"reduction": reduction})
+
+
+@st.composite
+def _top_k(draw):
+    """Values and indices of the k largest (or smallest) along an axis; the values reach
+    the loss (distinct inputs: no tie moves under the finite-difference step)."""
+    rng = rng_of(draw)
+    shape = draw(shapes(1, 3, 2, 5))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    k = draw(st.integers(1, shape[axis]))
+    x = rng.permutation(int(np.prod(shape))).reshape(shape).astype(np.float64) / 3.0
+    attrs = {"axis": axis, "largest": int(draw(st.booleans()))}
+    args = [x, Const(np.array([k], dtype=np.int64))]
+    return node_case("TopK", args, attrs, num_outputs=2, loss_outputs=[0])
+
+
+CASES = {
+    "Gather": _gather(),
+    "GatherND": _gather_nd(),
+    "GatherElements": _gather_elements(),
+    "ScatterElements": _scatter_elements(),
+    "ScatterND": _scatter_nd(),
+    "TopK": _top_k(),
+}
 
 
 def test_embedding_with_repeated_ids_accumulates():

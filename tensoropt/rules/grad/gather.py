@@ -1,4 +1,5 @@
-"""Gradient rules of the gathers: Gather, GatherND (batch_dims 0), GatherElements.
+"""Gradient rules of the gathers: Gather, GatherND (batch_dims 0), GatherElements; of
+the scatters ScatterElements and ScatterND (reduction none or add); and of TopK.
 
 Each gradient scatters the incoming gradient into zeros of the data's shape with
 ``reduction="add"``, so repeated indices accumulate. Negative indices are
@@ -8,6 +9,12 @@ the indices are constant, otherwise with a Less/Add/Where on the indices.
 Gather along axis a moves the indexed axis to the front (Transpose) so that one
 ScatterND with one-coordinate indices serves every axis; for a = 0 (embedding
 lookups) no transpose is emitted.
+
+A scatter's updates get the incoming gradient gathered at their positions; its data
+gets the gradient where no update landed (reduction none: the scattered positions are
+overwritten, so their gradient is zeroed by scattering zeros) or all of it (add). TopK's
+values are a GatherElements of its input at the indices it returns: their gradient is
+scattered back there (the indices of one slice are distinct); the indices have none.
 """
 
 from __future__ import annotations
@@ -89,10 +96,65 @@ def _gather_elements(ctx: GradContext) -> Grads:
     return [grad, None]
 
 
+def _reduction(ctx: GradContext) -> str:
+    reduction = str(ctx.attr("reduction", "none"))
+    if reduction not in ("none", "add"):
+        raise unsupported(ctx, f"reduction {reduction!r} (none and add are differentiable here)")
+    return reduction
+
+
+def _scatter_elements(ctx: GradContext) -> Grads:
+    b, g = ctx.b, ctx.grad_outputs[0]
+    shape = ctx.shape(0)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), len(shape))
+    indices = _normalized_indices(ctx, shape[axis])
+    grads: Grads = [None, None, None]
+    if ctx.needs[0]:
+        grads[0] = g
+        if _reduction(ctx) == "none":
+            cleared = zeros(b, ctx.shape(2), float_dtype(ctx.inputs[2]))
+            grads[0] = b.op("ScatterElements", [g, indices, cleared], {"axis": axis})
+    if ctx.needs[2]:
+        _reduction(ctx)
+        grads[2] = b.op("GatherElements", [g, indices], {"axis": axis})
+    return grads
+
+
+def _scatter_nd(ctx: GradContext) -> Grads:
+    b, g = ctx.b, ctx.grad_outputs[0]
+    shape, idx_shape = ctx.shape(0), ctx.shape(1)
+    indices = _normalized_indices(ctx, shape[: idx_shape[-1]])
+    grads: Grads = [None, None, None]
+    if ctx.needs[0]:
+        grads[0] = g
+        if _reduction(ctx) == "none":
+            cleared = zeros(b, ctx.shape(2), float_dtype(ctx.inputs[2]))
+            grads[0] = b.op("ScatterND", [g, indices, cleared])
+    if ctx.needs[2]:
+        _reduction(ctx)
+        grads[2] = b.op("GatherND", [g, indices])
+    return grads
+
+
+def _top_k(ctx: GradContext) -> Grads:
+    b, g = ctx.b, ctx.grad_outputs[0]
+    if g is None:  # only the indices are used
+        return [None, None]
+    shape = ctx.shape(0)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), len(shape))
+    base = zeros(b, shape, float_dtype(ctx.inputs[0]))
+    indices = ctx.outputs[1]
+    grad = b.op("ScatterElements", [base, indices, g], {"axis": axis, "reduction": "add"})
+    return [grad, None]
+
+
 _RULES: tuple[tuple[str, GradRule], ...] = (
     ("Gather", _gather),
     ("GatherND", _gather_nd),
     ("GatherElements", _gather_elements),
+    ("ScatterElements", _scatter_elements),
+    ("ScatterND", _scatter_nd),
+    ("TopK", _top_k),
 )
 
 

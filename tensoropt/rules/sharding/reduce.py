@@ -5,6 +5,9 @@ for ReduceSum and ``P`` scaled by 1/n for ReduceMean (the local op takes the mea
 piece); ReduceMax / ReduceMin and the nonlinear ReduceL1 / ReduceL2 / ReduceSumSquare /
 ReduceLogSumExp never shard a reduced dim (that would need their own combination).
 ReduceSum and ReduceMean are linear: ``P`` in -> ``P`` out.
+
+TopK (values and indices along ``axis``) shards every dim but ``axis``, both outputs
+alike; ``K`` is a replicated constant.
 """
 
 from __future__ import annotations
@@ -59,7 +62,15 @@ def reduce_rule(reduction: Reduction | None) -> ShardingRule:
     return FactorRule(spec)
 
 
+def _top_k_spec(op: OpView) -> FactorSpec:
+    rank = len(op.input_shapes[0] or ())
+    axis = norm_axis(op.attr("axis", -1), rank, "TopK axis")
+    labels = tuple(None if d == axis else f"d{d}" for d in range(rank))
+    return FactorSpec((labels, ()), (labels, labels))
+
+
 RULES: dict[str, ShardingRule] = {
+    "TopK": FactorRule(_top_k_spec),
     "ReduceSum": reduce_rule(Reduction.SUM),
     "ReduceMean": reduce_rule(Reduction.MEAN),
     "ReduceMax": reduce_rule(None),
