@@ -109,22 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _warn_if_not_finite(losses, args: argparse.Namespace, specs) -> None:
-    """One line on stderr when a loss is NaN or infinite, naming the inputs the synthetic
-    batch feeds all ones (bool and unbounded integer inputs: an attention mask that
-    attends everywhere reads them so; a padding mask reads them as every key masked)."""
-    import math
+    """One line on stderr when a loss is NaN or infinite (``runtime.data``)."""
+    from tensoropt.runtime.data import not_finite_warning
 
-    from tensoropt.runtime.data import ones_fed
-
-    bad = next((k for k, loss in enumerate(losses) if not math.isfinite(loss)), None)
-    if bad is None:
-        return
-    line = f"train: warning: the loss is {losses[bad]} from step {bad}"
-    fed = ones_fed(specs) if args.data is None else []
-    if fed:
-        names = ", ".join(repr(n) for n in fed)
-        line += (
-            f"; the synthetic batch feeds {names} all ones, which a padding mask reads as "
-            "every position masked: give real inputs with --data FILE.npz"
-        )
-    print(line, file=sys.stderr)
+    line = not_finite_warning("train", losses, specs, synthetic=args.data is None)
+    if line is not None:
+        print(line, file=sys.stderr)

@@ -20,6 +20,7 @@ specs for the same model as long as ``high`` bounds agree.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,27 @@ def _all_ones(spec: InputSpec) -> bool:
 def ones_fed(specs: Sequence[InputSpec]) -> list[str]:
     """The inputs :func:`make_batch` feeds all ones (bool, and integers of no bound)."""
     return [s.name for s in specs if _all_ones(s)]
+
+
+def not_finite_warning(
+    command: str, losses: Sequence[float], specs: Sequence[InputSpec], synthetic: bool
+) -> str | None:
+    """The warning line when a loss is NaN or infinite (None when every loss is finite);
+    on a ``synthetic`` batch it names the inputs fed all ones (bool and unbounded integer
+    inputs: an attention mask that attends everywhere reads them so; a padding mask reads
+    them as every key masked)."""
+    bad = next((k for k, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if bad is None:
+        return None
+    line = f"{command}: warning: the loss is {losses[bad]} from step {bad}"
+    fed = ones_fed(specs) if synthetic else []
+    if fed:
+        names = ", ".join(repr(n) for n in fed)
+        line += (
+            f"; the synthetic batch feeds {names} all ones, which a padding mask reads as "
+            "every position masked: give real inputs with --data FILE.npz"
+        )
+    return line
 
 
 def step_highs(step: Mapping[str, Any]) -> dict[str, int]:

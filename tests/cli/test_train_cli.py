@@ -297,3 +297,17 @@ def test_a_loss_that_is_not_finite_is_null_in_json_and_named_with_the_inputs_fed
              labels=np.zeros((2, 3), np.float32))  # fmt: skip
     fine = cli(capsys, "train", path, "--steps", "1", "--loss", "mse", "--data", data)
     assert fine.code == 0 and "warning" not in fine.err, fine.err
+
+
+def test_run_says_the_same_of_a_loss_that_is_not_finite(tmp_path, capsys):
+    """``run`` of the compiled step prints the losses it computes and the same warning."""
+    path = _padding_masked(tmp_path)
+    out = tmp_path / "out"
+    made = cli(capsys, "compile", path, "--devices", "1", "--loss", "mse", "-o", out)
+    assert made.code == 0, made.err
+    outcome = cli(capsys, "run", out, "--steps", "2", "--json")
+    assert outcome.code == 0, outcome.err
+    assert json.loads(outcome.out)["losses"] == [None, None]
+    [line] = [x for x in outcome.err.splitlines() if "warning" in x]
+    assert line.startswith("run: warning: the loss is nan from step 0"), line
+    assert "'mask' all ones" in line, line
