@@ -2,6 +2,8 @@
 
 Two spellings of the same computation should plan alike. :func:`canonicalize` rewrites:
 
+- **Pixel shuffles** (:func:`decompose_fused`): ``DepthToSpace`` (``F.pixel_shuffle``)
+  and ``SpaceToDepth`` as the Reshape, Transpose and Reshape of their definitions.
 - **Recurrences** (:func:`decompose_fused`): ``LSTM``, ``GRU`` and ``RNN`` (how
   ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` export) unrolled over their static sequence
   (``ir/recurrent.py``).
@@ -67,7 +69,11 @@ from tensoropt.errors import UnsupportedOpError
 from tensoropt.ir.recurrent import RECURRENT, unroll
 from tensoropt.ir.vocab import MADE_KEY
 
-FUSED = frozenset({"Attention", "RMSNormalization", "InstanceNormalization"}) | RECURRENT
+FUSED = (
+    frozenset({"Attention", "RMSNormalization", "InstanceNormalization"})
+    | frozenset({"DepthToSpace", "SpaceToDepth"})
+    | RECURRENT
+)
 
 
 def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
@@ -648,7 +654,9 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
         if node.op_type in RECURRENT:
             _unrolled(graph, b, node, path)
             continue
-        if node.op_type == "RMSNormalization":
+        if node.op_type in ("DepthToSpace", "SpaceToDepth"):
+            out = _depth_space(b, node)
+        elif node.op_type == "RMSNormalization":
             out = _rms_norm(b, node, path)
         elif node.op_type == "InstanceNormalization":
             out = _instance_norm(b, node)
@@ -766,6 +774,12 @@ def _np_dtype(dtype: ir.DataType) -> np.dtype:
     return np.dtype(dtype.numpy())
 
 
+def _string(node: ir.Node, name: str, default: str) -> str:
+    a = node.attributes.get(name)
+    value = default if a is None else a.value
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _int(node: ir.Node, name: str, default: int) -> int:
     a = node.attributes.get(name)
     return default if a is None else int(a.value)
@@ -807,6 +821,25 @@ def _rms_norm(b: _Builder, node: ir.Node, path: str) -> ir.Value:
         normal = b.op("Cast", [normal], shape, dtype, "normalized_cast", to=int(dtype))
     out_type = scale.dtype if scale.dtype is not None else dtype
     return b.op("Mul", [normal, scale], shape, out_type, "scaled")
+
+
+def _depth_space(b: _Builder, node: ir.Node) -> ir.Value:
+    """``DepthToSpace`` (``F.pixel_shuffle``: mode CRD; DCR) and ``SpaceToDepth`` as the
+    Reshape, Transpose and Reshape their definitions are written in."""
+    x, out = node.inputs[0], node.outputs[0]
+    n, c, h, w = _shape(x)
+    k = _int(node, "blocksize", 1)
+    if node.op_type == "SpaceToDepth":
+        split, perm = [n, c, h // k, k, w // k, k], [0, 3, 5, 1, 2, 4]
+    elif _string(node, "mode", "DCR") == "CRD":
+        split, perm = [n, c // (k * k), k, k, h, w], [0, 1, 4, 2, 5, 3]
+    else:
+        split, perm = [n, k, k, c // (k * k), h, w], [0, 3, 4, 1, 5, 2]
+    shape = b.const(np.array(split, dtype=np.int64), "blocks")
+    blocks = b.op("Reshape", [x, shape], split, x.dtype, "blocks")
+    moved = b.op("Transpose", [blocks], [split[i] for i in perm], x.dtype, "moved", perm=perm)
+    to = b.const(np.array(_shape(out), dtype=np.int64), "shape")
+    return b.op("Reshape", [moved, to], _shape(out), x.dtype, "rearranged")
 
 
 def _instance_norm(b: _Builder, node: ir.Node) -> ir.Value:

@@ -388,6 +388,27 @@ class RelBias(nn.Module):
         return self.head(x)
 
 
+# --- decoder: transposed convolution and pixel shuffle ---------------------------------
+
+
+class Decoder(nn.Module):
+    """A U-Net-style encoder-decoder: a strided Conv down, ``nn.ConvTranspose2d`` up
+    (stride 2, output_padding 1), a skip connection, ``F.pixel_shuffle`` (exported as
+    ``DepthToSpace``, mode CRD), per-pixel logits."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.down = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(8, 8, 3, stride=2, padding=1, output_padding=1)
+        self.mix = nn.Conv2d(8 + 3, 4 * 6, 3, padding=1)
+        self.out = nn.Conv2d(6, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.up(F.relu(self.down(x))))
+        h = F.pixel_shuffle(self.mix(torch.cat([h, x], 1)), 2)  # [B, 6, 2H, 2W]
+        return self.out(h).permute(0, 2, 3, 1)
+
+
 # --- recurrent: nn.LSTM and nn.GRU -----------------------------------------------------
 
 
@@ -636,6 +657,7 @@ CASES: dict[str, Case] = {
         Case("relbias", RelBias, lambda g: {"input_ids": _ids(g)}, "ce", optimize=False),
         Case("moe", Moe, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("recurrent", Recurrent, lambda g: {"input_ids": _ids(g)}, "ce"),
+        Case("decoder", Decoder, lambda g: {"x": torch.randn(BATCH, 3, 8, 8, generator=g)}, "ce"),
         Case(
             "sdpa23",
             Sdpa,

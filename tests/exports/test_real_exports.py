@@ -64,6 +64,7 @@ MEGATRON_NOTES = {
     # experts are batched einsums: no Megatron block (expert parallelism is not a plan)
     "moe": ("no attention or MLP block found",),
     "recurrent": ("no attention or MLP block found",),
+    "decoder": ("no attention or MLP block found",),
 }
 
 
@@ -255,7 +256,7 @@ def _batch_splits(name: str, plan: str, mesh: str) -> bool:
     shards it over every axis, Megatron over all but the tp axis, and over every axis
     when it finds no block (resnet)."""
     dims = [int(x) for x in mesh.split("x")]
-    no_block = name in ("resnet", "convnet", "moe", "recurrent")
+    no_block = name in ("resnet", "convnet", "moe", "recurrent", "decoder")
     dp = dims if plan == "data-parallel" or no_block else dims[:-1]
     return 2 % int(np.prod(dp)) == 0
 

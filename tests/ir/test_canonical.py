@@ -457,3 +457,22 @@ def test_a_flattened_gemm_becomes_a_matmul_on_the_unflattened_activation(tmp_pat
 def _run_all(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs", "xs"),
+    [
+        ("DepthToSpace", {"blocksize": 2}, [2, 12, 3, 4]),  # DCR, the default
+        ("DepthToSpace", {"blocksize": 2, "mode": "CRD"}, [2, 12, 3, 4]),  # pixel_shuffle
+        ("DepthToSpace", {"blocksize": 3, "mode": "CRD"}, [1, 18, 2, 2]),
+        ("SpaceToDepth", {"blocksize": 2}, [2, 3, 4, 6]),
+    ],
+)
+def test_pixel_shuffles_become_reshape_transpose_reshape(tmp_path, op, attrs, xs):
+    nodes = [
+        h.make_node(op, ["x"], ["y0"], **attrs),
+        h.make_node("Relu", ["y0"], ["y1"]),
+        h.make_node("Neg", ["y0"], ["y2"]),
+    ]
+    ops = _rewritten_ops(tmp_path, _graph_model(nodes, xs, []), xs)
+    assert op not in ops and "Transpose" in ops

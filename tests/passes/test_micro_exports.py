@@ -4,10 +4,10 @@ The exports' batch is 2, so each runs as 2 micro-batches of one sample under Meg
 a mesh of 2 (no data-parallel axis) and verifies against the single-device full-batch
 step (max relative error <= 1e-4 over 3 SGD steps). GPT-2 is the quick model;
 ``nn.TransformerEncoder`` runs its attention seq-first ([T, B, C]), where the micro axis
-splits dimension 1. Five are refused, each in one line: ViT's export folds the class
+splits dimension 1. Six are refused, each in one line: ViT's export folds the class
 token's expansion to the batch into a parameter of batch size; ResNet, the ConvNet, the
-mixture of experts and the recurrent model have no Megatron block, so their plan is data
-parallel over both devices and leaves one sample per rank.
+mixture of experts, the recurrent model and the decoder have no Megatron block, so their
+plan is data parallel over both devices and leaves one sample per rank.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ REFUSED = {
     "convnet": _ONE_PER_RANK,
     "moe": _ONE_PER_RANK.replace("'x'", "'input_ids'"),
     "recurrent": _ONE_PER_RANK.replace("'x'", "'input_ids'"),
+    "decoder": _ONE_PER_RANK,
 }
 
 

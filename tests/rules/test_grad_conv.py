@@ -1,6 +1,6 @@
-"""Finite-difference property tests of Conv, MaxPool, AveragePool, GlobalAveragePool
-and GlobalMaxPool gradients: 1-D and 2-D, strides, pads, dilations, groups (incl.
-depthwise), auto_pad, ceil_mode, count_include_pad."""
+"""Finite-difference property tests of Conv, ConvTranspose, MaxPool, AveragePool,
+GlobalAveragePool and GlobalMaxPool gradients: 1-D and 2-D, strides, pads, dilations,
+output_padding, groups (incl. depthwise), auto_pad, ceil_mode, count_include_pad."""
 
 from __future__ import annotations
 
@@ -52,6 +52,38 @@ def _conv(draw):
     if draw(st.booleans()):
         args.append(normal(rng, (w.shape[0],)))
     return node_case("Conv", args, attrs)
+
+
+@st.composite
+def _conv_transpose(draw):
+    """nn.ConvTranspose: explicit pads (each below the dilated kernel) and an
+    output_padding below the stride, grouped or not, with or without a bias."""
+    rng = rng_of(draw)
+    dims = draw(st.integers(1, 2))
+    kernel, strides, dilations, pads, spatial = draw(_geometry(dims))
+    spatial = [draw(st.integers(1, 4)) for _ in range(dims)]
+    group = draw(st.sampled_from([1, 2]))
+    per_group_in, per_group_out = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    n = draw(st.integers(1, 2))
+    extra = [draw(st.integers(0, max(s - 1, 0))) for s in strides]
+    extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
+    out = [
+        st_ * (i - 1) + o + e - p - q
+        for st_, i, o, e, p, q in zip(
+            strides, spatial, extra, extent, pads[:dims], pads[dims:], strict=True
+        )
+    ]
+    if min(out) < 1:
+        pads = [0] * (2 * dims)
+    x = normal(rng, (n, group * per_group_in, *spatial))
+    w = normal(rng, (group * per_group_in, per_group_out, *kernel))
+    attrs = {"strides": strides, "dilations": dilations, "group": group, "pads": pads}
+    if any(extra):
+        attrs["output_padding"] = extra
+    args = [x, w]
+    if draw(st.booleans()):
+        args.append(normal(rng, (group * per_group_out,)))
+    return node_case("ConvTranspose", args, attrs)
 
 
 def _pool_attrs(draw, dims: int, dilate: bool):
@@ -120,6 +152,7 @@ def _global(op: str, make):
 
 CASES = {
     "Conv": _conv(),
+    "ConvTranspose": _conv_transpose(),
     "MaxPool": _max_pool(),
     "AveragePool": _average_pool(),
     "GlobalAveragePool": _global("GlobalAveragePool", normal),

@@ -1,5 +1,5 @@
-"""Gradient rules of convolutions and pooling: Conv, MaxPool, AveragePool,
-GlobalAveragePool, GlobalMaxPool.
+"""Gradient rules of convolutions and pooling: Conv, ConvTranspose, MaxPool,
+AveragePool, GlobalAveragePool, GlobalMaxPool.
 
 - Conv dX is a ConvTranspose of the gradient with the same weight, strides,
   dilations, group and begin pads; the end crop and ``output_padding`` are chosen
@@ -12,6 +12,11 @@ GlobalAveragePool, GlobalMaxPool.
   in N*G groups gives [C/G, N*M, K'], summed over N. A batch split stays one
   contiguous block of the grouped dimension there (with the batch inside the groups,
   [C/G, G*N, S] in G groups, it would be a strided piece no layout holds).
+- ConvTranspose (``nn.ConvTranspose``: U-Net and VAE decoders) is the adjoint, in its
+  input, of the Conv from its output's shape to its input's with the same geometry:
+  dX is that Conv of the gradient, dW that Conv's weight gradient with the gradient as
+  its input and X as the gradient of its output. ``auto_pad`` SAME and
+  ``output_shape`` are refused by name (torch gives explicit pads).
 - MaxPool recomputes MaxPool with its Indices output, turns the flat indices
   into per-(n, c) plane offsets (Mod by the plane size) and scatter-adds the
   gradient into a [N, C, H*W] zero tensor. Ties go to the index MaxPool reports
@@ -108,9 +113,15 @@ def _conv_input_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
 
 
 def _conv_weight_grad(ctx: GradContext, win: _Window, group: int) -> ir.Value:
-    b, x, g = ctx.b, ctx.inputs[0], ctx.grad_outputs[0]
-    n, c, *spatial = ctx.shape(0)
-    m, *out = ctx.out_shape()[1:]
+    return _weight_grad(
+        ctx.b, ctx.inputs[0], ctx.grad_outputs[0], ctx.shape(0), ctx.out_shape(), win, group
+    )
+
+
+def _weight_grad(b, x, g, x_shape, g_shape, win: _Window, group: int) -> ir.Value:
+    """dW of ``Conv(x, W)`` (``win``, ``group``) given the gradient ``g`` of its output."""
+    n, c, *spatial = x_shape
+    m, *out = g_shape[1:]
     rank = 2 + len(spatial)
     rest = list(range(2, rank))
     if group == 1:
@@ -162,6 +173,39 @@ def _conv(ctx: GradContext) -> Grads:
     if len(ctx.inputs) > 2 and ctx.needs[2]:
         axes = [0, *range(2, len(ctx.out_shape()))]
         grads[2] = reduce_sum(ctx.b, ctx.grad_outputs[0], axes, keepdims=False)
+    return grads
+
+
+def _conv_transpose(ctx: GradContext) -> Grads:
+    """``Y = ConvTranspose(X, W)`` is the adjoint, in its input, of ``Conv(., W)`` from
+    Y's shape to X's with the same strides, dilations, pads and group: dX is that Conv
+    of dY, and dW the Conv weight gradient with dY as the Conv's input and X as the
+    gradient of its output (``output_padding`` only lengthens Y's end, which the Conv
+    does not reach)."""
+    b, g, x = ctx.b, ctx.grad_outputs[0], ctx.inputs[0]
+    if str(ctx.attr("auto_pad", "NOTSET")) not in ("NOTSET", "", "VALID"):
+        raise unsupported(ctx, "auto_pad SAME_* (give explicit pads)")
+    if ctx.attr("output_shape") is not None:
+        raise unsupported(ctx, "output_shape (give pads and output_padding)")
+    x_shape, y_shape = ctx.shape(0), ctx.out_shape()
+    kernel = tuple(ctx.shape(1)[2:])
+    n = len(kernel)
+    group = int(ctx.attr("group", 1))
+    strides = tuple(int(v) for v in ctx.attr("strides", [1] * n))
+    dilations = tuple(int(v) for v in ctx.attr("dilations", [1] * n))
+    pads = [int(v) for v in ctx.attr("pads", [0] * (2 * n))]
+    win = _Window(
+        tuple(y_shape[2:]), kernel, tuple(x_shape[2:]), strides, dilations,
+        tuple(pads[:n]), tuple(pads[n:]),
+    )  # fmt: skip
+    grads: Grads = [None] * len(ctx.inputs)
+    if ctx.needs[0]:
+        attrs = {"strides": list(strides), "dilations": list(dilations), "pads": pads}
+        grads[0] = b.op("Conv", [g, ctx.inputs[1]], {**attrs, "group": group})
+    if ctx.needs[1]:
+        grads[1] = _weight_grad(b, g, x, y_shape, x_shape, win, group)
+    if len(ctx.inputs) > 2 and ctx.needs[2]:
+        grads[2] = reduce_sum(b, g, [0, *range(2, len(y_shape))], keepdims=False)
     return grads
 
 
@@ -245,6 +289,7 @@ def _global_max_pool(ctx: GradContext) -> Grads:
 
 _RULES: tuple[tuple[str, GradRule], ...] = (
     ("Conv", _conv),
+    ("ConvTranspose", _conv_transpose),
     ("MaxPool", _max_pool),
     ("AveragePool", _average_pool),
     ("GlobalAveragePool", _global_average_pool),
