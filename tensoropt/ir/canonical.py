@@ -38,16 +38,16 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
 Pre: a graph whose values have static shapes and dtypes (after shape inference).
-Post: no ``Attention``, ``RMSNormalization`` or ``InstanceNormalization`` node; no
+Post: no node of :data:`FUSED` (fused ops, pixel shuffles, recurrences); no
 Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a common
 refinement that the output groups, no Transpose read only by a Transpose, no Gathers
-that unbind a last dimension, no Resize but tf_crop_and_resize or of variable scales, no CastLike;
-every value made here has its static shape and dtype; the constants made here carry
-``MADE_KEY`` and are never trained (``passes/trainable.py``): scalars, shapes,
-additive masks (values at the dtype's lowest), gather indices and resize weights. A
-fused node whose form has no primitive spelling here (a key/value cache, extra outputs,
-a sequence-shortened mask) raises :class:`UnsupportedOpError` naming the node and what
-to change.
+that unbind a last dimension, no Slices that partition a dimension, no Resize but
+tf_crop_and_resize or of variable scales, no CastLike; every value made here has its
+static shape and dtype; the constants made here carry ``MADE_KEY`` and are never
+trained (``passes/trainable.py``): scalars, shapes, additive masks (values at the
+dtype's lowest), gather indices and resize weights. A fused node whose form has no
+primitive spelling here (a key/value cache, extra outputs, a sequence-shortened mask)
+raises :class:`UnsupportedOpError` naming the node and what to change.
 
 Numerics: the primitives compute what the ONNX definition computes, in its order
 (``Q*sqrt(scale)``, ``K*sqrt(scale)``, MatMul, softcap, mask, Softmax, MatMul;
@@ -111,7 +111,7 @@ def slices_as_splits(graph: ir.Graph) -> int:
             whole = bounds[0] == 0 and bounds[-1] == shape[axis]
             if len(pieces) < 2 or not whole:
                 continue
-            if any(a[1] != b[0] for a, b in zip(pieces, pieces[1:], strict=False)):
+            if any(p[1] != q[0] for p, q in zip(pieces, pieces[1:], strict=False)):
                 continue
             _split_pieces(graph, b, x, axis, pieces, order)
             done += 1
@@ -209,7 +209,7 @@ def unflatten_gemms(graph: ir.Graph) -> int:
     view``; ``nn.MultiheadAttention``'s out projection). With ``transB`` (W stored
     [D, C]) the MatMul reads ``Transpose(W)``, a node of its own, so the trained weight
     keeps its shape and name. Flattening to [N, C] merges the batch with the other
-    leading dimensions: a seq-first block's [T, B] became [T*B], which no split of the
+    leading dimensions: a seq-first block's [T, B] becomes [T*B], which no split of the
     batch can reach, and neither a micro-batch. Returns the projections rewritten."""
     b = _Builder(graph)
     done = 0
@@ -643,8 +643,8 @@ def _perm(node: ir.Node, rank: int) -> list[int]:
 
 
 def decompose_fused(graph: ir.Graph, path: str) -> int:
-    """Rewrite every ``Attention``, ``RMSNormalization`` and ``InstanceNormalization``
-    node of ``graph`` in place; return how many were rewritten."""
+    """Rewrite every node of :data:`FUSED` in ``graph`` in place; return how many were
+    rewritten."""
     todo = [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in FUSED]
     if not todo:
         return 0
@@ -774,12 +774,6 @@ def _np_dtype(dtype: ir.DataType) -> np.dtype:
     return np.dtype(dtype.numpy())
 
 
-def _string(node: ir.Node, name: str, default: str) -> str:
-    a = node.attributes.get(name)
-    value = default if a is None else a.value
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _int(node: ir.Node, name: str, default: int) -> int:
     a = node.attributes.get(name)
     return default if a is None else int(a.value)
@@ -831,7 +825,7 @@ def _depth_space(b: _Builder, node: ir.Node) -> ir.Value:
     k = _int(node, "blocksize", 1)
     if node.op_type == "SpaceToDepth":
         split, perm = [n, c, h // k, k, w // k, k], [0, 3, 5, 1, 2, 4]
-    elif _string(node, "mode", "DCR") == "CRD":
+    elif node.attributes.get_string("mode", "DCR") == "CRD":
         split, perm = [n, c // (k * k), k, k, h, w], [0, 1, 4, 2, 5, 3]
     else:
         split, perm = [n, k, k, c // (k * k), h, w], [0, 3, 4, 1, 5, 2]

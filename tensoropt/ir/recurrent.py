@@ -57,20 +57,17 @@ class _Recurrence:
         self.x, self.w, self.r, self.bias, lens, self.h0 = ins[:6]
         self.c0, self.peep = (ins[6], ins[7]) if self.kind == "LSTM" else (None, None)
         attrs = node.attributes
-        self.hidden = attrs["hidden_size"].value if "hidden_size" in attrs else None
-        direction = attrs["direction"].value if "direction" in attrs else "forward"
-        self.direction = direction.decode() if isinstance(direction, bytes) else str(direction)
-        self.layout = int(attrs["layout"].value) if "layout" in attrs else 0
-        self.before_reset = (
-            int(attrs["linear_before_reset"].value) if "linear_before_reset" in attrs else 0
-        )
+        hidden = attrs.get_int("hidden_size", 0)
+        self.hidden = hidden or None
+        self.direction = attrs.get_string("direction", "forward")
+        self.layout = attrs.get_int("layout", 0)
+        self.before_reset = attrs.get_int("linear_before_reset", 0)
         self.dtype = self.x.dtype
         shape = [int(d) for d in self.x.shape]
         self.steps, self.batch = (shape[1], shape[0]) if self.layout else (shape[0], shape[1])
         self.dirs = 2 if self.direction == "bidirectional" else 1
         gates = _GATES[self.kind]
-        names = attrs["activations"].value if "activations" in attrs else None
-        acts = [a.decode() if isinstance(a, bytes) else str(a) for a in names] if names else None
+        acts = attrs.get_strings("activations", None)
         per = len(_DEFAULT_ACTIVATIONS[self.kind])
         self.activations = [
             tuple(acts[d * per : (d + 1) * per]) if acts else _DEFAULT_ACTIVATIONS[self.kind]
@@ -87,7 +84,7 @@ class _Recurrence:
     def _check(self, lens: ir.Value | None, gates: int) -> None:
         if self.hidden is None or self.direction not in ("forward", "reverse", "bidirectional"):
             raise self.refuse("no hidden_size, or an unknown direction")
-        if self.kind == "LSTM" and _int(self.node, "input_forget"):
+        if self.kind == "LSTM" and self.node.attributes.get_int("input_forget", 0):
             raise self.refuse("input_forget=1 (coupled input and forget gates)")
         if "activation_alpha" in self.node.attributes or "activation_beta" in self.node.attributes:
             raise self.refuse("activation_alpha/beta (parametrised activations)")
@@ -312,11 +309,6 @@ class _Recurrence:
         if hh is not None:
             cand_in = self.op("Add", [cand_in, hh], self._bh, f"{tag}_cand_in")
         return self._blend(z, self._act(g, cand_in, f"{tag}_cand"), h, tag)
-
-
-def _int(node: ir.Node, name: str) -> int:
-    attr = node.attributes.get(name)
-    return 0 if attr is None else int(attr.value)
 
 
 def unroll(node: ir.Node, op: Emit, const: Callable, path: str) -> list[ir.Value | None]:
