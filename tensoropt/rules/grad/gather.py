@@ -104,35 +104,32 @@ def _reduction(ctx: GradContext) -> str:
 
 
 def _scatter_elements(ctx: GradContext) -> Grads:
-    b, g = ctx.b, ctx.grad_outputs[0]
     shape = ctx.shape(0)
     axis = normalize_axis(int(ctx.attr("axis", 0)), len(shape))
     indices = _normalized_indices(ctx, shape[axis])
-    grads: Grads = [None, None, None]
-    if ctx.needs[0]:
-        grads[0] = g
-        if _reduction(ctx) == "none":
-            cleared = zeros(b, ctx.shape(2), float_dtype(ctx.inputs[2]))
-            grads[0] = b.op("ScatterElements", [g, indices, cleared], {"axis": axis})
-    if ctx.needs[2]:
-        _reduction(ctx)
-        grads[2] = b.op("GatherElements", [g, indices], {"axis": axis})
-    return grads
+    return _scatter(ctx, indices, ("ScatterElements", "GatherElements"), {"axis": axis})
 
 
 def _scatter_nd(ctx: GradContext) -> Grads:
-    b, g = ctx.b, ctx.grad_outputs[0]
     shape, idx_shape = ctx.shape(0), ctx.shape(1)
     indices = _normalized_indices(ctx, shape[: idx_shape[-1]])
+    return _scatter(ctx, indices, ("ScatterND", "GatherND"), {})
+
+
+def _scatter(ctx: GradContext, indices: ir.Value, ops: tuple[str, str], attrs) -> Grads:
+    """d data: the gradient, with the scattered positions zeroed for reduction none (a
+    scatter of zeros there); d updates: the gradient gathered at their positions."""
+    b, g = ctx.b, ctx.grad_outputs[0]
+    scatter, gather = ops
+    reduction = _reduction(ctx)
     grads: Grads = [None, None, None]
     if ctx.needs[0]:
         grads[0] = g
-        if _reduction(ctx) == "none":
+        if reduction == "none":
             cleared = zeros(b, ctx.shape(2), float_dtype(ctx.inputs[2]))
-            grads[0] = b.op("ScatterND", [g, indices, cleared])
+            grads[0] = b.op(scatter, [g, indices, cleared], attrs)
     if ctx.needs[2]:
-        _reduction(ctx)
-        grads[2] = b.op("GatherND", [g, indices])
+        grads[2] = b.op(gather, [g, indices], attrs)
     return grads
 
 
