@@ -213,66 +213,31 @@ def _layer_norm(rng):
 F32 = np.float32
 
 
+def _conv_case(op: str, rng, shapes, attrs=None) -> Case:
+    """A float32 Conv/ConvTranspose case: x, w (and bias) of ``shapes``."""
+    return Case(op, [_f(rng, *shape, dtype=F32) for shape in shapes], attrs or {}, tol=2e-5)
+
+
 def _conv(rng):
     return [
-        Case(
-            "Conv",
-            [_f(rng, 2, 4, 5, 5, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32), _f(rng, 6, dtype=F32)],
-            {"pads": [1, 1, 1, 1]},
-            tol=2e-5,
-        ),
-        Case(
-            "Conv",
-            [_f(rng, 6, 6, 4, 4, dtype=F32), _f(rng, 12, 6, 2, 2, dtype=F32)],
-            {"strides": [2, 2]},
-            tol=2e-5,
-        ),
-        Case(
-            "Conv",
-            [_f(rng, 2, 4, 4, 4, dtype=F32), _f(rng, 6, 2, 3, 3, dtype=F32)],
-            {"group": 2},
-            tol=2e-5,
-        ),
+        _conv_case("Conv", rng, [(2, 4, 5, 5), (6, 4, 3, 3), (6,)], {"pads": [1, 1, 1, 1]}),
+        _conv_case("Conv", rng, [(6, 6, 4, 4), (12, 6, 2, 2)], {"strides": [2, 2]}),
+        _conv_case("Conv", rng, [(2, 4, 4, 4), (6, 2, 3, 3)], {"group": 2}),
         # depthwise, whole groups split: 6 groups over 2 and 3, not over 4 (2x2)
-        Case(
-            "Conv",
-            [
-                _f(rng, 2, 6, 5, 5, dtype=F32),
-                _f(rng, 12, 1, 3, 3, dtype=F32),
-                _f(rng, 12, dtype=F32),
-            ],
-            {"group": 6, "pads": [1, 1, 1, 1]},
-            tol=2e-5,
+        _conv_case(
+            "Conv", rng, [(2, 6, 5, 5), (12, 1, 3, 3), (12,)], {"group": 6, "pads": [1, 1, 1, 1]}
         ),
         # 2 groups of 4 channels: a split of 4 divides the channels, not the groups
-        Case(
-            "Conv",
-            [_f(rng, 2, 8, 4, 4, dtype=F32), _f(rng, 8, 4, 3, 3, dtype=F32)],
-            {"group": 2},
-            tol=2e-5,
-        ),
+        _conv_case("Conv", rng, [(2, 8, 4, 4), (8, 4, 3, 3)], {"group": 2}),
     ]
 
 
 def _conv_transpose(rng):
+    op = "ConvTranspose"
     return [
-        Case(
-            "ConvTranspose",
-            [_f(rng, 2, 4, 3, 3, dtype=F32), _f(rng, 4, 6, 2, 2, dtype=F32), _f(rng, 6, dtype=F32)],
-            {"strides": [2, 2]},
-            tol=2e-5,
-        ),
-        Case(
-            "ConvTranspose",
-            [_f(rng, 6, 6, 3, 3, dtype=F32), _f(rng, 6, 4, 3, 3, dtype=F32)],
-            tol=2e-5,
-        ),
-        Case(
-            "ConvTranspose",
-            [_f(rng, 2, 4, 3, 3, dtype=F32), _f(rng, 4, 3, 2, 2, dtype=F32), _f(rng, 6, dtype=F32)],
-            {"group": 2, "strides": [2, 2]},
-            tol=2e-5,
-        ),
+        _conv_case(op, rng, [(2, 4, 3, 3), (4, 6, 2, 2), (6,)], {"strides": [2, 2]}),
+        _conv_case(op, rng, [(6, 6, 3, 3), (6, 4, 3, 3)]),
+        _conv_case(op, rng, [(2, 4, 3, 3), (4, 3, 2, 2), (6,)], {"group": 2, "strides": [2, 2]}),
     ]
 
 
