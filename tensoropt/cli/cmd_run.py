@@ -151,17 +151,6 @@ def profile_table(profile) -> str:
     return "\n".join(lines)
 
 
-def _warn_if_not_finite(args: argparse.Namespace, losses) -> None:
-    """One line on stderr when a loss is NaN or infinite, as ``train`` says it."""
-    from tensoropt.runtime.data import not_finite_warning, specs_from_manifest
-    from tensoropt.runtime.manifest import load_outdir
-
-    specs = specs_from_manifest(load_outdir(args.outdir, check_files=False))
-    line = not_finite_warning("run", losses, specs, synthetic=args.data is None)
-    if line is not None:
-        print(line, file=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.common import check_output_file
     from tensoropt.cli.json_output import document, emit, finite_or_null
@@ -205,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         table.close()
-    _warn_if_not_finite(args, result.losses)
+    if result.warning is not None:
+        print(result.warning, file=sys.stderr)
     report = result.verify
     if args.json:
         emit(

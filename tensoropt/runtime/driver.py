@@ -82,6 +82,8 @@ class RunResult:
     backend: str = "local"
     seconds: float = 0.0
     profile: ProfileReport | None = None
+    # one line for the user when a loss is not finite (``data.not_finite_warning``)
+    warning: str | None = None
 
 
 @dataclass(slots=True)

@@ -9,13 +9,14 @@ is launched by :mod:`tensoropt.runtime.launcher`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.arena import ArenaMode
 from tensoropt.runtime.checkpoint import save_npz
-from tensoropt.runtime.data import load_npz, specs_from_manifest
+from tensoropt.runtime.data import load_npz, not_finite_warning, specs_from_manifest
 from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
 from tensoropt.runtime.engine import LocalEngine, load_device, split_all, split_rank
 from tensoropt.runtime.malloc import tune_process
@@ -101,7 +102,9 @@ def run_steps(
         result = _run_mpi(manifest, opts, hostfile, on_step, stall_timeout)
     if save_params is not None:
         save_npz(save_params, result.params)
-    return result
+    specs = specs_from_manifest(manifest)
+    warning = not_finite_warning("run", result.losses, specs, synthetic=data is None)
+    return dataclasses.replace(result, warning=warning)
 
 
 def _check_resume_target(checkpoint, world_size: int, steps: int) -> None:
