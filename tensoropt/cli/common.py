@@ -17,8 +17,9 @@ training options (the update is part of the compiled graph, so compile takes the
   the loss is built from the model's first float output: 'auto' uses a scalar output
   as the loss as it is, gives logits (rank >= 2) cross entropy against integer labels
   of shape logits[:-1], and a rank-1 output mean squared error.
-  By default a float initializer is trained when it has rank >= 1 and reaches the loss
-  through differentiable inputs; --trainable/--freeze REGEX override (freeze wins).
+  By default a float initializer is trained when it has rank >= 1 (or is a scalar the
+  torch exporter records as a parameter) and reaches the loss through differentiable
+  inputs; --trainable/--freeze REGEX override (freeze wins).
 """
 
 

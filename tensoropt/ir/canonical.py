@@ -4,6 +4,10 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
 
 - **Pixel shuffles** (:func:`decompose_fused`): ``DepthToSpace`` (``F.pixel_shuffle``)
   and ``SpaceToDepth`` as the Reshape, Transpose and Reshape of their definitions.
+- **Class losses** (:func:`decompose_fused`): ``SoftmaxCrossEntropyLoss`` and
+  ``NegativeLogLikelihoodLoss`` (a model that returns ``F.cross_entropy`` or
+  ``F.nll_loss``) as LogSoftmax, GatherElements at the labels, the class weights and
+  ``ignore_index`` as weights, and the reduction.
 - **Recurrences** (:func:`decompose_fused`): ``LSTM``, ``GRU`` and ``RNN`` (how
   ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` export) unrolled over their static sequence
   (``ir/recurrent.py``).
@@ -38,7 +42,7 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
 Pre: a graph whose values have static shapes and dtypes (after shape inference).
-Post: no node of :data:`FUSED` (fused ops, pixel shuffles, recurrences); no
+Post: no node of :data:`FUSED` (fused ops, pixel shuffles, recurrences, class losses); no
 Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a common
 refinement that the output groups, no Transpose read only by a Transpose, no Gathers
 that unbind a last dimension, no Slices that partition a dimension, no Resize but
@@ -69,10 +73,12 @@ from tensoropt.errors import UnsupportedOpError
 from tensoropt.ir.recurrent import RECURRENT, unroll
 from tensoropt.ir.vocab import MADE_KEY
 
+LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 FUSED = (
     frozenset({"Attention", "RMSNormalization", "InstanceNormalization"})
     | frozenset({"DepthToSpace", "SpaceToDepth"})
     | RECURRENT
+    | LOSSES
 )
 
 
@@ -660,6 +666,8 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
             out = _rms_norm(b, node, path)
         elif node.op_type == "InstanceNormalization":
             out = _instance_norm(b, node)
+        elif node.op_type in LOSSES:
+            out = _class_loss(graph, b, node, path)
         else:
             out = _attention(b, node, path)
         _replace(graph, node.outputs[0], out)  # the graph keeps its value names
@@ -858,6 +866,66 @@ def _instance_norm(b: _Builder, node: ir.Node) -> ir.Value:
     c = b.op("Reshape", [bias, to], per_channel, bias.dtype, "bias_per_channel")
     scaled = b.op("Mul", [normal, s], shape, dtype, "scaled")
     return b.op("Add", [scaled, c], shape, dtype, "shifted")
+
+
+def _class_loss(graph: ir.Graph, b: _Builder, node: ir.Node, path: str) -> ir.Value:
+    """``SoftmaxCrossEntropyLoss`` (``F.cross_entropy`` inside a model that returns its
+    own loss) and ``NegativeLogLikelihoodLoss`` (``F.nll_loss``) as their definitions:
+    scores ``[N, C, D1..]`` (log-probabilities for the second), integer labels
+    ``[N, D1..]``, optional class weights ``[C]``. Each element's loss is
+    ``-logp[n, label, d] * weight[label]``, 0 where the label is ``ignore_index``; "mean"
+    divides the sum by the summed weights of the elements not ignored (their count
+    without weights), so a batch whose every label is ignored gives NaN, as torch does.
+    The optional ``log_prob`` output is the LogSoftmax made here."""
+    scores, labels = node.inputs[0], node.inputs[1]
+    weight = node.inputs[2] if len(node.inputs) > 2 else None
+    shape, dtype = _shape(scores), scores.dtype
+    if len(shape) < 2 or labels is None or _shape(labels) != [shape[0], *shape[2:]]:
+        raise _refuse(
+            node, path, f"scores {shape} and labels {_shape(labels) if labels else None} "
+            "are not [N, C, D1..] and [N, D1..]", "file an issue with the export",
+        )  # fmt: skip
+    reduction_attr = node.attributes.get("reduction")
+    reduction = "mean" if reduction_attr is None else reduction_attr.as_string()
+    if reduction not in ("mean", "sum", "none"):
+        raise _refuse(node, path, f"reduction {reduction!r}", "file an issue with the export")
+    ignore_attr = node.attributes.get("ignore_index")
+    each = [shape[0], *shape[2:]]
+    picked_shape = [shape[0], 1, *shape[2:]]
+    npd = _np_dtype(dtype)
+    if node.op_type == "SoftmaxCrossEntropyLoss":
+        logp = b.op("LogSoftmax", [scores], shape, dtype, "log_prob", axis=1)
+        if len(node.outputs) > 1 and node.outputs[1] is not None:
+            _replace(graph, node.outputs[1], logp)
+    else:
+        logp = scores
+    index, kept = labels, None  # kept: 1 where the label counts, 0 where ignored
+    if ignore_attr is not None:
+        ignored = b.const(np.array(int(ignore_attr.value), dtype=_np_dtype(labels.dtype)), "ignore")
+        skipped = b.op("Equal", [labels, ignored], each, ir.DataType.BOOL, "ignored")
+        zero_label = b.const(np.array(0, dtype=_np_dtype(labels.dtype)), "label_zero")
+        index = b.op("Where", [skipped, zero_label, labels], each, labels.dtype, "label_safe")
+        zero, one = b.const(np.array(0, dtype=npd), "zero"), b.const(np.array(1, dtype=npd), "one")
+        kept = b.op("Where", [skipped, zero, one], each, dtype, "counted")
+    axis1 = b.const(np.array([1], dtype=np.int64), "class_axis")
+    at = b.op("Unsqueeze", [index, axis1], picked_shape, index.dtype, "label_index")
+    picked = b.op("GatherElements", [logp, at], picked_shape, dtype, "picked", axis=1)
+    loss = b.op("Neg", [b.op("Squeeze", [picked, axis1], each, dtype, "picked_each")],
+                each, dtype, "nll")  # fmt: skip
+    if weight is not None:
+        w = b.op("Gather", [weight, index], each, dtype, "class_weight", axis=0)
+        kept = w if kept is None else b.op("Mul", [w, kept], each, dtype, "weight_counted")
+    if kept is not None:
+        loss = b.op("Mul", [loss, kept], each, dtype, "weighted")
+    if reduction == "none":
+        return loss
+    total = b.op("ReduceSum", [loss], [], dtype, "total", keepdims=0)
+    if reduction == "sum":
+        return total
+    if kept is None:
+        return b.op("ReduceMean", [loss], [], dtype, "mean", keepdims=0)
+    count = b.op("ReduceSum", [kept], [], dtype, "counted_total", keepdims=0)
+    return b.op("Div", [total, count], [], dtype, "mean")
 
 
 def _attention(b: _Builder, node: ir.Node, path: str) -> ir.Value:

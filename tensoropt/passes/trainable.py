@@ -2,12 +2,13 @@
 
 Exporters store constants as initializers too (scalars, attention scales, mask
 fills, Pow exponents, rotary tables, shape tensors). The default policy trains a
-float initializer only when it has rank >= 1 and reaches the loss through
-differentiable input slots. Slots that take shapes, exponents, indices, axes,
-bounds or running statistics are not differentiable by policy; additive masks
-(values at or below -1e4, or infinite) are frozen; rotary tables (which reach the
-loss only through Sin/Cos) are frozen; so are the constants the importer makes
-(``ir/canonical.py``: a resize's interpolation weights). ``--trainable``/``--freeze``
+float initializer only when it has rank >= 1 (or is a scalar the exporter records as a
+torch parameter) and reaches the loss through differentiable input slots. Slots that
+take shapes, exponents, indices, axes, bounds or running statistics are not
+differentiable by policy; additive masks (values at or below -1e4, or infinite) are
+frozen; rotary tables (which reach the loss only through Sin/Cos) are frozen; so are
+the constants the importer makes (``ir/canonical.py``: a resize's interpolation
+weights). ``--trainable``/``--freeze``
 regexes override, with ``--freeze`` winning.
 
 Files from ``torch.onnx.export(dynamo=True)`` say more, and the policy reads it:
@@ -89,6 +90,8 @@ class TrainableSelection:
     frozen: tuple[str, ...]
     # trained initializer -> the parameters it repeats values of (:func:`folded_copies`)
     copies: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # frozen scalar -> the names it was folded from (:func:`folded_scalar`)
+    folded: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def summary(self, graph: ir.Graph) -> str:
         """One line for the user: what is trained and which float initializers of the
@@ -115,6 +118,14 @@ class TrainableSelection:
                 f"from{of}: each copy is trained on its own, which the torch model does not "
                 "do; export with torch.onnx.export(..., optimize=False) to keep the "
                 f"parameter, or --freeze {name!r}"
+            )
+        for name, sources in self.folded:
+            of = ", ".join(repr(s) for s in sources)
+            line += (
+                f"\nwarning: scalar {name!r} is a value the exporter computed from {of} "
+                "ahead of time (a learned temperature's exp, say) and is not trained; "
+                "if that is a parameter, export with torch.onnx.export(..., optimize=False) "
+                f"to train it, or --trainable {name!r} to train the computed value instead"
             )
         return line
 
@@ -170,6 +181,24 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     )
 
 
+def folded_scalar(value: ir.Value, produced: set[str]) -> tuple[str, ...] | None:
+    """The named sources of a float scalar the exporter's optimizer folded from values
+    that are neither its anonymous ones, tensor constructors, activations (``produced``)
+    nor a table's Sin/Cos: ``exp`` folded from a ``scale`` parameter (CLIP's learned
+    temperature, ``scale.exp()``). The scalar is not trained (no rank >= 1, no
+    ``PARAMETER`` kind), and the parameter is gone from the file. None otherwise."""
+    if value.shape is None or len(value.shape) != 0 or not is_float(value):
+        return None
+    folded = value.metadata_props.get(_FOLDED_FROM_KEY, "")
+    if not folded or _FOLDED_TABLE.search(folded):
+        return None
+    names = _FOLDED_NAME.findall(folded)
+    if any(name in produced for name in names):
+        return None
+    named = tuple(n for n in names if not (_ANONYMOUS.fullmatch(n) or _CONSTRUCTOR.fullmatch(n)))
+    return named or None
+
+
 def folded_copies(value: ir.Value) -> tuple[str, ...] | None:
     """The parameters ``value`` repeats values of, when the exporter folded it from a
     parameter through an op that repeats its input (it names the value or an
@@ -219,10 +248,14 @@ def select_trainable(
     trained, frozen = [], []
     for name, value in graph.initializers.items():
         floaty = is_float(value)
+        # a scalar is trained when the exporter says it is a parameter (a learned
+        # temperature); other scalars are the exporter's constants
+        ranked = value.shape is not None and (
+            len(value.shape) >= 1 or value.metadata_props.get(_TORCH_KIND_KEY) == "PARAMETER"
+        )
         default = (
             floaty
-            and value.shape is not None
-            and len(value.shape) >= 1
+            and ranked
             and value in reached
             and not _is_mask(value)
             and MADE_KEY not in value.metadata_props  # the importer's constants
@@ -247,4 +280,12 @@ def select_trainable(
         sources = folded_copies(graph.initializers[name])
         if sources is not None:
             copies.append((name, sources))
-    return TrainableSelection(tuple(trained), tuple(frozen), tuple(copies))
+    folded = []
+    for name in frozen:
+        value = graph.initializers[name]
+        if value not in reached or (force_off and force_off.search(name)):
+            continue
+        sources = folded_scalar(value, produced)
+        if sources is not None:
+            folded.append((name, sources))
+    return TrainableSelection(tuple(trained), tuple(frozen), tuple(copies), tuple(folded))

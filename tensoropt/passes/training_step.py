@@ -114,19 +114,46 @@ def read_signature(model: onnx.ModelProto | ir.Model) -> StepSignature:
     return StepSignature.from_json(json.loads(raw))
 
 
+# ops that carry an integer input's values to an index unchanged: (op, data slots)
+_INDEX_CARRIERS = {
+    "Reshape": (0,),
+    "Slice": (0,),
+    "Unsqueeze": (0,),
+    "Squeeze": (0,),
+    "Flatten": (0,),
+    "Transpose": (0,),
+    "Identity": (0,),
+    "Expand": (0,),
+    "Where": (1, 2),
+}
+
+
 def _index_high(graph: ir.Graph) -> dict[str, int]:
-    """For int64 data inputs used as Gather indices: the table size (synthetic data bound)."""
+    """For int64 data inputs that index a table: its size along the indexed axis (the
+    synthetic data bound). An index is a ``Gather``'s or ``GatherElements``' indices (a
+    class loss's labels, ``ir/canonical._class_loss``), reached from the input through
+    ops that move its values unchanged (a shift of the labels, a flattening)."""
     highs: dict[str, int] = {}
     for value in graph.inputs:
         if value.dtype != ir.DataType.INT64:
             continue
-        for use in value.uses():
-            node = use.node
-            if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
-                axis = node.attributes.get("axis")
-                axis_v = axis.value if axis is not None else 0
-                bound = static_shape(node.inputs[0])[axis_v]
-                highs[value.name] = min(highs.get(value.name, bound), bound)
+        todo, seen = [value], {value}
+        while todo:
+            carried = todo.pop()
+            for use in carried.uses():
+                node = use.node
+                if node.op_type in ("Gather", "GatherElements") and use.idx == 1:
+                    if node.inputs[0] is None:
+                        continue
+                    axis = node.attributes.get("axis")
+                    axis_v = axis.value if axis is not None else 0
+                    bound = static_shape(node.inputs[0])[axis_v]
+                    highs[value.name] = min(highs.get(value.name, bound), bound)
+                elif use.idx in _INDEX_CARRIERS.get(node.op_type, ()):
+                    for out in node.outputs:
+                        if out not in seen:
+                            seen.add(out)
+                            todo.append(out)
     return highs
 
 

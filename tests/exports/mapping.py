@@ -81,7 +81,12 @@ def match_initializers(
     """
     found: dict[str, Match] = {}
     for name, v in initializers.items():
-        if v.dtype.kind != "f" or v.ndim == 0:
+        if v.dtype.kind != "f":
+            continue
+        if v.ndim == 0:  # scalar constants abound: a scalar parameter is matched by name
+            p = params.get(name)
+            if p is not None and p.ndim == 0 and _close(v, p):
+                found[name] = Match(name, name, How.SAME)
             continue
         hits = [(p, how) for p, arr in params.items() if (how := _how(v, arr)) is not None]
         if len(hits) > 1:

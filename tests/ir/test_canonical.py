@@ -476,3 +476,64 @@ def test_pixel_shuffles_become_reshape_transpose_reshape(tmp_path, op, attrs, xs
     ]
     ops = _rewritten_ops(tmp_path, _graph_model(nodes, xs, []), xs)
     assert op not in ops and "Transpose" in ops
+
+
+# (op, scores shape, attributes, class weights, labels ignored, with log_prob output)
+SCE, NLL = "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"
+LOSS_CASES = {
+    "mean": (SCE, [6, 5], {}, False, False, False),
+    "mean, ignore_index": (SCE, [6, 5], {"ignore_index": -100}, False, True, False),
+    "mean, weights, ignore_index, N-D": (SCE, [3, 5, 2, 4], {"ignore_index": 2}, True, True, False),
+    "sum, weights": (SCE, [6, 5], {"reduction": "sum"}, True, False, False),
+    "none, log_prob": (SCE, [3, 5, 4], {"reduction": "none", "ignore_index": 1}, False, True, True),
+    "nll, weights, ignore_index": (NLL, [6, 5], {"ignore_index": 0}, True, True, False),
+    "nll, none, N-D": (NLL, [3, 5, 4], {"reduction": "none"}, False, False, False),
+}
+
+
+@pytest.mark.parametrize("case", LOSS_CASES.values(), ids=LOSS_CASES.keys())
+def test_class_losses_match_the_kernel(tmp_path, case):
+    op, shape, attrs, weighted, ignoring, log_prob = case
+    rng = np.random.default_rng(3)
+    each = [shape[0], *shape[2:]]
+    labels = rng.integers(0, shape[1], each).astype(np.int64)
+    if ignoring:  # some labels ignored (torch's -100 is no class at all), some kept
+        flat = labels.reshape(-1)
+        flat[::3] = attrs["ignore_index"]
+        assert (flat != attrs["ignore_index"]).any()
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "t": labels}
+    inputs = [
+        h.make_tensor_value_info("x", T.FLOAT, shape),
+        h.make_tensor_value_info("t", T.INT64, each),
+    ]
+    names, inits = ["x", "t"], []
+    if weighted:
+        w = rng.uniform(0.5, 2.0, shape[1]).astype(np.float32)
+        inits.append(onnx.numpy_helper.from_array(w, "w"))
+        names.append("w")
+    outputs = ["y", "lp"] if log_prob else ["y"]
+    node = h.make_node(op, names, outputs, name="loss", **attrs)
+    model = _model(node, inputs, T.FLOAT, 20, inits)
+    if log_prob:
+        model.graph.output.append(h.make_tensor_value_info("lp", T.FLOAT, None))
+    fused, rewritten = _both(tmp_path, model, feeds)
+    assert fused.shape == rewritten.shape
+    np.testing.assert_allclose(rewritten, fused, rtol=1e-5, atol=1e-6)
+    if log_prob:
+        path = tmp_path / "m.onnx"
+        names = ["lp"]
+        want = ort.InferenceSession(model.SerializeToString()).run(names, feeds)[0]
+        got = ort.InferenceSession(export_model(import_model(path)).SerializeToString())
+        np.testing.assert_allclose(got.run(names, feeds)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_class_loss_with_labels_of_another_shape_is_refused(tmp_path):
+    node = h.make_node("SoftmaxCrossEntropyLoss", ["x", "t"], ["y"], name="loss")
+    inputs = [
+        h.make_tensor_value_info("x", T.FLOAT, [6, 5]),
+        h.make_tensor_value_info("t", T.INT64, [5]),
+    ]
+    path = tmp_path / "m.onnx"
+    onnx.save(_model(node, inputs, T.FLOAT, 20), path)
+    with pytest.raises(UnsupportedOpError, match="SoftmaxCrossEntropyLoss node 'loss'.*labels"):
+        import_model(path)

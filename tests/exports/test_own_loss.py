@@ -1,0 +1,245 @@
+"""Models that compute their own loss (a HuggingFace model given ``labels``, a CLIP-style
+contrastive objective, a weighted NLL): torch exports ``F.cross_entropy`` and
+``F.nll_loss`` as ``SoftmaxCrossEntropyLoss`` and ``NegativeLogLikelihoodLoss``, which the
+importer spells out (``ir/canonical._class_loss``; ``tests/ir/test_canonical.py``
+checks both against onnxruntime's kernels, and torch spells a weighted ``F.nll_loss``
+out itself). The step's loss is the model's own
+scalar output (``--loss auto``):
+
+* loss and the gradient of every trained initializer equal torch autograd's;
+* synthetic labels are drawn below the class count (``training_step._index_high``),
+  so ``train`` runs finite steps on them;
+* data parallelism on 2 devices verifies against the single-device step, the
+  contrastive loss included (every sample's logits read the whole batch of the other
+  tower).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript")
+
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from tensoropt.cli import main  # noqa: E402
+from tensoropt.passes.loss import LossKind  # noqa: E402
+from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: E402
+from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
+from tensoropt.runtime.run import run_steps  # noqa: E402
+from tensoropt.runtime.single import StepSession  # noqa: E402
+from tests.exports.mapping import match_initializers, to_param_grad  # noqa: E402
+from tests.helpers.compile import compile_model  # noqa: E402
+from tests.helpers.steps import step_proto  # noqa: E402
+
+BATCH, SEQ, VOCAB, WIDTH = 4, 6, 40, 16
+
+
+class LmWithLabels(nn.Module):
+    """A causal LM that returns HF's loss when given labels: logits shifted by one
+    against the labels, -100 (padding) ignored."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids, labels):
+        x = self.wte(input_ids)
+        q, k, v = self.qkv(x).view(BATCH, SEQ, 3, 2, WIDTH // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(BATCH, SEQ, WIDTH))
+        logits = self.head(self.ln(x))
+        shifted = logits[:, :-1].reshape(-1, VOCAB)
+        return F.cross_entropy(shifted, labels[:, 1:].reshape(-1))
+
+
+class Contrastive(nn.Module):
+    """CLIP's objective: normalized image and text embeddings, a learned temperature,
+    cross entropy over the batch both ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.image = nn.Linear(8 * 4, WIDTH)
+        self.tokens = nn.Embedding(VOCAB, WIDTH)
+        self.text = nn.Linear(WIDTH, WIDTH)
+        self.scale = nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def forward(self, image, text):
+        a = F.normalize(self.image(self.patch(image).flatten(1)), dim=-1)
+        b = F.normalize(self.text(self.tokens(text).mean(1)), dim=-1)
+        logits = self.scale.exp() * a @ b.t()
+        labels = torch.arange(a.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+class WeightedNll(nn.Module):
+    """Per-position classes with class weights (a buffer, never trained), summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 5, 3, padding=1)
+        self.register_buffer("weight", torch.tensor([0.5, 1.0, 2.0, 1.5, 0.75]))
+
+    def forward(self, x, target):
+        logp = F.log_softmax(self.conv(x), dim=1)
+        return F.nll_loss(logp, target, weight=self.weight, reduction="sum")
+
+
+def _lm_inputs(gen):
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels[0, -2:] = -100  # padding
+    return {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen), "labels": labels}
+
+
+CASES = {
+    "lm": (LmWithLabels, _lm_inputs),
+    "contrastive": (
+        Contrastive,
+        lambda g: {
+            "image": torch.randn(BATCH, 3, 8, 8, generator=g),
+            "text": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        },
+    ),
+    "nll": (
+        WeightedNll,
+        lambda g: {
+            "x": torch.randn(BATCH, 3, 7, generator=g),
+            "target": torch.randint(0, 5, (BATCH, 7), generator=g),
+        },
+    ),
+}
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = CASES[name][0]()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # distinct biases: the exporter merges identical initializers
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def _inputs(name: str) -> dict:
+    return CASES[name][1](torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    made = {}
+
+    def get(name: str):
+        """``NAME-noopt``: exported with ``optimize=False``."""
+        if name not in made:
+            path = tmp_path_factory.mktemp("own_loss") / f"{name}.onnx"
+            base, _, variant = name.partition("-")
+            inputs = _inputs(base)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(
+                    _model(base), (), str(path), kwargs=inputs, input_names=list(inputs),
+                    dynamo=True, external_data=False, optimize=variant != "noopt",
+                )  # fmt: skip
+            made[name] = path
+        return made[name]
+
+    return get
+
+
+# the optimized contrastive export folds ``scale.exp()`` into a constant: the
+# parameter is gone (test_a_temperature_folded_by_the_exporter_is_named); the optimized
+# nll export folds the class-weight buffer's view into an initializer that no longer
+# says it is a buffer (docs/design/exports.md)
+NAMES = ["lm", pytest.param("contrastive-noopt", marks=pytest.mark.slow), "nll-noopt"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_models_own_loss_and_gradients_equal_torch_autograd(name, exported):
+    """Every torch parameter trained, the scalar temperature of the contrastive model
+    included (a scalar the exporter records as a parameter)."""
+    path = exported(name)
+    name = name.partition("-")[0]
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    # F.nll_loss with class weights exports spelled out (Gather, Where, ReduceSum)
+    assert ("SoftmaxCrossEntropyLoss" in ops) == (not name.startswith("nll")), ops
+    model = _model(name)
+    inputs = _inputs(name)
+    loss = model(**inputs)
+    loss.backward()
+    params = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
+    grads = {k: p.grad.numpy().copy() for k, p in model.named_parameters()}
+
+    sgd = OptimizerOptions(OptimizerKind.SGD, lr=1.0, momentum=0.0)
+    proto, step = step_proto(onnx.load(str(path)), TrainingOptions(LossKind.AUTO, sgd))
+    session = StepSession(proto)
+    state = session.initial_state()
+    ours_loss, new = session.step(state, {k: v.numpy() for k, v in inputs.items()})
+    assert ours_loss == pytest.approx(loss.item(), rel=1e-5)
+
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    matches = match_initializers(inits, params)
+    trained = set(step.signature.params)
+    assert trained == set(matches), set(matches) ^ trained  # buffers stay frozen
+    ours: dict[str, np.ndarray] = {}
+    for init in trained:
+        m = matches[init]
+        part = to_param_grad(m, state[init] - new[init], params[m.param].shape)
+        ours[m.param] = ours.get(m.param, 0) + part
+    assert ours.keys() == grads.keys()
+    for key, want in grads.items():
+        err = float(np.abs(ours[key] - want).max()) / max(float(np.abs(want).max()), 1e-6)
+        assert err <= 1e-4, (key, err)
+
+
+def test_synthetic_labels_index_the_classes(exported, capsys):
+    """The labels input reaches the loss's GatherElements through a shift and a
+    flattening: synthetic labels are drawn below the vocabulary, not fed as ones."""
+    path = exported("lm")
+    capsys.readouterr()
+    assert main(["train", str(path), "--steps", "3", "--json", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert np.all(np.isfinite(report["losses"]))
+    assert "all ones" not in captured.err
+    proto, step = step_proto(onnx.load(str(path)), TrainingOptions(LossKind.AUTO))
+    assert dict(step.signature.input_high) == {"input_ids": VOCAB, "labels": VOCAB}
+
+
+@pytest.mark.parametrize("name", ["lm", "contrastive", "nll"])
+def test_data_parallel_plan_of_a_model_with_its_own_loss_verifies(name, exported, tmp_path):
+    compile_model(onnx.load(str(exported(name))), "data-parallel", "2", tmp_path / "out")
+    report = run_steps(tmp_path / "out", 3, "local", verify=True, threads=1).verify
+    assert report is not None and len(report.per_step) == 3
+    assert report.max_rel_error_loss <= 1e-4, report.to_json()
+    assert report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+def test_a_temperature_folded_by_the_exporter_is_named(exported, capsys):
+    """The optimized export computes ``scale.exp()`` ahead of time into a scalar
+    constant: the parameter is gone, and the constant is not trained. ``train`` says so,
+    naming the parameter and the fix."""
+    path = exported("contrastive")
+    capsys.readouterr()
+    assert main(["train", str(path), "--steps", "1", "--threads", "1"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "ahead of time" in line]
+    assert len(warned) == 1, warned
+    assert "from 'scale'" in warned[0] and "optimize=False" in warned[0], warned[0]
+    path = exported("contrastive-noopt")
+    capsys.readouterr()
+    assert main(["train", str(path), "--steps", "1", "--threads", "1"]) == 0
+    assert "ahead of time" not in capsys.readouterr().err
