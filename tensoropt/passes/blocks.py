@@ -35,12 +35,16 @@ is built) makes each block's column-parallel side one MatMul, as Megatron-LM's f
   the columns of the same heads of q, k and v: the per-device ``[q | k | v]`` blocks.
 - weights an unoptimized export reads as torch stores them, ``Transpose(W [D, C])``,
   stack and view the same way through ``[k, D, C]`` and one ``Transpose(., [0, 2, 1])``.
+- a packed in-projection ``W [3D, C]`` that a cross-attention takes apart into a q and a
+  kv piece (``Split`` on dim 0, each piece transposed into its MatMul) is trained as its
+  ``[3, D, C]`` view, each piece read as ``Transpose(Slice(view), [0, 2, 1])``: a
+  stacked weight of one part (q) and of two (k, v).
 An HF ``Conv1D`` projection (``Reshape -> Gemm -> Reshape``) and
 ``nn.MultiheadAttention``'s out projection (a ``Gemm`` with ``transB``) arrive as
 MatMuls already: the importer unflattens them (``ir/canonical.unflatten_gemms``).
 
 Every rewrite computes the same function with the same parameters (values and names),
-so the step trains exactly as before; only a fused QKV weight's shape changes.
+so the step trains exactly as before; only a fused or packed QKV weight's shape changes.
 """
 
 from __future__ import annotations
@@ -139,8 +143,51 @@ def stacked_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
             return None
         if w.name in params:
             return [w]
-        return _concat_sources(w, params) if order == [0, 2, 1] else None
+        if order != [0, 2, 1]:
+            return None
+        sliced = _sliced_param(w, params)
+        return [sliced] if sliced is not None else _concat_sources(w, params)
     return _concat_sources(b, params)
+
+
+def _sliced_param(b: ir.Value, params: set[str]) -> ir.Value | None:
+    """W when ``b`` is ``Slice(W [n, D, C], axis 0)``: a packed weight's piece, as
+    :func:`stack_projections` views nn.MultiheadAttention's cross-attention."""
+    node = b.producer()
+    if node is None or node.op_type != "Slice" or not is_forward(node) or len(node.inputs) < 4:
+        return None
+    w, axes = node.inputs[0], node.inputs[3]
+    if w is None or w.name not in params or len(static_shape(w)) != 3:
+        return None
+    if axes is None or axes.const_value is None or axes.const_value.numpy().tolist() != [0]:
+        return None
+    return w
+
+
+def packed_piece(b: ir.Value, params: set[str]) -> tuple[ir.Value, ir.Node, int] | None:
+    """(W, its Split, the piece's index) when a MatMul operand is ``Transpose(piece,
+    [1, 0])`` of a piece of ``Split(W [N, C], axis 0)`` read by that MatMul alone in the
+    forward: nn.MultiheadAttention's cross-attention takes its packed in-projection
+    ``[3D, C]`` apart into a q ``[D, C]`` and a kv ``[2D, C]`` weight, read by the
+    decoder and by the encoder's output."""
+    node = b.producer()
+    if node is None or node.op_type != "Transpose" or not is_forward(node):
+        return None
+    perm = node.attributes.get("perm")
+    if perm is not None and list(perm.value) != [1, 0]:
+        return None
+    piece = node.inputs[0]
+    split = piece.producer() if piece is not None else None
+    if split is None or split.op_type != "Split" or not is_forward(split):
+        return None
+    w = split.inputs[0]
+    if w is None or w.name not in params or len(static_shape(w)) != 2:
+        return None
+    if split.attributes.get_int("axis", 0) % 2 != 0 or len(piece.uses()) != 1:
+        return None
+    if sum(is_forward(u.node) for u in b.uses()) != 1:  # the backward reads it too
+        return None
+    return w, split, list(split.outputs).index(piece)
 
 
 def _concat_sources(b: ir.Value, params: set[str]) -> list[ir.Value] | None:
@@ -202,6 +249,7 @@ def weight_matmuls(graph: ir.Graph, params: set[str]) -> list[ir.Node]:
             (w.name in params and len(static_shape(w)) == 2)
             or stacked_sources(w, params)
             or transposed_source(w, params)
+            or packed_piece(w, params)
         ):
             out.append(node)
     return out
@@ -427,6 +475,10 @@ def find_blocks(graph: ir.Graph, params: set[str]) -> Blocks:
             # slice of [Q | K | V], not whole heads (stack_projections views it instead).
             fused.append((sources[0], o))
             continue
+        packed = [s for s in sources if packed_piece(s.inputs[1], params) is not None]
+        if packed:  # pieces of one packed weight (q; k and v), likewise until viewed
+            fused.append((packed[0], o))
+            continue
         taken.update((*sources, o))
         attention.append((tuple(sources), o))
     return Blocks(tuple(mlp), tuple(attention), tuple(fused))
@@ -605,6 +657,23 @@ def _fused_consumer(y: ir.Value, k_parts: int) -> tuple[str, ir.Node] | None:
     return None
 
 
+def _taken_apart(em: _Emitter, found, xu, wt, xs, d, dtype, bias) -> None:
+    """The stacked product ``MatMul(xu, wt) (+ bias)`` ``[.., k, T, D]`` replaces what a
+    fused projection's consumer (:func:`_fused_consumer`) made of its output: the
+    Split's pieces, or the Reshape to ``[.., k, heads, head_dim]``."""
+    kind, consumer = found
+    if kind == "split":
+        _unstack(em, consumer, xu, wt, list(consumer.outputs), xs, d, dtype, bias)
+        return
+    k, r = static_shape(wt)[0], len(xs)
+    p = _unstack(em, consumer, xu, wt, [], xs, d, dtype, bias)
+    perm = [*range(r - 2), r - 1, r - 2, r]
+    [pt] = em.node(consumer, "Transpose", [p], [(*xs[:-1], k, d)], dtype, {"perm": perm})
+    out = static_shape(consumer.outputs[0])
+    [v] = em.node(consumer, "Reshape", [pt, em.ints(out)], [out], dtype)
+    _replace_uses(consumer.outputs[0], v)
+
+
 def _fused_parts(y: ir.Value) -> int | None:
     """The number of equal parts a fused projection's output is taken apart into."""
     for use in y.uses():
@@ -642,7 +711,7 @@ def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> 
     found = _fused_consumer(y, k)
     if found is None:
         return False
-    kind, consumer = found
+    consumer = found[1]
     cin, total = static_shape(w)
     if total % k:
         return False
@@ -660,20 +729,106 @@ def _view_fused(graph: ir.Graph, em: _Emitter, m: ir.Node, params: set[str]) -> 
     [xu] = em.node(m, "Unsqueeze", [x, em.ints([len(xs) - 2])], [(*xs[:-2], 1, *xs[-2:])], dtype)
     if bias is not None:
         _reshaped(bias, (k, 1, d))
-    anchor = consumer
-    if kind == "split":
-        _unstack(em, anchor, xu, wt, list(consumer.outputs), xs, d, dtype, bias)
-    else:
-        p = _unstack(em, anchor, xu, wt, [], xs, d, dtype, bias)
-        r = len(xs)
-        perm = [*range(r - 2), r - 1, r - 2, r]
-        [pt] = em.node(anchor, "Transpose", [p], [(*xs[:-1], k, d)], dtype, {"perm": perm})
-        out = static_shape(consumer.outputs[0])
-        [v] = em.node(anchor, "Reshape", [pt, em.ints(out)], [out], dtype)
-        _replace_uses(consumer.outputs[0], v)
+    _taken_apart(em, found, xu, wt, xs, d, dtype, bias)
     for node in (consumer, bias_add, m, w.producer() if stored is not None else None):
         if node is not None:
             graph.remove(node, safe=True)
+    return True
+
+
+def _bias_piece(m: ir.Node, index: int, sizes: list[int], params: set[str]):
+    """(Add, bias Split) when ``m``'s only reader adds piece ``index`` of a ``Split`` of a
+    trained bias ``[N]`` into the pieces ``sizes`` (the packed in-projection's bias);
+    (None, None) when no Add alone reads it (no bias); None when that Add adds anything
+    else."""
+    uses = m.outputs[0].uses()
+    if len(uses) != 1 or uses[0].node.op_type != "Add":
+        return None, None
+    add = uses[0].node
+    other = add.inputs[1 - uses[0].idx]
+    split = other.producer() if other is not None else None
+    if split is None or split.op_type != "Split" or not is_forward(split):
+        return None
+    b = split.inputs[0]
+    if b is None or b.name not in params or b.const_value is None or len(b.uses()) != 1:
+        return None  # a bias also read elsewhere (merged by the exporter) keeps its shape
+    if [static_shape(o)[0] for o in split.outputs] != sizes or len(other.uses()) != 1:
+        return None
+    return (add, split) if list(split.outputs).index(other) == index else None
+
+
+def _view_pieces(
+    graph: ir.Graph, em: _Emitter, split: ir.Node, readers: list[ir.Node], params: set[str]
+) -> bool:
+    """A packed weight ``W [N, C]`` taken apart by ``split`` into pieces each read by one
+    of ``readers`` (:func:`packed_piece`), each piece ``k_i`` equal parts of ``D`` (q: 1,
+    kv: 2, taken apart by a Split or a Reshape as :func:`_view_fused` takes a fused QKV):
+    train W as its ``[N/D, D, C]`` view (its bias ``[N]`` as ``[N/D, 1, D]``) and read
+    each piece as ``Transpose(Slice(view), [0, 2, 1])``, a stacked weight that splits
+    head-wise like the view of a fused QKV."""
+    w = split.inputs[0]
+    assert w is not None
+    pieces = list(split.outputs)
+    by_piece: dict[int, ir.Node] = {}
+    for m in readers:
+        found = packed_piece(m.inputs[1], params)
+        if found is not None and found[1] is split:
+            by_piece[found[2]] = m
+    if sorted(by_piece) != list(range(len(pieces))) or w.const_value is None:
+        return False
+    if len(w.uses()) != 1:  # read elsewhere too: its view would change that reader
+        return False
+    sizes = [static_shape(o)[0] for o in pieces]
+    plans = []  # (reader, its bias Add and Split, its parts, its output taken apart)
+    for i, size in enumerate(sizes):
+        m = by_piece[i]
+        bias = _bias_piece(m, i, sizes, params)
+        if bias is None or m.inputs[0] is None or len(static_shape(m.inputs[0])) < 2:
+            return False
+        y = bias[0].outputs[0] if bias[0] is not None else m.outputs[0]
+        k = _fused_parts(y) or 1
+        consumer = _fused_consumer(y, k) if k > 1 else None
+        if (k > 1 and consumer is None) or size % k or not _removable([y]):
+            return False
+        plans.append((m, bias, k, size // k, consumer, y))
+    d = plans[0][3]
+    if any(p[3] != d for p in plans):
+        return False
+    biases = {p[1][1] for p in plans}
+    if len(biases) != 1:  # every piece has its bias, of one packed bias, or none has
+        return False
+    [bias_split] = biases
+    n, cin = sum(sizes) // d, static_shape(w)[1]
+    dtype = plans[0][0].outputs[0].dtype
+    _reshaped(w, (n, d, cin))
+    if bias_split is not None:
+        _reshaped(bias_split.inputs[0], (n, 1, d))
+    start = 0
+    for m, (add, _), k, _, consumer, y in plans:
+        x = m.inputs[0]
+        xs = static_shape(x)
+        r = len(xs)
+        at = [em.ints([start]), em.ints([start + k]), em.ints([0])]
+        [wi] = em.node(m, "Slice", [w, *at], [(k, d, cin)], dtype)
+        [wt] = em.node(m, "Transpose", [wi], [(k, cin, d)], dtype, {"perm": [0, 2, 1]})
+        [xu] = em.node(m, "Unsqueeze", [x, em.ints([r - 2])], [(*xs[:-2], 1, *xs[-2:])], dtype)
+        bias = None
+        if bias_split is not None:
+            [bias] = em.node(m, "Slice", [bias_split.inputs[0], *at], [(k, 1, d)], dtype)
+        if consumer is None:  # one part (q): the product, squeezed, replaces y
+            p = _unstack(em, m, xu, wt, [], xs, d, dtype, bias)
+            [q] = em.node(m, "Squeeze", [p, em.ints([r - 2])], [(*xs[:-1], d)], dtype)
+            _replace_uses(y, q)
+        else:
+            _taken_apart(em, consumer, xu, wt, xs, d, dtype, bias)
+        transpose = m.inputs[1].producer()
+        for node in (consumer[1] if consumer else None, add, m, transpose):
+            if node is not None:
+                graph.remove(node, safe=True)
+        start += k
+    graph.remove(split, safe=True)
+    if bias_split is not None:
+        graph.remove(bias_split, safe=True)
     return True
 
 
@@ -723,6 +878,27 @@ def stack_projections(model: ir.Model) -> Rewrite:
     fused = []
     for m, _o in blocks.fused:
         name = m.inputs[1].name if m.inputs[1] is not None else "?"
+        if m.inputs[1] is not None and packed_piece(m.inputs[1], params) is not None:
+            continue  # pieces of a packed weight: below
         if _removable(m.outputs) and _view_fused(graph, em, m, params):
             fused.append(name)
+    for m, _o in blocks.fused:
+        found = packed_piece(m.inputs[1], params) if m.inputs[1] is not None else None
+        if found is None:
+            continue
+        w, split, _ = found
+        if _view_pieces(graph, em, split, _piece_readers(split), params):
+            fused.append(w.name)
     return Rewrite(stacked, tuple(fused))
+
+
+def _piece_readers(split: ir.Node) -> list[ir.Node]:
+    """The MatMuls that read the pieces of a packed weight's Split through their
+    Transposes (:func:`packed_piece`)."""
+    readers = []
+    for piece in split.outputs:
+        for use in piece.uses():
+            for read in use.node.outputs[0].uses() if use.node.op_type == "Transpose" else ():
+                if read.node.op_type == "MatMul" and read.idx == 1 and is_forward(read.node):
+                    readers.append(read.node)
+    return readers

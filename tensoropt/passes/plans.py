@@ -148,8 +148,9 @@ def megatron(
         fused = [f"{m.name} -> {o.name}" for m, o in blocks.fused]
         notes.append(
             f"megatron: {len(fused)} attention blocks with a fused QKV projection left to "
-            "data parallelism (a column split would mix Q, K and V; the model was not "
-            "prepared for megatron, see prepare_model): " + ", ".join(fused[:5])
+            "data parallelism (a column split would mix Q, K and V, and the weight is not "
+            "viewed head-wise: the model was not prepared for megatron (prepare_model), or "
+            "the weight or its bias is shared with another layer): " + ", ".join(fused[:5])
         )
     if not roles:
         notes.append(
@@ -190,7 +191,8 @@ def _viewed_fused(attention, params: set[str]) -> list[tuple[str, str]]:
             if sources and len(sources) == 1:
                 view = "[3, D, C]" if stored_transposed(node.inputs[1]) else "[C, 3, D]"
                 found.append((sources[0].name, view))
-    return found
+    # a packed cross-attention weight feeds two projections (q, and k with v): once
+    return list(dict.fromkeys(found))
 
 
 def _unit(
@@ -250,6 +252,14 @@ def _stacked_weight_units(node: ir.Node, mesh: Mesh, tp: int, params) -> dict[st
     units: dict[str, UnitStrategy] = {}
     if stored_transposed(w):  # Transpose(W[k, D, C] or Concat(Unsqueeze(W_i [D, C])), [0, 2, 1])
         concat = build.inputs[0].producer()
+        if concat is not None and concat.op_type == "Slice":  # a packed weight's piece
+            units.update(_pinned(concat, mesh, (s1,), (s1,)))  # the Transpose follows
+            for use in node.outputs[0].uses():  # its bias's piece, [k, 1, D]: split alike
+                bias = use.node.inputs[1 - use.idx] if use.node.op_type == "Add" else None
+                sliced = bias.producer() if bias is not None else None
+                if sliced is not None and sliced.op_type == "Slice":
+                    units.update(_pinned(sliced, mesh, (s2,), (s2,)))
+            return units
         if concat is None or concat.op_type != "Concat":
             return _pinned(build, mesh, (s1,), (s2,))
         for v in concat.inputs:  # the Transpose follows the Concat's unit

@@ -487,6 +487,30 @@ class TorchEncoder(nn.Module):
         return self.head(self.encoder(self.embed(input_ids)))
 
 
+class Seq2Seq(nn.Module):
+    """``nn.Transformer`` (encoder-decoder, pre-LN, batch first): the decoder's
+    cross-attention takes its packed in-projection apart into a q weight read by the
+    decoder and a kv weight read by the encoder's memory (``Split`` of the ``[3D, C]``
+    parameter), which Megatron views as ``[3, D, C]`` and splits head-wise."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=2, hidden=48):
+        super().__init__()
+        self.src = nn.Embedding(vocab, dim)
+        self.tgt = nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(
+            dim, heads, 1, 1, hidden, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        t = tgt_ids.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf")), 1)
+        y = self.transformer(
+            self.src(src_ids), self.tgt(tgt_ids), tgt_mask=mask, tgt_is_causal=True
+        )  # torch.export needs tgt_is_causal with a mask (a data-dependent check otherwise)
+        return self.head(y)
+
+
 # --- ResNet ----------------------------------------------------------------------------
 
 
@@ -658,6 +682,7 @@ CASES: dict[str, Case] = {
         Case("moe", Moe, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("recurrent", Recurrent, lambda g: {"input_ids": _ids(g)}, "ce"),
         Case("decoder", Decoder, lambda g: {"x": torch.randn(BATCH, 3, 8, 8, generator=g)}, "ce"),
+        Case("seq2seq", Seq2Seq, lambda g: {"src_ids": _ids(g), "tgt_ids": _ids(g)}, "ce"),
         Case(
             "sdpa23",
             Sdpa,

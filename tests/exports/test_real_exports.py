@@ -65,6 +65,9 @@ MEGATRON_NOTES = {
     "moe": ("no attention or MLP block found",),
     "recurrent": ("no attention or MLP block found",),
     "decoder": ("no attention or MLP block found",),
+    # the cross-attention's packed in-projection, taken apart into q and kv pieces, is
+    # viewed [3, D, C] like the self-attentions' (listed once each)
+    "seq2seq": ("2 MLP and 3 attention blocks", "3 fused QKV weights trained as their"),
 }
 
 
@@ -338,7 +341,7 @@ def test_two_spellings_of_one_model_plan_alike(exported, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "llama", "mha", "sdpa"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "llama", "mha", "sdpa", "seq2seq"])
 def test_unoptimized_export_plans_as_the_optimized_one(name, exported, tmp_path):
     """``optimize=False`` keeps torch's names and layouts: every Linear reads
     ``Transpose(W [D, C])``, fused QKV weights are [3D, C], ``unbind`` is Slices and a
