@@ -23,7 +23,11 @@ class ExitCode(IntEnum):
 
 EXIT_CODE_MEANINGS: tuple[tuple[ExitCode, str], ...] = (
     (ExitCode.OK, "ok"),
-    (ExitCode.INTERNAL, "internal error (a traceback), or a runtime worker died or hung"),
+    (
+        ExitCode.INTERNAL,
+        "internal error (a traceback), a runtime worker died or hung, or onnxruntime "
+        "failed a graph (one line)",
+    ),
     (ExitCode.BAD_INPUT, "bad input or an infeasible request (one line on stderr)"),
     (ExitCode.VERIFY_FAILED, "`run --verify`: the distributed run differs from one device"),
     (ExitCode.INTERRUPTED, "interrupted (Ctrl-C, SIGTERM)"),

@@ -138,6 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prefix}interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except Exception as exc:
+        if type(exc).__module__ != _ORT_ERRORS:
+            raise
+        # onnxruntime refused or failed a graph: its message names the node and the
+        # kernel; the Python frames below it say nothing more
+        msg = " ".join(str(exc).split())
+        print(
+            f"{prefix}error: onnxruntime could not run the step: {msg} (a kernel this "
+            "onnxruntime build lacks for the node's types, or a graph tensoropt made "
+            "wrongly: please report it with the model)",
+            file=sys.stderr,
+        )
+        return ExitCode.INTERNAL
+
+
+_ORT_ERRORS = "onnxruntime.capi.onnxruntime_pybind11_state"
 
 
 QUICK_EXIT = frozenset({"search"})

@@ -129,7 +129,7 @@ class _Trimmer:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
         model.ir_version = min(model.ir_version, onnx.IR_VERSION)
         opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # errors come back as exceptions, said once
         opts.add_session_config_entry("session.use_env_allocators", "1")
         self._session = ort.InferenceSession(
             model.SerializeToString(), opts, providers=["CPUExecutionProvider"]

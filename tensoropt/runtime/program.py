@@ -55,7 +55,7 @@ class SessionConfig:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.intra_op_threads
         opts.inter_op_num_threads = self.inter_op_threads
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # errors come back as exceptions, said once
         opts.enable_mem_pattern = self.memory_pattern
         apply_arena(opts, self.arena)
         if not self.allow_spinning:

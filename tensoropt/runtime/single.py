@@ -24,7 +24,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     """Shared ORT options: full graph optimisation, quiet logs, optional thread cap."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # errors come back as exceptions, said once
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

@@ -311,3 +311,37 @@ def test_run_says_the_same_of_a_loss_that_is_not_finite(tmp_path, capsys):
     [line] = [x for x in outcome.err.splitlines() if "warning" in x]
     assert line.startswith("run: warning: the loss is nan from step 0"), line
     assert "'mask' all ones" in line, line
+
+
+def test_a_model_onnxruntime_cannot_run_is_said_in_one_line(tmp_path):
+    """A float16 ScatterND with reduction add (valid ONNX, which onnxruntime's CPU
+    kernels do not run): exit 1, one line naming the node and onnxruntime's reason, no
+    traceback and no onnxruntime log line (a real child process)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    table = np.ones((6, 4), np.float16)
+    nodes = [
+        h.make_node("Unsqueeze", ["ids", "axis"], ["index"]),
+        h.make_node("ScatterND", ["table", "index", "bump"], ["bumped"], reduction="add"),
+        h.make_node("Gather", ["bumped", "ids"], ["x"]),
+        h.make_node("Cast", ["x"], ["logits"], to=T.FLOAT),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "fp16_scatter",
+        [
+            h.make_tensor_value_info("ids", T.INT64, [2, 3]),
+            h.make_tensor_value_info("bump", T.FLOAT16, [2, 3, 4]),
+        ],
+        [h.make_tensor_value_info("logits", T.FLOAT, [2, 3, 4])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.array([2]), "axis")],
+    )
+    path = _save(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)]), tmp_path / "m.onnx")
+    outcome = cli_process("train", path, "--steps", "1")
+    assert outcome.code == 1, outcome
+    # the summary of what is trained, then the error: nothing from onnxruntime's log
+    assert len(outcome.err_lines) == 2 and "training 1 parameters" in outcome.err_lines[0]
+    line = outcome.err_lines[1]
+    assert line.startswith("tensoropt train: error: onnxruntime could not run the step"), line
+    assert "ScatterND" in line and "Traceback" not in outcome.err

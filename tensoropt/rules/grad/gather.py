@@ -2,7 +2,10 @@
 the scatters ScatterElements and ScatterND (reduction none or add); and of TopK.
 
 Each gradient scatters the incoming gradient into zeros of the data's shape with
-``reduction="add"``, so repeated indices accumulate. Negative indices are
+``reduction="add"``, so repeated indices accumulate; a half-precision gradient
+(float16, bfloat16) accumulates in float32 and is cast back once (:func:`_added`), as
+torch accumulates an embedding's gradient, and onnxruntime's CPU kernels add no
+float16. Negative indices are
 normalised (index + dim where index < 0) before the scatter: at rule time when
 the indices are constant, otherwise with a Less/Add/Where on the indices.
 
@@ -44,6 +47,21 @@ def _normalized_indices(ctx: GradContext, dims: Sequence[int] | int) -> ir.Value
     return b.op("Where", [negative, b.op("Add", [indices, b.const(limits)]), indices])
 
 
+def _added(ctx: GradContext, op: str, shape, indices: ir.Value, g: ir.Value, attrs) -> ir.Value:
+    """``op`` (ScatterND or ScatterElements) of ``g`` added into zeros of ``shape``, in
+    the dtype of forward input 0; half-precision in float32, cast back after the sum."""
+    b = ctx.b
+    dtype = float_dtype(ctx.inputs[0])
+    narrow = dtype.itemsize < 4  # float16, bfloat16
+    if narrow:
+        g = b.op("Cast", [g], {"to": int(ir.DataType.FLOAT)})
+    base = zeros(b, shape, np.dtype(np.float32) if narrow else dtype)
+    grad = b.op(op, [base, indices, g], {**attrs, "reduction": "add"})
+    if narrow:
+        grad = b.op("Cast", [grad], {"to": int(ctx.inputs[0].dtype)})
+    return grad
+
+
 def _gather(ctx: GradContext) -> Grads:
     b = ctx.b
     shape, idx_shape = ctx.shape(0), ctx.shape(1)
@@ -61,9 +79,8 @@ def _gather(ctx: GradContext) -> Grads:
         perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, rank - 1 + k))
         g = b.op("Transpose", [g], {"perm": perm})
     moved = (shape[axis], *shape[:axis], *shape[axis + 1 :])
-    base = zeros(b, moved, float_dtype(ctx.inputs[0]))
     coords = b.op("Unsqueeze", [indices, b.ints([k])])
-    grad = b.op("ScatterND", [base, coords, g], {"reduction": "add"})
+    grad = _added(ctx, "ScatterND", moved, coords, g, {})
     if axis:
         back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
         grad = b.op("Transpose", [grad], {"perm": back})
@@ -71,29 +88,20 @@ def _gather(ctx: GradContext) -> Grads:
 
 
 def _gather_nd(ctx: GradContext) -> Grads:
-    b = ctx.b
     if int(ctx.attr("batch_dims", 0)) != 0:
         raise unsupported(ctx, "batch_dims != 0")
     shape, idx_shape = ctx.shape(0), ctx.shape(1)
     depth = idx_shape[-1]
     indices = _normalized_indices(ctx, shape[:depth])
-    base = zeros(b, shape, float_dtype(ctx.inputs[0]))
-    grad = b.op("ScatterND", [base, indices, ctx.grad_outputs[0]], {"reduction": "add"})
-    return [grad, None]
+    return [_added(ctx, "ScatterND", shape, indices, ctx.grad_outputs[0], {}), None]
 
 
 def _gather_elements(ctx: GradContext) -> Grads:
-    b = ctx.b
     shape = ctx.shape(0)
     axis = normalize_axis(int(ctx.attr("axis", 0)), len(shape))
     indices = _normalized_indices(ctx, shape[axis])
-    base = zeros(b, shape, float_dtype(ctx.inputs[0]))
-    grad = b.op(
-        "ScatterElements",
-        [base, indices, ctx.grad_outputs[0]],
-        {"axis": axis, "reduction": "add"},
-    )
-    return [grad, None]
+    g = ctx.grad_outputs[0]
+    return [_added(ctx, "ScatterElements", shape, indices, g, {"axis": axis}), None]
 
 
 def _reduction(ctx: GradContext) -> str:
@@ -134,15 +142,12 @@ def _scatter(ctx: GradContext, indices: ir.Value, ops: tuple[str, str], attrs) -
 
 
 def _top_k(ctx: GradContext) -> Grads:
-    b, g = ctx.b, ctx.grad_outputs[0]
+    g = ctx.grad_outputs[0]
     if g is None:  # only the indices are used
         return [None, None]
     shape = ctx.shape(0)
     axis = normalize_axis(int(ctx.attr("axis", -1)), len(shape))
-    base = zeros(b, shape, float_dtype(ctx.inputs[0]))
-    indices = ctx.outputs[1]
-    grad = b.op("ScatterElements", [base, indices, g], {"axis": axis, "reduction": "add"})
-    return [grad, None]
+    return [_added(ctx, "ScatterElements", shape, ctx.outputs[1], g, {"axis": axis}), None]
 
 
 _RULES: tuple[tuple[str, GradRule], ...] = (
