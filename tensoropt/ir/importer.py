@@ -38,11 +38,8 @@ log = logging.getLogger(__name__)
 
 MIN_OPSET = 13
 TARGET_OPSET = 20
-MAX_OPSET = 28
-_GRAPH_ATTRS = (
-    ir.AttributeType.GRAPH,
-    ir.AttributeType.GRAPHS,
-)  # the newest ai.onnx opset onnxruntime 1.32 accepts (FIELD-NOTES)
+MAX_OPSET = 28  # the newest ai.onnx opset onnxruntime 1.32 accepts (FIELD-NOTES)
+_GRAPH_ATTRS = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)  # control flow
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +49,12 @@ class ImportOptions:
     load_weights: bool = True
     input_shapes: Mapping[str, tuple[int, ...]] | None = None
     supported_ops: frozenset[str] | None = None
+
+
+# the torch module path the exporter records on each node, and the op that exports as a
+# Loop over data-dependent bags
+_TORCH_SCOPE = "pkg.torch.onnx.class_hierarchy"
+_EMBEDDING_BAG = "embedding_bag"
 
 
 def parse_input_shapes(specs: Sequence[str] | None) -> dict[str, tuple[int, ...]]:
@@ -338,9 +341,14 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
     flow = [n for n in graph if any(a.type in _GRAPH_ATTRS for a in n.attributes.values())]
     if flow:
         names = ", ".join(f"{n.op_type} ({n.name})" for n in flow)
-        raise UnsupportedOpError(
-            f"{path}: control flow is not supported: {names}; export with loops unrolled"
-        )
+        fix = "export with loops unrolled"
+        if any(_EMBEDDING_BAG in n.metadata_props.get(_TORCH_SCOPE, "") for n in flow):
+            fix = (
+                "nn.EmbeddingBag exports as a Loop over its bags: for bags of one size, use "
+                "nn.Embedding on the [batch, bag] indices and .sum(1), .mean(1) or .amax(1) "
+                "(per_sample_weights: multiply before the sum)"
+            )
+        raise UnsupportedOpError(f"{path}: control flow is not supported: {names}; {fix}")
     _retie_transposed_copies(graph)
     _add_dropout_masks(graph)
     for what, count in canonicalize(graph, path).items():
