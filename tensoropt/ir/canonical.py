@@ -4,6 +4,8 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
 
 - **Pixel shuffles** (:func:`decompose_fused`): ``DepthToSpace`` (``F.pixel_shuffle``)
   and ``SpaceToDepth`` as the Reshape, Transpose and Reshape of their definitions.
+- **Activations** (:func:`decompose_fused`): ``PRelu`` (``nn.PReLU``) as a Where of
+  ``x`` and ``x * slope``, ``Mish`` as ``x * tanh(softplus(x))``.
 - **Class losses** (:func:`decompose_fused`): ``SoftmaxCrossEntropyLoss`` and
   ``NegativeLogLikelihoodLoss`` (a model that returns ``F.cross_entropy`` or
   ``F.nll_loss``) as LogSoftmax, GatherElements at the labels, the class weights and
@@ -42,9 +44,9 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
   emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
 Pre: a graph whose values have static shapes and dtypes (after shape inference).
-Post: no node of :data:`FUSED` (fused ops, pixel shuffles, recurrences, class losses); no
-Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a common
-refinement that the output groups, no Transpose read only by a Transpose, no Gathers
+Post: no node of :data:`FUSED` (fused ops, activations, pixel shuffles, recurrences, class
+losses); no Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a
+common refinement that the output groups, no Transpose read only by a Transpose, no Gathers
 that unbind a last dimension, no Slices that partition a dimension, no Resize but
 tf_crop_and_resize or of variable scales, no CastLike; every value made here has its
 static shape and dtype; the constants made here carry ``MADE_KEY`` and are never
@@ -71,11 +73,14 @@ import onnx_ir as ir
 
 from tensoropt.errors import UnsupportedOpError
 from tensoropt.ir.recurrent import RECURRENT, unroll
+from tensoropt.ir.torch_calls import aten_call, float_arg
 from tensoropt.ir.vocab import MADE_KEY
 
 LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
+ACTIVATIONS = frozenset({"PRelu", "Mish"})
 FUSED = (
     frozenset({"Attention", "RMSNormalization", "InstanceNormalization"})
+    | ACTIVATIONS
     | frozenset({"DepthToSpace", "SpaceToDepth"})
     | RECURRENT
     | LOSSES
@@ -668,6 +673,8 @@ def decompose_fused(graph: ir.Graph, path: str) -> int:
             out = _instance_norm(b, node)
         elif node.op_type in LOSSES:
             out = _class_loss(graph, b, node, path)
+        elif node.op_type in ACTIVATIONS:
+            out = _activation(b, node)
         else:
             out = _attention(b, node, path)
         _replace(graph, node.outputs[0], out)  # the graph keeps its value names
@@ -868,6 +875,21 @@ def _instance_norm(b: _Builder, node: ir.Node) -> ir.Value:
     return b.op("Add", [scaled, c], shape, dtype, "shifted")
 
 
+def _activation(b: _Builder, node: ir.Node) -> ir.Value:
+    """``PRelu`` (``nn.PReLU``: a learned slope, broadcast) as ``Where(x > 0, x, x *
+    slope)``, torch's branch at 0 included (the slope's); ``Mish`` as ``x *
+    tanh(softplus(x))``, its definition."""
+    x = node.inputs[0]
+    shape, dtype = _shape(x), x.dtype
+    if node.op_type == "PRelu":
+        zero = b.const(np.array(0, dtype=_np_dtype(dtype)), "zero")
+        positive = b.op("Greater", [x, zero], shape, ir.DataType.BOOL, "positive")
+        sloped = b.op("Mul", [x, node.inputs[1]], shape, dtype, "sloped")
+        return b.op("Where", [positive, x, sloped], shape, dtype, "prelu")
+    soft = b.op("Softplus", [x], shape, dtype, "softplus")
+    return b.op("Mul", [x, b.op("Tanh", [soft], shape, dtype, "tanh")], shape, dtype, "mish")
+
+
 def _class_loss(graph: ir.Graph, b: _Builder, node: ir.Node, path: str) -> ir.Value:
     """``SoftmaxCrossEntropyLoss`` (``F.cross_entropy`` inside a model that returns its
     own loss) and ``NegativeLogLikelihoodLoss`` (``F.nll_loss``) as their definitions:
@@ -876,7 +898,9 @@ def _class_loss(graph: ir.Graph, b: _Builder, node: ir.Node, path: str) -> ir.Va
     ``-logp[n, label, d] * weight[label]``, 0 where the label is ``ignore_index``; "mean"
     divides the sum by the summed weights of the elements not ignored (their count
     without weights), so a batch whose every label is ignored gives NaN, as torch does.
-    The optional ``log_prob`` output is the LogSoftmax made here."""
+    The optional ``log_prob`` output is the LogSoftmax made here. A torch export drops
+    ``F.cross_entropy``'s ``label_smoothing``; it is read back from the node's recorded
+    call (``ir/torch_calls``) and added as torch computes it (:func:`_smoothed`)."""
     scores, labels = node.inputs[0], node.inputs[1]
     weight = node.inputs[2] if len(node.inputs) > 2 else None
     shape, dtype = _shape(scores), scores.dtype
@@ -899,33 +923,69 @@ def _class_loss(graph: ir.Graph, b: _Builder, node: ir.Node, path: str) -> ir.Va
             _replace(graph, node.outputs[1], logp)
     else:
         logp = scores
-    index, kept = labels, None  # kept: 1 where the label counts, 0 where ignored
+    index, counted = labels, None  # counted: 1 where the label counts, 0 where ignored
     if ignore_attr is not None:
         ignored = b.const(np.array(int(ignore_attr.value), dtype=_np_dtype(labels.dtype)), "ignore")
         skipped = b.op("Equal", [labels, ignored], each, ir.DataType.BOOL, "ignored")
         zero_label = b.const(np.array(0, dtype=_np_dtype(labels.dtype)), "label_zero")
         index = b.op("Where", [skipped, zero_label, labels], each, labels.dtype, "label_safe")
         zero, one = b.const(np.array(0, dtype=npd), "zero"), b.const(np.array(1, dtype=npd), "one")
-        kept = b.op("Where", [skipped, zero, one], each, dtype, "counted")
+        counted = b.op("Where", [skipped, zero, one], each, dtype, "counted")
     axis1 = b.const(np.array([1], dtype=np.int64), "class_axis")
     at = b.op("Unsqueeze", [index, axis1], picked_shape, index.dtype, "label_index")
     picked = b.op("GatherElements", [logp, at], picked_shape, dtype, "picked", axis=1)
     loss = b.op("Neg", [b.op("Squeeze", [picked, axis1], each, dtype, "picked_each")],
                 each, dtype, "nll")  # fmt: skip
+    kept = counted  # each element's weight in the loss: its class's, 0 where ignored
     if weight is not None:
         w = b.op("Gather", [weight, index], each, dtype, "class_weight", axis=0)
         kept = w if kept is None else b.op("Mul", [w, kept], each, dtype, "weight_counted")
     if kept is not None:
         loss = b.op("Mul", [loss, kept], each, dtype, "weighted")
+    smoothing = float_arg(aten_call(node), "cross_entropy_loss.default", 5)
+    smooth = None  # torch's label smoothing term, which the exporter leaves out
+    if node.op_type == "SoftmaxCrossEntropyLoss" and smoothing:
+        smooth = _smoothing_term(b, logp, weight, counted, shape, dtype)
     if reduction == "none":
-        return loss
+        return loss if smooth is None else _smoothed(b, loss, smooth, smoothing, shape, each)
     total = b.op("ReduceSum", [loss], [], dtype, "total", keepdims=0)
+    if smooth is not None:
+        smooth = b.op("ReduceSum", [smooth], [], dtype, "smooth_total", keepdims=0)
+        total = _smoothed(b, total, smooth, smoothing, shape, [])
     if reduction == "sum":
         return total
     if kept is None:
-        return b.op("ReduceMean", [loss], [], dtype, "mean", keepdims=0)
-    count = b.op("ReduceSum", [kept], [], dtype, "counted_total", keepdims=0)
+        count = b.const(np.array(math.prod(each), dtype=npd), "count")
+    else:
+        count = b.op("ReduceSum", [kept], [], dtype, "counted_total", keepdims=0)
     return b.op("Div", [total, count], [], dtype, "mean")
+
+
+def _smoothing_term(b: _Builder, logp, weight, counted, shape, dtype) -> ir.Value:
+    """Each element's ``-sum_c weight[c] * logp[n, c, d]``, 0 where ignored."""
+    each = [shape[0], *shape[2:]]
+    if weight is not None:
+        per_class = [1, shape[1]] + [1] * (len(shape) - 2)
+        to = b.const(np.array(per_class, dtype=np.int64), "class_shape")
+        w = b.op("Reshape", [weight, to], per_class, dtype, "class_weights")
+        logp = b.op("Mul", [logp, w], shape, dtype, "weighted_log_prob")
+    axis1 = b.const(np.array([1], dtype=np.int64), "class_axis")
+    summed = b.op("ReduceSum", [logp, axis1], each, dtype, "class_sum", keepdims=0)
+    term = b.op("Neg", [summed], each, dtype, "smooth")
+    if counted is not None:
+        term = b.op("Mul", [term, counted], each, dtype, "smooth_counted")
+    return term
+
+
+def _smoothed(b: _Builder, nll, smooth, smoothing: float, shape, out_shape) -> ir.Value:
+    """``(1 - eps) * nll + eps / C * smooth``: torch's cross entropy with label smoothing
+    ``eps`` over ``C`` classes (the smoothing term reduced as the loss is)."""
+    npd = _np_dtype(nll.dtype)
+    keep = b.const(np.array(1.0 - smoothing, dtype=npd), "unsmoothed")
+    spread = b.const(np.array(smoothing / shape[1], dtype=npd), "smoothing")
+    a = b.op("Mul", [nll, keep], out_shape, nll.dtype, "nll_share")
+    c = b.op("Mul", [smooth, spread], out_shape, nll.dtype, "smooth_share")
+    return b.op("Add", [a, c], out_shape, nll.dtype, "smoothed")
 
 
 def _attention(b: _Builder, node: ir.Node, path: str) -> ir.Value:

@@ -110,3 +110,32 @@ def to_param_grad(match: Match, grad: np.ndarray, param_shape: tuple[int, ...]) 
     if match.how is How.RESHAPED:
         return grad.reshape(param_shape)
     return grad.sum(axis=0, keepdims=True)
+
+
+def step_gradients(path, feeds: Mapping[str, np.ndarray], loss, params: Mapping[str, np.ndarray]):
+    """(loss, {torch parameter: its gradient}, trained initializers that map to no
+    parameter) of one plain-SGD step (lr 1, so the update is the gradient) of the
+    training step built from the export at ``path`` with loss kind ``loss``."""
+    import onnx
+    from onnx import numpy_helper
+
+    from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
+    from tensoropt.passes.training_step import TrainingOptions
+    from tensoropt.runtime.single import StepSession
+    from tests.helpers.steps import step_proto
+
+    model = onnx.load(str(path))
+    sgd = OptimizerOptions(OptimizerKind.SGD, lr=1.0, momentum=0.0)
+    proto, step = step_proto(model, TrainingOptions(loss, sgd))
+    session = StepSession(proto)
+    state = session.initial_state()
+    value, new = session.step(state, dict(feeds))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    matches = match_initializers(inits, params)
+    grads: dict[str, np.ndarray] = {}
+    for init in step.signature.params:
+        if init in matches:
+            m = matches[init]
+            part = to_param_grad(m, state[init] - new[init], params[m.param].shape)
+            grads[m.param] = grads.get(m.param, 0) + part
+    return value, grads, set(step.signature.params) - set(matches)

@@ -6,7 +6,9 @@ checks both against onnxruntime's kernels, and torch spells a weighted ``F.nll_l
 out itself). The step's loss is the model's own
 scalar output (``--loss auto``):
 
-* loss and the gradient of every trained initializer equal torch autograd's;
+* loss and the gradient of every trained initializer equal torch autograd's, with
+  ``label_smoothing`` (which the exporter drops: ``ir/torch_calls`` reads it back),
+  class weights and ignored labels under every reduction;
 * synthetic labels are drawn below the class count (``training_step._index_high``),
   so ``train`` runs finite steps on them;
 * data parallelism on 2 devices verifies against the single-device step, the
@@ -23,7 +25,6 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
@@ -33,11 +34,9 @@ from torch.nn import functional as F  # noqa: E402
 
 from tensoropt.cli import main  # noqa: E402
 from tensoropt.passes.loss import LossKind  # noqa: E402
-from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: E402
 from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
 from tensoropt.runtime.run import run_steps  # noqa: E402
-from tensoropt.runtime.single import StepSession  # noqa: E402
-from tests.exports.mapping import match_initializers, to_param_grad  # noqa: E402
+from tests.exports.mapping import step_gradients  # noqa: E402
 from tests.helpers.compile import compile_model  # noqa: E402
 from tests.helpers.steps import step_proto  # noqa: E402
 
@@ -99,6 +98,33 @@ class WeightedNll(nn.Module):
         return F.nll_loss(logp, target, weight=self.weight, reduction="sum")
 
 
+class Smoothed(nn.Module):
+    """``F.cross_entropy`` with ``label_smoothing`` over ``[N, C, T]`` scores: the
+    exporter drops the smoothing (the file's SoftmaxCrossEntropyLoss has no such
+    attribute); the importer reads it back from the recorded call."""
+
+    def __init__(self, reduction: str, weighted: bool):
+        super().__init__()
+        self.reduction = reduction
+        self.conv = nn.Conv1d(3, 5, 3, padding=1)
+        weight = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.75]) if weighted else None
+        self.register_buffer("weight", weight)
+
+    def forward(self, x, target):
+        loss = F.cross_entropy(
+            self.conv(x), target, weight=self.weight, ignore_index=2, label_smoothing=0.2,
+            reduction=self.reduction,
+        )  # fmt: skip
+        return loss.mean() if self.reduction == "none" else loss
+
+
+def _smoothed_inputs(g):
+    return {
+        "x": torch.randn(BATCH, 3, 7, generator=g),
+        "target": torch.randint(0, 5, (BATCH, 7), generator=g),  # 2s among them: ignored
+    }
+
+
 def _lm_inputs(gen):
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     labels[0, -2:] = -100  # padding
@@ -107,6 +133,9 @@ def _lm_inputs(gen):
 
 CASES = {
     "lm": (LmWithLabels, _lm_inputs),
+    "smooth_mean": (lambda: Smoothed("mean", weighted=True), _smoothed_inputs),
+    "smooth_sum": (lambda: Smoothed("sum", weighted=False), _smoothed_inputs),
+    "smooth_none": (lambda: Smoothed("none", weighted=True), _smoothed_inputs),
     "contrastive": (
         Contrastive,
         lambda g: {
@@ -165,7 +194,14 @@ def exported(tmp_path_factory):
 # parameter is gone (test_a_temperature_folded_by_the_exporter_is_named); the optimized
 # nll export folds the class-weight buffer's view into an initializer that no longer
 # says it is a buffer (docs/design/exports.md)
-NAMES = ["lm", pytest.param("contrastive-noopt", marks=pytest.mark.slow), "nll-noopt"]
+NAMES = [
+    "lm",
+    pytest.param("contrastive-noopt", marks=pytest.mark.slow),
+    "nll-noopt",
+    "smooth_mean",
+    pytest.param("smooth_sum", marks=pytest.mark.slow),
+    pytest.param("smooth_none", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -184,22 +220,10 @@ def test_the_models_own_loss_and_gradients_equal_torch_autograd(name, exported):
     params = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
     grads = {k: p.grad.numpy().copy() for k, p in model.named_parameters()}
 
-    sgd = OptimizerOptions(OptimizerKind.SGD, lr=1.0, momentum=0.0)
-    proto, step = step_proto(onnx.load(str(path)), TrainingOptions(LossKind.AUTO, sgd))
-    session = StepSession(proto)
-    state = session.initial_state()
-    ours_loss, new = session.step(state, {k: v.numpy() for k, v in inputs.items()})
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    ours_loss, ours, unmatched = step_gradients(path, feeds, LossKind.AUTO, params)
     assert ours_loss == pytest.approx(loss.item(), rel=1e-5)
-
-    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-    matches = match_initializers(inits, params)
-    trained = set(step.signature.params)
-    assert trained == set(matches), set(matches) ^ trained  # buffers stay frozen
-    ours: dict[str, np.ndarray] = {}
-    for init in trained:
-        m = matches[init]
-        part = to_param_grad(m, state[init] - new[init], params[m.param].shape)
-        ours[m.param] = ours.get(m.param, 0) + part
+    assert not unmatched  # every trained initializer is a parameter; buffers stay frozen
     assert ours.keys() == grads.keys()
     for key, want in grads.items():
         err = float(np.abs(ours[key] - want).max()) / max(float(np.abs(want).max()), 1e-6)
@@ -220,7 +244,7 @@ def test_synthetic_labels_index_the_classes(exported, capsys):
     assert dict(step.signature.input_high) == {"input_ids": VOCAB, "labels": VOCAB}
 
 
-@pytest.mark.parametrize("name", ["lm", "contrastive", "nll"])
+@pytest.mark.parametrize("name", ["lm", "contrastive", "nll", "smooth_mean"])
 def test_data_parallel_plan_of_a_model_with_its_own_loss_verifies(name, exported, tmp_path):
     compile_model(onnx.load(str(exported(name))), "data-parallel", "2", tmp_path / "out")
     report = run_steps(tmp_path / "out", 3, "local", verify=True, threads=1).verify

@@ -537,3 +537,23 @@ def test_a_class_loss_with_labels_of_another_shape_is_refused(tmp_path):
     onnx.save(_model(node, inputs, T.FLOAT, 20), path)
     with pytest.raises(UnsupportedOpError, match="SoftmaxCrossEntropyLoss node 'loss'.*labels"):
         import_model(path)
+
+
+@pytest.mark.parametrize(
+    ("op", "slope_shape"), [("PRelu", [3, 1, 1]), ("PRelu", [1]), ("Mish", None)]
+)
+def test_activations_match_the_kernel(tmp_path, op, slope_shape):
+    """nn.PReLU (a learned slope per channel, or one) and nn.Mish."""
+    rng = np.random.default_rng(9)
+    shape = [2, 3, 4, 5]
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, 0, 0, :2] = 0.0  # the branch at 0
+    inits, names = [], ["x"]
+    if slope_shape is not None:
+        slope = rng.uniform(0.1, 0.5, slope_shape).astype(np.float32)
+        inits.append(onnx.numpy_helper.from_array(slope, "slope"))
+        names.append("slope")
+    node = h.make_node(op, names, ["y"], name="act")
+    model = _model(node, [h.make_tensor_value_info("x", T.FLOAT, shape)], T.FLOAT, 20, inits)
+    fused, ours = _both(tmp_path, model, {"x": x})
+    np.testing.assert_allclose(ours, fused, rtol=1e-6, atol=1e-6)

@@ -11,7 +11,9 @@ the indices are constant, otherwise with a Less/Add/Where on the indices.
 
 Gather along axis a moves the indexed axis to the front (Transpose) so that one
 ScatterND with one-coordinate indices serves every axis; for a = 0 (embedding
-lookups) no transpose is emitted.
+lookups) no transpose is emitted. A Gather a torch export made from an
+``nn.Embedding(padding_idx=p)`` gives row p no gradient, as torch does (the file's
+Gather forgets p; the exporter's record of the call keeps it, ``ir/torch_calls``).
 
 A scatter's updates get the incoming gradient gathered at their positions; its data
 gets the gradient where no update landed (reduction none: the scattered positions are
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from tensoropt.ir.torch_calls import aten_call, int_arg
 from tensoropt.rules.grad._common import float_dtype, normalize_axis, unsupported, zeros
 from tensoropt.rules.grad.api import GradContext, GradRegistry, GradRule
 
@@ -69,6 +72,12 @@ def _gather(ctx: GradContext) -> Grads:
     axis = normalize_axis(int(ctx.attr("axis", 0)), rank)
     g = ctx.grad_outputs[0]
     indices = _normalized_indices(ctx, shape[axis])
+    padding = _padding_idx(ctx)
+    if padding is not None:  # torch's padding row gets no gradient
+        hit = b.op("Equal", [indices, b.const(np.int64(padding))])
+        keep = b.op("Cast", [b.op("Not", [hit])], {"to": int(ctx.inputs[0].dtype)})
+        rest = list(range(len(idx_shape), len(idx_shape) + rank - 1))
+        g = b.op("Mul", [g, b.op("Unsqueeze", [keep, b.ints(rest)]) if rest else keep])
     if not idx_shape:  # scalar index: the axis was dropped from the output
         indices = b.op("Reshape", [indices, b.ints([1])])
         g = b.op("Unsqueeze", [g, b.ints([axis])])
@@ -85,6 +94,18 @@ def _gather(ctx: GradContext) -> Grads:
         back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
         grad = b.op("Transpose", [grad], {"perm": back})
     return [grad, None]
+
+
+def _padding_idx(ctx: GradContext) -> int | None:
+    """The ``padding_idx`` of the ``nn.Embedding`` a torch export's Gather came from
+    (``ir/torch_calls``: the exported Gather forgets it), None without one; a
+    ``scale_grad_by_freq`` embedding is refused."""
+    call = aten_call(ctx.node)
+    scaled = call is not None and call[0] == "embedding.default" and call[1][3:4] == ["True"]
+    if scaled:  # each row's gradient divided by its count in the batch
+        raise unsupported(ctx, "nn.Embedding(scale_grad_by_freq=True)")
+    padding = int_arg(call, "embedding.default", 2)
+    return padding if padding is not None and padding >= 0 else None
 
 
 def _gather_nd(ctx: GradContext) -> Grads:
