@@ -20,7 +20,9 @@ away), and so is one folded from a computation that read an activation (only its
 shape can have been read: the attention scale of an opset-20 export of
 ``scaled_dot_product_attention``) or from the exporter's anonymous ``val_N`` values
 and torch's tensor constructors alone (a ``torch.zeros`` made in forward: a mask base,
-``nn.LSTM``'s initial state). See docs/design/exports.md.
+``nn.LSTM``'s initial state), and so is an all-zero constant folded from positions
+(``arange`` and comparisons, no parameter): an attention mask that masks nothing, which
+HuggingFace models build when no padding is given. See docs/design/exports.md.
 
 An initializer the optimizer folded from a parameter through an op that repeats it (a
 class token expanded to the batch, a bias table gathered at constant buckets) is still
@@ -77,6 +79,9 @@ _FOLDED_NAME = re.compile(r"'([^']*)'")  # the names of the list folded_from rec
 _ANONYMOUS = re.compile(r"val_\d+")  # the exporter's names for values torch did not name
 # torch ops that make a tensor from nothing but a shape (named after the op)
 _CONSTRUCTOR = re.compile(r"(zeros|ones|full|empty|zeros_like|ones_like|full_like)(_\d+)?")
+# torch ops that build an attention mask from positions alone (arange, comparisons):
+# a folded constant made through them and all zero is a mask that masks nothing
+_MASK_BUILDER = re.compile(r"(arange|ge|gt|le|lt|eq|ne|logical_\w+|bitwise_\w+|tril|triu)(_\d+)?")
 # the exporter names a value after the torch op that made it: these repeat their input
 _REPLICATING = re.compile(r"(expand|embedding|index|index_select|repeat|tile|gather)(_\d+)?")
 _COPIES_CHECKED = 1 << 22  # elements: larger folded tensors are not read for repeats
@@ -161,7 +166,8 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     scale an opset-20 export of ``scaled_dot_product_attention`` folds into a [1]
     constant; or folded from the exporter's anonymous values and tensor constructors
     alone (``val_8``, ``zeros``), as a ``torch.zeros(b, 1, t, t)`` mask base made in
-    forward is, and ``nn.LSTM``'s zero initial state."""
+    forward is, and ``nn.LSTM``'s zero initial state; or an attention mask that masks nothing
+    (:func:`_empty_mask`)."""
     kind = value.metadata_props.get(_TORCH_KIND_KEY)
     if kind is not None and kind != "PARAMETER":
         return True
@@ -176,9 +182,22 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     # folded from the exporter's own anonymous values and torch's tensor constructors
     # alone (``torch.zeros(...)`` made in forward, as nn.LSTM's initial state is; shape
     # arithmetic): a parameter would be named by its torch name
-    return bool(names) and all(
-        _ANONYMOUS.fullmatch(name) or _CONSTRUCTOR.fullmatch(name) for name in names
-    )
+    if names and all(_ANONYMOUS.fullmatch(name) or _CONSTRUCTOR.fullmatch(name) for name in names):
+        return True
+    return _empty_mask(value, names)
+
+
+def _empty_mask(value: ir.Value, names: list[str]) -> bool:
+    """An additive attention mask that masks nothing, folded by the exporter: all zero,
+    built from positions (``arange``, comparisons) and no parameter (no dotted torch
+    name). HuggingFace models build one ``[batch, 1, S, S]`` when no padding is given;
+    trained, it would become a learned attention bias per sample and position."""
+    if any("." in name for name in names) or not any(_MASK_BUILDER.fullmatch(n) for n in names):
+        return False
+    tensor = value.const_value
+    if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.size > _COPIES_CHECKED:
+        return False
+    return not np.any(tensor.numpy())
 
 
 def folded_scalar(value: ir.Value, produced: set[str]) -> tuple[str, ...] | None:
