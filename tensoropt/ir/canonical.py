@@ -459,8 +459,11 @@ def fold_merged_transposes(graph: ir.Graph) -> int:
     Reshape to the output where that is not already it. [T, B, H*d] -> [T, B*H, d] ->
     [B*H, T, d] -> [B, H, T, d] becomes [T, B, H, d] -> [B, H, T, d]: no dimension merges
     batch and heads any more. A chain whose shapes have no common refinement, or whose
-    output does not group the transposed refinement, is kept. Returns the chains
-    replaced."""
+    output does not group the transposed refinement, is kept, and so is one whose first
+    Reshape merges nothing (a view into heads, then its transpose): rewriting it would
+    replace the Reshape that begins the merging chain after it (an exported
+    ``scaled_dot_product_attention`` transposing a key made by ``view`` and
+    ``transpose``). Returns the chains replaced."""
     b = _Builder(graph)
     done = 0
     for first in list(graph):
@@ -476,7 +479,7 @@ def fold_merged_transposes(graph: ir.Graph) -> int:
         out = second.outputs[0]
         xs, ms, os_ = _shape(x), _shape(merged), _shape(out)
         fine = _refinement(xs, ms)
-        if fine is None:
+        if fine is None or fine == ms:  # nothing merged (a view into heads): nothing to undo
             continue
         groups = _groups(fine, ms)
         perm = _perm(transpose, len(ms))

@@ -114,6 +114,9 @@ ATTENTION = ELEMENTWISE | frozenset(
         "Expand",
         "Constant",
         "Einsum",
+        # torch's scaled_dot_product_attention export zeroes the rows a mask leaves
+        # empty: Where(IsNaN(softmax), 0, softmax)
+        "IsNaN",
     }
 )
 # Ops that move a stacked projection's pieces apart without touching the feature dim.
