@@ -1237,14 +1237,33 @@ def split_offer(
     return micro, real
 
 
+def micro_refusal(sg: SearchGraph, k: int) -> str:
+    """Why compile refuses every plan of ``sg`` in ``k`` micro-batches (an op or a loss
+    that couples the samples of a batch: ``passes.micro.check_micro_cut``), or "";
+    found once per step and ``k``."""
+    from tensoropt.passes.micro import MicroError, check_micro_cut, check_no_coupling
+
+    def find() -> str:
+        try:
+            check_no_coupling(sg.graph, k)
+            check_micro_cut(sg.graph, sg.signature, k)
+        except MicroError as exc:
+            return str(exc)
+        return ""
+
+    return sg.units.once(("micro refusal", k), find)
+
+
 def _micro_along(sg: SearchGraph, k: int) -> dict:
     """Each unit's strategy on the micro axis alone (``k`` micro-batches, data-parallel);
     raises MicroError when an op couples the samples of the batch."""
     from tensoropt.ir.plan import DefaultStrategy, Plan
     from tensoropt.passes.annotate import complete_plan
-    from tensoropt.passes.micro import MICRO_AXIS, check_no_coupling
+    from tensoropt.passes.micro import MICRO_AXIS, MicroError
 
-    check_no_coupling(sg.graph, k)
+    refused = micro_refusal(sg, k)
+    if refused:
+        raise MicroError(refused)
     seq = Mesh((k,), (MICRO_AXIS,))
     split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
     return complete_plan(sg.graph, sg.signature, split, (0,), sg.units)

@@ -172,6 +172,23 @@ def check_no_coupling(graph: ir.Graph, k: int) -> None:
             )
 
 
+def check_micro_cut(graph: ir.Graph, sig: StepSignature, k: int) -> None:
+    """Raise MicroError where compile would cut any plan of ``k`` micro-batches: every
+    such plan takes the data-parallel strategy on the micro axis, so the data-parallel
+    plan of one device, annotated, converted and cut (:func:`cut_phases`) on a copy of
+    the step, meets the same couplings (a loss divided by the count of labels kept,
+    which each micro-batch knows only of itself) and values needed whole. The search
+    asks this once per step and ``k``: it offers no micro-batched point compile would
+    refuse."""
+    from tensoropt.passes.insert_redistribution import insert_redistribution
+
+    copy = graph.clone()  # nodes, values and their metadata; tensors shared
+    plan = Plan(Mesh((1,), ("dp",)), {}, "micro check", micro_batches=k)
+    ann = annotate_micro(copy, sig, plan, (0,))
+    layouts = insert_redistribution(copy, ann)
+    cut_phases(copy, sig, ann.mesh, dict(layouts), k)
+
+
 def annotate_micro(
     graph: ir.Graph,
     sig: StepSignature,

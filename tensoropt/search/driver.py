@@ -27,6 +27,7 @@ from tensoropt.cost.model import (
     SearchGraph,
     UnitInfo,
     micro_choices,
+    micro_refusal,
     split_offer,
 )
 from tensoropt.display import fmt_memory
@@ -137,6 +138,9 @@ class SearchSpace:
     # search graph and of the recomputed one (None without it), found once for every mesh
     stage_only: tuple[int, ...] = ()
     segments: tuple = field(default=(), compare=False, repr=False)
+    # filled in by explore: why the micro-batch counts it left out cannot compile (an
+    # op or a loss that couples the samples of a batch: cost.model.micro_refusal)
+    micro_refused: str = ""
 
     @property
     def shows_micro(self) -> bool:
@@ -278,11 +282,12 @@ def idle_axes(exp) -> dict:
         idle[Axis.RECOMPUTE] = "the model has no block to recompute"
     if Axis.MICRO in axes and not any(s.variant.micro_batches > 1 for s in searches):
         counts = ",".join(str(k) for k in exp.space.micro_batches if k > 1)
-        idle[Axis.MICRO] = (
-            f"no micro-batch count of {counts} divides the batch"
-            if counts
-            else "--micro-batches gives no count above 1"
-        )
+        if exp.space.micro_refused:
+            idle[Axis.MICRO] = f"no plan compiles micro-batched: {exp.space.micro_refused}"
+        elif counts:
+            idle[Axis.MICRO] = f"no micro-batch count of {counts} divides the batch"
+        else:
+            idle[Axis.MICRO] = "--micro-batches gives no count above 1"
     return idle
 
 
@@ -833,6 +838,7 @@ def explore(
     """
     wanted = sorted(set(devices))
     space, devices = searched_counts(space, wanted)
+    space = _compilable_counts(sg, space)
     if space.pipeline_devices:
         from tensoropt.search.pipeline import segments_of
 
@@ -892,6 +898,21 @@ def explore(
     if memory_budget is not None and not merged:
         raise InfeasibleError(_infeasible_message(searches, memory_budget, space))
     return Exploration(tuple(searches), merged, epsilon, memory_budget, space)
+
+
+def _compilable_counts(sg: SearchGraph, space: SearchSpace) -> SearchSpace:
+    """The space without the micro-batch counts no plan of the step compiles in, and the
+    first reason (found before the workers fork, so they inherit the answers)."""
+    if not space.axes & {Axis.MICRO, Axis.STAGES}:
+        return space
+    kept, why = [], ""
+    for k in space.micro_batches:
+        refused = micro_refusal(sg, k) if k > 1 and sg.batch % k == 0 else ""
+        if refused:
+            why = why or refused
+        else:
+            kept.append(k)
+    return dataclasses.replace(space, micro_batches=tuple(kept), micro_refused=why)
 
 
 def searched_counts(space: SearchSpace, devices: Sequence[int]) -> tuple[SearchSpace, list[int]]:

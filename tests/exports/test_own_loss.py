@@ -267,3 +267,26 @@ def test_a_temperature_folded_by_the_exporter_is_named(exported, capsys):
     capsys.readouterr()
     assert main(["train", str(path), "--steps", "1", "--threads", "1"]) == 0
     assert "ahead of time" not in capsys.readouterr().err
+
+
+def test_the_search_offers_no_micro_batched_point_of_a_loss_that_couples_the_batch(
+    exported, capsys, tmp_path
+):
+    """HF's loss divides by the count of labels not ignored, which one micro-batch knows
+    only of itself: compile refuses micro-batches, so the search offers none and says
+    why (it offered them, and compile --pick refused the points)."""
+    path = exported("lm")
+    capsys.readouterr()
+    rc = main(["search", str(path), "--devices", "1,2", "--axes", "split,micro", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "couples the samples of a batch" in report["axes_idle"]["micro"], report["axes_idle"]
+    uses = [p.get("uses", "") for p in report["frontier"]]
+    assert uses and not any("micro" in u for u in uses), uses
+    rc = main(["compile", str(path), "--plan", "data-parallel", "--devices", "2",
+               "--micro-batches", "2", "-o", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "couples the samples of a batch" in err, err
+    rc = main(["search", str(path), "--devices", "1,2", "--axes", "split,micro"])
+    out = capsys.readouterr().out
+    assert "micro has no plan here: no plan compiles micro-batched" in out, out
