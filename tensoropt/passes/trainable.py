@@ -8,8 +8,7 @@ take shapes, exponents, indices, axes, bounds or running statistics are not
 differentiable by policy; additive masks (values at or below -1e4, or infinite) are
 frozen; rotary tables (which reach the loss only through Sin/Cos) are frozen; so are
 the constants the importer makes (``ir/canonical.py``: a resize's interpolation
-weights). ``--trainable``/``--freeze``
-regexes override, with ``--freeze`` winning.
+weights). ``--trainable``/``--freeze`` regexes override, with ``--freeze`` winning.
 
 Files from ``torch.onnx.export(dynamo=True)`` say more, and the policy reads it:
 an initializer whose ``pkg.torch.export.graph_signature.InputSpec.kind`` is not
@@ -79,6 +78,10 @@ _FOLDED_NAME = re.compile(r"'([^']*)'")  # the names of the list folded_from rec
 _ANONYMOUS = re.compile(r"val_\d+")  # the exporter's names for values torch did not name
 # torch ops that make a tensor from nothing but a shape (named after the op)
 _CONSTRUCTOR = re.compile(r"(zeros|ones|full|empty|zeros_like|ones_like|full_like)(_\d+)?")
+# constants the exporter names itself (a function's literal, a lifted tensor constant)
+_EXPORTER_CONSTANT = re.compile(
+    r"(const|scalar_tensor\w*|_tensor_constant\d*|lifted_tensor\w*)(_\d+)?"
+)
 # torch ops that build an attention mask from positions alone (arange, comparisons):
 # a folded constant made through them and all zero is a mask that masks nothing
 _MASK_BUILDER = re.compile(r"(arange|ge|gt|le|lt|eq|ne|logical_\w+|bitwise_\w+|tril|triu)(_\d+)?")
@@ -202,10 +205,11 @@ def _empty_mask(value: ir.Value, names: list[str]) -> bool:
 
 def folded_scalar(value: ir.Value, produced: set[str]) -> tuple[str, ...] | None:
     """The named sources of a float scalar the exporter's optimizer folded from values
-    that are neither its anonymous ones, tensor constructors, activations (``produced``)
-    nor a table's Sin/Cos: ``exp`` folded from a ``scale`` parameter (CLIP's learned
-    temperature, ``scale.exp()``). The scalar is not trained (no rank >= 1, no
-    ``PARAMETER`` kind), and the parameter is gone from the file. None otherwise."""
+    that are neither its anonymous ones, its own constants, tensor constructors,
+    activations (``produced``) nor a table's Sin/Cos: ``exp`` folded from a ``scale``
+    parameter (CLIP's learned temperature, ``scale.exp()``). The scalar is not trained
+    (no rank >= 1, no ``PARAMETER`` kind), and the parameter is gone from the file. None
+    otherwise."""
     if value.shape is None or len(value.shape) != 0 or not is_float(value):
         return None
     folded = value.metadata_props.get(_FOLDED_FROM_KEY, "")
@@ -214,7 +218,8 @@ def folded_scalar(value: ir.Value, produced: set[str]) -> tuple[str, ...] | None
     names = _FOLDED_NAME.findall(folded)
     if any(name in produced for name in names):
         return None
-    named = tuple(n for n in names if not (_ANONYMOUS.fullmatch(n) or _CONSTRUCTOR.fullmatch(n)))
+    exporters = (_ANONYMOUS, _CONSTRUCTOR, _EXPORTER_CONSTANT)
+    named = tuple(n for n in names if not any(p.fullmatch(n) for p in exporters))
     return named or None
 
 
