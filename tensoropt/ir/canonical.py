@@ -40,6 +40,9 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
 - **Slices that partition a dimension** (:func:`slices_as_splits`): ``unbind`` and
   ``chunk`` export as Slices when not optimized; they become the pieces of one Split,
   as the optimized export spells them.
+- **Gathers that only view** (:func:`gathers_as_views`): a ``GatherND`` of constant
+  indices that read their data in order and broadcast it (transformers 5's padding
+  masks) becomes a Reshape and an Expand, which a batch split keeps.
 - **CastLike** (:func:`cast_likes`), which ``torch.onnx.export(..., optimize=False)``
   emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
@@ -95,6 +98,7 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
         "transpose pairs": compose_transposes(graph),
         "merged transposes": fold_merged_transposes(graph),
         "resizes": resize_as_gathers(graph),
+        "gathers as views": gathers_as_views(graph),
         "flattened Gemms": unflatten_gemms(graph),
         "CastLikes": cast_likes(graph),
         "partitioning Slices": slices_as_splits(graph),
@@ -270,6 +274,54 @@ def unflatten_gemms(graph: ir.Graph) -> int:
 
 
 _MAX_TAPS = 8  # input elements one output element of a resize may read
+
+
+def gathers_as_views(graph: ir.Graph) -> int:
+    """A ``GatherND`` of constant indices that read ``data`` in order, each element once,
+    and broadcast it along some output dimensions, becomes ``Reshape`` (and ``Expand``):
+    HuggingFace transformers 5 build an attention mask by indexing the padding mask
+    ``[B, S]`` at ``(b, s)`` for every output position (``padding[batch_idx, kv_idx]``),
+    a ``[B, 1, 1, S]`` (or ``[B, 1, T, S]``) GatherND whose constant indices name every
+    sample, so a batch split could not keep it (data parallelism gathered the mask,
+    micro-batching refused the step). Returns the gathers replaced."""
+    b = _Builder(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx"):
+            continue
+        if _int(node, "batch_dims", 0) != 0 or node.inputs[1] is None:
+            continue
+        data, out = node.inputs[0], node.outputs[0]
+        tensor = node.inputs[1].const_value
+        if data is None or tensor is None or data.shape is None or out.shape is None:
+            continue
+        dims = _shape(data)
+        index = np.asarray(tensor.numpy()).astype(np.int64)
+        if index.ndim < 1 or index.shape[-1] != len(dims) or not dims:
+            continue  # only full coordinates: one element per output position
+        flat = np.ravel_multi_index(tuple(np.moveaxis(index % dims, -1, 0)), dims)  # (J...)
+        kept = [1 if flat.shape[j] > 1 and _constant_along(flat, j) else flat.shape[j]
+                for j in range(flat.ndim)]  # fmt: skip
+        if math.prod(kept) != math.prod(dims):
+            continue
+        if not np.array_equal(flat[tuple(slice(0, k) for k in kept)].reshape(-1),
+                              np.arange(math.prod(dims))):  # fmt: skip
+            continue
+        b.at(node)
+        to = b.const(np.array(kept, dtype=np.int64), "view_shape")
+        new = b.op("Reshape", [data, to], kept, data.dtype, "viewed")
+        if kept != list(flat.shape):
+            full = b.const(np.array(flat.shape, dtype=np.int64), "broadcast_shape")
+            new = b.op("Expand", [new, full], list(flat.shape), data.dtype, "broadcast")
+        _replace(graph, out, new)
+        graph.remove(node, safe=True)
+        done += 1
+    return done
+
+
+def _constant_along(array: np.ndarray, axis: int) -> bool:
+    first = np.take(array, [0], axis=axis)
+    return bool(np.all(array == first))
 
 
 def resize_as_gathers(graph: ir.Graph) -> int:

@@ -557,3 +557,35 @@ def test_activations_match_the_kernel(tmp_path, op, slope_shape):
     model = _model(node, [h.make_tensor_value_info("x", T.FLOAT, shape)], T.FLOAT, 20, inits)
     fused, ours = _both(tmp_path, model, {"x": x})
     np.testing.assert_allclose(ours, fused, rtol=1e-6, atol=1e-6)
+
+
+def _mask_index(batch, t, s, order=None):
+    """transformers 5's padding-mask indices: (b, k) at every [b, 0, q, k]."""
+    b, _, q, k = np.meshgrid(np.arange(batch), [0], np.arange(t), np.arange(s), indexing="ij")
+    if order is not None:
+        k = order[k]
+    return np.stack([b, k], axis=-1).astype(np.int64)
+
+
+@pytest.mark.parametrize(
+    ("index", "ops"),
+    [
+        (_mask_index(3, 1, 5), ["Reshape"]),
+        (_mask_index(3, 4, 5), ["Reshape", "Expand"]),
+        (_mask_index(3, 1, 5, order=np.array([4, 3, 2, 1, 0])), ["GatherND"]),  # reversed
+        (_mask_index(3, 1, 5)[:2], ["GatherND"]),  # not every sample
+    ],
+)
+def test_a_gather_that_only_views_its_data_becomes_a_reshape(tmp_path, index, ops):
+    """A GatherND of constant indices that read the data in order (and broadcast it)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    node = h.make_node("GatherND", ["x", "i"], ["y"], name="index")
+    inits = [onnx.numpy_helper.from_array(index, "i")]
+    model = _model(node, [h.make_tensor_value_info("x", T.FLOAT, [3, 5])], T.FLOAT, 20, inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    assert [n.op_type for n in rewritten.graph.node] == ops
+    want = _run(model, {"x": x})
+    np.testing.assert_array_equal(_run(rewritten, {"x": x}), want)
