@@ -23,9 +23,7 @@ from torch import nn  # noqa: E402
 from tensoropt.errors import UnsupportedOpError  # noqa: E402
 from tensoropt.ir.importer import import_model  # noqa: E402
 from tensoropt.passes.loss import LossKind  # noqa: E402
-from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: E402
-from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
-from tensoropt.runtime.single import StepSession  # noqa: E402
+from tests.exports.mapping import step_gradients  # noqa: E402
 from tests.helpers.steps import step_proto  # noqa: E402
 
 ROWS, WIDTH, BAG, BATCH, CLASSES = 20, 4, 3, 4, 5
@@ -63,14 +61,12 @@ def _export(model, idx, path) -> None:
         )  # fmt: skip
 
 
-def _table_step(path, idx, labels, table: str) -> tuple[float, np.ndarray]:
-    """(loss, gradient of ``table``) of one plain-SGD step (lr 1) of the export."""
-    sgd = OptimizerOptions(OptimizerKind.SGD, lr=1.0, momentum=0.0)
-    proto, _ = step_proto(onnx.load(str(path)), TrainingOptions(LossKind.CE, sgd))
-    session = StepSession(proto)
-    state = session.initial_state()
-    loss, new = session.step(state, {"idx": idx.numpy(), "labels": labels.numpy()})
-    return loss, state[table] - new[table]
+def _table_step(path, idx, labels, model: nn.Module, table: str) -> tuple[float, np.ndarray]:
+    """(loss, gradient of the torch parameter ``table``) of one step of the export."""
+    params = {k: p.detach().numpy() for k, p in model.named_parameters()}
+    feeds = {"idx": idx.numpy(), "labels": labels.numpy()}
+    loss, grads, _ = step_gradients(path, feeds, LossKind.CE, params)
+    return loss, grads[table]
 
 
 def test_an_embedding_bag_is_refused_with_the_rewrite_that_trains_like_it(tmp_path):
@@ -85,7 +81,7 @@ def test_an_embedding_bag_is_refused_with_the_rewrite_that_trains_like_it(tmp_pa
     labels = torch.tensor([1, 0, 4, 2])
     loss = nn.functional.cross_entropy(bags(idx), labels)
     loss.backward()
-    ours, table = _table_step(tmp_path / "summed.onnx", idx, labels, "bag.weight")
+    ours, table = _table_step(tmp_path / "summed.onnx", idx, labels, bags, "bag.weight")
     assert ours == pytest.approx(loss.item(), rel=1e-5)
     np.testing.assert_allclose(table, bags.bag.weight.grad.numpy(), rtol=1e-5, atol=1e-7)
 
@@ -112,7 +108,7 @@ def test_the_padding_row_of_an_embedding_gets_no_gradient(tmp_path):
     loss.backward()
     want = model.embed.weight.grad.numpy()
     assert not want[1].any() and want[3].any()
-    ours, got = _table_step(tmp_path / "padded.onnx", ids, labels, "embed.weight")
+    ours, got = _table_step(tmp_path / "padded.onnx", ids, labels, model, "embed.weight")
     assert ours == pytest.approx(loss.item(), rel=1e-5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
