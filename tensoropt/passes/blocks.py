@@ -880,17 +880,13 @@ def stack_projections(model: ir.Model) -> Rewrite:
             stacked += 1
     fused = []
     for m, _o in blocks.fused:
-        name = m.inputs[1].name if m.inputs[1] is not None else "?"
-        if m.inputs[1] is not None and packed_piece(m.inputs[1], params) is not None:
-            continue  # pieces of a packed weight: below
-        if _removable(m.outputs) and _view_fused(graph, em, m, params):
-            fused.append(name)
-    for m, _o in blocks.fused:
-        found = packed_piece(m.inputs[1], params) if m.inputs[1] is not None else None
-        if found is None:
-            continue
-        w, split, _ = found
-        if _view_pieces(graph, em, split, _piece_readers(split), params):
+        w = m.inputs[1]
+        found = packed_piece(w, params) if w is not None else None
+        if found is not None:  # a packed weight's piece: view the whole weight
+            split = found[1]
+            if _view_pieces(graph, em, split, _piece_readers(split), params):
+                fused.append(found[0].name)
+        elif w is not None and _removable(m.outputs) and _view_fused(graph, em, m, params):
             fused.append(w.name)
     return Rewrite(stacked, tuple(fused))
 
