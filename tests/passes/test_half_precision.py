@@ -62,7 +62,7 @@ def test_a_float16_embedding_trains_and_its_gradient_sums_in_float32():
     dx = dlogits @ weight.astype(np.float64).T
     dtable = np.zeros((VOCAB, WIDTH))
     np.add.at(dtable, ids, dx)
-    assert loss == pytest.approx(want_loss, rel=1e-2)
+    assert loss == pytest.approx(want_loss, rel=1e-3)  # the logits rounded to float16 once
     assert new["table"].dtype == np.float16
     got = table.astype(np.float64) - new["table"].astype(np.float64)
     # one float16 rounding of the summed gradient (and of the update), not one per row
