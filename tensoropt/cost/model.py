@@ -1257,16 +1257,12 @@ def micro_refusal(sg: SearchGraph, k: int) -> str:
 def _micro_along(sg: SearchGraph, k: int) -> dict:
     """Each unit's strategy on the micro axis alone (``k`` micro-batches, data-parallel);
     raises MicroError when an op couples the samples of the batch."""
-    from tensoropt.ir.plan import DefaultStrategy, Plan
-    from tensoropt.passes.annotate import complete_plan
-    from tensoropt.passes.micro import MICRO_AXIS, MicroError
+    from tensoropt.passes.micro import MicroError, micro_along
 
     refused = micro_refusal(sg, k)
     if refused:
         raise MicroError(refused)
-    seq = Mesh((k,), (MICRO_AXIS,))
-    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
-    return complete_plan(sg.graph, sg.signature, split, (0,), sg.units)
+    return micro_along(sg.graph, sg.signature, sg.units, k)
 
 
 def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, float]:

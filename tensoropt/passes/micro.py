@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -65,7 +65,7 @@ from tensoropt.passes.annotate import (
 from tensoropt.passes.insert_redistribution import DOMAIN, TEMPLATE_LOCAL, planned_conversions
 from tensoropt.passes.partition import LocalTemplate
 from tensoropt.passes.training_step import StepSignature
-from tensoropt.passes.units import StepUnits, combine_axes
+from tensoropt.passes.units import ProgramCache, StepUnits, combine_axes
 from tensoropt.rules.sharding import SHARDING_RULES, MeshSharding
 
 MICRO_AXIS = SEQUENTIAL_AXIS
@@ -139,12 +139,19 @@ def micro_axes(axes: Sequence[int], mesh: Mesh) -> tuple[tuple[int, ...], bool]:
 # -- annotation ----------------------------------------------------------------------
 
 
-def check_batch_divides(graph: ir.Graph, sig: StepSignature, ann: Annotation, k: int) -> None:
-    """Refuse a ``k`` that does not divide each data input's batch on one rank."""
+def check_batch_divides(
+    graph: ir.Graph,
+    sig: StepSignature,
+    ann: Annotation,
+    k: int,
+    whole: Collection[str] = (),
+) -> None:
+    """Refuse a ``k`` that does not divide each data input's batch on one rank, but for
+    the inputs fed ``whole`` to every micro-step (:func:`fed_whole`)."""
     data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
     mesh = ann.mesh
     for value in graph.inputs:
-        if value.name not in data:
+        if value.name not in data or value.name in whole:
             continue
         shape = static_shape(value)
         if not shape:
@@ -227,17 +234,110 @@ def micro_roots(
     k = plan.micro_batches
     check_no_coupling(graph, k)
     real = annotate(graph, sig, plan, data_axes)
-    check_batch_divides(graph, sig, real, k)
     su = real.units
-    seq = Mesh((k,), (MICRO_AXIS,))
-    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
-    along = complete_plan(graph, sig, split, (0,), su)
+    along = micro_along(graph, sig, su, k)
+    check_batch_divides(graph, sig, real, k, fed_whole(su, along))
     roots = {}
     for unit in su.units:
         name = unit.root.name
         roots[name] = _combine(unit.root, real.roots[name], along[name], plan.mesh, k)
     _split_where_gathered(graph, sig, su, roots, plan.mesh, k)
     return roots, su
+
+
+def micro_along(
+    graph: ir.Graph, sig: StepSignature, su: StepUnits, k: int
+) -> dict[str, MeshSharding]:
+    """Each unit's root strategy on the micro axis alone: the data-parallel completion
+    (the batch split into the ``k`` micro-batches), but whole where a sum over the batch
+    is made of the data alone (:func:`_whole_where_counted`). The compiler
+    (:func:`micro_roots`) and the search (``cost.model.micro_choices``) both take it from
+    here, so a searched point compiles to what it priced."""
+    seq = Mesh((k,), (MICRO_AXIS,))
+    split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
+    along = complete_plan(graph, sig, split, (0,), su)
+    _whole_where_counted(graph, sig, su, along, seq)
+    return along
+
+
+def fed_whole(su: StepUnits, along: Mapping[str, MeshSharding]) -> set[str]:
+    """The data inputs that every micro-step reads whole: those the unit that places
+    them (its root reads them) holds replicated on the micro axis."""
+    out = set()
+    for name in su.data:
+        u = su.owner.get(name)
+        if u is None:
+            continue
+        root = su.units[u].root
+        for i, value in enumerate(root.inputs):
+            lay = along[root.name].inputs[i] if i < len(along[root.name].inputs) else None
+            if value is not None and value.name == name and lay is not None:
+                if isinstance(lay.placements[0], Replicate):
+                    out.add(name)
+                break
+    return out
+
+
+def _whole_where_counted(
+    graph: ir.Graph,
+    sig: StepSignature,
+    su: StepUnits,
+    along: dict[str, MeshSharding],
+    seq: Mesh,
+) -> None:
+    """Units made of the data alone that sum over the batch run on every micro-batch's
+    data at once (``along`` in place: replicated on the micro axis), with the units of
+    the data they read.
+
+    A loss divided by the count of the labels it keeps (HuggingFace's ``labels`` with
+    ``ignore_index``) needs the count over the whole batch before any micro-batch's
+    backward; split with the batch, the count is partial over the micro-batches and
+    each micro-batch's loss would divide by its own. Such a count depends on the data
+    alone, which a rank holds for every micro-batch before the first: its data inputs
+    are fed whole (no ``micro_dim``), the count is computed whole in every micro-step,
+    and the readers that split the batch take their micro-batch's piece of it (a local
+    slice by the micro-batch index). The cost is that unit's work on the rank's whole
+    batch once per micro-batch: integer compares and sums of labels."""
+    data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
+    stored = set(sig.params) | set(sig.states)
+    known = {v for v in graph.inputs if v.name in data}
+    known.update(v for v in graph.initializers.values() if v.name not in stored)
+    for node in graph:  # values made of data inputs and constants alone
+        if all(v is None or v in known for v in node.inputs):
+            known.update(node.outputs)
+    made = {v: u for u, unit in enumerate(su.units) for n in unit.nodes for v in n.outputs}
+    cache = su.once(
+        (tuple(seq.shape), tuple(seq.axis_names)), lambda: ProgramCache(su, seq)
+    )  # the micro axis's programs, shared with the micro meshes' (units._MicroParts)
+    pure = {
+        u
+        for u, unit in enumerate(su.units)
+        if all(v is None or v in known for n in unit.nodes for v in n.inputs)
+    }
+    whole: set[int] = set()
+    for u in sorted(pure):
+        program = cache.program(u, along[su.units[u].root.name])
+        if u in whole or not any(
+            isinstance(lay.placements[0], Partial) for s in program.strategies for lay in s.outputs
+        ):
+            continue
+        group, todo = set(), [u]
+        while todo:  # the sum's unit and the units of the data it reads
+            w = todo.pop()
+            if w not in group:
+                group.add(w)
+                for node in su.units[w].nodes:
+                    todo.extend(made[v] for v in node.inputs if v in made and made[v] != w)
+        if group <= pure:  # else a unit would repeat work on parameters: refused
+            whole |= group
+    for u in whole:
+        root = su.units[u].root
+        along[root.name] = next(
+            c
+            for c in sa.candidates(root, seq)
+            if all(isinstance(lay.placements[0], Replicate) for lay in (*c.inputs, *c.outputs)
+                   if lay is not None)
+        )  # fmt: skip
 
 
 def _split_where_gathered(

@@ -382,17 +382,37 @@ def _dependency(
     """``Where(IsNaN(sum(grad)), source, source)``: ``source``, after ``grad``.
 
     When the two share dim 0 (the batch) the sum keeps it and the condition broadcasts
-    per sample, so a batch-split gradient needs no collective; otherwise it is a scalar."""
+    per sample, so a batch-split gradient needs no collective. A gradient whose dim 0 is
+    a multiple of the batch (a loss over the samples' positions flattened together,
+    ``logits.reshape(-1, V)``) is viewed as ``[batch, rest, ...]`` first, so the same
+    holds; otherwise the sum is a scalar (a partial sum under a batch split: a collective,
+    and one over the micro-batches that micro-batching cannot run)."""
     stem = f"{block.name}__after"
     gshape, sshape = static_shape(grad), static_shape(source)
-    per_sample = bool(gshape) and bool(sshape) and gshape[0] == sshape[0]
-    axes = list(range(1 if per_sample else 0, len(gshape)))
-    kept = [gshape[0]] if per_sample else []
+    batch = sshape[0] if sshape else 0
+    grouped = bool(gshape) and batch > 0 and gshape[0] != batch and gshape[0] % batch == 0
+    per_sample = bool(gshape) and bool(sshape) and (gshape[0] == batch or grouped)
     value = grad
+    if grouped:
+        gshape = (batch, gshape[0] // batch, *gshape[1:])
+        shape_node = _ints(f"{stem}_groups", list(gshape), block.name)
+        view = _node(
+            "Reshape",
+            [grad, shape_node.outputs[0]],
+            f"{stem}_per_sample_view",
+            grad.dtype,
+            list(gshape),
+            block,
+            unit,
+        )
+        made.extend((shape_node, view))
+        value = view.outputs[0]
+    axes = list(range(1 if per_sample else 0, len(gshape)))
+    kept = [batch] if per_sample else []
     if axes:
         axes_node = _ints(f"{stem}_axes", axes, block.name)
         total = _node(
-            "ReduceSum", [grad, axes_node.outputs[0]], f"{stem}_sum", grad.dtype, kept, block, unit
+            "ReduceSum", [value, axes_node.outputs[0]], f"{stem}_sum", grad.dtype, kept, block, unit
         )
         total.attributes["keepdims"] = ir.AttrInt64("keepdims", 0)
         made.extend((axes_node, total))

@@ -118,6 +118,20 @@ class Smoothed(nn.Module):
         return loss.mean() if self.reduction == "none" else loss
 
 
+class SelfNormalized(nn.Module):
+    """A loss divided by a sum of the model's own outputs over the batch: each
+    micro-batch would divide by its own, and the sum is known only after every
+    micro-batch's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return (y * y).sum() / y.abs().sum()
+
+
 def _smoothed_inputs(g):
     return {
         "x": torch.randn(BATCH, 3, 7, generator=g),
@@ -142,6 +156,10 @@ CASES = {
             "image": torch.randn(BATCH, 3, 8, 8, generator=g),
             "text": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         },
+    ),
+    "normalized": (
+        SelfNormalized,
+        lambda g: {"x": torch.randn(BATCH, WIDTH, generator=g)},
     ),
     "nll": (
         WeightedNll,
@@ -272,10 +290,10 @@ def test_a_temperature_folded_by_the_exporter_is_named(exported, capsys):
 def test_the_search_offers_no_micro_batched_point_of_a_loss_that_couples_the_batch(
     exported, capsys, tmp_path
 ):
-    """HF's loss divides by the count of labels not ignored, which one micro-batch knows
-    only of itself: compile refuses micro-batches, so the search offers none and says
-    why (it offered them, and compile --pick refused the points)."""
-    path = exported("lm")
+    """A loss divided by a sum of the model's outputs over the batch, which one
+    micro-batch knows only of itself: compile refuses micro-batches, so the search
+    offers none and says why."""
+    path = exported("normalized")
     capsys.readouterr()
     rc = main(["search", str(path), "--devices", "1,2", "--axes", "split,micro", "--json"])
     assert rc == 0
@@ -290,3 +308,94 @@ def test_the_search_offers_no_micro_batched_point_of_a_loss_that_couples_the_bat
     rc = main(["search", str(path), "--devices", "1,2", "--axes", "split,micro"])
     out = capsys.readouterr().out
     assert "micro has no plan here: no plan compiles micro-batched" in out, out
+
+
+def _padded_batches(tmp_path) -> str:
+    """Three global batches of the lm case whose ignored labels (-100) fall unevenly: the
+    first micro-batch of 2 (and of 4) keeps far fewer labels than the others."""
+    gen = np.random.default_rng(0)
+    labels = gen.integers(0, VOCAB, (3, BATCH, SEQ))
+    labels[:, 0, :5] = -100
+    labels[:, 1, 2:] = -100
+    path = tmp_path / "padded.npz"
+    np.savez(path, input_ids=gen.integers(0, VOCAB, (3, BATCH, SEQ)), labels=labels)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "devices,flags",
+    [
+        ("2", ["--micro-batches", "2"]),
+        ("1", ["--micro-batches", "4", "--recompute", "all"]),
+        pytest.param("2", ["--plan", "fsdp", "--micro-batches", "2"], marks=pytest.mark.slow),
+        pytest.param("2", ["--plan", "megatron", "--micro-batches", "2"], marks=pytest.mark.slow),
+    ],
+)
+def test_a_loss_divided_by_the_labels_kept_trains_micro_batched_like_one_device(
+    devices, flags, exported, tmp_path, capsys
+):
+    """HF's loss divides by the count of labels not ignored over the whole batch, before
+    any micro-batch's backward. The count is made of the labels alone, which a rank holds
+    for every micro-batch at once: the labels are fed whole, the count's units run on
+    them whole in each micro-step (``passes.micro.micro_along``), and three steps on
+    batches padded unevenly across the micro-batches equal the single-device step."""
+    out = tmp_path / "out"
+    argv = ["compile", str(exported("lm")), "--devices", devices, *flags, "-o", str(out)]
+    if "--plan" not in flags:
+        argv += ["--plan", "data-parallel"]
+    assert main(argv) == 0, capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "micro_dim" in manifest["inputs"]["input_ids"]
+    assert "micro_dim" not in manifest["inputs"]["labels"]  # fed whole
+    report = run_steps(out, 3, "local", verify=True, threads=1, data=_padded_batches(tmp_path))
+    assert report.verify is not None and len(report.verify.per_step) == 3
+    assert report.verify.max_rel_error_loss <= 1e-4, report.verify.to_json()
+    assert report.verify.max_rel_error_params <= 1e-4, report.verify.to_json()
+
+
+@pytest.mark.slow
+def test_every_micro_batched_point_of_a_loss_divided_by_the_labels_kept_compiles_as_priced(
+    exported, tmp_path, capsys
+):
+    """The search offers micro-batched points of HF's loss, and each compiles to the
+    estimate the search gave it: 4 micro-batches on 2 devices among them, where the
+    embedding's plan keeps the token ids whole over the devices (4 per rank) while the
+    labels, fed whole to every micro-step, are split over them (2 per rank)."""
+    from tensoropt.cli.search_json import load_search
+
+    path = exported("lm")
+    doc = tmp_path / "s.json"
+    assert main(["search", str(path), "--devices", "2", "--axes", "split,recompute,micro",
+                 "--micro-batches", "1,2,4", "--json-out", str(doc)]) == 0  # fmt: skip
+    capsys.readouterr()
+    rows = load_search(str(doc)).rows(2)
+    micro = [i for i, row in enumerate(rows) if row["axes"]["micro_batches"] > 1]
+    assert {rows[i]["axes"]["micro_batches"] for i in micro} == {2, 4}, [r["axes"] for r in rows]
+    for index in micro:
+        assert main(["compile", str(path), "--search", str(doc), "--devices", "2",
+                     "--pick", str(index), "-o", str(tmp_path / f"p{index}"),
+                     "--json"]) == 0  # fmt: skip
+        estimate = json.loads(capsys.readouterr().out)["estimate"]
+        assert estimate["time_s"] == pytest.approx(rows[index]["time_s"], rel=1e-12)
+        assert estimate["memory_bytes"] == rows[index]["memory_bytes"]
+        if rows[index]["axes"]["micro_batches"] == 4:  # each one trains like one device
+            data = _padded_batches(tmp_path)
+            report = run_steps(tmp_path / f"p{index}", 2, "local", verify=True, data=data)
+            assert report.verify is not None
+            assert report.verify.max_rel_error_params <= 1e-4, report.verify.to_json()
+
+
+def test_recomputing_the_blocks_of_a_flattened_loss_adds_no_collective(exported, tmp_path, capsys):
+    """The recompute waits for the gradient at its block's output, here [B * (S - 1), V]
+    against the block input's [B, S, C]: viewed as [B, S - 1, V] the wait stays per
+    sample, so a batch-split plan adds no collective (summed to a scalar, it cost an
+    all-reduce and an all-gather of the block input per block)."""
+    path = exported("lm")
+    capsys.readouterr()
+    counts = []
+    for recompute in ("none", "all"):
+        argv = ["compile", str(path), "--plan", "data-parallel", "--devices", "2",
+                "--recompute", recompute, "-o", str(tmp_path / recompute), "--json"]  # fmt: skip
+        assert main(argv) == 0
+        counts.append(json.loads(capsys.readouterr().out)["collectives_per_device"])
+    assert counts[0] == counts[1], counts
