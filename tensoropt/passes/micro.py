@@ -287,7 +287,8 @@ def _whole_where_counted(
 ) -> None:
     """Units made of the data alone that sum over the batch run on every micro-batch's
     data at once (``along`` in place: replicated on the micro axis), with the units of
-    the data they read.
+    the data they read and the units that place the data inputs they read (which are
+    then fed whole); where one of those reads a parameter, none of them.
 
     A loss divided by the count of the labels it keeps (HuggingFace's ``labels`` with
     ``ignore_index``) needs the count over the whole batch before any micro-batch's
@@ -300,7 +301,8 @@ def _whole_where_counted(
     batch once per micro-batch: integer compares and sums of labels."""
     data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
     stored = set(sig.params) | set(sig.states)
-    known = {v for v in graph.inputs if v.name in data}
+    inputs = {v for v in graph.inputs if v.name in data}
+    known = set(inputs)
     known.update(v for v in graph.initializers.values() if v.name not in stored)
     for node in graph:  # values made of data inputs and constants alone
         if all(v is None or v in known for v in node.inputs):
@@ -322,12 +324,15 @@ def _whole_where_counted(
         ):
             continue
         group, todo = set(), [u]
-        while todo:  # the sum's unit and the units of the data it reads
-            w = todo.pop()
+        while todo:  # the sum's unit, the units of the data it reads, and the units that
+            w = todo.pop()  # place the data inputs it reads (they are fed whole)
             if w not in group:
                 group.add(w)
                 for node in su.units[w].nodes:
                     todo.extend(made[v] for v in node.inputs if v in made and made[v] != w)
+                    todo.extend(
+                        su.owner[v.name] for v in node.inputs if v in inputs and v.name in su.owner
+                    )
         if group <= pure:  # else a unit would repeat work on parameters: refused
             whole |= group
     for u in whole:

@@ -118,6 +118,24 @@ class Smoothed(nn.Module):
         return loss.mean() if self.reduction == "none" else loss
 
 
+class ShiftedLabels(nn.Module):
+    """A decoder fed its labels shifted right (BART's ``shift_tokens_right``: -100 read
+    as the pad token 0), with HF's loss over the labels kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids, labels):
+        shifted = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
+        shifted = shifted.masked_fill(shifted == -100, 0)
+        x = self.wte(shifted) + self.wte(input_ids).mean(1, keepdim=True)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
 class SelfNormalized(nn.Module):
     """A loss divided by a sum of the model's own outputs over the batch: each
     micro-batch would divide by its own, and the sum is known only after every
@@ -157,6 +175,7 @@ CASES = {
             "text": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         },
     ),
+    "shifted": (ShiftedLabels, _lm_inputs),
     "normalized": (
         SelfNormalized,
         lambda g: {"x": torch.randn(BATCH, WIDTH, generator=g)},
@@ -323,24 +342,29 @@ def _padded_batches(tmp_path) -> str:
 
 
 @pytest.mark.parametrize(
-    "devices,flags",
+    "name,devices,flags",
     [
-        ("2", ["--micro-batches", "2"]),
-        ("1", ["--micro-batches", "4", "--recompute", "all"]),
-        pytest.param("2", ["--plan", "fsdp", "--micro-batches", "2"], marks=pytest.mark.slow),
-        pytest.param("2", ["--plan", "megatron", "--micro-batches", "2"], marks=pytest.mark.slow),
+        ("lm", "2", ["--micro-batches", "2"]),
+        ("lm", "1", ["--micro-batches", "4", "--recompute", "all"]),
+        pytest.param("lm", "2", ["--plan", "fsdp", "--micro-batches", "2"], marks=pytest.mark.slow),
+        pytest.param(
+            "lm", "2", ["--plan", "megatron", "--micro-batches", "2"], marks=pytest.mark.slow
+        ),
+        ("shifted", "2", ["--micro-batches", "2"]),
     ],
 )
 def test_a_loss_divided_by_the_labels_kept_trains_micro_batched_like_one_device(
-    devices, flags, exported, tmp_path, capsys
+    name, devices, flags, exported, tmp_path, capsys
 ):
     """HF's loss divides by the count of labels not ignored over the whole batch, before
     any micro-batch's backward. The count is made of the labels alone, which a rank holds
     for every micro-batch at once: the labels are fed whole, the count's units run on
     them whole in each micro-step (``passes.micro.micro_along``), and three steps on
-    batches padded unevenly across the micro-batches equal the single-device step."""
+    batches padded unevenly across the micro-batches equal the single-device step. The
+    ``shifted`` decoder reads its labels in the forward too: the unit that places them
+    (the shift) runs whole as well, so that they are fed whole."""
     out = tmp_path / "out"
-    argv = ["compile", str(exported("lm")), "--devices", devices, *flags, "-o", str(out)]
+    argv = ["compile", str(exported(name)), "--devices", devices, *flags, "-o", str(out)]
     if "--plan" not in flags:
         argv += ["--plan", "data-parallel"]
     assert main(argv) == 0, capsys.readouterr().err
