@@ -350,6 +350,7 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
             )
         raise UnsupportedOpError(f"{path}: control flow is not supported: {names}; {fix}")
     _retie_transposed_copies(graph)
+    _collapse_broadcast_copies(graph)
     _add_dropout_masks(graph)
     for what, count in canonicalize(graph, path).items():
         if count:
@@ -412,6 +413,104 @@ def _retie_transposed_copies(graph: ir.Graph) -> None:
         log.info(
             "initializer %s is %s transposed: tied again through a Transpose", name, source.name
         )
+
+
+# the exporter names a value after the torch op that made it: these repeat their input
+REPLICATING = re.compile(r"(expand|embedding|index|index_select|repeat|tile|gather)(_\d+)?")
+
+
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where"})
+_COPIES_READ = 1 << 26  # elements (256 MiB of float32): larger folded copies stay
+
+
+def _collapse_broadcast_copies(graph: ir.Graph) -> None:
+    """Give back the parameter of a folded copy that broadcasts it.
+
+    The exporter's optimizer folds what constants compute, parameters included: BART's
+    learned positions looked up at ``arange`` and expanded to the batch (``[B, S, D]``),
+    BERT's token-type row 0 looked up at the all-zero ``token_type_ids`` buffer
+    (``[B, S, D]``, one row everywhere). Trained as they are, each copy learns on its own
+    (torch sums their gradients into one parameter), and a batch-sized parameter cannot
+    be split into micro-batches. A float initializer folded through an op that repeats
+    its input (``REPLICATING``, in its name or its recorded sources), identical along
+    some axes and read only by broadcasting elementwise ops that make the same shape
+    from its first slice along them, becomes that slice: the op broadcasts it, and its
+    gradient sums the copies, as torch's does. A tensor identical along every axis (a
+    zero or constant parameter's copy) is left as it is: which axes repeat cannot be
+    told from its values. So is one another op reads (ViT's class token, expanded and
+    concatenated): an ``Expand`` of the slice there keeps its output replicated in a
+    data-parallel completion, which gathers the gradient of every sample.
+
+    The candidates' values are read even where the weights are not loaded (a search
+    reads them from the external data file), so a search and compile build the same
+    step; a candidate above ``_COPIES_READ`` elements is left as it is in both.
+    """
+    for name, value in list(graph.initializers.items()):
+        sources = _folded_from(value)
+        if not sources or value.is_graph_output():
+            continue
+        if not any(REPLICATING.fullmatch(n) for n in (name, *sources)):
+            continue
+        tensor = value.const_value
+        if tensor is None or not 2 <= tensor.size <= _COPIES_READ:
+            continue
+        try:
+            array = tensor.numpy()
+        except (OSError, ValueError):  # unreadable here: compile reports the file
+            continue
+        if not np.issubdtype(array.dtype, np.floating):
+            continue
+        axes = [
+            a
+            for a in range(array.ndim)
+            if array.shape[a] > 1 and np.array_equal(array, np.take(array, [0] * array.shape[a], a))
+        ]
+        if not axes or all(array.shape[a] == 1 or a in axes for a in range(array.ndim)):
+            continue
+        first = array[tuple(slice(0, 1) if a in axes else slice(None) for a in range(array.ndim))]
+        uses = list(value.uses())
+        if not uses or not all(_broadcasts(use, first.shape) for use in uses):
+            continue
+        graph.initializers.pop(name)
+        value.name = f"{name}__copies"
+        param = ir.Value(
+            name=name,
+            shape=ir.Shape(list(first.shape)),
+            type=ir.TensorType(value.dtype),
+            const_value=ir.tensor(np.ascontiguousarray(first), name=name),
+        )
+        param.metadata_props.update(value.metadata_props)
+        graph.register_initializer(param)
+        for use in uses:
+            use.node.replace_input_with(use.idx, param)
+        log.info(
+            "initializer %s %s repeats its first slice along axes %s: trained as that "
+            "slice, which its readers broadcast",
+            name,
+            list(array.shape),
+            axes,
+        )
+
+
+def _broadcasts(use, shape: tuple[int, ...]) -> bool:
+    """Whether ``use``'s node makes the same output from a value of ``shape`` in place
+    of the one it reads (a broadcasting elementwise op whose other inputs cover it)."""
+    node = use.node
+    if node.op_type not in _BROADCASTING or node.domain not in ("", "ai.onnx"):
+        return False
+    out = node.outputs[0].shape
+    if out is None or not out.is_static():
+        return False
+    shapes = []
+    for i, v in enumerate(node.inputs):
+        if v is None or v.shape is None or not v.shape.is_static():
+            return False
+        shapes.append(shape if i == use.idx else tuple(v.shape.numpy()))
+    try:
+        made = np.broadcast_shapes(*shapes)
+    except ValueError:
+        return False
+    return tuple(made) == tuple(out.numpy())
 
 
 def _add_dropout_masks(graph: ir.Graph) -> None:

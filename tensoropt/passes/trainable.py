@@ -39,6 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tensoropt.errors import NoTrainableParamsError, TensorOptError
+from tensoropt.ir.importer import REPLICATING
 from tensoropt.ir.vocab import MADE_KEY
 from tensoropt.passes.autodiff import is_float
 
@@ -85,8 +86,6 @@ _EXPORTER_CONSTANT = re.compile(
 # torch ops that build an attention mask from positions alone (arange, comparisons):
 # a folded constant made through them and all zero is a mask that masks nothing
 _MASK_BUILDER = re.compile(r"(arange|ge|gt|le|lt|eq|ne|logical_\w+|bitwise_\w+|tril|triu)(_\d+)?")
-# the exporter names a value after the torch op that made it: these repeat their input
-_REPLICATING = re.compile(r"(expand|embedding|index|index_select|repeat|tile|gather)(_\d+)?")
 _COPIES_CHECKED = 1 << 22  # elements: larger folded tensors are not read for repeats
 
 
@@ -232,7 +231,7 @@ def folded_copies(value: ir.Value) -> tuple[str, ...] | None:
     one parameter. The parameters are the dotted names the exporter recorded (else its
     other non-anonymous names; empty when it recorded none). None: not such a copy."""
     names = _FOLDED_NAME.findall(value.metadata_props.get(_FOLDED_FROM_KEY, ""))
-    if not names or not any(_REPLICATING.fullmatch(n) for n in (value.name or "", *names)):
+    if not names or not any(REPLICATING.fullmatch(n) for n in (value.name or "", *names)):
         return None
     tensor = value.const_value
     if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.size > _COPIES_CHECKED:
@@ -242,7 +241,7 @@ def folded_copies(value: ir.Value) -> tuple[str, ...] | None:
         return None
     named = [n for n in names if not _ANONYMOUS.fullmatch(n)]
     dotted = [n for n in named if "." in n]
-    return tuple(dotted or [n for n in named if not _REPLICATING.fullmatch(n)])
+    return tuple(dotted or [n for n in named if not REPLICATING.fullmatch(n)])
 
 
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
