@@ -43,6 +43,9 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
 - **Gathers that only view** (:func:`gathers_as_views`): a ``GatherND`` of constant
   indices that read their data in order and broadcast it (transformers 5's padding
   masks) becomes a Reshape and an Expand, which a batch split keeps.
+- **Gathers of one position per sample** (:func:`sample_gathers`): ``data[arange(B),
+  i]`` (HuggingFace's sequence classifiers pooling the last non-padding position)
+  becomes a GatherElements along dim 1, which a batch split keeps.
 - **CastLike** (:func:`cast_likes`), which ``torch.onnx.export(..., optimize=False)``
   emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
@@ -99,6 +102,7 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
         "merged transposes": fold_merged_transposes(graph),
         "resizes": resize_as_gathers(graph),
         "gathers as views": gathers_as_views(graph),
+        "per-sample gathers": sample_gathers(graph),
         "flattened Gemms": unflatten_gemms(graph),
         "CastLikes": cast_likes(graph),
         "partitioning Slices": slices_as_splits(graph),
@@ -315,6 +319,55 @@ def gathers_as_views(graph: ir.Graph) -> int:
             new = b.op("Expand", [new, full], list(flat.shape), data.dtype, "broadcast")
         _replace(graph, out, new)
         graph.remove(node, safe=True)
+        done += 1
+    return done
+
+
+def sample_gathers(graph: ir.Graph) -> int:
+    """A ``GatherND`` that reads one position per sample, ``data[arange(B), i]`` with
+    ``data`` ``[B, S, ...]`` (its indices the Concat of the constant sample numbers and
+    one index per sample), becomes ``GatherElements`` along dim 1 of ``i`` expanded over
+    the trailing dims, then a Reshape that drops dim 1. HuggingFace's sequence
+    classifiers pool the last non-padding position so; the GatherND's indices name
+    every sample, so a batch split gathered the logits of the whole batch and
+    micro-batching refused the step, where GatherElements keeps the batch split (and its
+    gradient is a scatter-add per sample). Returns the gathers replaced."""
+    b = _Builder(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx"):
+            continue
+        data, index, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        if _int(node, "batch_dims", 0) != 0 or data is None or index is None:
+            continue
+        concat = index.producer()
+        if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2:
+            continue
+        samples, position = concat.inputs
+        dims, shape = _shape(data), _shape(index)
+        if len(dims) < 2 or shape != [dims[0], 2] or samples is None or position is None:
+            continue
+        if samples.const_value is None or _shape(position) != [dims[0], 1]:
+            continue
+        numbers = np.asarray(samples.const_value.numpy()).reshape(-1)
+        if not np.array_equal(numbers, np.arange(dims[0])):
+            continue
+        b.at(node)
+        rest = dims[2:]
+        ones = b.const(np.array([dims[0], 1] + [1] * len(rest), dtype=np.int64), "per_sample")
+        at = b.op("Reshape", [position, ones], [dims[0], 1] + [1] * len(rest), position.dtype,
+                  "position")  # fmt: skip
+        if rest:
+            wide = b.const(np.array([dims[0], 1, *rest], dtype=np.int64), "over_rest")
+            at = b.op("Expand", [at, wide], [dims[0], 1, *rest], position.dtype, "positions")
+        picked = b.op("GatherElements", [data, at], [dims[0], 1, *rest], data.dtype, "picked",
+                      axis=1)  # fmt: skip
+        to = b.const(np.array([dims[0], *rest], dtype=np.int64), "per_sample_shape")
+        new = b.op("Reshape", [picked, to], [dims[0], *rest], data.dtype, "pooled")
+        _replace(graph, out, new)
+        graph.remove(node, safe=True)
+        if not concat.outputs[0].uses() and not concat.outputs[0].is_graph_output():
+            graph.remove(concat, safe=True)
         done += 1
     return done
 

@@ -139,3 +139,24 @@ def step_gradients(path, feeds: Mapping[str, np.ndarray], loss, params: Mapping[
             part = to_param_grad(m, state[init] - new[init], params[m.param].shape)
             grads[m.param] = grads.get(m.param, 0) + part
     return value, grads, set(step.signature.params) - set(matches)
+
+
+def assert_ce_gradients_equal_torch(model, path, feeds: Mapping[str, np.ndarray], logits) -> None:
+    """The cross-entropy step built from the export at ``path``, fed ``feeds`` (its
+    ``labels`` among them), has torch's loss on ``logits`` (``model``'s output on the same
+    inputs) and every parameter's gradient; every trained initializer is a parameter."""
+    import pytest
+    import torch
+    from torch.nn import functional as F
+
+    from tensoropt.passes.loss import LossKind
+
+    labels = torch.from_numpy(feeds["labels"])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    params = {k: p.detach().numpy() for k, p in model.named_parameters()}
+    value, grads, unmatched = step_gradients(path, feeds, LossKind.CE, params)
+    assert value == pytest.approx(loss.item(), rel=1e-5) and not unmatched, unmatched
+    for name, p in model.named_parameters():
+        want = p.grad.numpy()
+        np.testing.assert_allclose(grads[name], want, rtol=1e-4, atol=1e-6 * np.abs(want).max())

@@ -589,3 +589,42 @@ def test_a_gather_that_only_views_its_data_becomes_a_reshape(tmp_path, index, op
     assert [n.op_type for n in rewritten.graph.node] == ops
     want = _run(model, {"x": x})
     np.testing.assert_array_equal(_run(rewritten, {"x": x}), want)
+
+
+@pytest.mark.parametrize(
+    ("numbers", "rest", "ops"),
+    [
+        (np.arange(4), [3], ["Reshape", "Expand", "GatherElements", "Reshape"]),
+        (np.arange(4), [], ["Reshape", "GatherElements", "Reshape"]),
+        (np.arange(4), [2, 3], ["Reshape", "Expand", "GatherElements", "Reshape"]),
+        (np.array([1, 0, 2, 3]), [3], ["Concat", "GatherND"]),  # not each its own sample
+    ],
+)
+def test_a_gather_of_one_position_per_sample_becomes_gather_elements(tmp_path, numbers, rest, ops):
+    """``data[arange(B), i]``: HuggingFace's sequence classifiers pool the last
+    non-padding position so (``canonical.sample_gathers``), negative positions included."""
+    rng = np.random.default_rng(3)
+    shape = [4, 5, *rest]
+    x = rng.standard_normal(shape).astype(np.float32)
+    i = np.array([[4], [0], [-1], [2]], dtype=np.int64)
+    nodes = [
+        h.make_node("Concat", ["samples", "i"], ["index"], name="cat", axis=-1),
+        h.make_node("GatherND", ["x", "index"], ["y"], name="pool"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [
+            h.make_tensor_value_info("x", T.FLOAT, shape),
+            h.make_tensor_value_info("i", T.INT64, [4, 1]),
+        ],
+        [h.make_tensor_value_info("y", T.FLOAT, [4, *rest])],
+        [onnx.numpy_helper.from_array(numbers.reshape(4, 1).astype(np.int64), "samples")],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    assert [n.op_type for n in rewritten.graph.node] == ops
+    feeds = {"x": x, "i": i}
+    np.testing.assert_array_equal(_run(rewritten, feeds), _run(model, feeds))

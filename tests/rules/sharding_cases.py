@@ -387,6 +387,17 @@ def _top_k(rng):
     ]
 
 
+def _arg(op: str):
+    def cases(rng):
+        return [
+            Case(op, [_f(rng, 4, 6, 3)], {"axis": 1}, tol=0),
+            Case(op, [_f(rng, 6, 4)], {"axis": -1, "keepdims": 0}, tol=0),
+            Case(op, [_f(rng, 4, 2, 6)], {"select_last_index": 1}, tol=0),
+        ]
+
+    return cases
+
+
 def _gather_elements(rng):
     return [
         Case(
@@ -556,6 +567,8 @@ CASES: dict[str, Gen] = {
     "ScatterND": _scatter_nd,
     "ScatterElements": _scatter_elements,
     "TopK": _top_k,
+    "ArgMax": _arg("ArgMax"),
+    "ArgMin": _arg("ArgMin"),
     "OneHot": _onehot,
     "Shape": _shape,
     "Size": _size,

@@ -420,7 +420,7 @@ def test_every_op_the_importer_takes_has_a_sharding_rule_or_is_named() -> None:
     train, then fail to partition; the ops left without one are named here."""
     from tensoropt.rules.grad import GRAD_RULES
 
-    unpartitioned = {"ArgMax", "ArgMin", "GlobalMaxPool", "EyeLike", "NonZero"}
+    unpartitioned = {"GlobalMaxPool", "EyeLike", "NonZero"}
     unpartitioned |= {"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike"}
     unpartitioned |= {"RandomUniform", "RandomUniformLike"}
     assert GRAD_RULES.supported() - set(SHARDING_RULES.op_types) == unpartitioned

@@ -7,7 +7,8 @@ ReduceLogSumExp never shard a reduced dim (that would need their own combination
 ReduceSum and ReduceMean are linear: ``P`` in -> ``P`` out.
 
 TopK (values and indices along ``axis``) shards every dim but ``axis``, both outputs
-alike; ``K`` is a replicated constant.
+alike; ``K`` is a replicated constant. ArgMax and ArgMin likewise shard every dim but
+``axis``.
 """
 
 from __future__ import annotations
@@ -69,8 +70,21 @@ def _top_k_spec(op: OpView) -> FactorSpec:
     return FactorSpec((labels, ()), (labels, labels))
 
 
+def _arg_spec(op: OpView) -> FactorSpec:
+    """ArgMax / ArgMin: every dim but ``axis`` (the index of a piece's extreme is not the
+    whole's); ``axis`` kept as 1 or dropped (``keepdims``)."""
+    x = op.input_shapes[0] or ()
+    axis = norm_axis(op.attr("axis", 0), len(x), f"{op.op_type} axis")
+    labels = tuple(None if d == axis or size == 1 else f"d{d}" for d, size in enumerate(x))
+    keepdims = bool(op.attr("keepdims", 1))
+    out = tuple(lab for d, lab in enumerate(labels) if keepdims or d != axis)
+    return FactorSpec((labels,), (out,))
+
+
 RULES: dict[str, ShardingRule] = {
     "TopK": FactorRule(_top_k_spec),
+    "ArgMax": FactorRule(_arg_spec),
+    "ArgMin": FactorRule(_arg_spec),
     "ReduceSum": reduce_rule(Reduction.SUM),
     "ReduceMean": reduce_rule(Reduction.MEAN),
     "ReduceMax": reduce_rule(None),
