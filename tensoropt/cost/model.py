@@ -1262,7 +1262,7 @@ def _micro_along(sg: SearchGraph, k: int) -> dict:
     refused = micro_refusal(sg, k)
     if refused:
         raise MicroError(refused)
-    return micro_along(sg.graph, sg.signature, sg.units, k)
+    return micro_along(sg.graph, sg.signature, sg.units, k)[0]
 
 
 def recompute_working_set(mp: MeshProblem, choice: Sequence[int]) -> dict[str, float]:

@@ -350,6 +350,7 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
             )
         raise UnsupportedOpError(f"{path}: control flow is not supported: {names}; {fix}")
     _retie_transposed_copies(graph)
+    _merge_equal_copies(graph)
     _collapse_broadcast_copies(graph)
     _add_dropout_masks(graph)
     for what, count in canonicalize(graph, path).items():
@@ -413,6 +414,53 @@ def _retie_transposed_copies(graph: ir.Graph) -> None:
         log.info(
             "initializer %s is %s transposed: tied again through a Transpose", name, source.name
         )
+
+
+def _merge_equal_copies(graph: ir.Graph) -> None:
+    """One initializer for the equal copies the optimizer folded from one parameter.
+
+    A parameter read in several places (ALBERT's one layer, run once per layer) may be
+    folded once per place (the transposed weight of each use), under different names;
+    trained apart, the copies drift from torch's one parameter after a step. Float
+    initializers whose only recorded source is the same name, with the same type, shape
+    and values, are one: every reader of the others reads the first, and the gradient
+    sums their uses, as torch's does. A constant tensor is left alone (two different
+    views of a constant parameter can be equal). Values are read only where two such
+    candidates exist (from the external data file in a search, so a search and compile
+    build the same step)."""
+    groups: dict[tuple, list[ir.Value]] = {}
+    for value in graph.initializers.values():
+        sources = _folded_from(value)
+        if len(sources) != 1 or value.is_graph_output() or value.shape is None:
+            continue
+        key = (sources[0], value.dtype, tuple(value.shape.numpy()))
+        groups.setdefault(key, []).append(value)
+    for (source, _, _), copies in groups.items():
+        if len(copies) < 2:
+            continue
+        try:
+            arrays = [_copy_values(v) for v in copies]
+        except (OSError, ValueError):
+            continue
+        first, kept = copies[0], arrays[0]
+        if kept is None or kept.size < 2 or np.all(kept == kept.flat[0]):
+            continue
+        for value, array in zip(copies[1:], arrays[1:], strict=True):
+            if array is None or not np.array_equal(array, kept):
+                continue
+            for use in list(value.uses()):
+                use.node.replace_input_with(use.idx, first)
+            graph.initializers.pop(value.name)
+            log.info("initializer %s equals %s (both folded from %s): one", value.name,
+                     first.name, source)  # fmt: skip
+
+
+def _copy_values(value: ir.Value) -> np.ndarray | None:
+    tensor = value.const_value
+    if tensor is None or tensor.size > _COPIES_READ:
+        return None
+    array = tensor.numpy()
+    return array if np.issubdtype(array.dtype, np.floating) else None
 
 
 # the exporter names a value after the torch op that made it: these repeat their input

@@ -235,8 +235,8 @@ def micro_roots(
     check_no_coupling(graph, k)
     real = annotate(graph, sig, plan, data_axes)
     su = real.units
-    along = micro_along(graph, sig, su, k)
-    check_batch_divides(graph, sig, real, k, fed_whole(su, along))
+    along, whole = micro_along(graph, sig, su, k)
+    check_batch_divides(graph, sig, real, k, whole)
     roots = {}
     for unit in su.units:
         name = unit.root.name
@@ -247,35 +247,19 @@ def micro_roots(
 
 def micro_along(
     graph: ir.Graph, sig: StepSignature, su: StepUnits, k: int
-) -> dict[str, MeshSharding]:
+) -> tuple[dict[str, MeshSharding], frozenset[str]]:
     """Each unit's root strategy on the micro axis alone: the data-parallel completion
     (the batch split into the ``k`` micro-batches), but whole where a sum over the batch
-    is made of the data alone (:func:`_whole_where_counted`). The compiler
-    (:func:`micro_roots`) and the search (``cost.model.micro_choices``) both take it from
-    here, so a searched point compiles to what it priced."""
+    is made of the data alone (:func:`_whole_where_counted`); and the data inputs that
+    makes whole (fed whole to every micro-step, so ``k`` need not divide their batch).
+    The compiler (:func:`micro_roots`) and the search (``cost.model.micro_choices``) both
+    take it from here, so a searched point compiles to what it priced."""
     seq = Mesh((k,), (MICRO_AXIS,))
     split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
     along = complete_plan(graph, sig, split, (0,), su)
-    _whole_where_counted(graph, sig, su, along, seq)
-    return along
-
-
-def fed_whole(su: StepUnits, along: Mapping[str, MeshSharding]) -> set[str]:
-    """The data inputs that every micro-step reads whole: those the unit that places
-    them (its root reads them) holds replicated on the micro axis."""
-    out = set()
-    for name in su.data:
-        u = su.owner.get(name)
-        if u is None:
-            continue
-        root = su.units[u].root
-        for i, value in enumerate(root.inputs):
-            lay = along[root.name].inputs[i] if i < len(along[root.name].inputs) else None
-            if value is not None and value.name == name and lay is not None:
-                if isinstance(lay.placements[0], Replicate):
-                    out.add(name)
-                break
-    return out
+    whole = _whole_where_counted(graph, sig, su, along, seq)
+    fed = frozenset(name for name in su.data if su.owner.get(name) in whole)
+    return along, fed
 
 
 def _whole_where_counted(
@@ -284,11 +268,12 @@ def _whole_where_counted(
     su: StepUnits,
     along: dict[str, MeshSharding],
     seq: Mesh,
-) -> None:
+) -> set[int]:
     """Units made of the data alone that sum over the batch run on every micro-batch's
     data at once (``along`` in place: replicated on the micro axis), with the units of
     the data they read and the units that place the data inputs they read (which are
-    then fed whole); where one of those reads a parameter, none of them.
+    then fed whole); where one of those reads a parameter, none of them. Returns the
+    units made whole.
 
     A loss divided by the count of the labels it keeps (HuggingFace's ``labels`` with
     ``ignore_index``) needs the count over the whole batch before any micro-batch's
@@ -343,6 +328,7 @@ def _whole_where_counted(
             if all(isinstance(lay.placements[0], Replicate) for lay in (*c.inputs, *c.outputs)
                    if lay is not None)
         )  # fmt: skip
+    return whole
 
 
 def _split_where_gathered(

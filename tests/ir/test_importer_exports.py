@@ -1,4 +1,5 @@
-"""Importer fixes for torch.onnx (dynamo) exports: folded transposed copies are re-tied."""
+"""Importer fixes for torch.onnx (dynamo) exports: folded transposed copies are re-tied,
+and equal folded copies of one parameter are one initializer."""
 
 from __future__ import annotations
 
@@ -52,6 +53,46 @@ def test_copy_folded_from_several_values_stays_an_initializer():
     proto, table = _tied_model(np.zeros((4, 6), np.float32), "['E', 'val_3']")
     proto.graph.initializer[1].CopyFrom(numpy_helper.from_array(table.T.copy(), "val_9"))
     assert "val_9" in import_proto(proto).graph.initializers
+
+
+def _shared_model(first: np.ndarray, second: np.ndarray, sources=("['w']", "['w']")):
+    """Two MatMuls reading two folded copies of one parameter (ALBERT's one layer, run
+    once per layer, folds its transposed weight once per use)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "val_1"], ["h"], name="layer_0"),
+            helper.make_node("MatMul", ["h", "val_2"], ["y"], name="layer_1"),
+        ],
+        "shared",
+        [x],
+        [out],
+        [numpy_helper.from_array(first, "val_1"), numpy_helper.from_array(second, "val_2")],
+    )
+    for name, array, source in zip(("val_1", "val_2"), (first, second), sources, strict=True):
+        info = helper.make_tensor_value_info(name, TensorProto.FLOAT, list(array.shape))
+        helper.set_metadata_props(info, {FOLDED: source})
+        graph.value_info.append(info)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_equal_copies_of_one_parameter_are_one_initializer():
+    w = np.random.default_rng(2).standard_normal((4, 4)).astype(np.float32)
+    graph = import_proto(_shared_model(w, w.copy())).graph
+    assert "val_2" not in graph.initializers
+    assert graph.node("layer_1").inputs[1] is graph.initializers["val_1"]
+
+
+def test_copies_that_differ_or_come_from_other_sources_stay_apart():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 4)).astype(np.float32)
+    for proto in (
+        _shared_model(w, w.T.copy()),  # other values
+        _shared_model(w, w.copy(), ("['w']", "['v']")),  # other sources
+        _shared_model(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32)),  # constant
+    ):
+        assert {"val_1", "val_2"} <= set(import_proto(proto).graph.initializers)
 
 
 def test_train_mode_dropout_gets_a_mask_output_and_a_gradient():
