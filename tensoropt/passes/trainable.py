@@ -83,6 +83,19 @@ _CONSTRUCTOR = re.compile(r"(zeros|ones|full|empty|zeros_like|ones_like|full_lik
 _EXPORTER_CONSTANT = re.compile(
     r"(const|scalar_tensor\w*|_tensor_constant\d*|lifted_tensor\w*)(_\d+)?"
 )
+# torch ops the exporter names folded values after (the FX node of an aten call is named
+# after the op): arithmetic, shape and conversion ops that build position tables (ALiBi's
+# slopes times key positions, repeated to the batch). A folded constant whose recorded
+# sources are these, constructors and anonymous values alone read no parameter, which
+# would be recorded by its own name.
+_TORCH_OP = re.compile(
+    r"(arange|mul|add|sub|rsub|div|pow|neg|reciprocal|exp|log|log2|sqrt|rsqrt|floor|ceil"
+    r"|floor_divide|remainder|fmod|clamp|clamp_min|clamp_max|abs|sign|minimum|maximum"
+    r"|where|masked_fill|cumsum|unsqueeze|squeeze|view|reshape|_unsafe_view|expand|repeat"
+    r"|repeat_interleave|cat|stack|slice|select|index|permute|transpose|flatten|clone"
+    r"|contiguous|alias|detach|lift_fresh_copy|convert_element_type\w*|_to_copy|to|type_as"
+    r"|ge|gt|le|lt|eq|ne|logical_\w+|bitwise_\w+|tril|triu)(_\d+)?"
+)
 # torch ops that build an attention mask from positions alone (arange, comparisons):
 # a folded constant made through them and all zero is a mask that masks nothing
 _MASK_BUILDER = re.compile(r"(arange|ge|gt|le|lt|eq|ne|logical_\w+|bitwise_\w+|tril|triu)(_\d+)?")
@@ -166,10 +179,12 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     graph makes, in ``produced``): no parameter is a function of an activation, so only
     the activation's shape was read, e.g. ``1 / sqrt(q.shape[-1])``, the attention
     scale an opset-20 export of ``scaled_dot_product_attention`` folds into a [1]
-    constant; or folded from the exporter's anonymous values and tensor constructors
-    alone (``val_8``, ``zeros``), as a ``torch.zeros(b, 1, t, t)`` mask base made in
-    forward is, and ``nn.LSTM``'s zero initial state; or an attention mask that masks nothing
-    (:func:`_empty_mask`)."""
+    constant; or folded from the exporter's anonymous values, tensor constructors and
+    torch ops alone (``val_8``, ``zeros``, ``arange``, ``mul``), as a
+    ``torch.zeros(b, 1, t, t)`` mask base made in forward is, ``nn.LSTM``'s zero initial
+    state, and BLOOM's ALiBi table; or an attention mask that masks nothing
+    (:func:`_empty_mask`). A root-level parameter named like one of those ops would be
+    misread."""
     kind = value.metadata_props.get(_TORCH_KIND_KEY)
     if kind is not None and kind != "PARAMETER":
         return True
@@ -181,12 +196,18 @@ def _not_a_torch_parameter(value: ir.Value, produced: set[str]) -> bool:
     names = _FOLDED_NAME.findall(folded)
     if any(name in produced for name in names):
         return True
-    # folded from the exporter's own anonymous values and torch's tensor constructors
-    # alone (``torch.zeros(...)`` made in forward, as nn.LSTM's initial state is; shape
-    # arithmetic): a parameter would be named by its torch name
-    if names and all(_ANONYMOUS.fullmatch(name) or _CONSTRUCTOR.fullmatch(name) for name in names):
+    # folded from the exporter's own anonymous values, torch's tensor constructors and
+    # ops alone (``torch.zeros(...)`` made in forward, as nn.LSTM's initial state is;
+    # shape arithmetic; BLOOM's ALiBi table): a parameter would be named by its torch name
+    if names and all(_made_name(name) for name in names):
         return True
     return _empty_mask(value, names)
+
+
+def _made_name(name: str) -> bool:
+    """A name the exporter gives a value it made (anonymous, a constant of its own, a
+    tensor constructor's or a torch op's output), not a parameter's."""
+    return any(p.fullmatch(name) for p in (_ANONYMOUS, _CONSTRUCTOR, _EXPORTER_CONSTANT, _TORCH_OP))
 
 
 def _empty_mask(value: ir.Value, names: list[str]) -> bool:
@@ -217,8 +238,7 @@ def folded_scalar(value: ir.Value, produced: set[str]) -> tuple[str, ...] | None
     names = _FOLDED_NAME.findall(folded)
     if any(name in produced for name in names):
         return None
-    exporters = (_ANONYMOUS, _CONSTRUCTOR, _EXPORTER_CONSTANT)
-    named = tuple(n for n in names if not any(p.fullmatch(n) for p in exporters))
+    named = tuple(n for n in names if not _made_name(n))
     return named or None
 
 

@@ -69,8 +69,8 @@ def test_constants_folded_from_sin_or_cos_are_frozen():
 def test_constants_folded_from_an_activation_or_anonymous_values_are_frozen():
     """No parameter is a function of an activation (``r``, made by the graph's Mul: only
     its shape was read, as for an attention scale 1/sqrt(d)), nor of the exporter's
-    anonymous values and tensor constructors alone (a ``torch.zeros`` mask base made in
-    forward, nn.LSTM's zero initial state)."""
+    anonymous values, tensor constructors and torch ops alone (a ``torch.zeros`` mask
+    base made in forward, nn.LSTM's zero initial state, an ALiBi table)."""
     meta = {
         "scale": {FOLDED: "['r', 'val_43', 'val_44']"},
         "b": {FOLDED: "['val_8', 'val_10']"},
@@ -78,5 +78,9 @@ def test_constants_folded_from_an_activation_or_anonymous_values_are_frozen():
         "cos_table": {FOLDED: "['val_0', 'zeros_2', 'val_14']"},  # torch.zeros in forward
     }
     assert _trained(meta) == {"W"}
-    # another op torch named cannot be told from a top-level parameter: kept trained
-    assert "cos_table" in _trained({"cos_table": {FOLDED: "['where', 'val_1']"}})
+    # torch's ops name what they make (BLOOM's ALiBi table: full, pow, arange, mul,
+    # repeat): frozen; a name that is no such op may be a top-level parameter: trained
+    alibi = "['full', 'pow_1', 'arange', 'mul', 'unsqueeze_1', 'repeat', 'val_2']"
+    assert "cos_table" not in _trained({"cos_table": {FOLDED: alibi}})
+    assert "cos_table" not in _trained({"cos_table": {FOLDED: "['where', 'val_1']"}})
+    assert "cos_table" in _trained({"cos_table": {FOLDED: "['temperature', 'val_1']"}})
