@@ -385,13 +385,18 @@ def _dependency(
     per sample, so a batch-split gradient needs no collective. A gradient whose dim 0 is
     a multiple of the batch (a loss over the samples' positions flattened together,
     ``logits.reshape(-1, V)``) is viewed as ``[batch, rest, ...]`` first, so the same
-    holds; otherwise the sum is a scalar (a partial sum under a batch split: a collective,
-    and one over the micro-batches that micro-batching cannot run)."""
+    holds. A source whose dim 0 is a multiple of the gradient's (OPT's layers hold their
+    hidden states as ``[B * T, C]`` while the gradient at the block output is
+    ``[B, T, C]``) takes the condition of each gradient row repeated over its rows.
+    Otherwise the sum is a scalar (a partial sum under a batch split: a collective, and
+    one over the micro-batches that micro-batching cannot run)."""
     stem = f"{block.name}__after"
     gshape, sshape = static_shape(grad), static_shape(source)
     batch = sshape[0] if sshape else 0
-    grouped = bool(gshape) and batch > 0 and gshape[0] != batch and gshape[0] % batch == 0
-    per_sample = bool(gshape) and bool(sshape) and (gshape[0] == batch or grouped)
+    lead = gshape[0] if gshape else 0
+    grouped = lead > 0 and batch > 0 and lead != batch and lead % batch == 0
+    spread = lead > 0 and batch > 0 and lead != batch and batch % lead == 0
+    per_sample = bool(sshape) and (lead == batch or grouped or spread) and lead > 0
     value = grad
     if grouped:
         gshape = (batch, gshape[0] // batch, *gshape[1:])
@@ -408,7 +413,7 @@ def _dependency(
         made.extend((shape_node, view))
         value = view.outputs[0]
     axes = list(range(1 if per_sample else 0, len(gshape)))
-    kept = [batch] if per_sample else []
+    kept = [gshape[0]] if per_sample else []
     if axes:
         axes_node = _ints(f"{stem}_axes", axes, block.name)
         total = _node(
@@ -419,6 +424,24 @@ def _dependency(
         value = total.outputs[0]
     cond = _node("IsNaN", [value], f"{stem}_nan", ir.DataType.BOOL, kept, block, unit)
     made.append(cond)
+    if spread:  # [lead] -> [lead, batch / lead] -> [batch]: each row's flag over its rows
+        repeat = [lead, batch // lead]
+        one = _ints(f"{stem}_one", [1], block.name)
+        column = _node(
+            "Unsqueeze", [cond.outputs[0], one.outputs[0]], f"{stem}_column",
+            ir.DataType.BOOL, [lead, 1], block, unit,
+        )  # fmt: skip
+        wide = _ints(f"{stem}_repeat", repeat, block.name)
+        spread_out = _node(
+            "Expand", [column.outputs[0], wide.outputs[0]], f"{stem}_repeated",
+            ir.DataType.BOOL, repeat, block, unit,
+        )  # fmt: skip
+        flat = _ints(f"{stem}_rows", [batch], block.name)
+        cond = _node(
+            "Reshape", [spread_out.outputs[0], flat.outputs[0]], f"{stem}_per_row",
+            ir.DataType.BOOL, [batch], block, unit,
+        )  # fmt: skip
+        made.extend((one, column, wide, spread_out, flat, cond))
     if per_sample and len(sshape) > 1:
         rest = list(range(1, len(sshape)))
         rest_node = _ints(f"{stem}_rest", rest, block.name)

@@ -37,7 +37,7 @@ from tensoropt.passes.loss import LossKind  # noqa: E402
 from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
 from tensoropt.runtime.run import run_steps  # noqa: E402
 from tests.exports.mapping import step_gradients  # noqa: E402
-from tests.helpers.compile import compile_model  # noqa: E402
+from tests.helpers.compile import compile_model, recompute_collectives  # noqa: E402
 from tests.helpers.steps import step_proto  # noqa: E402
 
 BATCH, SEQ, VOCAB, WIDTH = 4, 6, 40, 16
@@ -414,12 +414,5 @@ def test_recomputing_the_blocks_of_a_flattened_loss_adds_no_collective(exported,
     against the block input's [B, S, C]: viewed as [B, S - 1, V] the wait stays per
     sample, so a batch-split plan adds no collective (summed to a scalar, it cost an
     all-reduce and an all-gather of the block input per block)."""
-    path = exported("lm")
-    capsys.readouterr()
-    counts = []
-    for recompute in ("none", "all"):
-        argv = ["compile", str(path), "--plan", "data-parallel", "--devices", "2",
-                "--recompute", recompute, "-o", str(tmp_path / recompute), "--json"]  # fmt: skip
-        assert main(argv) == 0
-        counts.append(json.loads(capsys.readouterr().out)["collectives_per_device"])
-    assert counts[0] == counts[1], counts
+    plain, recomputed = recompute_collectives(exported("lm"), tmp_path, capsys)
+    assert plain == recomputed

@@ -24,3 +24,20 @@ def compile_model(proto: onnx.ModelProto, plan: str, mesh: str, outdir, options=
     step = build_training_step(model, options or TrainingOptions())
     built = builtin_plan(plan, step.model.graph, step.signature, make_mesh(mesh, plan))
     return compile_step(step, built.plan, built.data_axes, str(outdir)), built
+
+
+def recompute_collectives(path, tmp_path, capsys) -> tuple[int, int]:
+    """Collectives per device of the data-parallel plan of the export at ``path`` on 2
+    devices, without and with every block recomputed (``compile --json``)."""
+    import json
+
+    from tensoropt.cli import main
+
+    capsys.readouterr()
+    counts = []
+    for recompute in ("none", "all"):
+        argv = ["compile", str(path), "--plan", "data-parallel", "--devices", "2",
+                "--recompute", recompute, "-o", str(tmp_path / recompute), "--json"]  # fmt: skip
+        assert main(argv) == 0
+        counts.append(json.loads(capsys.readouterr().out)["collectives_per_device"])
+    return counts[0], counts[1]
