@@ -477,17 +477,18 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
     The exporter's optimizer folds what constants compute, parameters included: BART's
     learned positions looked up at ``arange`` and expanded to the batch (``[B, S, D]``),
     BERT's token-type row 0 looked up at the all-zero ``token_type_ids`` buffer
-    (``[B, S, D]``, one row everywhere). Trained as they are, each copy learns on its own
+    (``[B, S, D]``, one row everywhere), ViT's class token expanded to the batch
+    (``[B, 1, D]``). Trained as they are, each copy learns on its own
     (torch sums their gradients into one parameter), and a batch-sized parameter cannot
     be split into micro-batches. A float initializer folded through an op that repeats
-    its input (``REPLICATING``, in its name or its recorded sources), identical along
-    some axes and read only by broadcasting elementwise ops that make the same shape
-    from its first slice along them, becomes that slice: the op broadcasts it, and its
-    gradient sums the copies, as torch's does. A tensor identical along every axis (a
+    its input (``REPLICATING``, in its name or its recorded sources) and identical along
+    some axes becomes its first slice along them: a broadcasting elementwise op that
+    makes the same shape from the slice reads it as it is, and its gradient sums the
+    copies, as torch's does. A tensor identical along every axis (a
     zero or constant parameter's copy) is left as it is: which axes repeat cannot be
-    told from its values. So is one another op reads (ViT's class token, expanded and
-    concatenated): an ``Expand`` of the slice there keeps its output replicated in a
-    data-parallel completion, which gathers the gradient of every sample.
+    told from its values. Another reader (ViT's class token, expanded to the batch and
+    concatenated) reads ``Expand(slice, shape)``, which a data-parallel completion lays
+    out like the batch (``annotate._Completion._batch_like``).
 
     The candidates' values are read even where the weights are not loaded (a search
     reads them from the external data file), so a search and compile build the same
@@ -517,7 +518,7 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
             continue
         first = array[tuple(slice(0, 1) if a in axes else slice(None) for a in range(array.ndim))]
         uses = list(value.uses())
-        if not uses or not all(_broadcasts(use, first.shape) for use in uses):
+        if not uses:
             continue
         graph.initializers.pop(name)
         value.name = f"{name}__copies"
@@ -529,8 +530,14 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
         )
         param.metadata_props.update(value.metadata_props)
         graph.register_initializer(param)
+        expanded = None  # for the readers that do not broadcast: Expand(slice, shape)
         for use in uses:
-            use.node.replace_input_with(use.idx, param)
+            if _broadcasts(use, first.shape):
+                use.node.replace_input_with(use.idx, param)
+                continue
+            if expanded is None:
+                expanded = _expand_node(graph, param, list(array.shape), value)
+            use.node.replace_input_with(use.idx, expanded)
         log.info(
             "initializer %s %s repeats its first slice along axes %s: trained as that "
             "slice, which its readers broadcast",
@@ -538,6 +545,22 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
             list(array.shape),
             axes,
         )
+
+
+def _expand_node(graph: ir.Graph, param: ir.Value, shape: list[int], like: ir.Value) -> ir.Value:
+    """``Expand(param, shape)`` before the graph's first node; its output is ``like``."""
+    dims = ir.Value(
+        name=f"{param.name}__shape",
+        shape=ir.Shape([len(shape)]),
+        type=ir.TensorType(ir.DataType.INT64),
+        const_value=ir.tensor(np.asarray(shape, np.int64), name=f"{param.name}__shape"),
+    )
+    dims.metadata_props[MADE_KEY] = "import"
+    graph.register_initializer(dims)
+    like.const_value = None
+    node = ir.Node("", "Expand", [param, dims], outputs=[like], name=f"expand_{param.name}")
+    graph.insert_before(graph.node(0), node)
+    return like
 
 
 def _broadcasts(use, shape: tuple[int, ...]) -> bool:

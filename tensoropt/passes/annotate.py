@@ -99,12 +99,18 @@ class _Completion:
         self.out_terms: dict = {}
         self.chosen: dict[tuple, MeshSharding] = {}  # (op view, layouts read) -> choice
         data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
+        # a broadcast of parameters to the batch is laid out like the batch (_batch_like)
+        self.batch_axes: tuple[int, ...] = ()
+        self.batches: set[int] = set()
         if axes is not None:
             default_dp = plan.default is DefaultStrategy.DATA_PARALLEL
             for value in graph.inputs:
                 if value.name in data:
                     dims = axes if default_dp else ()
                     self.layouts[value] = data_layout(static_shape(value), self.mesh, dims)
+                    if static_shape(value):
+                        self.batches.add(static_shape(value)[0])
+            self.batch_axes = tuple(axes) if default_dp else ()
         self.lazy = set(su.params) | set(su.data) - {v.name for v in self.layouts}
         for value in graph.initializers.values():
             if value.name not in self.lazy:
@@ -138,10 +144,32 @@ class _Completion:
         cands = sa.candidates(node, self.mesh)
         if not cands:
             raise ShardingError(f"node {node.name!r} ({node.op_type}) has no legal strategy")
+        like = self._batch_like(node, haves)
+        if like is not None:
+            cands = [c for c in cands if c.outputs[0] == like] or cands
         # an input without a layout is a parameter or data input placed by this reader
         found = cheapest(node, cands, haves, self.mesh, self.out_terms, lambda _: True)
         self.chosen[key] = found
         return found
+
+    def _batch_like(self, node: ir.Node, haves) -> Layout | None:
+        """The data layout for an ``Expand`` of whole values (parameters, constants) from
+        1 to the batch along dim 0, in a data-parallel completion: a
+        class token expanded to the batch. Scored by its inputs alone every strategy
+        costs nothing there, and the replicated one (the least spread) would gather the
+        gradient of every sample in the backward."""
+        if node.op_type != "Expand" or not self.batch_axes:
+            return None
+        if any(h is not None and not _whole(h) for h in haves):  # it reads a split value
+            return None
+        x, out = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+        if len(x) != len(out) or not out or x[0] != 1 or out[0] not in self.batches:
+            return None
+        return data_layout(out, self.mesh, self.batch_axes)
+
+
+def _whole(layout: Layout) -> bool:
+    return all(isinstance(p, Replicate) for p in layout.placements)
 
 
 def _forward_nodes(graph: ir.Graph, su: StepUnits) -> tuple[tuple[ir.Node, bool], ...]:

@@ -169,3 +169,28 @@ def assert_ce_gradients_equal_torch(model, path, feeds: Mapping[str, np.ndarray]
         np.testing.assert_array_less(
             np.abs(grads[name] - want), 1e-4 * np.abs(want) + np.maximum(resolution, floor)
         )
+
+
+def moved_activations(out) -> list[str]:
+    """The collectives of device 0 other than all-reduces (of gradients and the loss),
+    leaving out the gathers read by a ScatterND: an embedding's gradient, which the
+    completion gathers where the batch's rows cost less than an all-reduce of the table.
+    A data-parallel plan that keeps the batch split through the backward has none: a
+    seq-first block's linear layers and a grouped convolution's weight gradient keep it
+    in one contiguous block of rows or groups (rules/grad)."""
+    import onnx
+
+    from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
+
+    nodes = onnx.load(str(out / "device_0.onnx"), load_external_data=False).graph.node
+    readers: dict[str, list[str]] = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.op_type)
+    return [
+        f"{node.op_type} {node.name} of {node.input[0]}"
+        for node in nodes
+        if node.domain == COLLECTIVE_DOMAIN
+        and node.op_type != "AllReduce"
+        and not (node.op_type == "AllGather" and set(readers[node.output[0]]) == {"ScatterND"})
+    ]

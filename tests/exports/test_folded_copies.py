@@ -2,11 +2,14 @@
 
 The exporter's optimizer folds an embedding looked up at constant indices and expanded
 to the batch into a ``[B, S, D]`` initializer: BART's learned positions (``arange``) and
-BERT's token-type row (the all-zero ``token_type_ids`` buffer). Trained as such, each
-copy learned on its own, so the model left torch's after one step, and a batch-sized
-parameter refused micro-batching. Each is trained as its first slice along the axes it
-repeats, which the Add that reads it broadcasts: three SGD steps equal torch's, and the
-model micro-batches like one device."""
+BERT's token-type row (the all-zero ``token_type_ids`` buffer); ViT's class token
+expanded to the batch folds to ``[B, 1, D]``. Trained as such, each copy learned on its
+own, so the model left torch's after one step, and a batch-sized parameter refused
+micro-batching. Each is trained as its first slice along the axes it repeats, which the
+Add that reads it broadcasts (the Concat that reads the class token reads it through an
+Expand, laid out like the batch): three SGD steps equal torch's, and the model
+micro-batches like one device. A parameter that is batch-sized in torch too is refused
+micro-batching, in one line."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: 
 from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
 from tensoropt.runtime.run import run_steps  # noqa: E402
 from tensoropt.runtime.single import StepSession  # noqa: E402
+from tests.exports.mapping import moved_activations  # noqa: E402
 from tests.helpers.steps import step_proto  # noqa: E402
 
 BATCH, SEQ, VOCAB, WIDTH, LR = 4, 6, 30, 16, 0.5
@@ -53,16 +57,51 @@ class Embeds(nn.Module):
         return self.head(self.norm(x))
 
 
+class ClassToken(Embeds):
+    """ViT's class token, expanded to the batch and put before the positions; the
+    logits of every position but the token's."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, WIDTH))
+
+    def forward(self, ids):
+        x = self.tokens(ids)[:, 1:]
+        x = torch.cat([self.cls_token.expand(BATCH, -1, -1), x], dim=1)
+        return self.head(self.norm(x + self.positions.weight[:SEQ]))
+
+
+class PerSample(Embeds):
+    """A parameter of batch size in torch too: each sample its own learned offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(BATCH, 1, WIDTH))
+
+    def forward(self, ids):
+        return self.head(self.norm(self.tokens(ids) + self.offset))
+
+
+MODELS = {"embeds": Embeds, "class_token": ClassToken, "per_sample": PerSample}
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    torch.manual_seed(0)
-    model = Embeds().eval()
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    path = tmp_path_factory.mktemp("copies") / "embeds.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (ids,), str(path), input_names=["ids"], dynamo=True)
-    return model, path
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(0)
+            model = MODELS[name]().eval()
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+            path = tmp_path_factory.mktemp("copies") / f"{name}.onnx"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(model, (ids,), str(path), input_names=["ids"], dynamo=True)
+            made[name] = (model, path)
+        return made[name]
+
+    return get
 
 
 def _batches(steps: int) -> list[dict[str, np.ndarray]]:
@@ -76,31 +115,39 @@ def _batches(steps: int) -> list[dict[str, np.ndarray]]:
     ]
 
 
-def test_the_copies_train_as_the_parameter_they_broadcast(exported):
-    model, path = exported
-    copies = {
+def _copies(path, shape) -> dict:
+    return {
         name: v.const_value.numpy()
         for name, v in ir.load(str(path)).graph.initializers.items()
-        if tuple(v.shape) == (BATCH, SEQ, WIDTH)
+        if tuple(v.shape) == shape
     }
-    assert len(copies) == 2, sorted(copies)  # the file holds both lookups, folded
+
+
+def _trains_like_torch(model, path) -> dict:
+    """Three SGD steps of the export's step equal torch's; the last state."""
     sgd = OptimizerOptions(OptimizerKind.SGD, lr=LR, momentum=0.0)
     session = StepSession(step_proto(onnx.load(str(path)), TrainingOptions(LossKind.CE, sgd))[0])
     state = session.initial_state()
-    shapes = {name: state[name].shape for name in copies}
-    assert sorted(shapes.values()) == [(1, 1, WIDTH), (1, SEQ, WIDTH)], shapes
-
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for batch in _batches(3):
         loss, state = session.step(state, batch)
         optimizer.zero_grad()
         logits = model(torch.from_numpy(batch["ids"]))
-        want = F.cross_entropy(
-            logits.reshape(-1, VOCAB), torch.from_numpy(batch["labels"]).reshape(-1)
-        )
+        labels = torch.from_numpy(batch["labels"]).reshape(-1)
+        want = F.cross_entropy(logits.reshape(-1, VOCAB), labels)
         want.backward()
         optimizer.step()
         assert loss == pytest.approx(want.item(), rel=1e-5)
+    return state
+
+
+def test_the_copies_train_as_the_parameter_they_broadcast(exported):
+    model, path = exported("embeds")
+    copies = _copies(path, (BATCH, SEQ, WIDTH))
+    assert len(copies) == 2, sorted(copies)  # the file holds both lookups, folded
+    state = _trains_like_torch(model, path)
+    shapes = {name: state[name].shape for name in copies}
+    assert sorted(shapes.values()) == [(1, 1, WIDTH), (1, SEQ, WIDTH)], shapes
     rows = {tuple(v.shape): v for k, v in state.items() if k in copies}
     np.testing.assert_allclose(
         rows[(1, SEQ, WIDTH)][0], model.positions.weight.detach().numpy()[2:], rtol=1e-5, atol=1e-6
@@ -110,11 +157,34 @@ def test_the_copies_train_as_the_parameter_they_broadcast(exported):
     )
 
 
-def test_the_collapsed_copies_micro_batch_like_one_device(exported, tmp_path):
-    """A batch-sized parameter would be split with the micro-batches (refused)."""
-    _, path = exported
+def test_a_class_token_expanded_to_the_batch_trains_as_the_token(exported):
+    model, path = exported("class_token")
+    (name,) = _copies(path, (BATCH, 1, WIDTH))
+    state = _trains_like_torch(model, path)
+    np.testing.assert_allclose(state[name], model.cls_token.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["embeds", "class_token"])
+def test_the_collapsed_copies_micro_batch_like_one_device(name, exported, tmp_path):
+    """A batch-sized parameter would be split with the micro-batches (refused); the data
+    parallel plan moves no activation (the class token's Expand splits the batch)."""
+    _, path = exported(name)
+    out = tmp_path / "out"
     argv = ["compile", str(path), "--plan", "data-parallel", "--devices", "2",
-            "--micro-batches", "2", "--loss", "ce", "-o", str(tmp_path / "out")]  # fmt: skip
+            "--micro-batches", "2", "--loss", "ce", "-o", str(out)]  # fmt: skip
     assert main(argv) == 0
-    report = run_steps(tmp_path / "out", 3, "local", verify=True, threads=1).verify
+    assert moved_activations(out) == []
+    report = run_steps(out, 3, "local", verify=True, threads=1).verify
     assert report is not None and report.max_rel_error_params <= 1e-4, report.to_json()
+
+
+def test_a_parameter_of_batch_size_in_torch_is_refused_micro_batches(exported, tmp_path, capsys):
+    _, path = exported("per_sample")
+    argv = ["compile", str(path), "--plan", "data-parallel", "--devices", "1",
+            "--micro-batches", "2", "--loss", "ce", "-o", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and "parameter 'offset' (shape [4, 1, 16]) is split with the batch" in err[0]
+    )
+    assert not (tmp_path / "out").exists()

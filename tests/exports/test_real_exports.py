@@ -37,7 +37,7 @@ from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions  # noqa: 
 from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
 from tensoropt.runtime.run import run_steps  # noqa: E402
 from tensoropt.runtime.single import StepSession  # noqa: E402
-from tests.exports.mapping import match_initializers, to_param_grad  # noqa: E402
+from tests.exports.mapping import match_initializers, moved_activations, to_param_grad  # noqa: E402
 from tests.exports.models import CASES, case_of, torch_loss  # noqa: E402
 from tests.helpers.compile import compile_model  # noqa: E402
 from tests.helpers.steps import step_proto  # noqa: E402
@@ -182,15 +182,17 @@ def test_cli_train_runs_three_finite_steps(name, exported, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "source"),
-    [("vit", "cls_token"), ("relbias-opt", "rel_bias.weight"), ("vit-noopt", None),
+    [("vit", None), ("relbias-opt", "rel_bias.weight"), ("vit-noopt", None),
      ("relbias", None)],
 )  # fmt: skip
 def test_trained_copies_of_a_folded_parameter_are_named(name, source, exported, capsys):
-    """The exporter's optimizer folds ViT's class token expanded to the batch, and a
-    relative position bias gathered at constant buckets, into tensors that repeat the
-    parameter's values; trained, each copy learns on its own. train says so, naming the
-    parameter and the fix; the ``optimize=False`` export keeps the parameter (its
-    gradient equals torch's: test_loss_and_gradients_equal_torch_autograd) and is quiet."""
+    """The exporter's optimizer folds a relative position bias gathered at constant
+    buckets into a tensor that repeats the parameter's values; trained, each copy learns
+    on its own. train says so, naming the parameter and the fix; the ``optimize=False``
+    export keeps the parameter (its gradient equals torch's:
+    test_loss_and_gradients_equal_torch_autograd) and is quiet. ViT's class token,
+    expanded to the batch, is a copy the importer gives back as the token
+    (test_folded_copies.py): quiet too."""
     path = exported(name)
     capsys.readouterr()
     assert main(["train", str(path), "--steps", "1", "--threads", "1"]) == 0
@@ -287,34 +289,11 @@ def test_compiled_plan_verifies(name, plan, mesh, exported, tmp_path):
         for fragment in MEGATRON_NOTES[name]:
             assert any(fragment in note for note in built.notes), built.notes
     else:
-        assert _moved_activations(tmp_path / "out") == [], name
+        assert moved_activations(tmp_path / "out") == [], name
     report = run_steps(tmp_path / "out", 3, "local", verify=True, threads=1).verify
     assert report is not None and len(report.per_step) == 3
     assert report.max_rel_error_loss <= 1e-4, report.to_json()
     assert report.max_rel_error_params <= 1e-4, report.to_json()
-
-
-def _moved_activations(out) -> list[str]:
-    """The collectives of device 0 other than all-reduces (of gradients and the loss),
-    leaving out the gathers read by a ScatterND: an embedding's gradient, which the
-    completion gathers where the batch's rows cost less than an all-reduce of the table.
-    A data-parallel plan that keeps the batch split through the backward has none: a
-    seq-first block's linear layers and a grouped convolution's weight gradient keep it
-    in one contiguous block of rows or groups (rules/grad)."""
-    from tensoropt.ir.vocab import COLLECTIVE_DOMAIN
-
-    nodes = onnx.load(str(out / "device_0.onnx"), load_external_data=False).graph.node
-    readers: dict[str, list[str]] = {}
-    for node in nodes:
-        for name in node.input:
-            readers.setdefault(name, []).append(node.op_type)
-    return [
-        f"{node.op_type} {node.name} of {node.input[0]}"
-        for node in nodes
-        if node.domain == COLLECTIVE_DOMAIN
-        and node.op_type != "AllReduce"
-        and not (node.op_type == "AllGather" and set(readers[node.output[0]]) == {"ScatterND"})
-    ]
 
 
 @pytest.mark.slow
@@ -401,30 +380,14 @@ def test_train_mode_export_is_the_eval_graph(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_micro_batched_point_the_search_offers_compiles(exported, tmp_path, capsys):
-    """The ViT export folds its class token into a [batch, 1, D] initializer that the
-    Concat reads: under micro-batches every strategy splits it with the batch, which
-    compile refuses (each micro-batch would update a piece of a parameter). The search
-    must not offer such points: every 1-device point of the split and micro axes
-    compiles, and the 2-micro-batch problem is not searched there."""
-    model = exported("vit")
-    frontier = _compile_every_micro_point(model, tmp_path, capsys)
-    assert frontier, "no 1-device point"
-    assert all(row["axes"]["micro_batches"] == 1 for row in frontier)
-    # the batch-sized parameter is compile's reason, stated for the plan itself
-    assert main(["compile", str(model), "--devices", "1", "--micro-batches", "2",
-                 "-o", str(tmp_path / "refused")]) == 2  # fmt: skip
-    assert "is split with the batch" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in CASES if n != "vit"])
-def test_every_micro_batched_point_compiles_on_every_other_export(name, exported, tmp_path, capsys):
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_micro_batched_point_compiles_on_every_export(name, exported, tmp_path, capsys):
     """Every point the search offers at 1 device compiles, micro-batched ones among them
-    (the plan is the program): nn.TransformerEncoder (attention seq-first, [T, B, C]) and
-    the depthwise ConvNet included. Their weight gradients keep the batch one contiguous
-    block (``rules.grad``): a linear layer's rows fold as [B * T], a grouped
-    convolution's batch sits outside its groups. Folded as [T * B], or inside the groups,
+    (the plan is the program): nn.TransformerEncoder (attention seq-first, [T, B, C]),
+    the depthwise ConvNet and ViT (its class token given back by the importer) included.
+    Their weight gradients keep the batch one contiguous block (``rules.grad``): a
+    linear layer's rows fold as [B * T], a grouped convolution's batch sits outside its
+    groups. Folded as [T * B], or inside the groups,
     a batch split is a strided piece, and the micro axis gathered the micro-batches
     there: the search priced the gather, compile refused it."""
     frontier = _compile_every_micro_point(exported(name), tmp_path, capsys)

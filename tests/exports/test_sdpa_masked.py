@@ -87,10 +87,10 @@ def test_megatron_splits_the_heads_with_one_all_reduce_each_way(export, tmp_path
 def test_data_parallel_keeps_the_mask_split_and_micro_batches_verify(export, tmp_path):
     """The mask indexed at every sample is a view, so data parallelism moves no
     activation and a micro-batched plan compiles and trains like one device."""
-    from tests.exports.test_real_exports import _moved_activations
+    from tests.exports.mapping import moved_activations
 
     compile_model(onnx.load(str(export)), "data-parallel", "2", tmp_path / "dp")
-    assert _moved_activations(tmp_path / "dp") == []
+    assert moved_activations(tmp_path / "dp") == []
     from tensoropt.cli import main
 
     out = tmp_path / "micro"
