@@ -147,7 +147,7 @@ def check_batch_divides(
     whole: Collection[str] = (),
 ) -> None:
     """Refuse a ``k`` that does not divide each data input's batch on one rank, but for
-    the inputs fed ``whole`` to every micro-step (:func:`fed_whole`)."""
+    the inputs fed ``whole`` to every micro-step (:func:`micro_along`)."""
     data = set(sig.data_inputs) | ({sig.labels} if sig.labels else set())
     mesh = ann.mesh
     for value in graph.inputs:
