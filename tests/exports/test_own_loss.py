@@ -13,7 +13,10 @@ scalar output (``--loss auto``):
   so ``train`` runs finite steps on them;
 * data parallelism on 2 devices verifies against the single-device step, the
   contrastive loss included (every sample's logits read the whole batch of the other
-  tower).
+  tower);
+* micro-batches of HF's loss divide by the labels kept over the whole batch (the count
+  runs whole in every micro-step), with recomputed blocks too; a loss divided by a sum
+  of the model's own outputs is refused.
 """
 
 from __future__ import annotations
