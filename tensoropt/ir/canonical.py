@@ -304,7 +304,7 @@ def gathers_as_views(graph: ir.Graph) -> int:
         if index.ndim < 1 or index.shape[-1] != len(dims) or not dims:
             continue  # only full coordinates: one element per output position
         flat = np.ravel_multi_index(tuple(np.moveaxis(index % dims, -1, 0)), dims)  # (J...)
-        kept = [1 if flat.shape[j] > 1 and _constant_along(flat, j) else flat.shape[j]
+        kept = [1 if flat.shape[j] > 1 and constant_along(flat, j) else flat.shape[j]
                 for j in range(flat.ndim)]  # fmt: skip
         if math.prod(kept) != math.prod(dims):
             continue
@@ -372,7 +372,8 @@ def sample_gathers(graph: ir.Graph) -> int:
     return done
 
 
-def _constant_along(array: np.ndarray, axis: int) -> bool:
+def constant_along(array: np.ndarray, axis: int) -> bool:
+    """Whether ``array`` repeats its first slice along ``axis``."""
     first = np.take(array, [0], axis=axis)
     return bool(np.all(array == first))
 

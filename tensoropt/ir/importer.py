@@ -29,7 +29,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from tensoropt.errors import DynamicShapeError, ModelLoadError, UnsupportedOpError
-from tensoropt.ir.canonical import canonicalize
+from tensoropt.ir.canonical import canonicalize, constant_along
 from tensoropt.ir.external import check_extents, check_locations
 from tensoropt.ir.fold import fold_shapes
 from tensoropt.ir.vocab import MADE_KEY, ROLE_KEY, UNIT_KEY, Role
@@ -509,11 +509,7 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
             continue
         if not np.issubdtype(array.dtype, np.floating):
             continue
-        axes = [
-            a
-            for a in range(array.ndim)
-            if array.shape[a] > 1 and np.array_equal(array, np.take(array, [0] * array.shape[a], a))
-        ]
+        axes = [a for a in range(array.ndim) if array.shape[a] > 1 and constant_along(array, a)]
         if not axes or all(array.shape[a] == 1 or a in axes for a in range(array.ndim)):
             continue
         first = array[tuple(slice(0, 1) if a in axes else slice(None) for a in range(array.ndim))]
