@@ -488,7 +488,9 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
     zero or constant parameter's copy) is left as it is: which axes repeat cannot be
     told from its values. Another reader (ViT's class token, expanded to the batch and
     concatenated) reads ``Expand(slice, shape)``, which a data-parallel completion lays
-    out like the batch (``annotate._Completion._batch_like``).
+    out like the batch (``annotate._Completion._batch_like``). Where the parameter is
+    also read directly, it is still an initializer among the copy's recorded sources and
+    equals the slice: the slice is that initializer (:func:`_source_equal_to`).
 
     The candidates' values are read even where the weights are not loaded (a search
     reads them from the external data file), so a search and compile build the same
@@ -518,14 +520,16 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
             continue
         graph.initializers.pop(name)
         value.name = f"{name}__copies"
-        param = ir.Value(
-            name=name,
-            shape=ir.Shape(list(first.shape)),
-            type=ir.TensorType(value.dtype),
-            const_value=ir.tensor(np.ascontiguousarray(first), name=name),
-        )
-        param.metadata_props.update(value.metadata_props)
-        graph.register_initializer(param)
+        param = _source_equal_to(graph, sources, first, value.dtype)
+        if param is None:
+            param = ir.Value(
+                name=name,
+                shape=ir.Shape(list(first.shape)),
+                type=ir.TensorType(value.dtype),
+                const_value=ir.tensor(np.ascontiguousarray(first), name=name),
+            )
+            param.metadata_props.update(value.metadata_props)
+            graph.register_initializer(param)
         expanded = None  # for the readers that do not broadcast: Expand(slice, shape)
         for use in uses:
             if _broadcasts(use, first.shape):
@@ -541,6 +545,28 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
             list(array.shape),
             axes,
         )
+
+
+def _source_equal_to(
+    graph: ir.Graph, sources: list[str], first: np.ndarray, dtype
+) -> ir.Value | None:
+    """The one recorded source of a folded copy that is still an initializer and equals
+    its slice ``first`` (the parameter read directly elsewhere, as well as broadcast),
+    else None. The slice is then that parameter: one initializer, trained once."""
+    found = []
+    for source in dict.fromkeys(sources):
+        value = graph.initializers.get(source)
+        if value is None or value.dtype != dtype or value.is_graph_output():
+            continue
+        if value.shape is None or tuple(value.shape.numpy()) != first.shape:
+            continue
+        try:
+            array = _copy_values(value)
+        except (OSError, ValueError):
+            continue
+        if array is not None and np.array_equal(array, first):
+            found.append(value)
+    return found[0] if len(found) == 1 else None
 
 
 def _expand_node(graph: ir.Graph, param: ir.Value, shape: list[int], like: ir.Value) -> ir.Value:

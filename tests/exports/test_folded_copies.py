@@ -8,7 +8,8 @@ own, so the model left torch's after one step, and a batch-sized parameter refus
 micro-batching. Each is trained as its first slice along the axes it repeats, which the
 Add that reads it broadcasts (the Concat that reads the class token reads it through an
 Expand, laid out like the batch): three SGD steps equal torch's, and the model
-micro-batches like one device. A parameter that is batch-sized in torch too is refused
+micro-batches like one device. A token read directly as well is the slice of its
+copy: one parameter. A parameter that is batch-sized in torch too is refused
 micro-batching, in one line."""
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ class ClassToken(Embeds):
         return self.head(self.norm(x + self.positions.weight[:SEQ]))
 
 
+class TokenReadTwice(ClassToken):
+    """The class token expanded to the batch and also added to every position as it is:
+    the file holds the token and its folded copy."""
+
+    def forward(self, ids):
+        x = self.tokens(ids)[:, 1:] + self.cls_token
+        x = torch.cat([self.cls_token.expand(BATCH, -1, -1), x], dim=1)
+        return self.head(self.norm(x + self.positions.weight[:SEQ]))
+
+
 class PerSample(Embeds):
     """A parameter of batch size in torch too: each sample its own learned offset."""
 
@@ -82,7 +93,12 @@ class PerSample(Embeds):
         return self.head(self.norm(self.tokens(ids) + self.offset))
 
 
-MODELS = {"embeds": Embeds, "class_token": ClassToken, "per_sample": PerSample}
+MODELS = {
+    "embeds": Embeds,
+    "class_token": ClassToken,
+    "token_read_twice": TokenReadTwice,
+    "per_sample": PerSample,
+}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +180,20 @@ def test_a_class_token_expanded_to_the_batch_trains_as_the_token(exported):
     np.testing.assert_allclose(state[name], model.cls_token.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["embeds", "class_token"])
+def test_a_token_also_read_directly_is_one_parameter(exported):
+    """The copy's slice is the token the file also holds: trained once, its gradient
+    the sum of both uses, as torch's (apart, each copy learned half of it)."""
+    model, path = exported("token_read_twice")
+    (copy,) = _copies(path, (BATCH, 1, WIDTH))
+    assert "cls_token" in _copies(path, (1, 1, WIDTH))
+    state = _trains_like_torch(model, path)
+    assert copy not in state
+    np.testing.assert_allclose(
+        state["cls_token"], model.cls_token.detach().numpy(), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("name", ["embeds", "class_token", "token_read_twice"])
 def test_the_collapsed_copies_micro_batch_like_one_device(name, exported, tmp_path):
     """A batch-sized parameter would be split with the micro-batches (refused); the data
     parallel plan moves no activation (the class token's Expand splits the batch)."""
