@@ -352,6 +352,7 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
     _retie_transposed_copies(graph)
     _merge_equal_copies(graph)
     _collapse_broadcast_copies(graph)
+    _regather_copies(graph)
     _add_dropout_masks(graph)
     for what, count in canonicalize(graph, path).items():
         if count:
@@ -471,6 +472,29 @@ _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where"})
 _COPIES_READ = 1 << 26  # elements (256 MiB of float32): larger folded copies stay
 
 
+def _repeating_copies(graph: ir.Graph):
+    """(name, value, recorded sources, float values) of each initializer the exporter
+    folded through an op that repeats its input (``REPLICATING``, in its name or its
+    sources), of 2 to ``_COPIES_READ`` elements, whose values can be read (from the
+    external data file where the weights are not loaded; an unreadable one is left to
+    compile, which reports the file)."""
+    for name, value in list(graph.initializers.items()):
+        sources = _folded_from(value)
+        if not sources or value.is_graph_output():
+            continue
+        if not any(REPLICATING.fullmatch(n) for n in (name, *sources)):
+            continue
+        tensor = value.const_value
+        if tensor is None or not 2 <= tensor.size <= _COPIES_READ:
+            continue
+        try:
+            array = tensor.numpy()
+        except (OSError, ValueError):
+            continue
+        if np.issubdtype(array.dtype, np.floating):
+            yield name, value, sources, array
+
+
 def _collapse_broadcast_copies(graph: ir.Graph) -> None:
     """Give back the parameter of a folded copy that broadcasts it.
 
@@ -496,21 +520,7 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
     reads them from the external data file), so a search and compile build the same
     step; a candidate above ``_COPIES_READ`` elements is left as it is in both.
     """
-    for name, value in list(graph.initializers.items()):
-        sources = _folded_from(value)
-        if not sources or value.is_graph_output():
-            continue
-        if not any(REPLICATING.fullmatch(n) for n in (name, *sources)):
-            continue
-        tensor = value.const_value
-        if tensor is None or not 2 <= tensor.size <= _COPIES_READ:
-            continue
-        try:
-            array = tensor.numpy()
-        except (OSError, ValueError):  # unreadable here: compile reports the file
-            continue
-        if not np.issubdtype(array.dtype, np.floating):
-            continue
+    for name, value, sources, array in _repeating_copies(graph):
         axes = [a for a in range(array.ndim) if array.shape[a] > 1 and constant_along(array, a)]
         if not axes or all(array.shape[a] == 1 or a in axes for a in range(array.ndim)):
             continue
@@ -545,6 +555,106 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
             list(array.shape),
             axes,
         )
+
+
+def _regather_copies(graph: ir.Graph) -> None:
+    """Give back the table of a folded copy that gathers its rows at constant positions.
+
+    T5's and Swin's relative position bias is a table ``[buckets, heads]`` gathered at
+    constant buckets and permuted, which the exporter's optimizer folds into one
+    ``[1, heads, T, T]`` tensor: trained as it is, each copy of a row learns on its own,
+    where torch sums their gradients into the row. A float initializer folded through a
+    repeating op (``REPLICATING``), not a broadcast copy (:func:`_collapse_broadcast_copies`
+    gave those back), becomes ``Transpose(Gather(table, positions))``: along an axis of
+    two or more, its vectors repeat, and ``table`` holds each distinct vector once (in
+    the order of first use), ``positions`` (int64, made here) which one each place reads.
+    The gradient then sums the copies of each row, as torch's does.
+
+    The table is the parameter only where its values say so: every one of its scalars
+    differs from every other (each is one element of the torch parameter; a table whose
+    values repeat within or across rows is left as it is, and warned of by the trainable
+    selection), and of the axes where that holds the one with the fewest distinct
+    vectors is taken. Two rows of the torch table that are equal in every element are
+    trained as one (fresh zero-initialised rows; a trained or random table has none).
+    Values are read even where the weights are not loaded, so a search and compile
+    build the same step."""
+    for name, value, _, array in _repeating_copies(graph):
+        if not value.uses() or np.unique(array).size == array.size:
+            continue  # no value repeats: nothing is a copy
+        found = _gathered_table(array)
+        if found is None:
+            continue
+        table, positions, axis = found
+        graph.initializers.pop(name)
+        value.name = f"{name}__copies"
+        param = ir.Value(
+            name=name,
+            shape=ir.Shape(list(table.shape)),
+            type=ir.TensorType(value.dtype),
+            const_value=ir.tensor(table, name=name),
+        )
+        param.metadata_props.update(value.metadata_props)
+        graph.register_initializer(param)
+        at = ir.Value(
+            name=f"{name}__positions",
+            shape=ir.Shape(list(positions.shape)),
+            type=ir.TensorType(ir.DataType.INT64),
+            const_value=ir.tensor(positions, name=f"{name}__positions"),
+        )
+        at.metadata_props[MADE_KEY] = "import"
+        graph.register_initializer(at)
+        value.const_value = None
+        first = graph.node(0)
+        perm = [*range(axis), array.ndim - 1, *range(axis, array.ndim - 1)]
+        if perm == list(range(array.ndim)):
+            nodes = [ir.Node("", "Gather", [param, at], outputs=[value], name=f"gather_{name}")]
+        else:
+            gathered = ir.Value(
+                name=f"{name}__gathered",
+                shape=ir.Shape([*positions.shape, table.shape[1]]),
+                type=ir.TensorType(value.dtype),
+            )
+            nodes = [
+                ir.Node("", "Gather", [param, at], outputs=[gathered], name=f"gather_{name}"),
+                ir.Node("", "Transpose", [gathered], attributes=[ir.AttrInt64s("perm", perm)],
+                        outputs=[value], name=f"transpose_{name}"),
+            ]  # fmt: skip
+        for node in nodes:
+            graph.insert_before(first, node)
+        log.info(
+            "initializer %s %s gathers %d rows of %d values at constant positions: "
+            "trained as that table",
+            name,
+            list(array.shape),
+            table.shape[0],
+            table.shape[1],
+        )
+
+
+def _gathered_table(array: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(table, positions, axis) with ``array == moveaxis(table[positions], -1, axis)``,
+    where ``table``'s rows are ``array``'s distinct vectors along ``axis`` in the order of
+    first use, they repeat, and no scalar of ``table`` equals another; of the axes that
+    qualify, the one with the fewest rows. None when none does."""
+    best = None
+    for axis in range(array.ndim):
+        width = array.shape[axis]
+        if width < 2:
+            continue
+        vectors = np.ascontiguousarray(np.moveaxis(array, axis, -1)).reshape(-1, width)
+        rows = vectors.view(np.dtype((np.void, width * vectors.itemsize))).ravel()
+        _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+        if len(first) == len(rows) or (best is not None and len(first) >= len(best[0])):
+            continue
+        order = np.argsort(first)  # the distinct vectors in the order of first use
+        table = vectors[first[order]]
+        if np.unique(table).size != table.size:
+            continue
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        shape = np.moveaxis(array, axis, -1).shape[:-1]
+        best = (np.ascontiguousarray(table), rank[inverse].reshape(shape).astype(np.int64), axis)
+    return best
 
 
 def _source_equal_to(

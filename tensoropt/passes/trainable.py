@@ -23,10 +23,12 @@ and torch's tensor constructors alone (a ``torch.zeros`` made in forward: a mask
 (``arange`` and comparisons, no parameter): an attention mask that masks nothing, which
 HuggingFace models build when no padding is given. See docs/design/exports.md.
 
-An initializer the optimizer folded from a parameter through an op that repeats it (a
-class token expanded to the batch, a bias table gathered at constant buckets) is still
-trained, since the file cannot say which entries were one parameter; the summary warns,
-naming the parameter and ``optimize=False`` (:func:`folded_copies`).
+An initializer the optimizer folded from a parameter through an op that repeats it,
+which the importer could not give back as the parameter (``importer.
+_collapse_broadcast_copies`` and ``_regather_copies`` give back a class token expanded to
+the batch and a bias table gathered at constant buckets; a table whose values repeat
+stays), is still trained, since the file cannot say which entries were one parameter;
+the summary warns, naming the parameter and ``optimize=False`` (:func:`folded_copies`).
 """
 
 from __future__ import annotations
@@ -246,10 +248,11 @@ def folded_copies(value: ir.Value) -> tuple[str, ...] | None:
     """The parameters ``value`` repeats values of, when the exporter folded it from a
     parameter through an op that repeats its input (it names the value or an
     intermediate after the op: ``expand``, ``embedding``, ``index``...) and its values do
-    repeat: ViT's class token expanded to the batch, a relative position bias gathered
-    at constant buckets (T5, Swin). Trained, each copy learns on its own; torch trains
-    one parameter. The parameters are the dotted names the exporter recorded (else its
-    other non-anonymous names; empty when it recorded none). None: not such a copy."""
+    repeat, and the importer left it (a relative position bias whose table's values
+    repeat: which entries were one element cannot be told). Trained, each copy learns on
+    its own; torch trains one parameter. The parameters are the dotted names the
+    exporter recorded (else its other non-anonymous names; empty when it recorded none).
+    None: not such a copy."""
     names = _FOLDED_NAME.findall(value.metadata_props.get(_FOLDED_FROM_KEY, ""))
     if not names or not any(REPLICATING.fullmatch(n) for n in (value.name or "", *names)):
         return None

@@ -34,9 +34,10 @@ from tensoropt.passes.training_step import TrainingOptions  # noqa: E402
 from tensoropt.runtime.run import run_steps  # noqa: E402
 from tensoropt.runtime.single import StepSession  # noqa: E402
 from tests.exports.mapping import moved_activations  # noqa: E402
-from tests.helpers.steps import step_proto  # noqa: E402
+from tests.helpers.steps import import_proto, step_proto  # noqa: E402
 
 BATCH, SEQ, VOCAB, WIDTH, LR = 4, 6, 30, 16, 0.5
+HEADS = 2
 
 
 class Embeds(nn.Module):
@@ -82,6 +83,28 @@ class TokenReadTwice(ClassToken):
         return self.head(self.norm(x + self.positions.weight[:SEQ]))
 
 
+class RelativeBias(Embeds):
+    """T5's relative position bias: a ``[buckets, heads]`` table gathered at the
+    constant bucket of ``j - i``, permuted to ``[1, heads, T, T]`` and added to the
+    attention scores; the exporter folds the gathered table into that tensor."""
+
+    def __init__(self, rounded: bool = False):
+        super().__init__()
+        self.bias = nn.Embedding(2 * SEQ, HEADS)
+        if rounded:  # values repeat within the table: which copies were one is unknown
+            with torch.no_grad():
+                self.bias.weight.copy_(torch.round(self.bias.weight * 2) / 2)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+
+    def forward(self, ids):
+        pos = torch.arange(SEQ)
+        bias = self.bias(pos[None, :] - pos[:, None] + SEQ).permute(2, 0, 1).unsqueeze(0)
+        x = self.tokens(ids)
+        q, k, v = self.qkv(x).view(BATCH, SEQ, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2) + bias).softmax(-1)
+        return self.head(self.norm(x + (scores @ v).transpose(1, 2).reshape(BATCH, SEQ, WIDTH)))
+
+
 class PerSample(Embeds):
     """A parameter of batch size in torch too: each sample its own learned offset."""
 
@@ -97,6 +120,8 @@ MODELS = {
     "embeds": Embeds,
     "class_token": ClassToken,
     "token_read_twice": TokenReadTwice,
+    "relative_bias": RelativeBias,
+    "rounded_bias": lambda: RelativeBias(rounded=True),
     "per_sample": PerSample,
 }
 
@@ -193,7 +218,40 @@ def test_a_token_also_read_directly_is_one_parameter(exported):
     )
 
 
-@pytest.mark.parametrize("name", ["embeds", "class_token", "token_read_twice"])
+def test_a_bias_table_gathered_at_constant_buckets_trains_as_the_table(exported, capsys):
+    """The folded ``[1, H, T, T]`` bias becomes the table of its distinct rows gathered
+    at the positions that read them: each row's gradient sums its copies, as torch's
+    does (trained per copy, the loss left torch's at the second step); train does not
+    warn of it."""
+    model, path = exported("relative_bias")
+    (name,) = _copies(path, (1, HEADS, SEQ, SEQ))
+    state = _trains_like_torch(model, path)
+    used = model.bias.weight.detach().numpy()[1 : 2 * SEQ]  # buckets 1 .. 2 SEQ - 1
+    assert state[name].shape == used.shape
+
+    def rows(a):
+        return a[np.lexsort(a.T[::-1])]
+
+    np.testing.assert_allclose(rows(state[name]), rows(used), rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert main(["train", str(path), "--steps", "1", "--threads", "1", "--loss", "ce"]) == 0
+    assert "repeats values" not in capsys.readouterr().err
+
+
+def test_a_table_whose_values_repeat_is_left_and_warned_of(exported, capsys):
+    """Rounded to halves, the table's scalars repeat: the file cannot say which copies
+    were one element, so the folded tensor stays as it is and train names it."""
+    _, path = exported("rounded_bias")
+    (name,) = _copies(path, (1, HEADS, SEQ, SEQ))
+    graph = import_proto(onnx.load(str(path))).graph
+    assert tuple(graph.initializers[name].shape) == (1, HEADS, SEQ, SEQ)
+    capsys.readouterr()
+    assert main(["train", str(path), "--steps", "1", "--threads", "1", "--loss", "ce"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "repeats values" in line]
+    assert len(warned) == 1 and repr(name) in warned[0] and "optimize=False" in warned[0], warned
+
+
+@pytest.mark.parametrize("name", ["embeds", "class_token", "token_read_twice", "relative_bias"])
 def test_the_collapsed_copies_micro_batch_like_one_device(name, exported, tmp_path):
     """A batch-sized parameter would be split with the micro-batches (refused); the data
     parallel plan moves no activation (the class token's Expand splits the batch)."""
