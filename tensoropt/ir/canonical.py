@@ -46,6 +46,11 @@ Two spellings of the same computation should plan alike. :func:`canonicalize` re
 - **Gathers of one position per sample** (:func:`sample_gathers`): ``data[arange(B),
   i]`` (HuggingFace's sequence classifiers pooling the last non-padding position)
   becomes a GatherElements along dim 1, which a batch split keeps.
+- **Tiles of ones** (:func:`tiles_as_expands`): ``Tile`` whose every repeated
+  dimension is 1 (a class token ``.repeat``-ed to the batch) becomes ``Expand``, and an
+  ``Expand`` that keeps its input's shape (``optimize=False``'s ``expand`` of the token
+  to its own shape) is dropped: the token is then expanded where it is read, which the
+  data-parallel completion lays out like the batch.
 - **CastLike** (:func:`cast_likes`), which ``torch.onnx.export(..., optimize=False)``
   emits for scalars, becomes a ``Cast`` to the static dtype of its second input.
 
@@ -54,7 +59,8 @@ Post: no node of :data:`FUSED` (fused ops, activations, pixel shuffles, recurren
 losses); no Reshape -> Transpose -> Reshape chain of single readers whose reshapes have a
 common refinement that the output groups, no Transpose read only by a Transpose, no Gathers
 that unbind a last dimension, no Slices that partition a dimension, no Resize but
-tf_crop_and_resize or of variable scales, no CastLike; every value made here has its
+tf_crop_and_resize or of variable scales, no CastLike, no Tile whose every repeated
+dimension is 1, no Expand to its input's shape but a graph output; every value made here has its
 static shape and dtype; the constants made here carry ``MADE_KEY`` and are never
 trained (``passes/trainable.py``): scalars, shapes, additive masks (values at the
 dtype's lowest), gather indices and resize weights. A fused node whose form has no
@@ -105,6 +111,7 @@ def canonicalize(graph: ir.Graph, path: str) -> dict[str, int]:
         "per-sample gathers": sample_gathers(graph),
         "flattened Gemms": unflatten_gemms(graph),
         "CastLikes": cast_likes(graph),
+        "Tiles of ones": tiles_as_expands(graph),
         "partitioning Slices": slices_as_splits(graph),
     }
 
@@ -217,6 +224,43 @@ def cast_likes(graph: ir.Graph) -> int:
             attrs["saturate"] = node.attributes["saturate"].value
         b.at(node)
         _replace(graph, out, b.op("Cast", [x], _shape(out), like.dtype, "cast", **attrs))
+        graph.remove(node, safe=True)
+        done += 1
+    return done
+
+
+def tiles_as_expands(graph: ir.Graph) -> int:
+    """``Tile(x, r)`` whose every repeated dimension of ``x`` is 1 becomes
+    ``Expand(x, shape)``, and an ``Expand`` whose output has its input's shape (not a
+    graph output) is dropped, its readers reading its input. A class token repeated to
+    the batch (``cls.repeat(B, 1, 1)``, exported unoptimized as a no-op Expand and a
+    Tile) is then one Expand of the parameter, which the data-parallel completion lays
+    out like the batch (``annotate._Completion._batch_like``); read through the Tile, its
+    gradient was gathered from every sample. Returns how many nodes were rewritten."""
+    b = _Builder(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type not in ("Tile", "Expand") or node.domain not in ("", "ai.onnx"):
+            continue
+        x, out = node.inputs[0], node.outputs[0]
+        if x is None or x.shape is None or out.shape is None or len(node.inputs) < 2:
+            continue
+        shape, result = _shape(x), _shape(out)
+        if node.op_type == "Expand":
+            if shape != result or out.is_graph_output():
+                continue
+            ir.convenience.replace_all_uses_with(out, x)
+            graph.remove(node, safe=True)
+            done += 1
+            continue
+        repeats = _const_ints(node.inputs[1]) if node.inputs[1] is not None else None
+        if repeats is None or len(repeats) != len(shape) or all(r == 1 for r in repeats):
+            continue
+        if any(r != 1 and d != 1 for r, d in zip(repeats, shape, strict=True)):
+            continue
+        b.at(node)
+        dims = b.const(np.asarray(result, dtype=np.int64), "shape")
+        _replace(graph, out, b.op("Expand", [x, dims], result, out.dtype, "expand"))
         graph.remove(node, safe=True)
         done += 1
     return done

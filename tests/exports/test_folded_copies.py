@@ -83,6 +83,16 @@ class TokenReadTwice(ClassToken):
         return self.head(self.norm(x + self.positions.weight[:SEQ]))
 
 
+class TokenRepeated(ClassToken):
+    """The class token ``.repeat``-ed to the batch: unoptimized, an Expand of the token to
+    its own shape and a Tile (``canonical.tiles_as_expands``)."""
+
+    def forward(self, ids):
+        x = self.tokens(ids)[:, 1:]
+        x = torch.cat([self.cls_token.repeat(BATCH, 1, 1), x], dim=1)
+        return self.head(self.norm(x + self.positions.weight[:SEQ]))
+
+
 class RelativeBias(Embeds):
     """T5's relative position bias: a ``[buckets, heads]`` table gathered at the
     constant bucket of ``j - i``, permuted to ``[1, heads, T, T]`` and added to the
@@ -120,6 +130,7 @@ MODELS = {
     "embeds": Embeds,
     "class_token": ClassToken,
     "token_read_twice": TokenReadTwice,
+    "token_repeated": TokenRepeated,
     "relative_bias": RelativeBias,
     "rounded_bias": lambda: RelativeBias(rounded=True),
     "per_sample": PerSample,
@@ -131,14 +142,19 @@ def exported(tmp_path_factory):
     made = {}
 
     def get(name: str):
+        """The model ``name`` and its export; ``NAME-noopt`` exported with
+        ``optimize=False``."""
         if name not in made:
             torch.manual_seed(0)
-            model = MODELS[name]().eval()
+            base, _, noopt = name.partition("-")
+            model = MODELS[base]().eval()
             ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
             path = tmp_path_factory.mktemp("copies") / f"{name}.onnx"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                torch.onnx.export(model, (ids,), str(path), input_names=["ids"], dynamo=True)
+                torch.onnx.export(
+                    model, (ids,), str(path), input_names=["ids"], dynamo=True, optimize=not noopt
+                )
             made[name] = (model, path)
         return made[name]
 
@@ -251,10 +267,14 @@ def test_a_table_whose_values_repeat_is_left_and_warned_of(exported, capsys):
     assert len(warned) == 1 and repr(name) in warned[0] and "optimize=False" in warned[0], warned
 
 
-@pytest.mark.parametrize("name", ["embeds", "class_token", "token_read_twice", "relative_bias"])
+@pytest.mark.parametrize(
+    "name",
+    ["embeds", "class_token", "token_read_twice", "relative_bias", "token_repeated-noopt"],
+)
 def test_the_collapsed_copies_micro_batch_like_one_device(name, exported, tmp_path):
     """A batch-sized parameter would be split with the micro-batches (refused); the data
-    parallel plan moves no activation (the class token's Expand splits the batch)."""
+    parallel plan moves no activation (the class token's Expand splits the batch; the
+    unoptimized export's repeat of it, a Tile, becomes that Expand)."""
     _, path = exported(name)
     out = tmp_path / "out"
     argv = ["compile", str(path), "--plan", "data-parallel", "--devices", "2",

@@ -628,3 +628,43 @@ def test_a_gather_of_one_position_per_sample_becomes_gather_elements(tmp_path, n
     assert [n.op_type for n in rewritten.graph.node] == ops
     feeds = {"x": x, "i": i}
     np.testing.assert_array_equal(_run(rewritten, feeds), _run(model, feeds))
+
+
+@pytest.mark.parametrize(
+    ("shape", "repeats", "ops"),
+    [
+        ([1, 1, 4], [3, 1, 1], ["Expand"]),  # a token repeated to the batch
+        ([1, 2, 1], [3, 1, 5], ["Expand"]),
+        ([2, 1, 4], [3, 1, 1], ["Tile"]),  # a dim of 2 tiled: stays a Tile
+    ],
+)
+def test_a_tile_of_ones_is_an_expand_and_an_expand_to_its_own_shape_goes(
+    tmp_path, shape, repeats, ops
+):
+    """``cls.repeat(B, 1, 1)`` exported unoptimized: an Expand of the token to its own
+    shape, then a Tile (``canonical.tiles_as_expands``); the values stay the same."""
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    out = [d * r for d, r in zip(shape, repeats, strict=True)]
+    nodes = [
+        h.make_node("Expand", ["x", "same"], ["e"], name="noop"),
+        h.make_node("Tile", ["e", "repeats"], ["t"], name="tile"),
+        h.make_node("Expand", ["t", "wide"], ["y"], name="wide"),
+    ]
+    inits = [
+        onnx.numpy_helper.from_array(np.asarray(shape, np.int64), "same"),
+        onnx.numpy_helper.from_array(np.asarray(repeats, np.int64), "repeats"),
+        onnx.numpy_helper.from_array(np.asarray([2, *out], np.int64), "wide"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, shape)],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, *out])],
+        inits,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rewritten = export_model(import_model(path))
+    assert [n.op_type for n in rewritten.graph.node] == [*ops, "Expand"]
+    np.testing.assert_array_equal(_run(rewritten, {"x": x}), _run(model, {"x": x}))
