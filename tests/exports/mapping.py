@@ -142,28 +142,32 @@ def step_gradients(path, feeds: Mapping[str, np.ndarray], loss, params: Mapping[
 def run_gradients(proto, signature, feeds: Mapping[str, np.ndarray]):
     """(loss, {trained initializer: its gradient}) of a plain-SGD training step ``proto``
     run in onnxruntime on its initial values and ``feeds``: each gradient is the step's
-    own value (:func:`sgd_gradients`) made an output."""
+    own value (:func:`sgd_gradients`), made an output of a copy of ``proto``."""
     import onnx
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    gradient = sgd_gradients(proto, signature.params)
+    gradient = sgd_gradients(proto, signature)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
     for name in gradient.values():
-        proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    state = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
-    state = {name: state[name] for name in gradient}
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    state = {
+        t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in gradient
+    }
+    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
     value, *values = session.run([signature.loss, *gradient.values()], {**feeds, **state})
     return float(value), dict(zip(gradient, values, strict=True))
 
 
-def sgd_gradients(proto, params) -> dict[str, str]:
+def sgd_gradients(proto, signature) -> dict[str, str]:
     """parameter -> the name of its gradient in a plain-SGD step (``optimizer._sgd``
-    without momentum: ``p__new = Sub(p, Mul(lr, g))``)."""
+    without momentum: the parameter's carried new value is ``Sub(p, Mul(lr, g))``)."""
     producer = {out: node for node in proto.graph.node for out in node.output}
+    new_of = {old: new for new, old in signature.carry}
     found = {}
-    for p in params:
-        sub = producer[f"{p}__new"]
+    for p in signature.params:
+        sub = producer[new_of[p]]
         mul = producer[sub.input[1]]
         assert sub.op_type == "Sub" and sub.input[0] == p and mul.op_type == "Mul", (sub, mul)
         found[p] = mul.input[1]
