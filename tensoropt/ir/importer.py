@@ -532,14 +532,7 @@ def _collapse_broadcast_copies(graph: ir.Graph) -> None:
         value.name = f"{name}__copies"
         param = _source_equal_to(graph, sources, first, value.dtype)
         if param is None:
-            param = ir.Value(
-                name=name,
-                shape=ir.Shape(list(first.shape)),
-                type=ir.TensorType(value.dtype),
-                const_value=ir.tensor(np.ascontiguousarray(first), name=name),
-            )
-            param.metadata_props.update(value.metadata_props)
-            graph.register_initializer(param)
+            param = _initializer(graph, name, first, value.dtype, value.metadata_props)
         expanded = None  # for the readers that do not broadcast: Expand(slice, shape)
         for use in uses:
             if _broadcasts(use, first.shape):
@@ -587,22 +580,10 @@ def _regather_copies(graph: ir.Graph) -> None:
         table, positions, axis = found
         graph.initializers.pop(name)
         value.name = f"{name}__copies"
-        param = ir.Value(
-            name=name,
-            shape=ir.Shape(list(table.shape)),
-            type=ir.TensorType(value.dtype),
-            const_value=ir.tensor(table, name=name),
+        param = _initializer(graph, name, table, value.dtype, value.metadata_props)
+        at = _initializer(
+            graph, f"{name}__positions", positions, ir.DataType.INT64, {MADE_KEY: "import"}
         )
-        param.metadata_props.update(value.metadata_props)
-        graph.register_initializer(param)
-        at = ir.Value(
-            name=f"{name}__positions",
-            shape=ir.Shape(list(positions.shape)),
-            type=ir.TensorType(ir.DataType.INT64),
-            const_value=ir.tensor(positions, name=f"{name}__positions"),
-        )
-        at.metadata_props[MADE_KEY] = "import"
-        graph.register_initializer(at)
         value.const_value = None
         first = graph.node(0)
         perm = [*range(axis), array.ndim - 1, *range(axis, array.ndim - 1)]
@@ -679,16 +660,26 @@ def _source_equal_to(
     return found[0] if len(found) == 1 else None
 
 
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype, metadata) -> ir.Value:
+    """A new initializer ``name`` of ``dtype`` holding ``array``, with ``metadata``."""
+    array = np.ascontiguousarray(array)
+    value = ir.Value(
+        name=name,
+        shape=ir.Shape(list(array.shape)),
+        type=ir.TensorType(dtype),
+        const_value=ir.tensor(array, name=name),
+    )
+    value.metadata_props.update(metadata)
+    graph.register_initializer(value)
+    return value
+
+
 def _expand_node(graph: ir.Graph, param: ir.Value, shape: list[int], like: ir.Value) -> ir.Value:
     """``Expand(param, shape)`` before the graph's first node; its output is ``like``."""
-    dims = ir.Value(
-        name=f"{param.name}__shape",
-        shape=ir.Shape([len(shape)]),
-        type=ir.TensorType(ir.DataType.INT64),
-        const_value=ir.tensor(np.asarray(shape, np.int64), name=f"{param.name}__shape"),
-    )
-    dims.metadata_props[MADE_KEY] = "import"
-    graph.register_initializer(dims)
+    dims = _initializer(
+        graph, f"{param.name}__shape", np.asarray(shape, np.int64), ir.DataType.INT64,
+        {MADE_KEY: "import"},
+    )  # fmt: skip
     like.const_value = None
     node = ir.Node("", "Expand", [param, dims], outputs=[like], name=f"expand_{param.name}")
     graph.insert_before(graph.node(0), node)
