@@ -13,6 +13,10 @@ from tensoropt.models import build_model
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.rules.grad import GRAD_RULES
 
+# zoo models whose partitioned equivalence cases take 15-30 s each: the equivalence
+# tests run them on fewer meshes or stages (their data-parallel split is resnet50's)
+HEAVY_MODELS = ("inception_v3", "wide_resnet")
+
 
 def import_proto(proto: onnx.ModelProto):
     """Import an in-memory model through the real file path of the importer."""

@@ -39,7 +39,7 @@ from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.verify import param_floor, rel_error
 from tests.helpers.compile import make_mesh
-from tests.helpers.steps import import_proto
+from tests.helpers.steps import HEAVY_MODELS, import_proto
 
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
 BLOCK_MODELS = ("gpt", "bert", "mlp")  # models where megatron finds blocks
@@ -243,13 +243,9 @@ MPI = (
 )
 
 
-# 15-30 s a case: mesh 2 only (their data-parallel split is resnet50's, run on every mesh)
-HEAVY = ("inception_v3", "wide_resnet")
-
-
 def _cases():
     for name in MODEL_NAMES:
-        for mesh in MESHES[:1] if name in HEAVY else MESHES:
+        for mesh in MESHES[:1] if name in HEAVY_MODELS else MESHES:  # heavy: mesh 2 only
             plans = ["data-parallel"] + (["megatron"] if name in BLOCK_MODELS else [])
             for plan in plans:
                 marks = () if (name, plan, mesh) in QUICK else (pytest.mark.slow,)

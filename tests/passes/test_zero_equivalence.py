@@ -21,11 +21,10 @@ from tensoropt.passes.plans import builtin_plan, prepare_model, with_zero
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.runtime.run import run_steps
 from tests.helpers.compile import make_mesh
-from tests.helpers.steps import import_proto
+from tests.helpers.steps import HEAVY_MODELS, import_proto
 
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
 ADAM = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.ADAM, lr=1e-3))
-HEAVY = ("inception_v3", "wide_resnet")  # 15-30 s a case: stage 3 only
 QUICK = {
     ("mlp", "data-parallel", "2", 3),
     ("gpt", "data-parallel", "2x2", 1),
@@ -57,7 +56,7 @@ def _zoo_cases():
     for name in MODEL_NAMES:
         for spec in ("2", "4", "2x2"):
             yield name, "data-parallel", spec, 3
-        if name not in HEAVY:
+        if name not in HEAVY_MODELS:  # heavy: stage 3 only
             yield name, "data-parallel", "2x2", 1
     yield "gpt", "data-parallel", "4", 2
     yield "resnet50", "data-parallel", "2", 2
