@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -166,14 +167,23 @@ if __name__ == "__main__":
 """
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT as a shell's foreground command gets it: default, unblocked. A process that
+    ignores SIGINT (as a test process can, and its children inherit) rightly never sees
+    the Ctrl-C that start_child raises again: the test would read "lost"."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_a_ctrl_c_during_a_childs_start_reaches_the_parent_and_not_the_child(tmp_path):
     # the parent must not lose a Ctrl-C that arrives while it spawns (calibrate would go
     # on measuring), and the child must not turn it into a traceback of its own
     script = tmp_path / "parent.py"
     script.write_text(_INTERRUPTED_START)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
-    )
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+        preexec_fn=_as_from_a_terminal,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["interrupted True", "child True True"]
     assert "Traceback" not in done.stderr
