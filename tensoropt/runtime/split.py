@@ -48,7 +48,7 @@ every session (measured in benchmarks/RESULTS.md, "Runtime at scale").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,10 +121,15 @@ def subgraph_reads(node: NodeProto) -> set[str]:
     """Outer-scope names read by the subgraphs (If/Loop/Scan bodies) of ``node``."""
     names: set[str] = set()
     for attr in node.attribute:
+        if attr.type and attr.type not in _GRAPH_TYPES:  # typed, and not a graph: skip
+            continue
         graphs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
         for g in graphs:
             names |= _graph_free_names(g)
     return names
+
+
+_GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def _graph_free_names(g: GraphProto) -> set[str]:
@@ -157,8 +162,9 @@ def _schedule(graph: GraphProto, rank: int) -> _Schedule:
     ready_coll: dict[str, int] = {}
     level: list[int] = []
     frontier = 0  # the highest segment of the compute nodes so far, in graph order
-    for node in graph.node:
-        reads = _reads(node)
+    nodes = list(graph.node)
+    all_reads = [_reads(node) for node in nodes]
+    for node, reads in zip(nodes, all_reads, strict=True):
         for name in reads:
             if name not in known and name not in ready_seg:
                 raise TensorOptError(
@@ -178,7 +184,7 @@ def _schedule(graph: GraphProto, rank: int) -> _Schedule:
                 ready_seg[out], ready_coll[out] = lvl, lvl
         level.append(lvl)
     num_stages = max(level, default=0) + 1
-    _as_late_as_possible(graph, level)
+    _as_late_as_possible(nodes, all_reads, level)
     return _Schedule(level, ready_seg, ready_coll, num_stages)
 
 
@@ -187,7 +193,9 @@ def zero_gather(node: NodeProto) -> bool:
     return any(p.key == ZERO_GATHER_KEY for p in node.metadata_props)
 
 
-def _as_late_as_possible(graph: GraphProto, level: list[int]) -> None:
+def _as_late_as_possible(
+    nodes: Sequence[NodeProto], reads: Sequence[list[str]], level: list[int]
+) -> None:
     """Move compute nodes to the smallest level of their consumers (in place), except the
     readers of a ZeRO-3 parameter's gather.
 
@@ -196,14 +204,16 @@ def _as_late_as_possible(graph: GraphProto, level: list[int]) -> None:
     graph order sees every consumer's final level first."""
     first_use: dict[str, int] = {}
     # a reader of a gathered ZeRO-3 parameter stays right after its gather
-    gathered = {o for node in graph.node if zero_gather(node) for o in node.output}
-    for i in range(len(graph.node) - 1, -1, -1):
-        node = graph.node[i]
+    gathered = {
+        o for node in nodes if node.metadata_props and zero_gather(node) for o in node.output
+    }
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
         if not is_collective(node) and not gathered.intersection(node.input):
             uses = [first_use[o] for o in node.output if o in first_use]
             if uses:
                 level[i] = max(level[i], min(uses))
-        for name in _reads(node):
+        for name in reads[i]:
             first_use[name] = min(first_use.get(name, level[i]), level[i])
 
 
