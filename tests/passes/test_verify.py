@@ -215,3 +215,41 @@ def test_compile_verify_passes_flag(monkeypatch, tmp_path, capsys):
         outcome, "compile", "after pass 'check-plan'", "'topological-order'", "'dangling'"
     )
     assert not (tmp_path / "checked").exists()
+
+
+def test_every_test_compiles_with_pass_verification():
+    assert pipeline.DEFAULT_OPTIONS.verify
+    assert pipeline.DEFAULT_OPTIONS.device_check is check_device_graphs
+
+
+@pytest.mark.numerics_only
+def test_a_numerics_only_case_compiles_as_compile_does_by_default():
+    assert not pipeline.DEFAULT_OPTIONS.verify
+
+
+def test_the_equivalence_matrices_verify_on_two_devices_only():
+    from tests.passes.test_equivalence import _cases
+
+    cases = list(_cases())
+    unverified = {c.id for c in cases if any(m.name == "numerics_only" for m in c.marks)}
+    assert unverified and all(not c.id.endswith("-2") for c in cases if c.id in unverified)
+    assert {c.id for c in cases if c.id.endswith("-2")}.isdisjoint(unverified)
+
+
+def test_a_template_is_lowered_and_checked_once_until_it_changes(monkeypatch):
+    checked = []
+
+    def counting(devices):
+        checked.append(len(devices))
+        check_device_graphs(devices)
+
+    verifier = verify.Verifier(counting)
+    monkeypatch.setattr(pipeline, "Verifier", lambda device_check: verifier)
+    state = _run()  # localize makes the template; micro-template hands it on as it is
+    assert checked == [2]
+    verifier(state)
+    assert checked == [2]
+    # the same template with one more node is another template: checked again
+    state.template.proto.graph.node.append(helper.make_node("Identity", ["x"], ["x_copy"]))
+    verifier(state)
+    assert checked == [2, 2]
