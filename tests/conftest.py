@@ -2,7 +2,8 @@
 
 Slow tests (``@pytest.mark.slow``) are skipped in the quick loop (``pytest -x -q``)
 and run with ``--run-slow``, which the README's test command and .ci/run pass.
-Every test compiles with pass verification on (the autouse fixture below).
+Every test compiles with pass verification on (the autouse fixture below), except the
+equivalence cases marked ``numerics_only`` (``tests.helpers.compile.verified_on_two``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
-def _verify_passes(monkeypatch):
+def _verify_passes(monkeypatch, request):
     """Every compile in a test verifies well-formedness between passes (as
-    ``tensoropt compile --verify-passes`` does), device graphs included."""
+    ``tensoropt compile --verify-passes`` does), device graphs included; except in the
+    tests marked ``numerics_only``."""
     from tensoropt.passes import pipeline
     from tensoropt.runtime.device_check import check_device_graphs
 
+    if request.node.get_closest_marker("numerics_only"):
+        return
     options = pipeline.PipelineOptions(verify=True, device_check=check_device_graphs)
     monkeypatch.setattr(pipeline, "DEFAULT_OPTIONS", options)
 

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import onnx
+import pytest
 
 from tensoropt.ir.mesh import Mesh
 from tensoropt.passes.compile import compile_step
 from tensoropt.passes.plans import builtin_plan, prepare_model
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tests.helpers.steps import import_proto
+
+
+def verified_on_two(mesh: str) -> tuple:
+    """Marks of an equivalence case on ``mesh``: on 2 devices its compile verifies the
+    passes (as every test's does); on more it compares trained values alone
+    (``numerics_only``): the passes' plans on those meshes are verified by the program
+    tests (test_plan_is_program, test_zero_program, ...), and verifying them again costs
+    a third of each case."""
+    return () if mesh == "2" else (pytest.mark.numerics_only,)
 
 
 def make_mesh(spec: str, plan: str) -> Mesh:

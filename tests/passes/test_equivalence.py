@@ -15,7 +15,7 @@ from tensoropt.models import MODEL_NAMES, build_model
 from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
 from tensoropt.passes.training_step import TrainingOptions
 from tensoropt.runtime.run import run_steps
-from tests.helpers.compile import compile_model
+from tests.helpers.compile import compile_model, verified_on_two
 
 MESHES = ("2", "4", "8", "2x2", "2x4")
 BLOCK_MODELS = ("gpt", "bert", "mlp")  # models where megatron finds blocks
@@ -30,6 +30,7 @@ def _cases():
             plans = ["data-parallel"] + (["megatron"] if name in BLOCK_MODELS else [])
             for plan in plans:
                 marks = () if (name, plan, mesh) in QUICK else (pytest.mark.slow,)
+                marks += verified_on_two(mesh)
                 yield pytest.param(name, plan, mesh, marks=marks, id=f"{name}-{plan}-{mesh}")
 
 

@@ -38,7 +38,7 @@ from tensoropt.passes.recompute import (
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.runtime.run import run_steps
 from tensoropt.runtime.verify import param_floor, rel_error
-from tests.helpers.compile import make_mesh
+from tests.helpers.compile import make_mesh, verified_on_two
 from tests.helpers.steps import HEAVY_MODELS, import_proto
 
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
@@ -249,6 +249,7 @@ def _cases():
             plans = ["data-parallel"] + (["megatron"] if name in BLOCK_MODELS else [])
             for plan in plans:
                 marks = () if (name, plan, mesh) in QUICK else (pytest.mark.slow,)
+                marks += verified_on_two(mesh)
                 yield pytest.param(name, plan, mesh, marks=marks, id=f"{name}-{plan}-{mesh}")
 
 
@@ -281,6 +282,7 @@ def test_recomputed_real_exports_equal_single_device(exported, name, plan, mesh,
 
 
 @pytest.mark.mpi
+@pytest.mark.numerics_only  # an MPI run against the local one of a plan verified there
 @pytest.mark.parametrize(("name", "plan", "mesh"), MPI)
 def test_recomputed_step_on_mpi_equals_local(name, plan, mesh, tmp_path):
     proto = build_model(name, "tiny")

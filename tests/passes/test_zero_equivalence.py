@@ -20,7 +20,7 @@ from tensoropt.passes.optimizer import OptimizerKind, OptimizerOptions
 from tensoropt.passes.plans import builtin_plan, prepare_model, with_zero
 from tensoropt.passes.training_step import TrainingOptions, build_training_step
 from tensoropt.runtime.run import run_steps
-from tests.helpers.compile import make_mesh
+from tests.helpers.compile import make_mesh, verified_on_two
 from tests.helpers.steps import HEAVY_MODELS, import_proto
 
 SGD = TrainingOptions(optimizer=OptimizerOptions(OptimizerKind.SGD, lr=0.01, momentum=0.9))
@@ -69,6 +69,7 @@ def _zoo_cases():
 def _params(cases):
     for name, plan, spec, stage in cases:
         marks = () if (name, plan, spec, stage) in QUICK else (pytest.mark.slow,)
+        marks += verified_on_two(spec)
         yield pytest.param(
             name, plan, spec, stage, marks=marks, id=f"{name}-{plan}-{spec}-zero{stage}"
         )

@@ -38,6 +38,7 @@ def _cases():
                 yield pytest.param(name, plan, mesh, marks=marks, id=f"{name}-{plan}-{mesh}")
 
 
+@pytest.mark.numerics_only  # an MPI run against the local one of a plan verified there
 @pytest.mark.parametrize(("name", "plan", "mesh"), list(_cases()))
 def test_mpi_equals_local_and_verifies(name, plan, mesh, tmp_path):
     compile_model(build_model(name, "tiny"), plan, mesh, tmp_path / "out")

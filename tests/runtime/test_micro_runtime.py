@@ -30,6 +30,7 @@ def gpt(tmp_path_factory):
 
 
 @pytest.mark.mpi
+@pytest.mark.numerics_only  # an MPI run against the local one of a plan verified there
 @pytest.mark.parametrize(
     ("mesh", "plan", "k"),
     [("2", "megatron", 2), pytest.param("2x2", "data-parallel", 2, marks=pytest.mark.slow)],

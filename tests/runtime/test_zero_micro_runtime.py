@@ -23,6 +23,7 @@ from tests.passes.test_zero_micro import compile_zero_micro, zoo
 
 
 @pytest.mark.mpi
+@pytest.mark.numerics_only  # an MPI run against the local one of a plan verified there
 @pytest.mark.parametrize(
     ("name", "plan_name", "spec", "stage", "k"),
     [

@@ -29,6 +29,7 @@ from tests.passes.test_zero_equivalence import ADAM, compile_zero
 
 
 @pytest.mark.mpi
+@pytest.mark.numerics_only  # an MPI run against the local one of a plan verified there
 @pytest.mark.parametrize(
     ("name", "plan_name", "spec", "stage"),
     [
