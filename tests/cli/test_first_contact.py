@@ -569,3 +569,16 @@ def test_version(capsys):
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"tensoropt {__version__}"
+
+
+def test_help_builds_its_parsers_without_the_solver():
+    # `tensoropt --help` answers in under a second: the parsers read constants of the
+    # search package, not its solver (numba and the compiled kernels, 1.5 s to import)
+    code = (
+        "import sys; from tensoropt.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('numba', 'sympy', 'tensoropt.search.solver') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
