@@ -204,9 +204,7 @@ def _as_late_as_possible(
     graph order sees every consumer's final level first."""
     first_use: dict[str, int] = {}
     # a reader of a gathered ZeRO-3 parameter stays right after its gather
-    gathered = {
-        o for node in nodes if node.metadata_props and zero_gather(node) for o in node.output
-    }
+    gathered = {o for node in nodes if zero_gather(node) for o in node.output}
     for i in range(len(nodes) - 1, -1, -1):
         node = nodes[i]
         if not is_collective(node) and not gathered.intersection(node.input):

@@ -8,8 +8,6 @@ compiled kernels, which a command that only reads a constant of a submodule (the
 CLI's parsers, ``tensoropt --help``) does not need.
 """
 
-from __future__ import annotations
-
 import importlib
 
 _WHERE = {
