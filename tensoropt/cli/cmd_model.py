@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tensoropt.cli.json_output import add_json_flag, document, emit
-from tensoropt.models import (
-    MODEL_NAMES,
-    PRESET_NAMES,
-    WeightStorage,
-    build_model,
-    save_model,
-    sidecar_path,
-    zoo_info,
-)
+from tensoropt.models import MODEL_NAMES, PRESET_NAMES
 
 _DESCRIPTION = """\
 Write one model of the zoo as a static-shape ONNX file (opset 20) that outputs
@@ -82,6 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Build, save, and print one line: the file, parameter count and weight bytes."""
     from tensoropt.cli.common import check_output_file
+    from tensoropt.models import WeightStorage, build_model, save_model, sidecar_path, zoo_info
 
     check_output_file(args.output, "-o")
     knobs = {k: getattr(args, k) for k in _KNOB_HELP}

@@ -12,46 +12,56 @@ Small models embed seeded random weights. Models with more than 64 MiB of weight
 (the ``paper`` presets) get zero-valued external-data stubs that :func:`save_model`
 backs with one sparse ``<file>.data``: they exist for planning, not for training.
 See docs/design/zoo.md for the presets.
+
+The names are imported on first use (PEP 562): onnx and the builders take 0.6 s to
+import, which the CLI's parsers (``tensoropt --help``: the zoo's model and preset names)
+do not need.
 """
 
-from __future__ import annotations
+import importlib
 
-import dataclasses
-from collections.abc import Callable
-
-import onnx
-
-from tensoropt.models._builder import EXTERNAL_THRESHOLD_BYTES, GraphBuilder, WeightStorage
-from tensoropt.models.cnn import build_resnet50, build_vgg16, build_wide_resnet
-from tensoropt.models.config import (
-    CLI_KNOBS,
-    MODEL_NAMES,
-    PRESET_NAMES,
-    TASKS,
-    CnnConfig,
-    MlpConfig,
-    ModelConfig,
-    Preset,
-    RnnConfig,
-    Task,
-    TransformerConfig,
-    ZooError,
-    configure,
-    knobs_for,
-    parse_preset,
-    preset_config,
-)
-from tensoropt.models.inception import build_inception_v3
-from tensoropt.models.io import ZooInfo, save_model, sidecar_path, zoo_info
-from tensoropt.models.mlp import build_mlp
-from tensoropt.models.rnn import build_rnnlm
-from tensoropt.models.transformer import build_bert, build_gpt
+_WHERE = {
+    "EXTERNAL_THRESHOLD_BYTES": "_builder",
+    "GraphBuilder": "_builder",
+    "WeightStorage": "_builder",
+    "CLI_KNOBS": "config",
+    "MODEL_NAMES": "config",
+    "PRESET_NAMES": "config",
+    "TASKS": "config",
+    "CnnConfig": "config",
+    "MlpConfig": "config",
+    "ModelConfig": "config",
+    "Preset": "config",
+    "RnnConfig": "config",
+    "Task": "config",
+    "TransformerConfig": "config",
+    "ZooError": "config",
+    "configure": "config",
+    "knobs_for": "config",
+    "parse_preset": "config",
+    "preset_config": "config",
+    "build_resnet50": "cnn",
+    "build_vgg16": "cnn",
+    "build_wide_resnet": "cnn",
+    "build_inception_v3": "inception",
+    "build_mlp": "mlp",
+    "build_rnnlm": "rnn",
+    "build_bert": "transformer",
+    "build_gpt": "transformer",
+    "ZooInfo": "io",
+    "save_model": "io",
+    "sidecar_path": "io",
+    "zoo_info": "io",
+    "ZOO_SCHEMA": "zoo",
+    "build_model": "zoo",
+}
 
 __all__ = [
     "CLI_KNOBS",
     "EXTERNAL_THRESHOLD_BYTES",
     "MODEL_NAMES",
     "PRESET_NAMES",
+    "ZOO_SCHEMA",
     "CnnConfig",
     "MlpConfig",
     "ModelConfig",
@@ -71,56 +81,11 @@ __all__ = [
     "zoo_info",
 ]
 
-ZOO_SCHEMA = "tensoropt.zoo/1"
 
-_BUILDERS: dict[str, Callable[..., GraphBuilder]] = {
-    "mlp": build_mlp,
-    "gpt": build_gpt,
-    "bert": build_bert,
-    "vgg16": build_vgg16,
-    "resnet50": build_resnet50,
-    "wide_resnet": build_wide_resnet,
-    "inception_v3": build_inception_v3,
-    "rnnlm": build_rnnlm,
-}
-
-
-def build_model(name: str, preset: str = "tiny", **knobs: int | None) -> onnx.ModelProto:
-    """Build zoo model `name` at `preset`, with knobs (config fields) overriding the preset.
-
-    Knobs set to None are ignored, so CLI arguments can be passed straight through.
-    Raises :class:`ZooError` for an unknown name, preset or knob, or a bad value.
-    """
-    config = configure(name, preset, **knobs)
-    builder = _BUILDERS[name](config)
-    return builder.finish(config.seed, _metadata(name, parse_preset(preset), config, builder))
-
-
-def _metadata(
-    name: str, preset: Preset, config: ModelConfig, builder: GraphBuilder
-) -> dict[str, object]:
-    """The input/label convention recorded in the model (the zoo JSON, before weight facts)."""
-    task = TASKS[name]
-    graph_inputs = builder.inputs
-    batch = graph_inputs[0].shape[0]
-    if task is Task.LM:
-        assert isinstance(config, TransformerConfig | RnnConfig)
-        labels = {"shape": [batch, config.seq], "dtype": "int64", "num_classes": config.vocab}
-    else:
-        assert isinstance(config, MlpConfig | CnnConfig)
-        labels = {"shape": [batch], "dtype": "int64", "num_classes": config.classes}
-    return {
-        "schema": ZOO_SCHEMA,
-        "name": name,
-        "preset": preset.value,
-        "task": task.value,
-        "inputs": [_io_json(s.name, s.elem_type, s.shape) for s in graph_inputs],
-        "labels": labels,
-        "outputs": [_io_json(s.name, s.elem_type, s.shape) for s in builder.outputs],
-        "config": dataclasses.asdict(config),
-    }
-
-
-def _io_json(name: str, elem_type: int, shape: tuple[int, ...]) -> dict[str, object]:
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
-    return {"name": name, "shape": list(shape), "dtype": dtype}
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
