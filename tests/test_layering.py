@@ -12,10 +12,12 @@ Every import counts: module level, function level and ``TYPE_CHECKING`` blocks.
     passes
     rules
     ir | models
-    display | errors
+    display | errors | lazy
 
-``models`` (the zoo's ONNX builders) imports only ``errors``, so it sits with ``ir``.
-``display`` (how every command prints a step time or a memory size) imports nothing.
+``models`` (the zoo's ONNX builders) imports only ``errors`` and ``lazy``, so it sits with
+``ir``.
+``display`` (how every command prints a step time or a memory size) imports nothing;
+``lazy`` (the packages' names imported on first use) imports only the standard library.
 ``search`` sits above ``cost``: the search prices strategies with the cost model.
 """
 
@@ -35,7 +37,7 @@ LAYERS = (
     "passes",
     "rules",
     grimp.Layer("ir", "models"),
-    grimp.Layer("display", "errors"),
+    grimp.Layer("display", "errors", "lazy"),
 )
 # Modules of the package root that are in no layer: the version string and ``python -m``.
 OUTSIDE = {PACKAGE, f"{PACKAGE}.__main__"}

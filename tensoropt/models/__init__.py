@@ -18,7 +18,7 @@ import, which the CLI's parsers (``tensoropt --help``: the zoo's model and prese
 do not need.
 """
 
-import importlib
+from tensoropt.lazy import names_on_first_use
 
 _WHERE = {
     "EXTERNAL_THRESHOLD_BYTES": "_builder",
@@ -81,11 +81,4 @@ __all__ = [
     "zoo_info",
 ]
 
-
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = names_on_first_use(__name__, _WHERE)

@@ -8,7 +8,7 @@ compiled kernels, which a command that only reads a constant of a submodule (the
 CLI's parsers, ``tensoropt --help``) does not need.
 """
 
-import importlib
+from tensoropt.lazy import names_on_first_use
 
 _WHERE = {
     "MergedPoint": "merge",
@@ -23,11 +23,4 @@ _WHERE = {
 
 __all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = names_on_first_use(__name__, _WHERE)
