@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -732,12 +732,16 @@ class _Builder:
 
     def _crossing_tables(self, c: Crossing, programs, shape, isz, kept: bool):
         haves, rows = _distinct([p.layout(c.source_ref) for p in programs[c.source]])
-        needs, cols = _distinct([p.entries[c.index] for p in programs[c.target]])
+        # how the conversion is emitted follows each target program's own ZeRO stage
+        # (a family's strategies differ there: a strategy without a data-parallel axis
+        # takes none), as ``priced_collectives`` and compile read it
+        needs, cols = _distinct(
+            [(p.entries[c.index], conversion_order(p)) for p in programs[c.target]]
+        )
         times = np.zeros((len(haves), len(needs)))
         mems = np.zeros_like(times)
-        order = conversion_order(programs[c.target][0])
         for h, have in enumerate(haves):
-            for n, need in enumerate(needs):
+            for n, (need, order) in enumerate(needs):
                 t, buf = self.pricer.convert(have, need, shape, isz, order)
                 times[h, n] = t
                 if kept:
@@ -784,9 +788,10 @@ class _Builder:
         return edges, found
 
 
-def _distinct(layouts: Sequence[Layout]) -> tuple[list[Layout], np.ndarray]:
-    """The distinct layouts, and for each strategy the index of its layout among them."""
-    index: dict[Layout, int] = {}
+def _distinct(layouts: Sequence[Hashable]) -> tuple[list, np.ndarray]:
+    """The distinct layouts (or layouts with what else prices their conversion), and
+    for each strategy the index of its own among them."""
+    index: dict = {}
     where = np.array([index.setdefault(lay, len(index)) for lay in layouts], dtype=np.intp)
     return list(index), where
 
