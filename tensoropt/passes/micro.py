@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -241,7 +241,11 @@ def micro_roots(
     for unit in su.units:
         name = unit.root.name
         roots[name] = _combine(unit.root, real.roots[name], along[name], plan.mesh, k)
-    _split_where_gathered(graph, sig, su, roots, plan.mesh, k)
+    params = set(sig.params)
+    _split_where_gathered(
+        graph, su, roots, micro_mesh(plan.mesh, k),
+        lambda root, current: _batch_split(root, current, params, plan.mesh, k),
+    )  # fmt: skip
     return roots, su
 
 
@@ -252,12 +256,18 @@ def micro_along(
     (the batch split into the ``k`` micro-batches), but whole where a sum over the batch
     is made of the data alone (:func:`_whole_where_counted`); and the data inputs that
     makes whole (fed whole to every micro-step, so ``k`` need not divide their batch).
+    A unit that would gather a value over the micro axis splits its batch instead
+    (:func:`_split_where_gathered`, on the micro axis alone).
     The compiler (:func:`micro_roots`) and the search (``cost.model.micro_choices``) both
     take it from here, so a searched point compiles to what it priced."""
     seq = Mesh((k,), (MICRO_AXIS,))
     split = Plan(seq, {}, "micro", DefaultStrategy.DATA_PARALLEL, (0,))
     along = complete_plan(graph, sig, split, (0,), su)
     whole = _whole_where_counted(graph, sig, su, along, seq)
+    params = set(sig.params)
+    _split_where_gathered(
+        graph, su, along, seq, lambda root, current: _batch_split(root, current, params, None, k)
+    )
     fed = frozenset(name for name in su.data if su.owner.get(name) in whole)
     return along, fed
 
@@ -333,31 +343,33 @@ def _whole_where_counted(
 
 def _split_where_gathered(
     graph: ir.Graph,
-    sig: StepSignature,
     su: StepUnits,
     roots: dict[str, MeshSharding],
     mesh: Mesh,
-    k: int,
+    split: Callable[[ir.Node, MeshSharding], MeshSharding | None],
 ) -> None:
     """Units that would gather a value over the micro axis split their batch instead
-    (``roots`` in place), while another strategy can.
+    (``roots`` in place, strategies on ``mesh``, whose first axis is the micro axis),
+    while another strategy can (``split``: a root and its strategy -> the strategy that
+    splits its batch there, or None).
 
     Completing the data-parallel plan unit by unit leaves a unit whose inputs are all
     replicated (an LSTM's first step reads a constant initial state) replicated over the
     micro axis, which is free there; its backward then needs the gradient of every
-    micro-batch at once. The conversions the inserter would make (a dry run) show where."""
-    micro_mesh_ = micro_mesh(mesh, k)
+    micro-batch at once. The conversions the inserter would make (a dry run) show where.
+    :func:`micro_along` repairs the micro axis alone, which every micro-batched plan takes
+    (so the search offers the repaired strategies); :func:`micro_roots` repairs what a
+    plan's own axes still gather."""
     by_name = {n.name: n for n in graph}
-    params = set(sig.params)
     first = dict(roots)
     for _ in range(len(su.units)):
-        ann = annotate_roots(graph, su, roots, micro_mesh_)
+        ann = annotate_roots(graph, su, roots, mesh)
         gathering = _gathering_units(graph, ann, su, by_name)
         if not gathering:
             return
         changed = False
         for root in gathering:
-            alt = _batch_split(root, roots[root.name], params, mesh, k)
+            alt = split(root, roots[root.name])
             if alt is not None:
                 roots[root.name] = alt
                 changed = True
@@ -382,11 +394,11 @@ def _gathering_units(graph: ir.Graph, ann: Annotation, su: StepUnits, by_name) -
 
 
 def _batch_split(
-    root: ir.Node, current: MeshSharding, params: set[str], mesh: Mesh, k: int
+    root: ir.Node, current: MeshSharding, params: set[str], mesh: Mesh | None, k: int
 ) -> MeshSharding | None:
     """The first other strategy of ``root`` that splits an output over the micro axis,
-    keeps its parameters whole there and keeps its strategy on the plan's axes."""
-    real = MeshSharding(current.axes[1:])
+    keeps its parameters whole there and keeps its strategy on the plan's axes (those
+    of ``mesh``; None: ``current`` is on the micro axis alone)."""
     for s in SHARDING_RULES.strategies(sa.op_view(root), k):
         if s == current.axes[0] or not any(isinstance(o, Shard) for o in s.outputs):
             continue
@@ -396,8 +408,10 @@ def _batch_split(
         )
         if not whole:
             continue
+        if mesh is None:
+            return MeshSharding((s,))
         try:
-            return _combine(root, real, MeshSharding((s,)), mesh, k)
+            return _combine(root, MeshSharding(current.axes[1:]), MeshSharding((s,)), mesh, k)
         except MicroError:
             continue
     return None

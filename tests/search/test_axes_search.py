@@ -51,7 +51,7 @@ def _args(path, axes: str = ALL) -> argparse.Namespace:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("axes_search")
     out = {}
-    for name in ("mlp", "gpt"):
+    for name in ("mlp", "gpt", "rnnlm"):
         out[name] = root / f"{name}.onnx"
         save_model(build_model(name, "tiny"), str(out[name]))
     return out
@@ -169,6 +169,38 @@ def test_every_searched_point_is_priced_by_compile_as_the_search_priced_it(model
         seen.add(s.variant)
     assert any(v.zero for v in seen) and any(v.recompute for v in seen)
     assert any(v.micro_batches > 1 for v in seen)
+
+
+@pytest.mark.parametrize(
+    "devices, mesh", [(2, (2,)), pytest.param(4, (2, 2), marks=pytest.mark.slow)]
+)
+def test_every_point_of_an_lstm_is_priced_by_compile_as_the_search_priced_it(models, devices, mesh):
+    """Every point of every problem, not the frontier's ends alone, of rnnlm on ``mesh``.
+    Its first time step reads a constant initial state, so the data-parallel completion
+    leaves that unit replicated over the micro axis, which compile repairs into a batch
+    split (``passes.micro._split_where_gathered``): the search offers the repaired
+    strategy. On 2x2 a unit's strategies differ in the ZeRO stage their programs take,
+    and each entry of an edge converts as its own target program emits the conversion
+    (reduce-scatter before the micro-batch sum under stages 2 and 3)."""
+    from tensoropt.cli.cmd_compile import estimate_of
+    from tensoropt.cli.common import build_step
+
+    args, _, _, exp = _explore(models["rnnlm"], [devices])
+    step = build_step(args, load_weights=False)  # pricing changes a step only to recompute
+    checked = set()
+    for s in exp.searches:
+        if tuple(s.mesh.shape) != mesh:
+            continue
+        for point in s.result.points:
+            plan = plan_from_choice(s, point.choice, "test")
+            got = estimate_of(
+                build_step(args, load_weights=False) if plan.recompute else step,
+                plan, None, "h100",
+            )  # fmt: skip
+            assert got.time_s == pytest.approx(point.time_s, rel=1e-9), (s.key, point)
+            assert got.memory_bytes == pytest.approx(point.memory_bytes, rel=1e-9), s.key
+        checked.add(s.variant)
+    assert any(v.micro_batches > 1 and v.zero for v in checked), checked
 
 
 def _variant_points(exp, devices):
