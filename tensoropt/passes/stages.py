@@ -41,7 +41,7 @@ import bisect
 import copy
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -156,6 +156,10 @@ class Segments:
 
     blocks: tuple[Block, ...]
     segment_of: Callable[[str], int]
+    # cut positions (a stage starting at that segment) that would put the readers of
+    # one parameter on two stages, which compile refuses (:func:`_check_state`): a
+    # parameter tied across blocks (an exporter that folds equal initializers into one)
+    tied: frozenset[int] = frozenset()
 
     @property
     def count(self) -> int:
@@ -173,8 +177,11 @@ class Segments:
         return [0, *(index[s] for s in starts), self.count]
 
 
-def step_segments(graph: ir.Graph, data_inputs: Sequence[str]) -> Segments:
-    """The :class:`Segments` of a training step (before partitioning)."""
+def step_segments(
+    graph: ir.Graph, data_inputs: Sequence[str], params: Collection[str] = ()
+) -> Segments:
+    """The :class:`Segments` of a training step (before partitioning); ``params``: the
+    trained parameters, whose tied readers :attr:`Segments.tied` keeps in one stage."""
     blocks = find_blocks(graph, data_inputs)
     forward = [
         node.metadata_props.get(UNIT_KEY, node.name)
@@ -182,7 +189,25 @@ def step_segments(graph: ir.Graph, data_inputs: Sequence[str]) -> Segments:
         if node.metadata_props.get(ROLE_KEY) == Role.FORWARD.value
     ]
     segment_of = unit_stages(forward, [b.name for b in blocks[1:]], blocks)
-    return Segments(tuple(blocks), segment_of)
+    return Segments(tuple(blocks), segment_of, _tied_cuts(graph, set(params), segment_of))
+
+
+def _tied_cuts(
+    graph: ir.Graph, params: set[str], segment_of: Callable[[str], int]
+) -> frozenset[int]:
+    """The cut positions between the first and the last segment that reads a parameter.
+    Its forward readers count: its backward and update nodes carry their units, so
+    compile places every node that reads it on the stages of these."""
+    spans: dict[str, tuple[int, int]] = {}
+    for node in graph:
+        if node.metadata_props.get(ROLE_KEY) != Role.FORWARD.value:
+            continue
+        segment = segment_of(node.metadata_props.get(UNIT_KEY, node.name))
+        for value in node.inputs:
+            if value is not None and value.name in params:
+                lo, hi = spans.get(value.name, (segment, segment))
+                spans[value.name] = (min(lo, segment), max(hi, segment))
+    return frozenset(c for lo, hi in spans.values() for c in range(lo + 1, hi + 1))
 
 
 def stage_of_nodes(

@@ -60,7 +60,7 @@ def positions(segments: int) -> list[int]:
 
 
 def segments_of(graph: SearchGraph) -> Segments:
-    return step_segments(graph.graph, graph.data_inputs)
+    return step_segments(graph.graph, graph.data_inputs, graph.params)
 
 
 def pipelined(
@@ -109,7 +109,7 @@ def pipelined(
             graph, family, profile, segments, family.problem(zero_all=zero), slot
         )
     plain = tables.plain
-    allowed = positions(segments.count)
+    allowed = [c for c in positions(segments.count) if c not in segments.tied]
     out: dict[int, tuple[list[PipelinePoint], list[tuple[int, ...]]]] = {}
     chosen_points = list(frontier) + [FrontierPoint(0.0, 0.0, c) for c in extra]
     found: dict[int, list[PipelinePoint]] = {}
