@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tensoropt.search import memory
 from tensoropt.search.frontier import Table, prune_groups
 from tensoropt.search.jit import compiled
 
@@ -346,6 +347,12 @@ def _incumbents(
     produced = {st.out for st in sched.steps}
     for st in reversed(sched.steps):
         joint = sched.joint(st)
+        # a step holds its suffix sums and two more (time, memory and weighted-sum
+        # arrays over its joint scope and the weights): a wide scope (parameters shared
+        # by every layer) made 405 MiB per array and took a worker to 23 GB before the
+        # kernel killed it; the search stops in one line instead
+        cells = len(weights) * math.prod(dims[v] for v in joint)
+        memory.check(3 * 8.0 * cells * (len(st.inputs) + 3))
         rest = _expand_plans(out.pop(st.out), scopes[st.out], joint, dims)
         del ins[st.out]
         parts = [_expand_plans(ins[i], scopes[i], joint, dims) for i in st.inputs]

@@ -7,8 +7,9 @@ names the device count and mesh and says what to narrow. ``explore`` gives each 
 that solves problems what it holds when the search starts and an even share of the
 memory then available (:data:`SHARE` of /proc/meminfo's MemAvailable); every factor
 product checks the
-process's resident memory against it (``factor.multiply``). Without a share (``solve``
-called directly, or no /proc) nothing is checked.
+process's resident memory against it (``factor.multiply``), and the bounds' incumbent
+passes check it with the bytes they are about to make (``bounds._incumbents``).
+Without a share (``solve`` called directly, or no /proc) nothing is checked.
 """
 
 from __future__ import annotations
@@ -104,17 +105,19 @@ def solving(what: str) -> None:
     _where[0] = what
 
 
-def check() -> None:
-    """Raise SearchMemoryError when this process holds more than its limit."""
+def check(extra: float = 0.0) -> None:
+    """Raise SearchMemoryError when this process holds more than its limit, or would
+    once it makes ``extra`` more bytes (checked before a large allocation)."""
     limit = _limit[0]
     if limit is None:
         return
     held = resident_bytes()
-    if held is None or held <= limit:
+    if held is None or held + extra <= limit:
         return
+    made = f" and {extra / GIB:.1f} GiB about to be made" if extra else ""
     raise SearchMemoryError(
         f"{_where[0]} needs more memory than this machine leaves it: {held / GIB:.1f} GiB "
-        f"held against a share of {limit / GIB:.1f} GiB (what it held at the start and "
+        f"held{made} against a share of {limit / GIB:.1f} GiB (what it held at the start and "
         f"{SHARE:.0%} of the memory then available, split between the solving processes); "
         "search fewer or "
         "smaller device counts (--devices), fewer axes (--axes split, --stages 1), fewer "

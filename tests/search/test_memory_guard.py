@@ -112,3 +112,32 @@ def test_a_search_runs_with_fewer_collections_and_restores_the_thresholds(tmp_pa
     with pytest.raises(RuntimeError, match="stop"):
         explore(sg, [2], "auto", builtin("a100"), jobs=1, on_problem=stop)
     assert gc.get_threshold() == before
+
+
+def test_check_counts_what_is_about_to_be_made():
+    held = memory.resident_bytes()
+    assert held is not None
+    with memory.limited(held * 2):
+        memory.check(held / 2)  # within the share once made
+        with pytest.raises(memory.SearchMemoryError) as err:
+            memory.check(held * 2)
+    assert "GiB about to be made" in str(err.value)
+
+
+def test_the_bounds_check_each_steps_arrays_before_making_them(tmp_path, monkeypatch):
+    """The bounds' incumbent passes make arrays over each elimination step's joint scope:
+    on ALBERT (one layer's parameters read by every layer) 405 MiB each, and a worker
+    reached 23 GB before the kernel killed it. Each step asks for its bytes first."""
+    from tensoropt.cli import build_parser
+    from tensoropt.cli.common import search_graph
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.search.driver import explore
+
+    model = tmp_path / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(model))
+    asked: list[float] = []
+    real = memory.check
+    monkeypatch.setattr(memory, "check", lambda extra=0.0: (asked.append(extra), real(extra)))
+    sg = search_graph(build_parser().parse_args(["search", str(model)]))
+    explore(sg, [4], "auto", builtin("h100"), jobs=1)
+    assert any(extra > 0 for extra in asked)
