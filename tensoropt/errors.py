@@ -25,8 +25,8 @@ EXIT_CODE_MEANINGS: tuple[tuple[ExitCode, str], ...] = (
     (ExitCode.OK, "ok"),
     (
         ExitCode.INTERNAL,
-        "internal error (a traceback), a runtime worker died or hung, or onnxruntime "
-        "failed a graph (one line)",
+        "internal error (a traceback), a runtime or search worker died or hung, or "
+        "onnxruntime failed a graph (one line)",
     ),
     (ExitCode.BAD_INPUT, "bad input or an infeasible request (one line on stderr)"),
     (ExitCode.VERIFY_FAILED, "`run --verify`: the distributed run differs from one device"),
@@ -88,6 +88,7 @@ class OutputDirError(TensorOptError):
 
 
 class WorkerFault(TensorOptError):
-    """A runtime worker died or timed out; names the rank. Exit code 1."""
+    """A runtime worker died or timed out (names the rank), or a search worker died
+    (names the meshes it may have been solving). Exit code 1."""
 
     exit_code = ExitCode.INTERNAL

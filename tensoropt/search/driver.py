@@ -15,7 +15,9 @@ import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
@@ -31,7 +33,7 @@ from tensoropt.cost.model import (
     split_offer,
 )
 from tensoropt.display import fmt_memory
-from tensoropt.errors import InfeasibleError, TensorOptError
+from tensoropt.errors import InfeasibleError, TensorOptError, WorkerFault
 from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
 from tensoropt.ir.mesh import Mesh
@@ -1040,15 +1042,50 @@ def _runner(sg: SearchGraph, blocks: Blocks | None, space: SearchSpace, workers:
     # pickled under fork); only the plain-data results come back.
     ctx = multiprocessing.get_context("fork")
     init = (sg, blocks, space, memory.share(workers), counter)
+    others = {p.pid for p in multiprocessing.active_children()}
     # what the workers inherit goes to the collector's permanent generation: their
     # collections of the younger generations then traverse only what they make, not the
     # objects the parent left there (under fewer_collections, much of the search graph)
     gc.freeze()
     try:
-        with ctx.Pool(workers, initializer=_pool_worker_init, initargs=init) as pool:
-            yield lambda work: (r for rs in pool.imap_unordered(_solve_in_worker, work) for r in rs)
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_pool_worker_init, initargs=init
+        ) as pool:
+            try:
+                yield lambda work: _as_finished(pool, work)
+            except BaseException:
+                # Ctrl-C, a dead worker, a caller that stopped: the others stop now, not
+                # after their current jobs (which the pool's shutdown would wait for)
+                for p in multiprocessing.active_children():
+                    if p.pid not in others:
+                        p.terminate()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     finally:
         gc.unfreeze()
+
+
+def _as_finished(pool: ProcessPoolExecutor, work: Sequence) -> Iterator:
+    """Each result of ``work``'s jobs (:func:`_solve_meshes`), job by job as they finish.
+    A worker that dies (killed by the kernel for memory the share does not see, or by a
+    crash) breaks the pool: the search stops in one line that names the device counts
+    left unsolved, where a ``multiprocessing.Pool`` would replace the worker, lose its job and
+    wait for its result for good."""
+    jobs = {pool.submit(_solve_in_worker, job): job for job in work}
+    try:
+        for done in as_completed(jobs):
+            yield from done.result()
+    except BrokenProcessPool:
+        pending = [j for f, j in jobs.items() if not f.done() or f.exception() is not None]
+        counts = sorted({m.size for job in pending for m in job[0]}, reverse=True)
+        named = ", ".join(map(str, counts[:4])) + (
+            f" and {len(counts) - 4} more" if len(counts) > 4 else ""
+        )
+        raise WorkerFault(
+            f"a search worker process died with the problems of {named} devices unsolved "
+            "(killed from outside, or by the kernel when the machine ran out of memory: "
+            "see `dmesg`); search again with --jobs 1, fewer --devices or --epsilon"
+        ) from None
 
 
 def _solve_order(mesh: Mesh) -> tuple[int, tuple[int, ...]]:
@@ -1073,10 +1110,13 @@ def _pool_worker_init(
     counter=None,
 ) -> None:
     """Keep the worker's search graph; die on SIGTERM, whatever handler the parent has:
-    the pool stops its workers with SIGTERM when it closes, and a handler that raises
-    (as `tensoropt calibrate`'s did in a test process) can interrupt a worker holding
-    the pool's task-queue lock and hang the pool for good (seen in CI)."""
+    the search stops its workers with SIGTERM, and a handler that raises (as
+    `tensoropt calibrate`'s did in a test process) can interrupt a worker holding the
+    pool's task-queue lock and hang the pool for good (seen in CI). Ctrl-C reaches the
+    whole process group: the parent alone answers it (and stops the workers), so no
+    worker prints a traceback of its own."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_GRAPH[:] = [sg, blocks, space]
     _COUNTER[:] = [counter] if counter is not None else []
     memory.set_limit(limit)  # its share of the machine (search.memory)
