@@ -199,10 +199,21 @@ def _sum(parts: list[np.ndarray]) -> np.ndarray:
     return total
 
 
+def _ask(sched: Schedule, st: Step, channels: int, arrays: int) -> None:
+    """Check the search's memory share (``search.memory``) for ``arrays`` float64 arrays
+    of ``channels`` channels over ``st``'s joint scope before a pass makes them. A wide
+    scope (parameters shared by every layer, as ALBERT's) made arrays of 0.4 to 3.3 GiB
+    each and took a worker to 23 GB before the kernel killed it; the search stops in one
+    line instead."""
+    cells = channels * math.prod(sched.dims[v] for v in sched.joint(st))
+    memory.check(8.0 * cells * arrays)
+
+
 def _inside(sched: Schedule, leaves: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Channel-wise min-sum over the steps: a table (channels, *shape) for every factor."""
     tab = dict(leaves)
     for st in sched.steps:
+        _ask(sched, st, tab[st.inputs[0]].shape[0], len(st.inputs) + 2)  # parts, sums
         joint = sched.joint(st)
         total = _sum([_expand(tab[i], sched.scopes[i], joint, sched.dims) for i in st.inputs])
         tab[st.out] = _reduce_to(total, joint, sched.scopes[st.out], sched.dims)
@@ -221,6 +232,8 @@ def _outside(sched: Schedule, inside: dict[int, np.ndarray]) -> dict[tuple[int, 
     per_product: dict[tuple[int, int], np.ndarray] = {}
     for j in range(len(sched.steps) - 1, -1, -1):
         st = sched.steps[j]
+        # parts, suffix sums, the prefix and the sum of both
+        _ask(sched, st, inside[st.inputs[0]].shape[0], 2 * len(st.inputs) + 3)
         joint = sched.joint(st)
         rest = _expand(out[st.out], scopes[st.out], joint, dims)
         parts = [_expand(inside[i], scopes[i], joint, dims) for i in st.inputs]
@@ -298,6 +311,7 @@ def _argmin_to(p: Plans, joint: tuple[int, ...], scope: tuple[int, ...], dims) -
 def _plans_inside(sched: Schedule, leaves: dict[int, Table], weights: np.ndarray):
     ins = {i: _leaf_plans(sched, i, tb, weights) for i, tb in leaves.items()}
     for st in sched.steps:
+        _ask(sched, st, len(weights), 3 * (len(st.inputs) + 2))  # (score, t, m) of each
         joint = sched.joint(st)
         parts = [_expand_plans(ins[i], sched.scopes[i], joint, sched.dims) for i in st.inputs]
         total = parts[0]
@@ -348,11 +362,8 @@ def _incumbents(
     for st in reversed(sched.steps):
         joint = sched.joint(st)
         # a step holds its suffix sums and two more (time, memory and weighted-sum
-        # arrays over its joint scope and the weights): a wide scope (parameters shared
-        # by every layer) made 405 MiB per array and took a worker to 23 GB before the
-        # kernel killed it; the search stops in one line instead
-        cells = len(weights) * math.prod(dims[v] for v in joint)
-        memory.check(3 * 8.0 * cells * (len(st.inputs) + 3))
+        # arrays over its joint scope and the weights)
+        _ask(sched, st, len(weights), 3 * (len(st.inputs) + 3))
         rest = _expand_plans(out.pop(st.out), scopes[st.out], joint, dims)
         del ins[st.out]
         parts = [_expand_plans(ins[i], scopes[i], joint, dims) for i in st.inputs]

@@ -6,9 +6,8 @@ devices reached 23 GB resident on a 24 GB machine before the kernel killed the p
 names the device count and mesh and says what to narrow. ``explore`` gives each process
 that solves problems what it holds when the search starts and an even share of the
 memory then available (:data:`SHARE` of /proc/meminfo's MemAvailable); every factor
-product checks the
-process's resident memory against it (``factor.multiply``), and the bounds' incumbent
-passes check it with the bytes they are about to make (``bounds._incumbents``).
+product checks the process's resident memory against it (``factor.multiply``), and the
+bounds' passes check it with the bytes each step is about to make (``bounds._ask``).
 Without a share (``solve`` called directly, or no /proc) nothing is checked.
 """
 
@@ -121,5 +120,5 @@ def check(extra: float = 0.0) -> None:
         f"{SHARE:.0%} of the memory then available, split between the solving processes); "
         "search fewer or "
         "smaller device counts (--devices), fewer axes (--axes split, --stages 1), fewer "
-        "processes (--jobs 1), or within a stated slack (--epsilon 0.05)"
+        "processes (--jobs 1), or within a stated slack (--epsilon, e.g. 0.05)"
     )
