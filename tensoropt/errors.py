@@ -89,6 +89,6 @@ class OutputDirError(TensorOptError):
 
 class WorkerFault(TensorOptError):
     """A runtime worker died or timed out (names the rank), or a search worker died
-    (names the meshes it may have been solving). Exit code 1."""
+    (names the device counts left unsolved). Exit code 1."""
 
     exit_code = ExitCode.INTERNAL

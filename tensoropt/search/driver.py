@@ -1069,8 +1069,8 @@ def _as_finished(pool: ProcessPoolExecutor, work: Sequence) -> Iterator:
     """Each result of ``work``'s jobs (:func:`_solve_meshes`), job by job as they finish.
     A worker that dies (killed by the kernel for memory the share does not see, or by a
     crash) breaks the pool: the search stops in one line that names the device counts
-    left unsolved, where a ``multiprocessing.Pool`` would replace the worker, lose its job and
-    wait for its result for good."""
+    left unsolved, where a ``multiprocessing.Pool`` would replace the worker, lose its
+    job and wait for its result for good."""
     jobs = {pool.submit(_solve_in_worker, job): job for job in work}
     try:
         for done in as_completed(jobs):
