@@ -357,6 +357,7 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
     for what, count in canonicalize(graph, path).items():
         if count:
             log.info("%s: %d %s rewritten (ir/canonical.py)", path, count, what)
+    _hoist_shared_views(graph)
     _name_and_tag(graph)
     if options.supported_ops is not None:
         _check_supported(graph, options.supported_ops, path)
@@ -415,6 +416,41 @@ def _retie_transposed_copies(graph: ir.Graph) -> None:
         log.info(
             "initializer %s is %s transposed: tied again through a Transpose", name, source.name
         )
+
+
+# ops that only lay a tensor out anew: a view of a parameter made by one of them reads
+# nothing the step computes
+_VIEW_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
+
+
+def _hoist_shared_views(graph: ir.Graph) -> None:
+    """Move each view of a parameter that other nodes also read (a ``Transpose`` of a
+    tied embedding for the output layer, in an export without the optimizer's folding)
+    to the start of the graph, where :func:`_retie_transposed_copies` puts the same
+    view of an optimized export. It then runs with the parameter's first reader, in the
+    first block: a pipeline stage cut between the two readers sends the view forward per
+    micro-batch and its gradient back, where the view left beside the later reader
+    would make that stage read the parameter too, which compile refuses. It reads only
+    initializers, so the move keeps the graph's order valid and every value as it was."""
+    first = None
+    for node in list(graph):
+        if node.op_type not in _VIEW_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        if not node.inputs or any(v is None or not v.is_initializer() for v in node.inputs):
+            continue
+        param = node.inputs[0]
+        if param.dtype is None or not param.dtype.is_floating_point():
+            continue
+        readers = {id(use.node) for use in param.uses()}
+        if len(readers) < 2:
+            continue
+        graph.remove(node)
+        if first is None:
+            graph.insert_before(graph.node(0), node)
+        else:
+            graph.insert_after(first, node)
+        first = node
+        log.info("view %s of the shared parameter %s moved to the start", node.name, param.name)
 
 
 def _merge_equal_copies(graph: ir.Graph) -> None:

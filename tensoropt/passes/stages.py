@@ -314,8 +314,13 @@ def _check_state(graph: onnx.GraphProto, stages: list[tuple[int, ...]], names: s
     for name, where in sorted(readers.items()):
         if len(where) > 1:
             raise PlanError(
-                f"parameter {name!r} is read on pipeline stages {sorted(where)}; a parameter "
-                "must live on one stage: cut the stages so that its readers share one"
+                f"parameter {name!r} is read on pipeline stages {sorted(where)}, and a "
+                "parameter must live on one stage: it is one tensor read by several blocks "
+                "(tied in the model, or equal initializers that the exporter merged, as a "
+                "fresh model's LayerNorm weights and zero biases); compile a pipelined "
+                "point of `tensoropt search --axes split,micro,stages` (its cuts keep such "
+                "readers on one stage), or export a model whose parameters differ (a "
+                "trained checkpoint, or torch.onnx.export(..., optimize=False))"
             )
 
 

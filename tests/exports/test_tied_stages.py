@@ -86,4 +86,34 @@ def test_a_hand_cut_between_a_tied_parameters_readers_is_refused(tied_gpt2, tmp_
                  "--micro-batches", "2", "-o", str(out)])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is read on pipeline stages [0, 1]" in err[0], err
+    # what to do: even cuts are not the user's to move, so the line names the ways out
+    assert "--axes split,micro,stages" in err[0] and "optimize=False" in err[0], err
     assert not out.exists()
+
+
+def test_an_unoptimized_exports_tied_embedding_pipelines_like_one_device(
+    exported, tmp_path, capsys
+):
+    """Without the exporter's optimizer the output layer reads the tied embedding through
+    a ``Transpose`` of the parameter, beside the last block. The importer moves such a
+    view of a shared parameter to the start (where it reties an optimized export's
+    transposed copy), so the parameter is read in the first block only: the search may
+    cut anywhere, and two even stages compile and train like one device. Left in place,
+    the parameter was read on both stages and compile refused every even cut."""
+    from tensoropt.ir.importer import import_model
+    from tensoropt.runtime.run import run_steps
+
+    path = exported("gpt2-noopt")
+    out = tmp_path / "o"
+    code = main(["compile", str(path), "--devices", "2", "--stages", "2",
+                 "--micro-batches", "2", "-o", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    report = run_steps(out, 3, verify=True, threads=1).verify
+    assert report is not None and report.ok, report.to_json()
+    sg = search_graph(build_parser().parse_args(["search", str(path)]))
+    assert not segments_of(sg).tied
+    graph = import_model(str(path)).graph
+    tied = [n for n in graph if n.op_type == "Transpose" and n.inputs[0].is_initializer()]
+    tied = [n for n in tied if len({id(u.node) for u in n.inputs[0].uses()}) > 1]
+    assert tied, "the export should read its tied embedding through a Transpose"
+    assert graph.node(0) is tied[0]
