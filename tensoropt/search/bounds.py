@@ -206,7 +206,7 @@ def _ask(sched: Schedule, st: Step, channels: int, arrays: int) -> None:
     each and took a worker to 23 GB before the kernel killed it; the search stops in one
     line instead."""
     cells = channels * math.prod(sched.dims[v] for v in sched.joint(st))
-    memory.check(8.0 * cells * arrays)
+    memory.about_to_make(8.0 * cells * arrays)
 
 
 def _inside(sched: Schedule, leaves: dict[int, np.ndarray]) -> dict[int, np.ndarray]:

@@ -7,7 +7,8 @@ names the device count and mesh and says what to narrow. ``explore`` gives each 
 that solves problems what it holds when the search starts and an even share of the
 memory then available (:data:`SHARE` of /proc/meminfo's MemAvailable); every factor
 product checks the process's resident memory against it (``factor.multiply``), and the
-bounds' passes check it with the bytes each step is about to make (``bounds._ask``).
+bounds' passes check it with the bytes each step is about to make (``bounds._ask``,
+read once 64 MiB are announced: :func:`about_to_make`).
 Without a share (``solve`` called directly, or no /proc) nothing is checked.
 """
 
@@ -104,12 +105,31 @@ def solving(what: str) -> None:
     _where[0] = what
 
 
+# bytes announced to :func:`about_to_make` since the resident size was last read
+_unread: list[float] = [0.0]
+READ_EVERY = 64 * 2**20
+"""Bytes :func:`about_to_make` lets pass between two readings of the resident size."""
+
+
+def about_to_make(nbytes: float) -> None:
+    """:func:`check` with ``nbytes`` about to be made, reading the resident size (about
+    14 us) only once the bytes announced since the last reading reach
+    :data:`READ_EVERY`: the bounds' passes announce every elimination step's arrays,
+    mostly small ones, so what goes unseen stays under 64 MiB."""
+    if _limit[0] is None:
+        return
+    _unread[0] += nbytes
+    if _unread[0] >= READ_EVERY:
+        check(nbytes)
+
+
 def check(extra: float = 0.0) -> None:
     """Raise SearchMemoryError when this process holds more than its limit, or would
     once it makes ``extra`` more bytes (checked before a large allocation)."""
     limit = _limit[0]
     if limit is None:
         return
+    _unread[0] = 0.0
     held = resident_bytes()
     if held is None or held + extra <= limit:
         return

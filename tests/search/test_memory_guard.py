@@ -124,6 +124,26 @@ def test_check_counts_what_is_about_to_be_made():
     assert "GiB about to be made" in str(err.value)
 
 
+def test_announced_bytes_are_checked_once_they_add_up(monkeypatch):
+    """The bounds announce every step's arrays; the resident size is read (and the
+    share checked with the bytes about to be made) once READ_EVERY bytes have been
+    announced since the last reading, so small steps cost no /proc read each."""
+    reads = []
+    monkeypatch.setattr(memory, "resident_bytes", lambda: reads.append(1) or 1.0)
+    monkeypatch.setattr(memory, "_unread", [0.0])
+    memory.about_to_make(memory.READ_EVERY)  # no share: nothing is read
+    assert reads == []
+    with memory.limited(memory.READ_EVERY * 10):
+        memory.about_to_make(memory.READ_EVERY / 2)
+        assert reads == []
+        memory.about_to_make(memory.READ_EVERY / 2)  # adds up: read
+        assert len(reads) == 1
+        memory.about_to_make(memory.READ_EVERY / 2)  # counted afresh after a reading
+        assert len(reads) == 1
+        with pytest.raises(memory.SearchMemoryError, match="GiB about to be made"):
+            memory.about_to_make(memory.READ_EVERY * 20)  # large: read at once, over
+
+
 def test_the_bounds_check_each_steps_arrays_before_making_them(tmp_path, monkeypatch):
     """The bounds' passes (the inside and outside min-sums, the incumbents' inside pass
     and their outside pass) make arrays over each elimination step's joint scope: on
@@ -140,16 +160,16 @@ def test_the_bounds_check_each_steps_arrays_before_making_them(tmp_path, monkeyp
     model = tmp_path / "gpt.onnx"
     save_model(build_model("gpt", "tiny"), str(model))
     asked: dict[str, list[float]] = {}
-    real = memory.check
+    real = memory.about_to_make
 
-    def check(extra=0.0):
+    def about_to_make(nbytes):
         caller = sys._getframe(1).f_code.co_name
         if caller == "_ask":  # the pass that asked
             caller = sys._getframe(2).f_code.co_name
-        asked.setdefault(caller, []).append(extra)
-        real(extra)
+        asked.setdefault(caller, []).append(nbytes)
+        real(nbytes)
 
-    monkeypatch.setattr(memory, "check", check)
+    monkeypatch.setattr(memory, "about_to_make", about_to_make)
     sg = search_graph(build_parser().parse_args(["search", str(model)]))
     explore(sg, [4], "auto", builtin("h100"), jobs=1)
     passes = {"_inside", "_outside", "_plans_inside", "_incumbents"}
