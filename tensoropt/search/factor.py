@@ -26,6 +26,10 @@ from tensoropt.search.provenance import Provenance
 if TYPE_CHECKING:
     from tensoropt.search.bounds import Bound
 
+# bytes a kept frontier point holds: its time, memory and provenance id in the table
+# (8 bytes each) and its provenance node (a kind byte and two ids)
+POINT_BYTES = 8 + 8 + 8 + 17
+
 
 @dataclass(slots=True)
 class Factor:
@@ -114,7 +118,8 @@ def multiply(
             a.table, ia, b.table, ib, group, math.prod(oshape), ctx.prov, flt, bound
         )
     ctx.products += 1
-    memory.check()  # the frontiers just grew: stop before the machine runs out
+    # the frontiers just grew: stop before the machine runs out
+    memory.made(POINT_BYTES * len(table.t))
     if table.n_entries:
         ctx.max_frontier = max(ctx.max_frontier, int(table.sizes.max()))
     return Factor(out, oshape, table, depth, lows)

@@ -144,6 +144,56 @@ def test_announced_bytes_are_checked_once_they_add_up(monkeypatch):
             memory.about_to_make(memory.READ_EVERY * 20)  # large: read at once, over
 
 
+def test_made_bytes_are_checked_once_they_add_up(monkeypatch):
+    """What the factor products made is counted; the share is checked (no bytes about
+    to be made: they are held already) once READ_EVERY bytes have been counted, and
+    the count shares its total with the bounds' announcements."""
+    reads = []
+    monkeypatch.setattr(memory, "resident_bytes", lambda: reads.append(1) or 1.0)
+    monkeypatch.setattr(memory, "_unread", [0.0])
+    monkeypatch.setattr(memory, "_where", ["the search"])
+    memory.made(memory.READ_EVERY)  # no share: nothing is read
+    assert reads == []
+    with memory.limited(memory.READ_EVERY * 10):
+        memory.made(memory.READ_EVERY / 2)
+        assert reads == []
+        memory.about_to_make(memory.READ_EVERY / 2)  # one count for both: read
+        assert len(reads) == 1
+        memory.made(memory.READ_EVERY / 2)
+        assert len(reads) == 1
+        memory.made(memory.READ_EVERY * 20)  # large: read at once, within the share
+        assert len(reads) == 2
+        monkeypatch.setattr(memory, "resident_bytes", lambda: memory.READ_EVERY * 11.0)
+        with pytest.raises(memory.SearchMemoryError) as err:
+            memory.made(memory.READ_EVERY)
+        assert "about to be made" not in str(err.value)
+        with pytest.raises(memory.SearchMemoryError, match="^the next problem needs"):
+            memory.solving("the next problem")  # each problem starts from a reading
+
+
+def test_every_factor_product_counts_the_points_it_keeps(tmp_path, monkeypatch):
+    from tensoropt.cost.cluster import builtin
+    from tensoropt.search import factor
+    from tensoropt.search.driver import explore
+    from tests.helpers.program import graph_of
+
+    path = tmp_path / "mlp.onnx"
+    save_model(build_model("mlp", "tiny"), str(path))
+    kept, counted = [], []
+    real = factor.sum_entries
+
+    def sum_entries(*args, **kw):
+        table = real(*args, **kw)
+        kept.append(len(table.t))
+        return table
+
+    monkeypatch.setattr(factor, "sum_entries", sum_entries)
+    monkeypatch.setattr(memory, "made", counted.append)
+    explore(graph_of(path), [2, 4], "auto", builtin("a100"), jobs=1)
+    assert kept and sum(kept) > len(kept)  # products that keep points
+    assert counted == [factor.POINT_BYTES * n for n in kept]
+
+
 def test_the_bounds_check_each_steps_arrays_before_making_them(tmp_path, monkeypatch):
     """The bounds' passes (the inside and outside min-sums, the incumbents' inside pass
     and their outside pass) make arrays over each elimination step's joint scope: on
