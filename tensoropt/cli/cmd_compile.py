@@ -348,7 +348,7 @@ def _compile_picked(args: argparse.Namespace) -> int:
             search.devices,
         )
     source = f"search --pick {args.pick}: point {chosen.index} at {search.devices} devices"
-    plan = with_micro_batches(plan_of_point(search, point, source), args)
+    plan = plan_of_point(search, point, source)
     picked = (
         f"picked {args.pick}: point {chosen.index} at {search.devices} devices, mesh "
         f"{mesh_label(search.mesh.shape, search.variant.stages)}; "
@@ -423,7 +423,7 @@ def _compile_from_search(args: argparse.Namespace) -> int:
         f"search --pick {args.pick} ({args.search}): point {chosen.index} at "
         f"{chosen.devices} devices"
     )
-    plan = with_micro_batches(plan_of(sf, chosen, source), args)
+    plan = plan_of(sf, chosen, source)
     summary, notes, estimate, result = _compile_searched(args, plan)
     print(
         f"picked {args.pick} from {args.search}: point {chosen.index} at {chosen.devices} "
@@ -683,6 +683,12 @@ def run(args: argparse.Namespace) -> int:
             else "give --pick (a --plan takes --zero, --recompute, --micro-batches, --stages)"
         )
         raise TensorOptError(f"--axes {args.axes} chooses what --pick searches; {where}")
+    if args.pick and args.micro_batches is not None:
+        raise TensorOptError(
+            f"--micro-batches {args.micro_batches} applies to --plan; a --pick point carries "
+            "its own micro-batches (--axes ...,micro searches 1, 2, 4 and 8): drop "
+            "--micro-batches, or compile the picked plan.json with --plan and --micro-batches"
+        )
     if args.pick:
         for flag, given in (("--stages", args.stages), ("--schedule", args.schedule)):
             if given is not None:
@@ -708,6 +714,14 @@ def run(args: argparse.Namespace) -> int:
         mesh = parse_mesh(stage_devices(args, devices), args.mesh, "data-parallel")
         flag = stage_count(args) if args.stages is not None else None
         plan, data_axes = _load_plan_file(plan_name, mesh, flag)
+        if args.mesh is not None and tuple(plan.mesh.shape) != tuple(mesh.shape):
+            # a plan file's layouts are written for its own mesh: another shape of the
+            # same devices would be a different plan, so it is refused, not applied
+            raise PlanError(
+                f"--mesh {args.mesh}: {plan_name} is a plan for mesh "
+                f"{'x'.join(map(str, plan.mesh.shape))}, whose layouts name its axes; drop "
+                "--mesh (a plan file carries its mesh) or compile a plan for that mesh"
+            )
         mesh = plan.mesh
         notes = ()
     else:

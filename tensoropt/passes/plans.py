@@ -131,10 +131,14 @@ def megatron(
             units.update(_reduce_after(node, mesh, dp_axes, params, batch))
     counts = f"{len(blocks.mlp)} MLP and {len(attention)} attention blocks"
     notes = [f"megatron: {counts} on mesh axis {tp} (tp)"]
+    # a block left whole is replicated over tp: data parallel only where dp axes exist
+    whole = f"whole, replicated over the tp axis's {mesh.shape[tp]} devices" + (
+        " (data parallel over the others)" if dp_axes else ""
+    )
     if split_heads:
         notes.append(
-            f"megatron: {len(split_heads)} attention blocks left to data parallelism, because "
-            f"a tp split would cut heads apart: {split_heads[0]}"
+            f"megatron: {len(split_heads)} attention blocks left {whole}, because a tp "
+            f"split would cut heads apart: {split_heads[0]}"
         )
     viewed = _viewed_fused(attention, params)
     if viewed:
@@ -147,8 +151,8 @@ def megatron(
     if blocks.fused:
         fused = [f"{m.name} -> {o.name}" for m, o in blocks.fused]
         notes.append(
-            f"megatron: {len(fused)} attention blocks with a fused QKV projection left to "
-            "data parallelism (a column split would mix Q, K and V, and the weight is not "
+            f"megatron: {len(fused)} attention blocks with a fused QKV projection left "
+            f"{whole} (a column split would mix Q, K and V, and the weight is not "
             "viewed head-wise: the model was not prepared for megatron (prepare_model), or "
             "the weight or its bias is shared with another layer): " + ", ".join(fused[:5])
         )

@@ -166,7 +166,7 @@ def test_every_block_found_with_one_allreduce_each_way(name, mesh, export_of, tm
     assert built.notes[0] == (
         f"megatron: {layers} MLP and {layers} attention blocks on mesh axis {tp} (tp)"
     ), built.notes
-    assert not any("left to data parallelism" in n or "unsharded" in n for n in built.notes)
+    assert not any("left whole" in n or "unsharded" in n for n in built.notes), built.notes
     manifest = json.loads((out / "manifest.json").read_text())
     for entry in manifest["ranks"]:
         found = collectives(onnx.load(str(out / entry["file"])))
@@ -204,6 +204,8 @@ def test_tp_that_would_cut_heads_leaves_attention_whole_and_says_why(export_of, 
     err = capsys.readouterr().err
     assert "megatron: 2 MLP and 0 attention blocks" in err, err
     [note] = [line for line in err.splitlines() if "cut heads apart" in line]
+    # mesh 4 has no data-parallel axis: the blocks are replicated, and the note says so
+    assert "attention blocks left whole, replicated over the tp axis's 4 devices," in note, note
     assert "weight 'val_9'" in note and "Reshape" in note, note
     assert "dim 2 (size 32)" in note and "2 heads of 16, and 4 does not divide 2" in note, note
     assert main(["run", str(out), "--steps", "3", "--verify", "--threads", "1"]) == 0
