@@ -83,7 +83,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from tensoropt.errors import UnsupportedOpError
+from tensoropt.errors import DynamicShapeError, UnsupportedOpError
 from tensoropt.ir.recurrent import RECURRENT, unroll
 from tensoropt.ir.torch_calls import aten_call, float_arg
 from tensoropt.ir.vocab import MADE_KEY
@@ -935,7 +935,17 @@ def _attr(name: str, value) -> ir.Attr:
 
 
 def _shape(v: ir.Value) -> list[int]:
-    return [int(d) for d in v.shape]
+    """``v``'s static shape; a value shape inference left unknown (inputs pinned to a
+    shape that the model's fixed Reshapes contradict, say) is refused here, before a
+    rewrite reads it."""
+    shape = v.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        raise DynamicShapeError(
+            f"value {v.name!r} has no static shape after shape inference (found {shape}); "
+            "pin the model inputs with --input-shape NAME=D0xD1... at sizes the model's "
+            "fixed shapes agree with, or re-export with static shapes"
+        )
+    return [int(d) for d in shape]
 
 
 def _np_dtype(dtype: ir.DataType) -> np.dtype:

@@ -268,6 +268,24 @@ def _infer(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
     return model
 
 
+def _check_references(proto: onnx.ModelProto, path: str) -> None:
+    """Every input a node of the main graph reads is made by a node or is a graph input
+    or initializer (a damaged or hand-edited file can name one that nothing makes;
+    nothing downstream could give it a shape)."""
+    graph = proto.graph
+    made = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    made |= {t.values.name for t in graph.sparse_initializer}
+    made |= {out for node in graph.node for out in node.output}
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in made:
+                raise ModelLoadError(
+                    f"{path}: node {node.name or '?'!r} ({node.op_type}) reads {name!r}, which "
+                    "no node, graph input or initializer makes; the file is damaged or "
+                    "incomplete: export it again"
+                )
+
+
 def _check_all_static(graph: ir.Graph, path: str) -> None:
     for node in graph:
         for value in node.outputs:
@@ -320,6 +338,7 @@ def import_model(path: str | os.PathLike, options: ImportOptions | None = None) 
     options = options or ImportOptions()
     path = os.fspath(path)
     proto = _read_proto(path, options.load_weights)
+    _check_references(proto, path)
     if options.input_shapes:
         _pin_inputs(proto, options.input_shapes, path)
     _check_inputs_static(proto, path)
