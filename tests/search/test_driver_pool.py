@@ -35,13 +35,21 @@ def test_search_workers_leave_ctrl_c_to_the_parent():
     """Ctrl-C reaches the whole process group; the parent stops the workers, so none
     prints a traceback of its own."""
     import multiprocessing
+    import signal
 
     from tensoropt.search.driver import _pool_worker_init
 
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(1, initializer=_pool_worker_init, initargs=(None, None, None)) as pool:
-        assert pool.apply(_ignores_sigint)
-    assert not _ignores_sigint()  # the parent's own handler is left alone
+    # a test run started in the background of a shell without job control inherits
+    # SIGINT ignored: the parent's handler is set here, so the check holds either way
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(1, initializer=_pool_worker_init, initargs=(None, None, None)) as pool:
+            assert pool.apply(_ignores_sigint)
+        # the parent's own handler is left alone
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _ignores_sigint() -> bool:
