@@ -263,11 +263,15 @@ def run(args: argparse.Namespace) -> int:
         progress,
     )
     from tensoropt.cli.json_output import emit, integral_bytes
+    from tensoropt.cost.cluster import load_cluster
     from tensoropt.passes.compile import compile_step
     from tensoropt.runtime.run import run_steps
     from tensoropt.search.driver import device_frontier, plan_of_point
 
     _check_args(args)
+    # the whole profile, its calibration and accuracy sections too, before anything is
+    # read from it (threads per rank) or measured: --record writes into it at the end
+    load_cluster(args.cluster)
     devices = parse_devices(args.devices)
     check_output_file(args.json_out, "--json-out")
     check_output_file(args.plot, "--plot")

@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tensoropt.cost.cluster import read_cluster_file
 from tensoropt.errors import TensorOptError
 
 HISTORY_LIMIT = 400  # plans kept in a profile's record (the most recent)
@@ -59,7 +60,7 @@ class LinkRecord:
                 f"{self.probes} probes ({lo:.2f}-{hi:.2f} of one alone's bandwidth each)"
             )
         measured = [
-            f"{kind} links {found[1]:+.0%} ({_count(found[0], 'plan')})"
+            f"{kind} links {found[1]:+.0%} ({_count_of(found[0], 'plan')})"
             for kind, found in (("own", self.own), ("shared", self.shared))
             if found is not None
         ]
@@ -82,7 +83,7 @@ class LinkRecord:
         }
 
 
-def _count(n: int, noun: str) -> str:
+def _count_of(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
@@ -164,8 +165,7 @@ def band_of(cluster: str) -> ErrorBand | None:
     calibration spread; None for a built-in profile or a file with neither."""
     if not cluster.endswith(".json") or not os.path.isfile(cluster):
         return None
-    with open(cluster) as f:
-        obj = json.load(f)
+    obj = read_cluster_file(cluster)  # refuses a malformed record, spread or probe
     plans = (obj.get("accuracy") or {}).get("plans") or []
     if plans:
         one = [abs(p["time"]) for p in plans if p["devices"] == 1]
@@ -211,8 +211,7 @@ def record(
         raise TensorOptError(
             f"--record needs a profile file from `tensoropt calibrate`, not {cluster!r}"
         )
-    with open(cluster) as f:
-        obj = json.load(f)
+    obj = read_cluster_file(cluster)  # never append to a malformed file
     run = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     plans = list((obj.get("accuracy") or {}).get("plans") or [])
     for devices, time_err, memory_err, shared in results:

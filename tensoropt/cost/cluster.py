@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from tensoropt.errors import ClusterError
 
 GIB = 1024**3
+# The least memory_bytes a file may give: a device's memory in bytes. Below 1 MiB no
+# model trains, and such a number is the capacity written in GiB or GB (80 for 80e9).
+MIN_MEMORY_BYTES = 2**20
+SCHEMA = "tensoropt.cluster/1"  # what `tensoropt calibrate` writes (calibrate.profile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,17 +189,63 @@ def builtin(name: str) -> ClusterProfile:
         ) from None
 
 
-def _positive(value, where: str) -> float:
+def _shown(value) -> str:
+    """``value`` as an error message shows it: its repr, cut to one short line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _at(where: str, key) -> str:
+    """The path of ``key`` under ``where``: ``where.key``, or ``where['odd key']`` for a
+    key that would not read as one word (spaces, dots, a line break: the message stays
+    one line)."""
+    key = str(key)
+    if key and key.isprintable() and not any(c in key for c in " .[]'\""):
+        return f"{where}.{key}"
+    return f"{where}[{_shown(key)}]"
+
+
+def _number(value, where: str) -> float:
+    """A finite JSON number (not a bool, not a string holding one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClusterError(f"{where}: expected a number, found {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ClusterError(f"{where}: expected a finite rate >= 0, found {value!r}")
-    return float(value)
+        raise ClusterError(f"{where}: expected a number, found {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal beyond a float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ClusterError(f"{where}: expected a finite number, found {_shown(value)}")
+    return number
+
+
+def _positive(value, where: str) -> float:
+    number = _number(value, where)
+    if number < 0:
+        raise ClusterError(f"{where}: expected a finite rate >= 0, found {_shown(value)}")
+    return number
+
+
+def _count(value, where: str) -> int:
+    """An integer >= 1 (a device, rank or thread count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{where}: expected an integer >= 1, found {_shown(value)}")
+    return value
+
+
+def _object(value, where: str, what: str = "an object") -> dict:
+    if not isinstance(value, dict):
+        raise ClusterError(f"{where}: expected {what}, found {_shown(value)}")
+    return value
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ClusterError(f"{where}: expected a string, found {_shown(value)}")
+    return value
 
 
 def _link(obj, base: Link, where: str) -> Link:
-    if not isinstance(obj, dict):
-        raise ClusterError(f"{where}: expected an object with alpha_s and bandwidth")
+    _object(obj, where, "an object with alpha_s and bandwidth")
     unknown = set(obj) - {"alpha_s", "bandwidth"}
     if unknown:
         raise ClusterError(f"{where}: unknown keys {sorted(unknown)}")
@@ -211,14 +261,16 @@ COLLECTIVE_KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
 
 def _collective_links(obj, where: str) -> dict[str, Link]:
     """``collectives.per_kind`` of a calibrated profile: {kind: {alpha_s, bandwidth, ...}}."""
-    if not isinstance(obj, dict):
-        raise ClusterError(f"{where}: expected an object")
-    table = obj.get("per_kind", {})
-    if not isinstance(table, dict):
-        raise ClusterError(f"{where}.per_kind: expected an object")
+    _object(obj, where)
+    return _kind_links(obj.get("per_kind", {}), f"{where}.per_kind")
+
+
+def _kind_links(table, where: str) -> dict[str, Link]:
+    """{kind: {alpha_s, bandwidth, ...}}: a link fit per collective kind."""
+    _object(table, where)
     out = {}
     for kind, fit in table.items():
-        at = f"{where}.per_kind.{kind}"
+        at = _at(where, kind)
         if kind not in COLLECTIVE_KINDS:
             raise ClusterError(f"{at}: unknown collective; expected one of {COLLECTIVE_KINDS}")
         if not isinstance(fit, dict) or "alpha_s" not in fit or "bandwidth" not in fit:
@@ -237,9 +289,8 @@ def _rate(value, where: str) -> float:
 
 def _entries(table, where: str) -> list[tuple[str, object, str]]:
     """(family, value, where-path) of an object keyed by op family (or op type)."""
-    if not isinstance(table, dict):
-        raise ClusterError(f"{where}: expected an object of op families")
-    return [(fam, value, f"{where}.{fam}") for fam, value in table.items()]
+    _object(table, where, "an object of op families")
+    return [(fam, value, _at(where, fam)) for fam, value in table.items()]
 
 
 def _curves(table, where: str) -> dict[str, OpCurve]:
@@ -302,8 +353,9 @@ def _train_grids(table, where: str) -> dict[str, tuple[tuple[int, RateGrid], ...
         parsed = []
         for key, grid in slices.items():
             side = key.removeprefix("kernel_")
-            if not key.startswith("kernel_") or not side.isdigit() or int(side) < 1:
-                raise ClusterError(f"{at}.{key}: expected a key kernel_K with K >= 1")
+            ok = key.startswith("kernel_") and side.isascii() and side.isdigit()
+            if not ok or int(side) < 1:
+                raise ClusterError(f"{_at(at, key)}: expected a key kernel_K with K >= 1")
             parsed.append((int(side), _grids({key: grid}, at)[key]))
         out[fam] = tuple(sorted(parsed, key=lambda s: s[0]))
     return out
@@ -319,7 +371,14 @@ def from_json(obj, where: str) -> ClusterProfile:
             f'{where}: give "base": one of {", ".join(BUILTIN_NAMES)}, or every rate '
             "(peak_flops, memory_bandwidth, memory_bytes, devices_per_node, intra, inter)"
         )
-    base = builtin(base_name) if base_name is not None else None
+    base = None
+    if base_name is not None:
+        if not isinstance(base_name, str) or base_name.lower() not in _BUILTIN:
+            raise ClusterError(
+                f"{where}.base: expected the name of a built-in profile "
+                f"({', '.join(BUILTIN_NAMES)}), found {_shown(base_name)}"
+            )
+        base = _BUILTIN[base_name.lower()]
     names = {f.name for f in fields(ClusterProfile)}
     extra = {"base", "schema", "machine", "versions", "spread", "collectives", "calibration"}
     extra.add("accuracy")  # validate --record's history (cost.accuracy)
@@ -336,37 +395,155 @@ def from_json(obj, where: str) -> ClusterProfile:
     for key in ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency"):
         if values.get(key) == 0:
             raise ClusterError(f"{where}.{key}: must be > 0")
+    if values.get("efficiency", 1.0) > 1:  # a fraction of peak_flops
+        raise ClusterError(
+            f"{where}.efficiency: expected the fraction of peak_flops a kernel reaches, "
+            f"in (0, 1], found {_shown(obj['efficiency'])}"
+        )
+    if values.get("memory_bytes", MIN_MEMORY_BYTES) < MIN_MEMORY_BYTES:
+        raise ClusterError(
+            f"{where}.memory_bytes: expected a device's memory in bytes, at least 1 MiB "
+            f"(e.g. 80e9), found {_shown(obj['memory_bytes'])}"
+        )
     if "devices_per_node" in obj:
-        dpn = obj["devices_per_node"]
-        if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
-            raise ClusterError(f"{where}.devices_per_node: expected an integer >= 1")
-        values["devices_per_node"] = dpn
+        values["devices_per_node"] = _count(obj["devices_per_node"], f"{where}.devices_per_node")
     elif base is None:
         raise ClusterError(f"{where}: missing 'devices_per_node'")
     for key in ("intra", "inter"):
         if key in obj:
-            values[key] = _link(obj[key], base.intra if base else Link(0, 1), f"{where}.{key}")
+            # a partial override keeps the base's other rate of the same link
+            start = getattr(base, key) if base else Link(0, 1)
+            values[key] = _link(obj[key], start, f"{where}.{key}")
         elif base is None:
             raise ClusterError(f"{where}: missing link {key!r}")
     if "op_throughput" in obj:
-        table = obj["op_throughput"]
-        if not isinstance(table, dict):
-            raise ClusterError(f"{where}.op_throughput: expected an object")
         values["op_throughput"] = {
-            k: _rate(v, f"{where}.op_throughput.{k}") for k, v in table.items()
+            fam: _rate(v, at)
+            for fam, v, at in _entries(obj["op_throughput"], f"{where}.op_throughput")
         }
     for key in ("op_curves", "op_backward"):
         if key in obj:
             values[key] = _curves(obj[key], f"{where}.{key}")
     if "op_train_grids" in obj:
         values["op_train_grids"] = _train_grids(obj["op_train_grids"], f"{where}.op_train_grids")
-    if "collectives" in obj:
+    if "collective_links" in obj:  # the profile's own field, as to_json writes it
+        values["collective_links"] = _kind_links(
+            obj["collective_links"], f"{where}.collective_links"
+        )
+    if "collectives" in obj:  # calibrate's fits: they win over collective_links
         values["collective_links"] = _collective_links(obj["collectives"], f"{where}.collectives")
-    name = str(obj.get("name", base.name + "+file" if base else "custom"))
-    description = str(obj.get("description", f"from {where}"))
+    _check_records(obj, where)
+    name = _text(obj.get("name", base.name + "+file" if base else "custom"), f"{where}.name")
+    description = _text(obj.get("description", f"from {where}"), f"{where}.description")
     if base is None:
         return ClusterProfile(name=name, description=description, **values)
     return replace(base, name=name, description=description, **values)
+
+
+def _check_records(obj: dict, where: str) -> None:
+    """The sections that are no rates of the profile but are read later: ``schema``,
+    ``machine`` and ``versions`` (calibrate --against), ``spread.op_throughput`` (the
+    error band without a validate record), ``calibration`` (validate's threads per rank
+    and host-speed reference; the memory-link probes) and ``accuracy`` (validate
+    --record's history: cost.accuracy). Checked with the rates, so that a malformed one
+    is refused when the file is loaded, before a command measures or writes anything."""
+    if "schema" in obj and obj["schema"] != SCHEMA:
+        raise ClusterError(f"{where}.schema: expected {SCHEMA!r}, found {_shown(obj['schema'])}")
+    for key in ("machine", "versions"):
+        if key in obj:
+            _object(obj[key], f"{where}.{key}")
+    if "spread" in obj:
+        spread = _object(obj["spread"], f"{where}.spread")
+        if "op_throughput" in spread:
+            for _fam, value, at in _entries(
+                spread["op_throughput"], f"{where}.spread.op_throughput"
+            ):
+                _positive(value, at)  # IQR / median of the family's rates
+    if "calibration" in obj:
+        _calibration(_object(obj["calibration"], f"{where}.calibration"), f"{where}.calibration")
+    if "accuracy" in obj:
+        check_history(obj["accuracy"], f"{where}.accuracy")
+
+
+LINKS = ("own", "shared")  # a recorded plan's memory link (accuracy.LinkRecord)
+
+
+def check_history(accuracy, where: str) -> None:
+    """A profile's ``accuracy`` section as :func:`record` writes it: ``{"definition":
+    str, "plans": [{"devices": int >= 1, "time": number, "memory": number, "run": str,
+    "model": str, "link": "own" | "shared" | null}, ...]}`` (``run``, ``model`` and
+    ``link`` optional: older records lack them). ``time`` and ``memory`` are signed
+    relative errors, (estimate - measured) / measured."""
+    _object(accuracy, where, 'an object {"plans": [...]}')
+    if "definition" in accuracy:
+        _text(accuracy["definition"], f"{where}.definition")
+    plans = accuracy.get("plans", [])
+    if not isinstance(plans, list):
+        raise ClusterError(f"{where}.plans: expected a list of plans, found {_shown(plans)}")
+    for i, plan in enumerate(plans):
+        at = f"{where}.plans[{i}]"
+        _object(plan, at, 'an object {"devices": N, "time": error, "memory": error}')
+        for key in ("devices", "time", "memory"):
+            if key not in plan:
+                raise ClusterError(f"{at}: missing {key!r}")
+        _count(plan["devices"], f"{at}.devices")
+        _number(plan["time"], f"{at}.time")
+        _number(plan["memory"], f"{at}.memory")
+        for key in ("run", "model"):
+            if key in plan:
+                _text(plan[key], f"{at}.{key}")
+        if plan.get("link") not in (None, *LINKS):
+            raise ClusterError(
+                f'{at}.link: expected "own", "shared" or null, found {_shown(plan["link"])}'
+            )
+
+
+def _calibration(cal: dict, where: str) -> None:
+    """The fields of ``calibration`` that commands read back."""
+    if "threads_per_rank" in cal:
+        _count(cal["threads_per_rank"], f"{where}.threads_per_rank")
+    if "host_reference_s" in cal:
+        _positive(cal["host_reference_s"], f"{where}.host_reference_s")
+    if "memory_link" in cal:
+        probes = cal["memory_link"]
+        if not isinstance(probes, list):
+            raise ClusterError(
+                f"{where}.memory_link: expected a list of probes, found {_shown(probes)}"
+            )
+        for i, probe in enumerate(probes):
+            at = f"{where}.memory_link[{i}]"
+            _object(probe, at, "an object {alone_Bps, together_Bps, processes, ratio, shared}")
+            if "ratio" in probe and _number(probe["ratio"], f"{at}.ratio") <= 0:
+                raise ClusterError(
+                    f"{at}.ratio: expected a bandwidth ratio > 0, found {_shown(probe['ratio'])}"
+                )
+            if "shared" in probe and not isinstance(probe["shared"], bool):
+                raise ClusterError(
+                    f"{at}.shared: expected true or false, found {_shown(probe['shared'])}"
+                )
+
+
+def read_cluster_file(path: str) -> dict:
+    """The JSON object of the cluster file ``path``, checked as :func:`from_json` checks
+    it: what commands that read the file's other sections (``accuracy``, ``spread``,
+    ``calibration``) start from."""
+    obj = _read_json(path)
+    from_json(obj, path)
+    return obj
+
+
+def _read_json(path: str):
+    if not os.path.isfile(path):
+        raise ClusterError(f"{path}: no such cluster file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ClusterError(f"{path}: not valid JSON ({reason})") from None
+    except OSError as exc:
+        raise ClusterError(f"{path}: cannot read the cluster file ({exc.strerror})") from None
+    return obj
 
 
 def load_cluster(spec: str) -> ClusterProfile:
@@ -375,11 +552,4 @@ def load_cluster(spec: str) -> ClusterProfile:
         return _BUILTIN[spec.lower()]
     if not spec.endswith(".json") and not os.path.exists(spec):
         builtin(spec)  # raises with the list of names
-    if not os.path.isfile(spec):
-        raise ClusterError(f"{spec}: no such cluster file")
-    try:
-        with open(spec) as f:
-            obj = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ClusterError(f"{spec}: not valid JSON ({exc})") from None
-    return from_json(obj, spec)
+    return from_json(_read_json(spec), spec)
