@@ -665,10 +665,12 @@ def _report(args, result, mesh, notes, estimate, source: str, plan=None) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensoropt.cost.cluster import load_cluster
     from tensoropt.passes.compile import compile_step
     from tensoropt.passes.plans import builtin_plan
 
     check_output_dir(args.output, "-o")
+    load_cluster(args.cluster)  # a malformed profile is refused before any work
     if args.search and not args.pick:
         raise TensorOptError("--search FILE: give --pick POLICY to choose one of its points")
     if args.pick and args.zero is not None:
