@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -22,10 +23,16 @@ backends:
 data: without --data the global batches are synthetic and seeded (the same ones
 `tensoropt train` uses); --data FILE.npz holds arrays keyed by the model's input
 names plus 'labels', each either the global shape or [steps, ...global shape].
+Integer ids and labels must lie in [0, N) of the table or classes they index (the
+bound synthetic data uses; a loss's ignore_index is allowed): checked before step 0.
 
 --checkpoint DIR: each rank writes DIR/rank_<r>.step_<s>.tensors (its parameter and
-optimizer-state shards as raw tensors after a JSON header), atomically, keeping its
-newest two; --resume continues from the newest step every rank has.
+optimizer-state shards as raw tensors after a JSON header), atomically; the ranks meet
+after writing, then each drops its shards older than the newest two steps, so the kept
+ones are steps every rank completed. --resume continues from the newest step every
+rank has. A DIR holding another output's shards is refused; one holding this output's
+needs --resume; --resume over shards that make no step every rank saved is refused
+(nothing deleted); --resume of a missing or empty DIR starts at step 0.
 
 --verify also runs annotated.onnx (the unpartitioned step) on the same batches and
 prints, per step, the relative error  max|a-b| / max(max|b|, floor)  of the loss
@@ -73,7 +80,12 @@ def add_parser(sub) -> None:
     p.add_argument("--data", metavar="FILE.npz", help="training data (default: synthetic)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--checkpoint", metavar="DIR", help="write per-rank checkpoint shards here")
-    p.add_argument("--checkpoint-every", type=int, default=1, metavar="K", help="(default 1)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="K",
+        help="save every K steps and after the last (default 1; needs --checkpoint)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint DIR")
     p.add_argument("--save-params", metavar="OUT.npz", help="save the full trained parameters")
     p.add_argument("--hostfile", metavar="FILE", help="MPI hostfile (--backend mpi)")
@@ -156,8 +168,13 @@ def run(args: argparse.Namespace) -> int:
     from tensoropt.cli.json_output import document, emit, finite_or_null
     from tensoropt.runtime.run import run_steps
 
-    if args.tolerance <= 0:
-        raise TensorOptError(f"--tolerance must be positive, got {args.tolerance}")
+    if not math.isfinite(args.tolerance) or args.tolerance <= 0:
+        raise TensorOptError(f"--tolerance must be a positive finite number, got {args.tolerance}")
+    if args.checkpoint_every is not None and args.checkpoint is None:
+        raise TensorOptError(
+            f"--checkpoint-every {args.checkpoint_every} needs --checkpoint DIR (where the "
+            "shards go)"
+        )
     if args.threads is not None and args.threads < 1:
         raise TensorOptError(f"--threads {args.threads}: give at least 1")
     if args.stall_timeout is not None and args.stall_timeout <= 0:
@@ -183,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             verify=args.verify,
             save_params=args.save_params,
             seed=args.seed,
-            checkpoint_every=args.checkpoint_every,
+            checkpoint_every=1 if args.checkpoint_every is None else args.checkpoint_every,
             tolerance=args.tolerance,
             threads=args.threads,
             stall_timeout=args.stall_timeout,

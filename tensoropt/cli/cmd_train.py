@@ -22,6 +22,9 @@ EPILOG = (
     + """
 data (--data FILE.npz): arrays keyed by the model's input names, plus 'labels' for the
 loss; each either the global batch shape (reused every step) or [steps, ...shape].
+Integer ids and labels must lie in [0, N) of the table or classes they index (a loss's
+ignore_index is allowed): checked before step 0. --trainable/--freeze REGEX must match
+some initializer.
 Without --data the batches are synthetic and seeded (the same ones `tensoropt run`
 uses, so sharded runs can be compared file to file).
 
@@ -56,7 +59,13 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tensoropt.ir.importer import export_model
-    from tensoropt.runtime.data import batch_source, input_specs
+    from tensoropt.runtime.data import (
+        batch_source,
+        check_indices,
+        index_exceptions,
+        input_specs,
+        load_npz,
+    )
     from tensoropt.runtime.single import StepSession
 
     if args.steps < 1:
@@ -66,11 +75,18 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.save_params, "--save-params")
     check_output_file(args.export_step, "--export-step")
     step = build_step(args)
+    _check_patterns_match(args, step.selection)
     summary = step.selection.summary(step.model.graph)
     proto = export_model(step.model)
     # A bad --data file is refused before anything is printed or trained.
     specs = input_specs(proto, step.signature)
-    source = batch_source(specs, args.data, args.seed, args.steps)
+    if args.data is None:
+        source = batch_source(specs, None, args.seed, args.steps)
+    else:  # shapes, dtypes, and ids and labels within the tables they index
+        npz = load_npz(args.data, specs, args.steps)
+        exceptions = index_exceptions([proto], [s.name for s in specs])
+        check_indices(npz, specs, args.steps, exceptions, step.signature.labels)
+        source = npz.batch
     print(summary, file=sys.stderr)
     if args.export_step:
         write_atomic(args.export_step, proto.SerializeToString())
@@ -106,6 +122,22 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
     return 0
+
+
+def _check_patterns_match(args: argparse.Namespace, selection) -> None:
+    """Refuse a --trainable or --freeze REGEX that names no initializer of the model (a
+    typo would otherwise train what the default policy picks, silently)."""
+    import re
+
+    names = [*selection.trained, *selection.frozen]  # every initializer of the model
+    for flag in ("trainable", "freeze"):
+        pattern = getattr(args, flag, None)
+        if pattern is not None and not any(re.search(pattern, n) for n in names):
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise TensorOptError(
+                f"--{flag} {pattern!r} matches no initializer of {args.model} ({shown}); "
+                "give a pattern that names some"
+            )
 
 
 def _warn_if_not_finite(losses, args: argparse.Namespace, specs) -> None:

@@ -10,11 +10,16 @@ temp name in the same directory and then ``os.replace``d, so a crash never leave
 half-written shard under a real name, and no second copy of the state is built in
 memory to write it.
 
-Each rank keeps its newest two shards. Ranks write independently, so a crash can
-leave rank 0 at step 5 and rank 1 at step 4; :func:`latest_common_step` resumes
-from the newest step that every rank has, and the older shard guarantees that
-one exists. Resuming needs every rank's shards in one directory reachable from
+Saving is a coordinated point: every rank writes its shard of step s
+(:func:`save_shard`), the ranks meet at a barrier, and only then does each drop its
+own shards that are not among the newest two steps saved (:func:`prune`). So the
+kept shards are always steps every rank completed, even when ranks of a plan
+without collectives run apart between checkpoints; a crash can leave rank 0 at step
+5 and rank 1 at step 4, and :func:`latest_common_step` resumes from step 4, which
+no rank dropped. Resuming needs every rank's shards in one directory reachable from
 rank 0's host (a shared filesystem when running over several hosts).
+:func:`check_directory` refuses, before a run starts, a directory that a run could
+not use without losing or misreading shards.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +35,7 @@ import numpy as np
 
 from tensoropt.errors import TensorOptError
 from tensoropt.ir.files import mkstemp_public
-from tensoropt.runtime.tensorfile import read_tensors, write_tensors
+from tensoropt.runtime.tensorfile import read_header, read_tensors, write_tensors
 
 _NAME = re.compile(r"^rank_(\d+)\.step_(\d+)\.tensors$")
 KEEP = 2
@@ -100,14 +105,25 @@ def shard_path(directory: Path, rank: int, step: int) -> Path:
 def save_shard(
     directory: str | os.PathLike, rank: int, state: Mapping[str, np.ndarray], meta: CheckpointMeta
 ) -> Path:
-    """Write one rank's shard for ``meta.step`` and drop its shards older than the last two."""
+    """Write one rank's shard for ``meta.step`` (older shards stay: see :func:`prune`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = shard_path(directory, rank, meta.step)
     write_tensors(path, state, json.loads(meta.to_json()))
-    for old in sorted(_steps_of(directory).get(rank, ()))[:-KEEP]:
-        shard_path(directory, rank, old).unlink(missing_ok=True)
     return path
+
+
+def has_shards(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds any rank's shard."""
+    return bool(_steps_of(Path(directory)))
+
+
+def prune(directory: str | os.PathLike, rank: int, keep: Sequence[int]) -> None:
+    """Drop ``rank``'s shards of any step not in ``keep`` (the newest steps every rank
+    saved; call it only after every rank has written the newest of them)."""
+    directory = Path(directory)
+    for old in _steps_of(directory).get(rank, set()) - set(keep):
+        shard_path(directory, rank, old).unlink(missing_ok=True)
 
 
 def _steps_of(directory: Path) -> dict[int, set[int]]:
@@ -153,3 +169,46 @@ def check_meta(meta: CheckpointMeta, seed: int, world_size: int, manifest_sha: s
             f"{where}: checkpoint was written with --seed {meta.seed}, this run uses "
             f"--seed {seed}; resume with --seed {meta.seed}"
         )
+
+
+def check_directory(
+    directory: str | os.PathLike, world_size: int, manifest_sha: str, resume: bool
+) -> int | None:
+    """Refuse a checkpoint directory a run could not use safely; the step to resume from.
+
+    Any shard of another compiled output (or world size) is refused: its steps would
+    be taken for this run's. Without ``resume``, shards of this output are refused too
+    (the run would write over and drop them); with it, shards there must make a step
+    every rank saved. A missing or empty directory with ``resume`` starts at step 0 (a
+    job that always passes --resume, requeued or not, loses nothing there). Nothing is
+    read beyond the shards' headers, nothing is written."""
+    directory = Path(directory)
+    found = _steps_of(directory)
+    for rank in sorted(found):
+        for step in sorted(found[rank]):
+            path = shard_path(directory, rank, step)
+            meta, _ = read_header(path)
+            sha, world = meta.get("manifest_sha256"), meta.get("world_size")
+            if sha != manifest_sha or world != world_size:
+                raise TensorOptError(
+                    f"{directory}: holds checkpoints of another compiled output ({path.name}: "
+                    f"manifest sha256 {str(sha)[:12]}..., {world} ranks); use a fresh "
+                    "--checkpoint directory or the output directory it came from"
+                )
+    common = latest_common_step(directory, world_size)
+    held = "; ".join(
+        f"rank {r}: steps {', '.join(map(str, sorted(found[r])))}" for r in sorted(found)
+    )
+    if not resume and found:
+        newest = "" if common is None else f" up to step {common}"
+        raise TensorOptError(
+            f"{directory}: already holds checkpoints of this output{newest} ({held}); add "
+            "--resume to continue from them, or give an empty --checkpoint directory"
+        )
+    if resume and common is None and found:
+        raise TensorOptError(
+            f"--resume: {directory} holds no step every one of the {world_size} ranks saved "
+            f"({held}); nothing to resume from: to start from step 0, run without --resume "
+            "with an empty --checkpoint directory"
+        )
+    return common

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from tensoropt.errors import DataError
 from tensoropt.runtime.manifest import InputKind, Manifest
@@ -189,6 +190,8 @@ class NpzSource:
 def load_npz(path: str | Path, specs: Sequence[InputSpec], steps: int | None = None) -> NpzSource:
     """Load and check a ``--data`` file (for ``steps`` global steps 0..steps-1 if given)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: --data is a directory; give an .npz file")
     if not path.is_file():
         raise DataError(f"{path}: --data file not found")
     try:
@@ -232,3 +235,86 @@ def _check_array(
         f"{path}: array {spec.name!r} has shape {list(a.shape)}, expected "
         f"{list(spec.shape)} or [steps, {', '.join(map(str, spec.shape))}]"
     )
+
+
+# ops that carry an integer input's values unchanged (training_step._index_high follows
+# the same ones to the Gather an input indexes): (op, data slots)
+_CARRIERS = {
+    "Reshape": (0,), "Slice": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Flatten": (0,),
+    "Transpose": (0,), "Identity": (0,), "Expand": (0,), "Where": (1, 2),
+}  # fmt: skip
+
+
+def index_exceptions(models: Sequence[onnx.ModelProto], names: Sequence[str]) -> dict[str, set]:
+    """Values outside ``[0, high)`` the graphs handle before indexing with them: the
+    constants an input is compared with by ``Equal`` (a class loss's ``ignore_index``,
+    which ``ir/canonical._class_loss`` replaces by a safe label and weighs 0)."""
+    found: dict[str, set] = {name: set() for name in names}
+    for model in models:
+        graph = model.graph
+        consts = {
+            t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+        }
+        for node in graph.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                consts[node.output[0]] = node.attribute[0].t
+        users: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for i in node.input:
+                users.setdefault(i, []).append(node)
+        for name in names:
+            todo, seen = [name], {name}
+            while todo:
+                value = todo.pop()
+                for node in users.get(value, ()):
+                    slots = [k for k, i in enumerate(node.input) if i == value]
+                    if node.op_type == "Equal":
+                        other = node.input[1 - slots[0]] if len(node.input) == 2 else ""
+                        if other in consts:
+                            array = numpy_helper.to_array(consts[other])
+                            if array.size == 1:
+                                found[name].add(int(array.reshape(-1)[0]))
+                    elif any(k in _CARRIERS.get(node.op_type, ()) for k in slots):
+                        for out in node.output:
+                            if out and out not in seen:
+                                seen.add(out)
+                                todo.append(out)
+    return found
+
+
+def check_indices(
+    source: NpzSource,
+    specs: Sequence[InputSpec],
+    steps: int | None = None,
+    exceptions: Mapping[str, set] | None = None,
+    labels: str | None = None,
+) -> None:
+    """Refuse integer data that indexes a table out of range: every input with a bound
+    ``high`` (token ids into an embedding of ``high`` rows; ``labels`` of a loss over
+    ``high`` classes) must hold values in ``[0, high)``, or one of its ``exceptions``.
+    Per-step arrays are checked for the steps a run reads (``steps``)."""
+    exceptions = exceptions or {}
+    for spec in specs:
+        a = source.arrays.get(spec.name)
+        if a is None or spec.high is None or not np.issubdtype(a.dtype, np.integer):
+            continue
+        if source.per_step[spec.name] and steps is not None:
+            a = a[:steps]
+        bad = (a < 0) | (a >= spec.high)
+        allowed = sorted(exceptions.get(spec.name, ()))
+        for value in allowed:
+            bad &= a != value
+        if not bad.any():
+            continue
+        wrong = a[bad]
+        what = (
+            f"class labels of a loss over {spec.high} classes"
+            if spec.name == labels
+            else f"ids that index {spec.high} entries: a table's rows or a loss's classes"
+        )
+        also = f" or {', '.join(map(str, allowed))}" if allowed else ""
+        raise DataError(
+            f"{source.path}: array {spec.name!r} holds {wrong.size} value(s) in "
+            f"[{wrong.min()}, {wrong.max()}], outside [0, {spec.high}){also} ({what}); "
+            "fix the data"
+        )

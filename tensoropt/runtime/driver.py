@@ -95,6 +95,7 @@ class _Loop:
     start: int
     reference: Reference | None = None
     verify_steps: list[VerifyStep] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)  # steps every rank saved, oldest first
 
 
 def drive(
@@ -202,7 +203,11 @@ def _resume(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop) -
     directory = Path(opts.checkpoint)
     step = ckpt.latest_common_step(directory, manifest.world_size)
     if step is None:
-        log.warning("%s: no complete checkpoint found; starting from step 0", directory)
+        if ckpt.has_shards(directory):  # run_steps refused this before it started
+            raise TensorOptError(
+                f"--resume: {directory} holds no step every rank saved; nothing to resume from"
+            )
+        log.warning("%s: no checkpoint yet; starting from step 0", directory)
         return
     for r in engine.ranks:
         state, meta = ckpt.load_shard(directory, r, step)
@@ -213,6 +218,7 @@ def _resume(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop) -
         loop.state[r] = state
         loop.losses = list(meta.losses)
     loop.start = step
+    loop.saved = [step]
     log.info("resuming from %s at step %d", directory, step)
 
 
@@ -294,3 +300,10 @@ def _save(engine: Engine, manifest: Manifest, opts: RunOptions, loop: _Loop, ste
     )
     for r in engine.ranks:
         ckpt.save_shard(opts.checkpoint, r, loop.state[r], meta)
+    # A coordinated point: no rank drops an older shard before every rank has written
+    # this one, so the kept shards are steps every rank completed even where ranks run
+    # apart between checkpoints (a plan without collectives never waits for the others).
+    engine.barrier()
+    loop.saved = [*loop.saved, step][-ckpt.KEEP :]
+    for r in engine.ranks:
+        ckpt.prune(opts.checkpoint, r, loop.saved)

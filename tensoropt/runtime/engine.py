@@ -49,6 +49,10 @@ class Engine(Protocol):
 
     def enable_profiling(self) -> dict[int, StepClock]: ...
 
+    def barrier(self) -> None:
+        """Return once every rank of the world has called it (a checkpoint's save)."""
+        ...
+
 
 def load_device(manifest: Manifest, rank: int) -> onnx.ModelProto:
     """Rank ``rank``'s device graph without its weight bytes (they stay in its data file)."""
@@ -171,6 +175,9 @@ class LocalEngine:
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         return dict(per_rank)
 
+    def barrier(self) -> None:
+        """Every rank is in this process and each call covers them all: nothing to wait for."""
+
     def enable_profiling(self) -> dict[int, StepClock]:
         """One clock per rank; a batched collective counts for every rank (lockstep)."""
         for r, p in self._programs.items():
@@ -246,3 +253,6 @@ class MpiEngine:
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         gathered = self.comm.world.gather(per_rank[self.comm.rank], root=0)
         return dict(enumerate(gathered)) if gathered is not None else None
+
+    def barrier(self) -> None:
+        self.comm.barrier()

@@ -144,6 +144,8 @@ def load_outdir(outdir: str | Path, check_files: bool = True) -> Manifest:
         raise OutputDirError(f"{path}: not valid JSON ({exc}); {_RECOMPILE}") from exc
     try:
         manifest = _parse(outdir, raw, sha256_file(path))
+    except _Malformed as exc:
+        raise OutputDirError(f"{path}: {exc}; {_RECOMPILE}") from exc
     except (KeyError, TypeError, ValueError) as exc:
         raise OutputDirError(f"{path}: malformed manifest ({exc!r}); {_RECOMPILE}") from exc
     files = raw.get("files", {})
@@ -191,9 +193,63 @@ def check_file(path: Path, digest: str) -> None:
         )
 
 
+class _Malformed(ValueError):
+    """A manifest that parses but lacks what the runtime reads (the message says what)."""
+
+
+def _require(raw: Any, key: str, kind: type, where: str) -> Any:
+    """``raw[key]``, refused with a message naming the key when absent or of another type."""
+    if not isinstance(raw, Mapping) or key not in raw:
+        raise _Malformed(f"no {key!r} key{where}")
+    value = raw[key]
+    if not isinstance(value, kind):
+        raise _Malformed(f"{key!r}{where} is a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
+def _check_step(step: Mapping[str, Any], inputs: Mapping[str, InputInfo]) -> None:
+    """The step JSON holds what the runtime reads, and every value it names is an input."""
+    where = ' in "step"'
+    names = [*_require(step, "params", list, where), *_require(step, "states", list, where)]
+    _require(step, "carry", Mapping, where)
+    names += list(step.get("data_inputs") or [])
+    if step.get("labels"):
+        names.append(step["labels"])
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise _Malformed(
+            f'"inputs" does not describe {", ".join(map(repr, missing[:3]))}{more} of the '
+            "step's inputs"
+        )
+
+
+def _check_mesh(mesh_shape: tuple[int, ...], ranks, world: int, pipeline) -> None:
+    """The mesh holds exactly the ranks (device files): one per mesh position and stage."""
+    stages = 1 if pipeline is None else int(pipeline["stages"])
+    size = int(np.prod(mesh_shape)) if mesh_shape else 1
+    if size * stages != world:
+        per = "" if stages == 1 else f" x {stages} pipeline stages"
+        raise _Malformed(
+            f"mesh shape {list(mesh_shape)}{per} holds {size * stages} devices, but the "
+            f"manifest lists {world} device files"
+        )
+    for r in ranks:
+        inside = len(r.coords) == len(mesh_shape) and all(
+            isinstance(c, int) and 0 <= c < n for c, n in zip(r.coords, mesh_shape, strict=True)
+        )
+        if not inside:
+            raise _Malformed(
+                f"rank {r.rank} has coords {list(r.coords)}, outside mesh shape {list(mesh_shape)}"
+            )
+
+
 def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
     if raw.get("schema") != MANIFEST_SCHEMA:
         raise ValueError(f"schema {raw.get('schema')!r}, expected {MANIFEST_SCHEMA!r}")
+    for key, kind in (("world_size", int), ("ranks", list), ("step", Mapping)):
+        _require(raw, key, kind, "")
+    _require(raw, "inputs", Mapping, "")
     world = int(raw["world_size"])
     mesh = raw.get("mesh", {"shape": [world], "axis_names": ["d"]})
     where = outdir / "manifest.json"
@@ -227,13 +283,16 @@ def _parse(outdir: Path, raw: Mapping[str, Any], digest: str) -> Manifest:
             init=None if e.get("init") is None else InputInit(e["init"]),
             micro_dim=None if e.get("micro_dim") is None else int(e["micro_dim"]),
         )
+    _check_step(raw["step"], inputs)
+    mesh_shape = tuple(int(s) for s in mesh["shape"])
+    _check_mesh(mesh_shape, ranks, world, raw.get("pipeline"))
     return Manifest(
         outdir=outdir,
         world_size=world,
-        mesh_shape=tuple(int(s) for s in mesh["shape"]),
+        mesh_shape=mesh_shape,
         axis_names=tuple(mesh.get("axis_names", [])),
         ranks=ranks,
-        step=raw.get("step", {}),
+        step=raw["step"],
         inputs=inputs,
         sha256=digest,
         micro=None if raw.get("micro") is None else MicroCut.from_json(raw["micro"]),

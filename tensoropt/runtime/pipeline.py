@@ -437,6 +437,9 @@ class PipelineLocalEngine:
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         return dict(per_rank)
 
+    def barrier(self) -> None:
+        """Every device is in this process and each call covers them all."""
+
     def enable_profiling(self) -> dict[int, StepClock]:
         clocks = {r: StepClock() for r in self._plans}
         for (_, r), program in self._programs.items():
@@ -540,3 +543,6 @@ class PipelineMpiEngine:
     def gather(self, per_rank: Mapping[int, Any]) -> dict[int, Any] | None:
         gathered = self.comm.world.gather(per_rank[self.comm.rank], root=0)
         return dict(enumerate(gathered)) if gathered is not None else None
+
+    def barrier(self) -> None:
+        self.comm.barrier()

@@ -111,7 +111,7 @@ class RankProgram:
         if missing:
             raise TensorOptError(
                 f"rank {self.rank}: no value fed for graph input(s) {missing}; "
-                "the manifest does not describe them"
+                "the manifest does not describe them; recompile the model with `tensoropt compile`"
             )
         env = dict(self.plan.weights)  # shared constants: fed to segments, never copied
         env.update(self.plan.constants)

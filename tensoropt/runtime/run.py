@@ -10,13 +10,20 @@ is launched by :mod:`tensoropt.runtime.launcher`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
 from tensoropt.errors import TensorOptError
 from tensoropt.runtime.arena import ArenaMode
 from tensoropt.runtime.checkpoint import save_npz
-from tensoropt.runtime.data import load_npz, not_finite_warning, specs_from_manifest
+from tensoropt.runtime.data import (
+    check_indices,
+    index_exceptions,
+    load_npz,
+    not_finite_warning,
+    specs_from_manifest,
+)
 from tensoropt.runtime.driver import Backend, OnStep, RunOptions, RunResult, drive
 from tensoropt.runtime.engine import LocalEngine, load_device, split_all, split_rank
 from tensoropt.runtime.malloc import tune_process
@@ -73,15 +80,19 @@ def run_steps(
         raise TensorOptError("--resume needs --checkpoint DIR (where the shards are)")
     if hostfile is not None and backend is not Backend.MPI:
         raise TensorOptError("--hostfile only applies to --backend mpi")
+    if hostfile is not None:
+        _check_hostfile(Path(hostfile))
+    if not math.isfinite(tolerance) or tolerance <= 0:
+        raise TensorOptError(f"--tolerance must be a positive finite number, got {tolerance}")
     manifest = load_outdir(outdir)
-    if resume:
-        _check_resume_target(checkpoint, manifest.world_size, steps)
+    if checkpoint is not None:
+        _check_checkpoint(checkpoint, manifest, steps, resume)
     if verify and not (manifest.outdir / "annotated.onnx").is_file():
         raise TensorOptError(
             f"{manifest.outdir}: --verify needs annotated.onnx; recompile the model"
         )
     if data is not None:
-        load_npz(data, specs_from_manifest(manifest), steps)
+        _check_data(data, manifest, steps)
     opts = RunOptions(
         steps=steps,
         seed=seed,
@@ -107,16 +118,48 @@ def run_steps(
     return dataclasses.replace(result, warning=warning)
 
 
-def _check_resume_target(checkpoint, world_size: int, steps: int) -> None:
-    """Refuse a resume that would run no step: the checkpoint is already at --steps."""
-    from tensoropt.runtime.checkpoint import latest_common_step
+def _check_checkpoint(checkpoint, manifest: Manifest, steps: int, resume: bool) -> None:
+    """Refuse a checkpoint directory of another output, one of this output without
+    --resume, nothing complete to resume from, or a resume that would run no step (the
+    checkpoint is already at --steps); before any rank starts or any shard is dropped."""
+    from tensoropt.runtime.checkpoint import check_directory
 
-    done = latest_common_step(checkpoint, world_size)
+    done = check_directory(checkpoint, manifest.world_size, manifest.sha256, resume)
     if done is not None and done >= steps:
         raise TensorOptError(
             f"--resume: {checkpoint} already holds step {done}, and --steps {steps} asks for "
             f"no more; give --steps above {done} to continue training"
         )
+
+
+def _check_data(data, manifest: Manifest, steps: int) -> None:
+    """Shapes and dtypes of the --data file, and integer inputs that index a table within
+    its bound (an out-of-range id would fail inside onnxruntime on some rank)."""
+    specs = specs_from_manifest(manifest)
+    source = load_npz(data, specs, steps)
+    bounded = [s.name for s in specs if s.high is not None]
+    if not bounded:
+        return
+    # rank 0 holds the data inputs; the loss (and its labels) is on ``loss_rank``
+    graphs = [load_device(manifest, r) for r in sorted({0, manifest.loss_rank})]
+    exceptions = index_exceptions(graphs, bounded)
+    labels = manifest.step.get("labels")
+    check_indices(source, specs, steps, exceptions, labels)
+
+
+def _check_hostfile(path: Path) -> None:
+    """Refuse a hostfile mpiexec could not read (it would fail as a dead rank)."""
+    if not path.exists():
+        raise TensorOptError(f"--hostfile {path}: no such file; give an MPI hostfile")
+    if path.is_dir():
+        raise TensorOptError(f"--hostfile {path}: is a directory; give an MPI hostfile")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise TensorOptError(
+            f"--hostfile {path}: cannot be read ({exc.strerror}); give a readable hostfile"
+        ) from None
 
 
 def _choice(enum_cls, value, what: str):

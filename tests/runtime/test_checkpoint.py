@@ -58,6 +58,7 @@ def test_resume_refuses_another_seed_or_compile(outdirs, tmp_path):
 
 
 def test_resume_with_empty_directory_starts_over(outdirs, tmp_path):
+    # nothing there to lose: a job that always passes --resume starts at step 0
     fresh = run_steps(outdirs("dp2"), 2, checkpoint=tmp_path / "new", resume=True)
     assert fresh.start_step == 0 and len(fresh.losses) == 2
 
