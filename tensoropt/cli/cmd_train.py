@@ -75,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.save_params, "--save-params")
     check_output_file(args.export_step, "--export-step")
     step = build_step(args)
-    _check_patterns_match(args, step.selection)
     summary = step.selection.summary(step.model.graph)
     proto = export_model(step.model)
     # A bad --data file is refused before anything is printed or trained.
@@ -122,22 +121,6 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
     return 0
-
-
-def _check_patterns_match(args: argparse.Namespace, selection) -> None:
-    """Refuse a --trainable or --freeze REGEX that names no initializer of the model (a
-    typo would otherwise train what the default policy picks, silently)."""
-    import re
-
-    names = [*selection.trained, *selection.frozen]  # every initializer of the model
-    for flag in ("trainable", "freeze"):
-        pattern = getattr(args, flag, None)
-        if pattern is not None and not any(re.search(pattern, n) for n in names):
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise TensorOptError(
-                f"--{flag} {pattern!r} matches no initializer of {args.model} ({shown}); "
-                "give a pattern that names some"
-            )
 
 
 def _warn_if_not_finite(losses, args: argparse.Namespace, specs) -> None:

@@ -291,6 +291,18 @@ def select_trainable(
     produced = {v.name for node in graph for v in node.outputs if v.name}
     force_on = _compile(trainable, "--trainable")
     force_off = _compile(freeze, "--freeze")
+    names = list(graph.initializers)
+    for flag, pattern, found in (
+        ("--trainable", trainable, force_on),
+        ("--freeze", freeze, force_off),
+    ):
+        # a pattern that names nothing (a typo) would leave the default policy in force
+        if found is not None and not any(found.search(n) for n in names):
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise TensorOptError(
+                f"{flag} {pattern!r} matches no initializer of the model ({shown}); give a "
+                "pattern that names some"
+            )
     trained, frozen = [], []
     for name, value in graph.initializers.items():
         floaty = is_float(value)

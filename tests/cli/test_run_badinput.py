@@ -262,11 +262,16 @@ def test_unreadable_hostfile_is_refused_before_launching(outs, tmp_path, capsys,
     assert outcome.out == ""
 
 
+@pytest.mark.parametrize("command", ["train", "compile", "search"])
 @pytest.mark.parametrize("flag", ["--trainable", "--freeze"])
-def test_train_pattern_matching_no_initializer_is_refused(outs, tmp_path, capsys, flag):
+def test_a_pattern_matching_no_initializer_is_refused(outs, tmp_path, capsys, flag, command):
+    """A typo in --trainable/--freeze would leave the default policy in force, silently."""
     before = _tree(tmp_path)
-    outcome = cli(
-        capsys, "train", outs["gpt"], "--steps", 1, flag, "zzz", "--save-params", tmp_path / "p"
-    )
-    assert_bad_input(outcome, "train", f"{flag} 'zzz' matches no initializer")
+    argv = {
+        "train": ["--steps", 1, "--save-params", tmp_path / "p"],
+        "compile": ["--devices", 2, "-o", tmp_path / "o"],
+        "search": ["--devices", 2, "--json-out", tmp_path / "s.json"],
+    }[command]
+    outcome = cli(capsys, command, outs["gpt"], *argv, flag, "zzz")
+    assert_bad_input(outcome, command, f"{flag} 'zzz' matches no initializer")
     assert _tree(tmp_path) == before
