@@ -67,15 +67,37 @@ def resolve_kind(kind: LossKind, output: ir.Value) -> LossKind | None:
     return kind
 
 
+def _free_name(graph: ir.Graph, name: str) -> None:
+    """Rename a value the model itself calls ``name`` (its own scalar loss, say) to
+    ``model_<name>``, so that the step's ``name`` is defined once; a graph input or
+    initializer of that name is fed or trained by it and is refused."""
+    for value in (*graph.inputs, *graph.initializers.values()):
+        if value.name == name:
+            raise TensorOptError(
+                f"the model's input or initializer {name!r} has the name the training step "
+                f"gives its {name}; re-export the model with another name for it"
+            )
+    taken = {v.name for node in graph for v in node.outputs}
+    for node in graph:
+        for value in node.outputs:
+            if value.name == name:
+                new = f"model_{name}"
+                while new in taken:
+                    new = f"model_{new}"
+                value.name = new
+
+
 def build_loss(graph: ir.Graph, kind: LossKind, builder: Builder) -> LossSpec:
     """Append loss nodes (role=loss); the scalar result is named ``loss``."""
     output = _pick_output(graph)
+    _free_name(graph, "loss")
     concrete = resolve_kind(kind, output)
     b = builder.tagged(role=Role.LOSS, unit="loss")
     labels = None
     if concrete is None:
         loss = b.op("Identity", [output], dtype=output.dtype, shape=static_shape(output))
     elif concrete is LossKind.CE:
+        _free_name(graph, "labels")
         shape = static_shape(output)
         labels = ir.Value(
             name="labels", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(shape[:-1])
@@ -91,6 +113,7 @@ def build_loss(graph: ir.Graph, kind: LossKind, builder: Builder) -> LossSpec:
         mean = b.op("ReduceMean", [picked], {"keepdims": 0}, dtype=dt, shape=())
         loss = b.op("Neg", [mean])
     else:
+        _free_name(graph, "labels")
         shape = static_shape(output)
         labels = ir.Value(name="labels", type=ir.TensorType(output.dtype), shape=ir.Shape(shape))
         dt = output.dtype
