@@ -13,9 +13,12 @@ def fmt_step_time(seconds: float) -> str:
 
 def fmt_memory(nbytes: float) -> str:
     """Memory per device as every command prints an estimate (see :func:`fmt_step_time`):
-    GiB from a quarter of one, KiB below one MiB."""
+    GiB from a quarter of one, KiB below one MiB, bytes below one KiB (a budget of 1B
+    read "0.00 KiB")."""
     if nbytes >= 2**28:
         return f"{nbytes / 2**30:.3f} GiB"
     if nbytes >= 2**20:
         return f"{nbytes / 2**20:.2f} MiB"
-    return f"{nbytes / 2**10:.2f} KiB"
+    if nbytes >= 2**10:
+        return f"{nbytes / 2**10:.2f} KiB"
+    return f"{nbytes:.0f} B"

@@ -14,7 +14,9 @@ import errno
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 from tensoropt import __version__
 from tensoropt.errors import ExitCode, TensorOptError, exit_codes_help
@@ -105,7 +107,49 @@ def _names_default(action: argparse.Action) -> bool:
     return not (default is None or default is False or default == argparse.SUPPRESS)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread while a command runs (:func:`main`): it unwinds
+    like Ctrl-C (cleanup runs, no output is left half-written) and ends in one line,
+    ``tensoropt CMD: terminated``, and exit 130 like Ctrl-C, as ``--help`` says. A
+    KeyboardInterrupt, so that every cleanup written for Ctrl-C runs for it too."""
+
+
+def _raise_terminated(signum, frame):
+    # a second SIGTERM kills at once, should the first be lost in code that swallows
+    # exceptions (a callback whose errors are only printed)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated
+
+
+def _interrupted(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM that ``exc`` wraps: an interrupt raised inside a numba
+    kernel's callback comes out as a SystemError caused by it."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``tensoropt ARGV``; its exit code. SIGTERM is :class:`Terminated` meanwhile
+    (the main thread's handler is put back on return, for callers in the same process;
+    search workers set their own, ``search.driver._pool_worker_init``)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    except Terminated:  # before a command ran (while parsing): no command to name
+        print("tensoropt: terminated", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = _parse(parser, argv)
@@ -135,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prefix}error: {_os_error_line(exc)}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"{prefix}interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, SystemError) as exc:
+        interrupt = _interrupted(exc)
+        if interrupt is None:
+            raise
+        what = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
+        print(f"{prefix}{what}", file=sys.stderr)
         return ExitCode.INTERRUPTED
     except Exception as exc:
         if type(exc).__module__ != _ORT_ERRORS:

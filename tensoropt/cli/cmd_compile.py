@@ -263,19 +263,8 @@ def check_policy(policy: str) -> None:
         )
 
 
-def mesh_dims(text: str) -> tuple[int, ...]:
-    """``--mesh 8`` or ``--mesh 2x4`` as its sizes."""
-    try:
-        dims = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise TensorOptError(f"--mesh {text!r} is not like 8 or 2x4") from None
-    if any(d < 1 for d in dims) or len(dims) > 2:
-        raise TensorOptError(f"--mesh {text!r}: give 1 or 2 positive sizes, e.g. 8 or 2x4")
-    return dims
-
-
 def parse_mesh(devices: int, text: str | None, plan: str):
-    from tensoropt.ir.mesh import Mesh
+    from tensoropt.ir.mesh import Mesh, mesh_dims
     from tensoropt.passes.plans import builtin_axis_names
 
     if text is None:
@@ -475,6 +464,8 @@ def stage_count(args: argparse.Namespace) -> int:
 def _spanned(args: argparse.Namespace, plan_name: str, is_file: bool) -> int:
     """The devices a plan spans without ``--devices``: the ``--mesh`` shape's, or a plan
     file's mesh's, times its stages (``--stages``, else the file's own)."""
+    from tensoropt.ir.mesh import mesh_dims
+
     if args.mesh is not None:
         return math.prod(mesh_dims(args.mesh)) * stage_count(args)
     if is_file:

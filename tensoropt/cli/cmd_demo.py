@@ -7,9 +7,10 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tensoropt.cli.json_output import add_json_flag
 
@@ -70,7 +71,10 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--dir", default="tensoropt-demo", help="where to write (default ./tensoropt-demo)"
+        "--dir",
+        default="tensoropt-demo",
+        help="where to write: a new directory (its parent must exist) or an earlier demo's; "
+        "a failed demo removes the directory it made (default ./tensoropt-demo)",
     )
     p.add_argument(
         "--backend",
@@ -205,11 +209,57 @@ def _step(title: str, argv: list[str], quiet: bool, out) -> dict | None:
     return json.loads(buffer.getvalue()) if quiet and buffer.getvalue().strip() else None
 
 
+def _own_entry(name: str) -> bool:
+    """Whether ``name`` is what a demo writes in its directory, or a temporary file or
+    directory its steps make there and rename into place."""
+    return name in _OWN_NAMES or name.startswith(_OWN_PREFIXES)
+
+
+_OWN_NAMES = frozenset(
+    [os.path.basename(getattr(_Paths.under(""), f.name)) for f in fields(_Paths)]
+    + ["gpt.onnx.data"]
+)
+# write_atomic's temp files, compile's temp directories and probes, save_model's temp files
+_OWN_PREFIXES = (".tmp-", ".tensoropt-", ".gpt.onnx.")
+
+
+def _check_dir(path: str) -> bool:
+    """Refuse ``--dir`` before anything is written (as `compile -o` and `report -o` refuse
+    theirs): its parent must exist, and an existing directory must be empty or hold only
+    what a demo writes. Returns whether the directory is yet to be made."""
+    from tensoropt.cli.common import check_output_dir
+    from tensoropt.errors import OutputDirError
+
+    check_output_dir(path, "--dir")
+    if not os.path.exists(path):
+        return True
+    foreign = sorted(name for name in os.listdir(path) if not _own_entry(name))
+    if foreign:
+        raise OutputDirError(
+            f"--dir {path}: exists and is not a tensoropt demo directory (it holds "
+            f"{foreign[0]!r}); choose another --dir or remove it"
+        )
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.cluster is not None:  # a bad profile is refused before anything is written
+        from tensoropt.cost.cluster import load_cluster
+
+        load_cluster(args.cluster)
+    made = _check_dir(args.dir)
+    if made:
+        os.mkdir(args.dir)
+    done = False
     try:
-        return _run(args)
+        code = _run(args)
+        done = code == 0
+        return code
     except _StepFailed as failed:
         return failed.code
+    finally:
+        if made and not done:  # a failed demo leaves no directory it made
+            shutil.rmtree(args.dir, ignore_errors=True)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -219,7 +269,6 @@ def _run(args: argparse.Namespace) -> int:
     quiet = args.json
     out = sys.stderr if quiet else sys.stdout  # with --json, stdout is the document alone
     start = time.perf_counter()
-    os.makedirs(args.dir, exist_ok=True)
     paths = _Paths.under(args.dir)
     cluster = args.cluster
     if cluster is None:

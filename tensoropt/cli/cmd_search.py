@@ -153,7 +153,8 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="LIST",
         help="micro-batch counts the micro axis tries (default 1,2,4,8, those that divide "
-        "the batch; a count given here that does not divide it is refused)",
+        "the batch; a count given here that does not divide it is refused, and so are counts "
+        "with an --axes that has neither micro nor stages)",
     )
     p.add_argument(
         "--jobs",
@@ -201,7 +202,7 @@ def explore_from_args(args, devices):
     from tensoropt.cli.progress import Progress
     from tensoropt.cost.cluster import load_cluster
     from tensoropt.errors import TensorOptError
-    from tensoropt.search.driver import explore, mesh_label, problem_count
+    from tensoropt.search.driver import explore, mesh_label, mesh_shapes, problem_count
     from tensoropt.search.memory import fewer_collections
 
     jobs = getattr(args, "jobs", None)
@@ -210,8 +211,13 @@ def explore_from_args(args, devices):
     if args.epsilon is not None and not 0 < args.epsilon < 1:
         raise TensorOptError(f"--epsilon {args.epsilon}: give a value in (0, 1), e.g. 0.05")
     profile = load_cluster(args.cluster)
-    budget = parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None
-    mesh_spec = getattr(args, "mesh", None) or "auto"
+    given = args.memory_budget
+    budget = parse_bytes(given, "--memory-budget") if given is not None else None
+    mesh_spec = getattr(args, "mesh", None)
+    mesh_spec = "auto" if mesh_spec is None else mesh_spec  # `--mesh ""` is refused below
+    if mesh_spec != "auto":  # a malformed or mismatched --mesh, before the model is read
+        for d in devices:
+            mesh_shapes(d, mesh_spec)
     # from the import to the last frontier: the search graph is millions of objects, and
     # a full collection traverses them all (step_segments on the GPT-3 175B shape: 0.09
     # s, or 0.7 s with one); the workers are forked with them frozen (driver._runner)
@@ -259,7 +265,12 @@ def parse_axes(text: str):
     from tensoropt.errors import TensorOptError
     from tensoropt.search.driver import Axis
 
-    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    names = [t.strip() for t in str(text).split(",")]
+    if "" in names:  # as --devices 1,,2 is refused
+        raise TensorOptError(
+            f"--axes {text!r}: an empty item; give a comma list of split, zero, recompute, "
+            "micro, stages, or all (e.g. --axes split,zero)"
+        )
     known = {a.value: a for a in Axis}
     if "all" in names:
         names = [n for n in names if n != "all"] + list(known)
@@ -280,8 +291,8 @@ def parse_counts(text: str, flag: str = "--micro-batches", example: str = "1,2,4
     """``--micro-batches 1,2,4,8`` (or ``flag``): positive counts."""
     from tensoropt.errors import TensorOptError
 
-    try:
-        counts = tuple(sorted({int(t) for t in str(text).split(",") if t.strip()}))
+    try:  # an empty item (1,,2) is refused, as in --devices and --axes
+        counts = tuple(sorted({int(t) for t in str(text).split(",")}))
     except ValueError:
         counts = ()
     if not counts or counts[0] < 1:
@@ -300,7 +311,8 @@ def search_space(args, sg, profile=None):
     from tensoropt.search.driver import Axis, SearchSpace
 
     given = getattr(args, "axes", None)
-    counts = parse_counts(getattr(args, "micro_batch_counts", None) or "1,2,4,8")
+    text = getattr(args, "micro_batch_counts", None)
+    counts = parse_counts("1,2,4,8" if text is None else text)  # `--micro-batches ""` refused
     text = getattr(args, "stage_counts", None)
     text = "2,4,8,16,32,64" if text is None else text
     stages = tuple(c for c in parse_counts(text, "--stages", "2,4,8") if c > 1)
@@ -335,6 +347,15 @@ def check_counts(args, sg, space, devices) -> None:
     from tensoropt.search.driver import Axis
 
     given = getattr(args, "micro_batch_counts", None)
+    named = getattr(args, "axes", None) is not None
+    if given is not None and named and not space.axes & {Axis.MICRO, Axis.STAGES}:
+        # --axes names what is searched, and the counts apply to the micro axis and to
+        # pipelines, neither asked for. (Without --axes they are the counts of the default
+        # pipelines, which a search with no count above a node leaves out.)
+        raise TensorOptError(
+            f"--micro-batches {given}: the micro axis is not searched here; add micro to "
+            "--axes (e.g. --axes split,micro)"
+        )
     if given is not None and space.axes & {Axis.MICRO, Axis.STAGES}:
         bad = [k for k in space.micro_batches if k > 1 and sg.batch % k]
         if bad:

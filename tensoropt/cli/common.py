@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 
@@ -76,6 +78,24 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     add_model_input_options(parser)
 
 
+def check_lr(lr: float) -> None:
+    """Refuse a learning rate the float32 update cannot use: not positive, not finite
+    (nan gives a nan loss, as --momentum nan would), or one whose float32 overflows to
+    inf or rounds to 0 (the update is float32). Like --momentum: one line, exit 2."""
+    if not (math.isfinite(lr) and lr > 0):
+        raise TensorOptError(f"--lr must be a positive finite number, got {lr}")
+    largest = float(np.finfo(np.float32).max)
+    if lr > largest:
+        raise TensorOptError(
+            f"--lr {lr} overflows float32, the update's type (largest {largest:.3g}); "
+            "give a learning rate like 0.01"
+        )
+    if np.float32(lr) == 0:
+        raise TensorOptError(
+            f"--lr {lr} rounds to 0 in float32, the update's type; give a learning rate like 0.01"
+        )
+
+
 def training_options(args: argparse.Namespace):
     """The training-step options of ``args`` (commands that only search may lack the
     learning rate: it changes no layout and no cost)."""
@@ -85,8 +105,7 @@ def training_options(args: argparse.Namespace):
 
     lr = getattr(args, "lr", 0.01)
     momentum = getattr(args, "momentum", 0.9)
-    if lr <= 0:
-        raise TensorOptError(f"--lr must be positive, got {lr}")
+    check_lr(lr)
     if not 0 <= momentum < 1:
         raise TensorOptError(f"--momentum must be in [0, 1), got {momentum}")
     return TrainingOptions(
@@ -128,17 +147,39 @@ def supported_ops(grad_rules) -> frozenset[str]:
     return grad_rules.supported()
 
 
+def is_stream(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (its symlinks followed) exists and is neither a regular file nor a
+    directory: a FIFO, a character device (``/dev/stdout``'s target, ``/dev/null``), a
+    socket. Such a path is written through, never replaced."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file completely or not at all (temp file in the same dir + rename)."""
+    """Write a file completely or not at all (temp file in the same dir + rename).
+
+    A symlink is followed: the file it points to is replaced (atomically, beside it) and
+    the link stays. A stream (:func:`is_stream`: a FIFO, ``/dev/stdout``, ``/dev/null``)
+    is written through directly, since renaming over it would replace the device or pipe
+    by a regular file; a stream cannot be written atomically, so its reader may see a
+    partial document if the write fails midway."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    if is_stream(path):
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    target = os.path.realpath(path)  # a symlink's target, replaced in its own directory
+    directory = os.path.dirname(target)
     if not os.path.isdir(directory):
         raise TensorOptError(f"{path}: directory {directory} does not exist; create it first")
-    fd, tmp = mkstemp_public(directory, prefix=".tmp-", suffix=os.path.basename(path))
+    fd, tmp = mkstemp_public(directory, prefix=".tmp-", suffix=os.path.basename(target))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -195,6 +236,8 @@ def parse_bytes(text: str, flag: str) -> float:
     import re
 
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match and not match.group(2) and float(match.group(1)) <= 0:
+        raise TensorOptError(f"{flag} {text!r}: give a positive size like 16GiB or 512MiB")
     if match and not match.group(2):
         raise TensorOptError(
             f"{flag} {text!r}: give a unit: {match.group(1)}GiB, {match.group(1)}MiB "
@@ -202,13 +245,24 @@ def parse_bytes(text: str, flag: str) -> float:
         )
     if not match or match.group(2).upper() not in _BYTE_UNITS:
         raise TensorOptError(f"{flag} {text!r}: give a size like 16GiB, 80GB or 512MiB")
-    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
+    size = float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
+    if size <= 0:  # no plan holds nothing: refused here, not reported as infeasible
+        raise TensorOptError(f"{flag} {text!r}: give a positive size like 16GiB or 512MiB")
+    return size
 
 
 DEVICES_HELP = (
     "device counts: a list 1,2,4,8; A-B every count from A to B (3-5 = 3,4,5); A..B the "
-    "powers of two from A to B, both powers of two (1..64 = 1,2,4,...,64)"
+    "powers of two from A to B, both powers of two (1..64 = 1,2,4,...,64); counts up to "
+    "2**20, at most 1024 of them"
 )
+
+
+MAX_DEVICES = 2**20
+"""The largest device count a search takes: far beyond any cluster, and small enough that
+enumerating a count's 2-D meshes stays quick (a count near 2**40 took minutes)."""
+MAX_COUNTS = 1024
+"""The most device counts one search takes (``1-1024`` at most; ``1..1048576`` is 21)."""
 
 
 def parse_devices(text: str, flag: str = "--devices") -> list[int]:
@@ -217,9 +271,21 @@ def parse_devices(text: str, flag: str = "--devices") -> list[int]:
 
     text = text.strip()
     usage = f"{flag} {text!r}: give counts like 1,2,4,8, 1-8 (every count) or 1..64 (powers of two)"
+    numbers = [int(x) for x in re.findall(r"\d+", text)]
+    if any(n > MAX_DEVICES for n in numbers):
+        raise TensorOptError(
+            f"{flag} {text!r}: device counts go up to {MAX_DEVICES} (2**20); give smaller counts"
+        )
+    if re.fullmatch(r"\d+-\d+", text) and numbers[1] - numbers[0] >= MAX_COUNTS:
+        raise TensorOptError(
+            f"{flag} {text!r}: that is {numbers[1] - numbers[0] + 1} device counts, and a "
+            f"search takes at most {MAX_COUNTS}; give a list or A..B (powers of two)"
+        )
+    if re.fullmatch(r"\d+(\.\.|-)\d+", text) and min(numbers) < 1:
+        raise TensorOptError(f"{flag} {text!r}: device counts must be at least 1")
     if re.fullmatch(r"\d+\.\.\d+", text):
-        lo, hi = (int(x) for x in text.split(".."))
-        odd = [x for x in (lo, hi) if x < 1 or x & (x - 1)]
+        lo, hi = numbers
+        odd = [x for x in (lo, hi) if x & (x - 1)]
         if odd:
             raise TensorOptError(
                 f"{flag} {text!r}: A..B takes the powers of two from A to B, and {odd[0]} is "
@@ -237,19 +303,31 @@ def parse_devices(text: str, flag: str = "--devices") -> list[int]:
         raise TensorOptError(f"{flag} {text!r}: the range is empty; give the smaller count first")
     if any(d < 1 for d in out):
         raise TensorOptError(f"{flag} {text!r}: device counts must be at least 1")
-    return sorted(set(out))
+    out = sorted(set(out))
+    if len(out) > MAX_COUNTS:
+        raise TensorOptError(
+            f"{flag} {text!r}: that is {len(out)} device counts, and a search takes at "
+            f"most {MAX_COUNTS}; search fewer counts at a time"
+        )
+    return out
 
 
 def check_output_file(path: str | None, flag: str) -> None:
     """Refuse an output file that cannot be written, before any work or output: its
-    directory must exist and take a new file, and the path must not be a directory."""
+    directory must exist and take a new file, and the path must not be a directory. A
+    symlink's target is what is written (its directory is checked); a stream (a FIFO,
+    ``/dev/stdout``) is written through, so only its own permission counts."""
     if path is None:
         return
     if not path.strip():
         raise TensorOptError(f"{flag} {path!r}: give a file name")
     if os.path.isdir(path):
         raise TensorOptError(f"{flag} {path}: is a directory; give a file name")
-    _check_writable_dir(os.path.dirname(os.path.abspath(path)), flag, path)
+    if is_stream(path):
+        if not os.access(path, os.W_OK):
+            raise TensorOptError(f"{flag} {path}: cannot be written; choose another path")
+        return
+    _check_writable_dir(os.path.dirname(os.path.realpath(path)), flag, path)
 
 
 def check_output_dir(path: str, flag: str) -> None:

@@ -24,6 +24,18 @@ SEQUENTIAL_AXIS = "__micro__"
 micro-batches of a step, ``passes.micro``), never side by side: no data moves along it."""
 
 
+def mesh_dims(text: str) -> tuple[int, ...]:
+    """``--mesh 8`` or ``--mesh 2x4`` as its sizes (1 or 2 positive ones); one line
+    naming the flag otherwise (PlanError, exit 2)."""
+    try:
+        dims = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise PlanError(f"--mesh {text!r} is not like 8 or 2x4") from None
+    if any(d < 1 for d in dims) or len(dims) > 2:
+        raise PlanError(f"--mesh {text!r}: give 1 or 2 positive sizes, e.g. 8 or 2x4")
+    return dims
+
+
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     """Axis names used when none are given: ``dp`` / ``dp, tp`` / ``m0, m1, ...``."""
     return _DEFAULT_NAMES.get(ndim, tuple(f"m{i}" for i in range(ndim)))

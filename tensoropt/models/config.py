@@ -122,6 +122,10 @@ class RnnConfig:
 
 ModelConfig = MlpConfig | TransformerConfig | CnnConfig | RnnConfig
 
+MAX_KNOB = 2**31 - 1
+"""The largest value of any knob: far beyond any model a knob shapes, and small enough
+that the int64 shape constants the builder writes (and products of a few) hold it."""
+
 MIN_IMAGE_SIZE = {"vgg16": 32, "resnet50": 32, "wide_resnet": 32, "inception_v3": 75}
 
 _T = TransformerConfig
@@ -250,3 +254,7 @@ def _check_knob(name: str, key: str, value: object, allowed: tuple[str, ...]) ->
     minimum = 0 if key == "seed" else 1
     if value < minimum:
         raise ZooError(f"model {name}: {flag} must be >= {minimum}, got {value}")
+    if value > MAX_KNOB:
+        raise ZooError(
+            f"model {name}: {flag} {value} is too large; give at most {MAX_KNOB} (2**31 - 1)"
+        )

@@ -36,7 +36,7 @@ from tensoropt.display import fmt_memory
 from tensoropt.errors import InfeasibleError, TensorOptError, WorkerFault
 from tensoropt.ir.costs import CostProblem, FrontierPoint
 from tensoropt.ir.layout import Layout
-from tensoropt.ir.mesh import Mesh
+from tensoropt.ir.mesh import Mesh, mesh_dims
 from tensoropt.ir.plan import DefaultStrategy, Plan, UnitStrategy, ZeroStage
 from tensoropt.passes.blocks import Blocks, find_blocks
 from tensoropt.search import memory
@@ -336,7 +336,7 @@ def mesh_shapes(devices: int, spec: str) -> list[Mesh]:
             if devices % a == 0 and devices // a >= 2:
                 meshes.append(Mesh((a, devices // a), ("dp", "tp")))
         return meshes
-    dims = tuple(int(x) for x in spec.lower().split("x"))
+    dims = mesh_dims(spec)
     size = 1
     for d in dims:
         size *= d

@@ -429,8 +429,8 @@ def test_search_compile_and_inspect_print_one_estimate_alike(gpt, tmp_path, caps
     inspected = cli(capsys, "inspect", outdir).out.splitlines()[0]
     assert inspected.startswith(f"estimate (h100): step {shown_time}, {shown_memory} per device")
     # the units as the sizes need them
-    assert [fmt_memory(x) for x in (500 * 2**10, 3 * 2**20, 43.2 * 2**30)] == [
-        "500.00 KiB", "3.00 MiB", "43.200 GiB"
+    assert [fmt_memory(x) for x in (1, 500 * 2**10, 3 * 2**20, 43.2 * 2**30)] == [
+        "1 B", "500.00 KiB", "3.00 MiB", "43.200 GiB"
     ]  # fmt: skip
     assert [fmt_step_time(x) for x in (0.0015, 2.5)] == ["1.500 ms", "2.500 s"]
 
