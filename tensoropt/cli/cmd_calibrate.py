@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 
 EPILOG = """\
@@ -167,19 +166,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _interrupt_on_sigterm():
-    """SIGTERM behaves like Ctrl-C: cleanup runs, no file is written, one line, exit 130.
-    Returns the previous handler: ``run`` puts it back, so a caller of ``main`` in its
-    own process (tests, a notebook) does not keep it. Kept, it was inherited by forked
-    search workers, whose pool is stopped with SIGTERM: a KeyboardInterrupt raised just
-    after a worker took the task queue's lock left the lock held and hung the pool."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
 def _summary(profile: dict) -> str:
     cal = profile["calibration"]
     lines = [
@@ -272,11 +258,9 @@ DRIFT_WARN = 0.15
 
 
 def run(args: argparse.Namespace) -> int:
-    previous = _interrupt_on_sigterm()
-    try:
-        return _calibrate(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    """SIGTERM behaves like Ctrl-C here as in every command (``cli.main``): cleanup runs,
+    no file is written, one line, exit 130; a finished pass stays for --resume."""
+    return _calibrate(args)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ def test_interrupted_calibration_resumes_from_its_finished_pass(tmp_path):
             proc.wait()
     assert proc.returncode == 130, stderr
     lines = stderr.strip().splitlines()
-    assert lines[-1] == "tensoropt calibrate: interrupted"
+    assert lines[-1] == "tensoropt calibrate: terminated"
     assert f"kept in {partial}; run the same command with --resume" in lines[-2]
     assert not out.exists() and partial.exists()
     kept = json.loads(partial.read_text())
