@@ -199,10 +199,13 @@ def test_validate_takes_the_memory_axes_and_prices_their_compute(
 @pytest.mark.slow
 def test_model_that_fits_nowhere_exits_2(quick_profile, zoo_model, tmp_path, capsys):
     data = load(quick_profile)
-    data["memory_bytes"] = 1024.0  # 1 KiB per device: no plan of any model fits
+    # 1 MiB per device (the least a profile takes): the small mlp's 12 MiB of weights fit
+    # no plan on 1 or 2 devices
+    data["memory_bytes"] = float(2**20)
     small = tmp_path / "small.json"
     small.write_text(json.dumps(data))
-    code = main(["validate", str(zoo_model("mlp")), "--devices", "1,2", "--cluster", str(small)])
+    model = str(zoo_model("mlp", "small"))
+    code = main(["validate", model, "--devices", "1,2", "--cluster", str(small)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("tensoropt validate: error: ")
