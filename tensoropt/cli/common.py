@@ -236,7 +236,7 @@ def parse_bytes(text: str, flag: str) -> float:
     import re
 
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if match and not match.group(2) and float(match.group(1)) <= 0:
+    if match and float(match.group(1)) <= 0:  # no plan holds nothing: not "infeasible"
         raise TensorOptError(f"{flag} {text!r}: give a positive size like 16GiB or 512MiB")
     if match and not match.group(2):
         raise TensorOptError(
@@ -245,10 +245,7 @@ def parse_bytes(text: str, flag: str) -> float:
         )
     if not match or match.group(2).upper() not in _BYTE_UNITS:
         raise TensorOptError(f"{flag} {text!r}: give a size like 16GiB, 80GB or 512MiB")
-    size = float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
-    if size <= 0:  # no plan holds nothing: refused here, not reported as infeasible
-        raise TensorOptError(f"{flag} {text!r}: give a positive size like 16GiB or 512MiB")
-    return size
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
 DEVICES_HELP = (
