@@ -270,7 +270,14 @@ class Plan:
         if not isinstance(source, str):
             raise PlanError(f"{where}.source: expected a string, found {source!r}")
         default = _default(obj.get("default", DefaultStrategy.DATA_PARALLEL.value), where)
-        units_obj = obj.get("units", {})
+        if "units" not in obj:
+            # A plan file lists its units; without the key an edited file would compile
+            # as the default strategy everywhere, whatever it meant.
+            raise PlanError(
+                f"{where}.units: missing; list each unit's strategy, or give {{}} for the "
+                "default strategy everywhere"
+            )
+        units_obj = obj["units"]
         if not isinstance(units_obj, dict):
             raise PlanError(f"{where}.units: expected an object keyed by node name")
         units = {

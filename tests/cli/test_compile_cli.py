@@ -206,6 +206,10 @@ MALFORMED = {
         ["unknown keys", "oops"],
     ),
     "no-mesh": ({"schema": "tensoropt.plan/1", "units": {}}, [".mesh", "missing"]),
+    "no-units": (
+        {"schema": "tensoropt.plan/1", "mesh": {"shape": [2], "axis_names": ["dp"]}},
+        [".units", "missing", "give {}"],
+    ),
     "bad-placement": (
         _plan(2, {"mm0": {"inputs": ["Q(0)", "R"], "outputs": ["R"]}}),
         ["units['mm0'].inputs[0]", "'Q(0)'"],

@@ -245,6 +245,7 @@ def test_bad_plan_file_stages_are_refused_in_one_line(gpt, tmp_path, capsys, pip
         "mesh": {"shape": [1], "axis_names": ["dp"]},
         "micro_batches": 2,
         "pipeline": pipeline,
+        "units": {},
     }
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
