@@ -12,12 +12,13 @@ Every import counts: module level, function level and ``TYPE_CHECKING`` blocks.
     passes
     rules
     ir | models
-    display | errors | lazy
+    display | errors | lazy | streams
 
-``models`` (the zoo's ONNX builders) imports only ``errors`` and ``lazy``, so it sits with
-``ir``.
+``models`` (the zoo's ONNX builders) imports only ``errors``, ``lazy`` and ``streams``, so
+it sits with ``ir``.
 ``display`` (how every command prints a step time or a memory size) imports nothing;
-``lazy`` (the packages' names imported on first use) imports only the standard library.
+``lazy`` (the packages' names imported on first use) and ``streams`` (output paths that
+are written through) import only the standard library.
 ``search`` sits above ``cost``: the search prices strategies with the cost model.
 """
 
@@ -37,7 +38,7 @@ LAYERS = (
     "passes",
     "rules",
     grimp.Layer("ir", "models"),
-    grimp.Layer("display", "errors", "lazy"),
+    grimp.Layer("display", "errors", "lazy", "streams"),
 )
 # Modules of the package root that are in no layer: the version string and ``python -m``.
 OUTSIDE = {PACKAGE, f"{PACKAGE}.__main__"}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tensoropt.cli.json_output import add_json_flag, document, emit
+from tensoropt.errors import TensorOptError
 from tensoropt.models import MODEL_NAMES, PRESET_NAMES
 
 _DESCRIPTION = """\
@@ -75,8 +77,14 @@ def run(args: argparse.Namespace) -> int:
     """Build, save, and print one line: the file, parameter count and weight bytes."""
     from tensoropt.cli.common import check_output_file
     from tensoropt.models import WeightStorage, build_model, save_model, sidecar_path, zoo_info
+    from tensoropt.streams import own_descriptor
 
     check_output_file(args.output, "-o")
+    to_stdout = own_descriptor(args.output) == 1  # the model's bytes are stdout
+    if to_stdout and args.json:
+        raise TensorOptError(
+            f"-o {args.output} and --json both write stdout; write the model to a file"
+        )
     knobs = {k: getattr(args, k) for k in _KNOB_HELP}
     model = build_model(args.name, args.preset, **knobs)
     save_model(model, args.output)
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         }
         emit(args, document("tensoropt.model/1", body))
     else:
-        print(line)
+        print(line, file=sys.stderr if to_stdout else sys.stdout)
     return 0
 
 

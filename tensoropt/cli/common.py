@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import stat
 import tempfile
 from collections.abc import Mapping
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from tensoropt.errors import TensorOptError
 from tensoropt.ir.files import mkstemp_public
+from tensoropt.streams import is_stream, open_stream
 
 TRAINING_HELP = """\
 training options (the update is part of the compiled graph, so compile takes them too):
@@ -147,28 +147,15 @@ def supported_ops(grad_rules) -> frozenset[str]:
     return grad_rules.supported()
 
 
-def is_stream(path: str | os.PathLike) -> bool:
-    """Whether ``path`` (its symlinks followed) exists and is neither a regular file nor a
-    directory: a FIFO, a character device (``/dev/stdout``'s target, ``/dev/null``), a
-    socket. Such a path is written through, never replaced."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
-
-
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write a file completely or not at all (temp file in the same dir + rename).
 
     A symlink is followed: the file it points to is replaced (atomically, beside it) and
-    the link stays. A stream (:func:`is_stream`: a FIFO, ``/dev/stdout``, ``/dev/null``)
-    is written through directly, since renaming over it would replace the device or pipe
-    by a regular file; a stream cannot be written atomically, so its reader may see a
-    partial document if the write fails midway."""
+    the link stays. A stream (:func:`tensoropt.streams.is_stream`: a FIFO, ``/dev/null``,
+    ``/dev/stdout``) is written through (``tensoropt/streams.py`` says why)."""
     path = os.fspath(path)
     if is_stream(path):
-        with open(path, "wb") as f:
+        with open_stream(path) as f:
             f.write(data)
         return
     target = os.path.realpath(path)  # a symlink's target, replaced in its own directory

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from tensoropt.models._builder import (
     WeightStorage,
 )
 from tensoropt.models.config import ZooError
+from tensoropt.streams import is_stream, open_stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     The caller's proto is not modified.
     """
     target = Path(path)
-    if target.is_symlink() and not _is_stream(target):
+    if target.is_symlink() and not is_stream(target):
         # the file the link points to is replaced and the link stays; the sidecar goes
         # beside that file, where the model's relative reference to it looks
         target = Path(os.path.realpath(target))
@@ -154,24 +154,14 @@ def _save_real_sidecar(model: onnx.ModelProto, target: Path) -> None:
     _atomic_write(target, lambda f: f.write(data))
 
 
-def _is_stream(path: Path) -> bool:
-    """Whether `path` (its symlinks followed) exists and is neither a regular file nor a
-    directory: a FIFO or a device such as /dev/null, which is written through."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
-
-
 def _atomic_write(target: Path, fill: Callable[[BinaryIO], object]) -> None:
     """Create a temp file beside `target`, let `fill` write it, then rename it into place.
 
-    A stream (:func:`_is_stream`) is written through instead: renaming over a FIFO or a
-    device would replace it by a regular file, and a stream cannot be written atomically."""
-    if _is_stream(target):
+    A stream (:func:`tensoropt.streams.is_stream`: a FIFO, a device, ``/dev/stdout``) is
+    written through instead (``tensoropt/streams.py`` says why)."""
+    if is_stream(target):
         try:
-            with open(target, "wb") as f:
+            with open_stream(target) as f:
                 fill(f)
         except OSError as exc:
             raise ZooError(f"cannot write {target}: {exc.strerror}") from None

@@ -56,6 +56,43 @@ def test_json_out_to_a_fifo_writes_through_to_its_reader(capsys, gpt, tmp_path):
     assert json.loads(got[0])["schema"].startswith("tensoropt.search/")
 
 
+def _redirected(argv: list[object], stdout_path) -> subprocess.CompletedProcess:
+    """``python -m tensoropt ARGV`` with its stdout redirected to a regular file."""
+    with open(stdout_path, "wb") as f:
+        return subprocess.run(
+            [sys.executable, "-m", "tensoropt", *map(str, argv)],
+            stdout=f, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("alias", ["/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"])
+def test_json_out_to_stdout_redirected_to_a_file_follows_the_tables(gpt, tmp_path, alias):
+    # The alias resolves to the regular file; replacing that file would drop the tables
+    # printed before the JSON.
+    printed = tmp_path / "printed.txt"
+    argv = ["search", gpt, "--devices", "2", "--jobs", "1", "--json-out", alias]
+    proc = _redirected(argv, printed)
+    assert proc.returncode == 0, proc.stderr
+    text = printed.read_text()
+    start = text.index('{"schema"')
+    assert "devices" in text[:start], text[:start]  # the tables, then the document
+    assert json.loads(text[start:])["schema"].startswith("tensoropt.search/")
+    assert _files(tmp_path) == ["printed.txt"]
+
+
+def test_a_model_written_to_stdout_redirected_to_a_file_loads(tmp_path):
+    import onnx
+
+    written = tmp_path / "model.onnx"
+    proc = _redirected(["model", "mlp", "-o", "/dev/stdout"], written)
+    assert proc.returncode == 0, proc.stderr
+    assert onnx.load(str(written)).graph.node  # the model's bytes alone
+    assert "wrote /dev/stdout: mlp" in proc.stderr
+    assert _files(tmp_path) == ["model.onnx"]
+    proc = _redirected(["model", "mlp", "-o", "/dev/stdout", "--json"], written)
+    assert proc.returncode == 2 and "both write stdout" in proc.stderr, proc.stderr
+
+
 @pytest.fixture
 def null_device(tmp_path):
     """A character device like /dev/null, made in ``tmp_path`` (the real one is shared:
