@@ -11,8 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from tensoropt.errors import TensorOptError
-from tensoropt.ir.files import mkstemp_public
-from tensoropt.streams import is_stream, open_stream
+from tensoropt.streams import is_stream
 
 TRAINING_HELP = """\
 training options (the update is part of the compiled graph, so compile takes them too):
@@ -148,37 +147,29 @@ def supported_ops(grad_rules) -> frozenset[str]:
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file completely or not at all (temp file in the same dir + rename).
+    """Write a file completely or not at all (``runtime.checkpoint.write_atomic``: a
+    symlink's target is replaced and the link kept, a stream is written through); a
+    missing directory is one line."""
+    from tensoropt.runtime.checkpoint import write_atomic as replace
 
-    A symlink is followed: the file it points to is replaced (atomically, beside it) and
-    the link stays. A stream (:func:`tensoropt.streams.is_stream`: a FIFO, ``/dev/null``,
-    ``/dev/stdout``) is written through (``tensoropt/streams.py`` says why)."""
-    path = os.fspath(path)
-    if is_stream(path):
-        with open_stream(path) as f:
-            f.write(data)
-        return
-    target = os.path.realpath(path)  # a symlink's target, replaced in its own directory
-    directory = os.path.dirname(target)
-    if not os.path.isdir(directory):
-        raise TensorOptError(f"{path}: directory {directory} does not exist; create it first")
-    fd, tmp = mkstemp_public(directory, prefix=".tmp-", suffix=os.path.basename(target))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _check_target_directory(path)
+    replace(path, data)
 
 
 def save_npz_atomic(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
-    import io
+    """An .npz of ``arrays`` written as :func:`write_atomic` writes a file."""
+    from tensoropt.runtime.checkpoint import save_npz
 
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(path, buffer.getvalue())
+    _check_target_directory(path)
+    save_npz(path, arrays)
+
+
+def _check_target_directory(path: str | os.PathLike) -> None:
+    if is_stream(path):
+        return
+    directory = os.path.dirname(os.path.realpath(path))
+    if not os.path.isdir(directory):
+        raise TensorOptError(f"{path}: directory {directory} does not exist; create it first")
 
 
 def progress(iterable, *, total: int, desc: str, label=None):

@@ -24,18 +24,21 @@ not use without losing or misreading shards.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from tensoropt.errors import TensorOptError
 from tensoropt.ir.files import mkstemp_public
 from tensoropt.runtime.tensorfile import read_header, read_tensors, write_tensors
+from tensoropt.streams import is_stream, open_stream
 
 _NAME = re.compile(r"^rank_(\d+)\.step_(\d+)\.tensors$")
 KEEP = 2
@@ -72,30 +75,39 @@ class CheckpointMeta:
         )
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file completely or not at all (temp file in the same dir, then rename)."""
-    path = Path(path)
-    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _replace_atomically(path: str | os.PathLike, fill: Callable[[BinaryIO], object]) -> None:
+    """Let ``fill`` write ``path`` completely or not at all: a temp file beside it, then
+    renamed into place.
+
+    A symlink is followed: the file it points to is replaced (the temp file made beside
+    that file) and the link stays. A stream (:func:`tensoropt.streams.is_stream`: a FIFO,
+    ``/dev/null``, ``/dev/stdout``) is written through (``tensoropt/streams.py`` says
+    why); ``fill`` writes a buffer first, since it may seek."""
+    if is_stream(path):
+        buffer = io.BytesIO()
+        fill(buffer)
+        with open_stream(path) as f:
+            f.write(buffer.getbuffer())
+        return
+    target = Path(os.path.realpath(path))
+    fd, tmp = mkstemp_public(target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+            fill(f)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` completely or not at all (:func:`_replace_atomically`)."""
+    _replace_atomically(path, lambda f: f.write(data))
 
 
 def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
     """An .npz of ``arrays``, streamed to a temp file renamed into place (no bytes copy)."""
-    path = Path(path)
-    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _replace_atomically(path, lambda f: np.savez(f, **arrays))
 
 
 def shard_path(directory: Path, rank: int, step: int) -> Path:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -66,3 +70,33 @@ def test_resume_with_empty_directory_starts_over(outdirs, tmp_path):
 def test_resume_needs_checkpoint(outdirs):
     with pytest.raises(TensorOptError, match="--resume needs --checkpoint"):
         run_steps(outdirs("dp2"), 2, resume=True)
+
+
+def test_atomic_writes_follow_a_symlink_and_write_through_a_fifo(tmp_path):
+    """The one atomic writer (files, profiles, plots, --save-params): a symlink's target is
+    replaced and the link kept; a FIFO is written through, its reader gets the bytes."""
+    from tensoropt.runtime.checkpoint import save_npz, write_atomic
+
+    target = tmp_path / "sub" / "target.bin"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "link.bin"
+    link.symlink_to(target)
+    write_atomic(link, b"new")
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    save_npz(link, {"w": np.arange(3.0)})
+    assert link.is_symlink()
+    with np.load(target) as saved:
+        np.testing.assert_array_equal(saved["w"], np.arange(3.0))
+    assert sorted(os.listdir(target.parent)) == ["target.bin"]  # no temp file left
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    save_npz(fifo, {"w": np.arange(4.0)})
+    reader.join(timeout=30)
+    assert fifo.is_fifo()
+    with np.load(io.BytesIO(got[0])) as saved:
+        np.testing.assert_array_equal(saved["w"], np.arange(4.0))
