@@ -10,6 +10,7 @@ collective's alpha and bandwidth, and the joint link.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,11 +76,24 @@ def load_baseline(path: str) -> dict:
         )
     try:
         from_json(obj, path)
-        profile_rates(obj)
+        rates = profile_rates(obj)
     except ClusterError as exc:
         raise TensorOptError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TensorOptError(f"{where}: incomplete profile ({type(exc).__name__}: {exc})") from None
+    # each rate is compared as new / old: one that is not a positive number compares to
+    # nothing (a zero alpha divided by zero after the whole calibration)
+    bad = next(
+        (name for name, rate in rates.items()
+         if isinstance(rate, bool) or not isinstance(rate, (int, float))
+         or not 0 < rate < math.inf),
+        None,
+    )  # fmt: skip
+    if bad is not None:
+        raise TensorOptError(
+            f"{where}: its {bad} is {rates[bad]!r}, and a rate to compare against must be a "
+            "positive number; give a file written by `tensoropt calibrate`"
+        )
     return obj
 
 

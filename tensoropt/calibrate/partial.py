@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import socket
 from collections.abc import Iterator
@@ -44,7 +45,32 @@ def _sample(v: list | None) -> Sample | None:
 
 
 def _whole(v: list) -> Sample:
-    return Sample(float(v[0]), float(v[1]), int(v[2]))
+    """A sample as the file keeps it, ``[median > 0, spread >= 0, repeats >= 1]``."""
+    if not isinstance(v, list) or len(v) != 3:
+        raise ValueError(f"a timing is [median, spread, repeats], found {v!r}")
+    median, spread = _positive(v[0], "a median"), _number(v[1], "a spread")
+    return Sample(median, spread, _count(v[2], "repeats"))
+
+
+def _number(v: object, what: str) -> float:
+    """``v``, a finite JSON number >= 0 (not a string, not a boolean)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+        raise ValueError(f"{what} must be a number >= 0, found {v!r}")
+    return float(v)
+
+
+def _positive(v: object, what: str) -> float:
+    """``v``, a finite JSON number > 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise ValueError(f"{what} must be a number > 0, found {v!r}")
+    return float(v)
+
+
+def _count(v: object, what: str) -> int:
+    """``v``, a JSON integer >= 1."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{what} must be an integer >= 1, found {v!r}")
+    return v
 
 
 def _result_json(result: KernelResult, overhead: float) -> dict:
@@ -58,7 +84,11 @@ def _result_json(result: KernelResult, overhead: float) -> dict:
 
 
 def _probe(d: dict) -> LinkProbe:
-    return LinkProbe(float(d["alone_Bps"]), float(d["together_Bps"]), int(d["processes"]))
+    alone, together = (_positive(d[k], f"a memory-link probe's {k}") for k in PROBE_RATES)
+    return LinkProbe(alone, together, _count(d["processes"], "processes"))
+
+
+PROBE_RATES = ("alone_Bps", "together_Bps")
 
 
 @dataclass(slots=True)
@@ -94,10 +124,72 @@ def _results(rows: list[dict], cases: tuple[KernelCase, ...]) -> list[tuple[Kern
     if [r["case"] for r in rows] != [c.label() for c in cases]:
         raise ValueError("the cases differ")
     return [
-        (KernelResult(c, _whole(r["seconds"]), int(r["copies"]), _sample(r["step"])),
-         float(r["overhead_s"]))
+        (KernelResult(c, _whole(r["seconds"]), _count(r["copies"], "copies"),
+                      _sample(r["step"])),
+         _number(r["overhead_s"], "overhead_s"))
         for c, r in zip(cases, rows, strict=True)
     ]  # fmt: skip
+
+
+def _runs(runs: object, sizes: tuple[int, ...]) -> list[dict]:
+    """The MPI launches' points, each ``{collective: [[bytes, seconds, spread], ...]}``
+    with one row per message size."""
+    from tensoropt.calibrate.collectives import KINDS
+
+    if not isinstance(runs, list):
+        raise ValueError(f"runs must be a list, found {type(runs).__name__}")
+    kinds = sorted(k.value for k in KINDS)
+    for run in runs:
+        if not isinstance(run, dict) or sorted(run) != kinds:
+            raise ValueError(f"a launch's points must hold {', '.join(kinds)}")
+        for rows in run.values():
+            if not isinstance(rows, list) or len(rows) != len(sizes):
+                raise ValueError(f"a launch's collective must hold {len(sizes)} sizes")
+            for row in rows:
+                if not isinstance(row, list) or len(row) != 3:
+                    raise ValueError(f"a point is [bytes, seconds, spread], found {row!r}")
+                _positive(row[0], "a message's bytes")
+                _positive(row[1], "a collective's seconds")
+                _number(row[2], "a spread")
+    return runs
+
+
+def _expected(fingerprint: dict, passes: int) -> tuple[int, int, int]:
+    """(MPI launches, memory-link probes, host-speed timings) a calibration with
+    ``fingerprint``'s options has made when ``passes`` passes are finished: each is taken
+    before a pass (``profile.calibrate``), so those before the unfinished one are saved."""
+    from tensoropt.calibrate.collectives import launch_slots
+    from tensoropt.calibrate.memlink import probe_processes
+
+    launches = 0
+    if fingerprint["backend"] == "mpi":
+        slots = launch_slots(fingerprint["launches"], fingerprint["passes"])
+        launches = sum(1 for index in slots if index < passes)
+    probes = passes if probe_processes(fingerprint["ranks"]) else 0
+    return launches, probes, passes
+
+
+def _check_counts(path: str, state: PartialState, data: dict) -> None:
+    """The file holds as many passes, launches, probes and timings as a calibration with
+    its options saves: another count is a file edited or made by another program."""
+    total = state.fingerprint["passes"]
+    if len(state.passes) > total:
+        raise TensorOptError(
+            f"--resume: {path} holds {len(state.passes)} finished passes, and its "
+            f"options ask for {total}; run calibrate without --resume to start over"
+        )
+    launches, probes, references = _expected(state.fingerprint, len(state.passes))
+    counts = [("MPI launches", len(state.runs), launches),
+              ("memory-link probes", len(state.probes), probes)]  # fmt: skip
+    if "references" in data:  # files written before the host-speed timings lack them
+        counts.append(("host-speed timings", len(state.references), references))
+    for what, found, made in counts:
+        if found != made:
+            raise TensorOptError(
+                f"--resume: {path} holds {found} {what} where {len(state.passes)} finished "
+                f"pass(es) make {made}: it was edited or damaged; run calibrate without "
+                "--resume to start over"
+            )
 
 
 def _differences(made: dict, here: dict) -> list[str]:
@@ -108,6 +200,8 @@ def _differences(made: dict, here: dict) -> list[str]:
 def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> PartialState:
     """The finished passes in ``path``, refused (one line) when there are none or they
     were made with other options, on another machine or with other libraries."""
+    from tensoropt.calibrate.collectives import sizes
+
     if not os.path.exists(path):
         raise TensorOptError(
             f"--resume: {path} does not exist, so there is nothing to resume; "
@@ -119,6 +213,8 @@ def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> Partial
         if data.get("format") != FORMAT:
             raise ValueError("not a partial calibration")
         made = data["fingerprint"]
+        if not isinstance(made, dict):
+            raise ValueError("its fingerprint is not an object")
         moved = _differences(made, fingerprint)
         if moved:
             raise TensorOptError(
@@ -129,10 +225,10 @@ def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> Partial
         state = PartialState(
             made,
             [_results(rows, cases) for rows in data["passes"]],
-            list(data["runs"]),
+            _runs(data["runs"], sizes(made["quick"])),
             [_probe(p) for p in data["probes"]],
-            float(data["seconds"]),
-            [float(x) for x in data.get("references", [])],
+            _number(data["seconds"], "seconds"),
+            [_positive(x, "a host-speed timing") for x in data.get("references", [])],
         )
     except TensorOptError:
         raise
@@ -145,6 +241,7 @@ def load(path: str, fingerprint: dict, cases: tuple[KernelCase, ...]) -> Partial
         raise TensorOptError(
             f"--resume: {path} holds no finished pass; run calibrate without --resume"
         )
+    _check_counts(path, state, data)
     return state
 
 

@@ -72,6 +72,12 @@ DEFAULT_PASSES = 3
 # three passes each take the median of three, and their median is kept; a quick one has
 # one pass (docs/design/measured.md, "Where the time goes")
 DEFAULT_REPEATS = {False: 3, True: 5}
+# The most repeats, MPI launches and compute passes a calibration takes: far beyond what
+# the rates need (the defaults are 3 to 5), and few enough that a mistyped count is refused
+# instead of starting a calibration of days (each pass takes about a minute on 2 cores)
+MAX_REPEATS = 100
+MAX_LAUNCHES = 100
+MAX_PASSES = 100
 
 
 class CommBackend(enum.Enum):
@@ -105,17 +111,28 @@ class CalibrateOptions:
         return self.threads or max(1, (os.cpu_count() or 1) // self.ranks)
 
     def check(self) -> None:
-        if self.ranks < 2:
-            raise TensorOptError(f"--ranks {self.ranks}: collectives need at least 2 ranks")
-        if self.repeats is not None and self.repeats < 3:
-            raise TensorOptError(f"--repeats {self.repeats}: give at least 3 (medians, IQR)")
-        if self.launches < 1:
-            raise TensorOptError(f"--launches {self.launches}: give at least 1")
-        if self.passes is not None and self.passes < 1:
-            raise TensorOptError(f"--passes {self.passes}: give at least 1")
-        if self.threads is not None and self.threads < 1:
-            raise TensorOptError(f"--threads {self.threads}: give at least 1")
+        """Refuse options that make no calibration (one line), before anything runs."""
         cores = os.cpu_count() or 1
+        most_ranks = max(2, cores)
+        if not 2 <= self.ranks <= most_ranks:
+            raise TensorOptError(
+                f"--ranks {self.ranks}: give 2 to {most_ranks}: collectives need at least 2 "
+                f"ranks, and each rank is a device with a core of its own (this machine has "
+                f"{cores}; more ranks would wait for cores, and the rates would time that)"
+            )
+        if self.repeats is not None and not 3 <= self.repeats <= MAX_REPEATS:
+            raise TensorOptError(
+                f"--repeats {self.repeats}: give 3 (medians, IQR) to {MAX_REPEATS}"
+            )
+        if not 1 <= self.launches <= MAX_LAUNCHES:
+            raise TensorOptError(f"--launches {self.launches}: give 1 to {MAX_LAUNCHES}")
+        if self.passes is not None and not 1 <= self.passes <= MAX_PASSES:
+            raise TensorOptError(f"--passes {self.passes}: give 1 to {MAX_PASSES}")
+        if self.threads is not None and not 1 <= self.threads <= cores:
+            raise TensorOptError(
+                f"--threads {self.threads}: give 1 to {cores} (this machine's cores): more "
+                "threads than cores would time the threads waiting for each other"
+            )
         if not 0 <= self.neighbours < cores:
             raise TensorOptError(
                 f"--neighbours {self.neighbours}: give 0 to {cores - 1} (this machine has "
@@ -128,10 +145,11 @@ def _comm_spec(opts: CalibrateOptions) -> coll.CommSpec:
 
 
 def work_items(opts: CalibrateOptions) -> int:
-    """Progress-bar length: kernel cases + the floor + collective points."""
+    """Progress-bar length: kernel cases + the floor + the masked Softmax + collective
+    points (one tick each, :func:`measure_kernels` and the collectives)."""
     launches = opts.launches if opts.backend is CommBackend.MPI else 1
     cases = len(kernels.cases(opts.quick)) * opts.compute_passes
-    return cases + 1 + coll.total_points(_comm_spec(opts), launches)
+    return cases + 2 + coll.total_points(_comm_spec(opts), launches)
 
 
 def collective_rounds(opts: CalibrateOptions, runs: list) -> int:
@@ -540,7 +558,8 @@ def calibrate(
 
 
 def write_profile(path: str, profile: dict) -> None:
-    """Write the profile atomically (temp file + rename): all of it or nothing."""
+    """Write the profile atomically (temp file + rename): all of it or nothing. A symlink
+    is followed and a stream written through (``runtime.checkpoint.write_atomic``)."""
     from tensoropt.runtime.checkpoint import write_atomic
 
     write_atomic(path, (json.dumps(profile, indent=1) + "\n").encode())

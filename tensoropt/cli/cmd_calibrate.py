@@ -7,6 +7,9 @@ import contextlib
 import os
 import sys
 
+from tensoropt.cli.common import Given, given
+from tensoropt.errors import TensorOptError
+
 EPILOG = """\
 what it measures (medians of --repeats runs, with the spread IQR/median of each):
   compute   per op family through onnxruntime (CPU EP, the runtime's session options,
@@ -122,6 +125,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--launches",
         type=int,
+        action=Given,
         default=3,  # calibrate.collectives.DEFAULT_LAUNCHES (not imported: --help stays fast)
         help="fresh MPI process sets the collectives are timed in, spread over the "
         "calibration; each point is the mean of their medians (default 3; rates vary "
@@ -280,10 +284,79 @@ def _calibrate(args: argparse.Namespace) -> int:
         neighbours=args.neighbours,
     )
     opts.check()
+    if opts.backend is CommBackend.LOCAL and given(args, "launches"):
+        raise TensorOptError(
+            f"--launches {args.launches}: the local backend times the collectives in this "
+            "process, with no MPI launch; leave --launches out or use --backend mpi"
+        )
     check_output_file(args.output, "-o")
+    _check_output(args)
+    if args.against is not None and not args.against.strip():
+        raise TensorOptError(f"--against {args.against!r}: give the file of a previous profile")
     baseline = load_baseline(args.against) if args.against else None
+    if opts.backend is CommBackend.MPI:
+        from tensoropt.runtime.launcher import mpiexec_path
+
+        mpiexec_path()  # refused now, not after the first measurements
     with exclusive(args.output):
         return _measure(args, opts, baseline)
+
+
+# the longest a name gets in the files a calibration writes beside its output: the
+# partial file's suffix, and a temporary file's dot, random part and suffix around it
+# (``runtime.checkpoint.write_atomic``: ".NAME.partial.XXXXXXXX.tmp")
+_NAME_GROWS_BY = len(".partial") + len("..xxxxxxxx.tmp")
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    """What ``check_output_file`` leaves to the end of a calibration, refused before it
+    starts: a name that is no file's, a symlink loop, a name too long for the files
+    written beside it, a partial file's place that cannot take one, and a stream (which
+    keeps no partial file) with --resume or, for stdout, with --json."""
+    import errno
+
+    from tensoropt.calibrate.partial import partial_path
+    from tensoropt.streams import is_stream, own_descriptor
+
+    path = args.output
+    if path.endswith(os.sep):
+        raise TensorOptError(f"-o {path}: names a directory (it ends in {os.sep}); give a file")
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TensorOptError(
+                f"-o {path}: a symlink loop (it never reaches a file); give another path"
+            ) from None
+    if is_stream(path):
+        if args.resume:
+            raise TensorOptError(
+                f"-o {path} is a stream, which keeps no partial calibration next to it, so "
+                "there is nothing to resume; run calibrate without --resume"
+            )
+        if args.json and own_descriptor(path) == 1:
+            raise TensorOptError(
+                f"-o {path} and --json both write the profile on stdout; give -o a file"
+            )
+        return
+    directory = os.path.dirname(os.path.abspath(path)) or os.sep
+    name = os.path.basename(path)
+    with contextlib.suppress(OSError, ValueError):
+        longest = os.pathconf(directory, "PC_NAME_MAX") - _NAME_GROWS_BY
+        if len(os.fsencode(name)) > longest:
+            raise TensorOptError(
+                f"-o {path}: the file name is too long for the files written beside it "
+                f"(at most {longest} bytes here); give a shorter name"
+            )
+    partial = partial_path(path)
+    if os.path.isdir(partial):
+        raise TensorOptError(
+            f"-o {path}: {partial}, where the finished passes are kept, is a directory; "
+            "remove it or give another -o"
+        )
+    from tensoropt.cli.common import check_output_file
+
+    check_output_file(partial, "-o")  # the directory of a symlink, not of its target
 
 
 def _measure(args: argparse.Namespace, opts, baseline) -> int:
@@ -302,12 +375,15 @@ def _measure(args: argparse.Namespace, opts, baseline) -> int:
     from tensoropt.cli.json_output import emit, integral_bytes
     from tensoropt.cli.progress import Progress
     from tensoropt.cost.cluster import from_json
+    from tensoropt.streams import is_stream, own_descriptor
 
+    # a stream keeps no partial file: "/dev/stdout.partial" is no place for one
+    stream = is_stream(args.output)
     partial = partial_path(args.output)
     resume = None
     if args.resume:
         resume = load_partial(partial, fingerprint(opts), kernels.cases(opts.quick))
-    elif os.path.exists(partial):
+    elif not stream and os.path.exists(partial):
         print(
             f"calibrate: starting over; {partial} (an interrupted calibration) is replaced "
             "after the first pass (--resume continues it instead)",
@@ -323,13 +399,14 @@ def _measure(args: argparse.Namespace, opts, baseline) -> int:
     bar = Progress(work_items(opts), done=done)
 
     def save(state) -> None:
-        state.write(partial)
+        if not stream:
+            state.write(partial)
 
     try:
         profile = calibrate(opts, bar.tick, resume=resume, save=save)
     except KeyboardInterrupt:
         bar.close()  # its records stop here: none comes between this message and the exit
-        if os.path.exists(partial):
+        if not stream and os.path.exists(partial):
             print(
                 f"calibrate: the finished passes are kept in {partial}; "
                 f"run the same command with --resume to continue",
@@ -340,17 +417,20 @@ def _measure(args: argparse.Namespace, opts, baseline) -> int:
         bar.close()
     from_json(profile, args.output)  # what search will read: refuse to write a bad file
     write_profile(args.output, profile)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(partial)
+    if not stream:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
     drifted = drift_warning(profile["calibration"].get("host_references_s") or [])
     if drifted:
         print(drifted, file=sys.stderr)
+    # with -o naming stdout, stdout is the profile alone: the summary goes to stderr
+    lines = sys.stderr if own_descriptor(args.output) == 1 else sys.stdout
     if args.json:
         emit(args, integral_bytes(profile))
     else:
-        print(_summary(profile))
-        print(f"wrote {args.output}")
+        print(_summary(profile), file=lines)
+        print(f"wrote {args.output}", file=lines)
     if baseline is not None:  # with --json, stdout is the profile alone
         report = moved_report(baseline, profile, args.against)
-        print(report, file=sys.stderr if args.json else sys.stdout)
+        print(report, file=sys.stderr if args.json else lines)
     return 0
