@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import tempfile
@@ -298,6 +299,15 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise TensorOptError(f"{flag} {path!r}: give a file name")
     if os.path.isdir(path):
         raise TensorOptError(f"{flag} {path}: is a directory; give a file name")
+    if path.endswith(os.sep):
+        raise TensorOptError(f"{flag} {path}: names a directory (it ends in {os.sep}); give a file")
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TensorOptError(
+                f"{flag} {path}: a symlink loop (it never reaches a file); give another path"
+            ) from None
     if is_stream(path):
         if not os.access(path, os.W_OK):
             raise TensorOptError(f"{flag} {path}: cannot be written; choose another path")

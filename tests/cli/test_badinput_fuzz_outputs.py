@@ -319,3 +319,18 @@ def test_search_option_refused(capsys, gpt, tmp_path, options, fragments):
     line = assert_bad_input(out, "search", *fragments)
     assert "0GiB" not in line.split("'0GiB'")[-1]  # never suggests what it refuses
     assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize("shape", ["trailing-separator", "symlink-loop"])
+def test_output_files_that_reach_no_file_are_refused_before_work(capsys, gpt, tmp_path, shape):
+    # a trailing separator failed only when the file was written; a loop was replaced
+    if shape == "trailing-separator":
+        path, fragment = f"{tmp_path}/s.json/", "ends in /"
+    else:
+        path, fragment = tmp_path / "loop.json", "symlink loop"
+        path.symlink_to("loop.json")
+    before = _files(tmp_path)
+    for argv in (["search", gpt, "--devices", "2", "--jobs", "1", "--json-out", path],
+                 ["model", "gpt", "-o", path]):  # fmt: skip
+        assert_bad_input(cli(capsys, *argv), argv[0], fragment)
+    assert _files(tmp_path) == before
