@@ -76,26 +76,38 @@ def start_child(proc: multiprocessing.process.BaseProcess) -> None:
     SIGINT even while this thread blocks it, so the main thread's handler only notes
     it until the child is started, and the signal is raised again after. Ignoring
     SIGINT during the start instead discarded such a Ctrl-C, and the calibration went
-    on measuring."""
+    on measuring. SIGTERM is noted and raised again the same way (the command's handler
+    raising it half-way through the start cut the child's start data short, and the
+    child printed an ``EOFError`` traceback), but never blocked: the child inherits the
+    mask, and the parent stops its children with SIGTERM."""
     # multiprocessing starts its resource tracker with the first spawned child, and
     # unblocks SIGINT when it has: start it first, so that the block holds for the
     # whole start
     resource_tracker.ensure_running()
     in_main = threading.current_thread() is threading.main_thread()
     noted: list[int] = []
+    noted_signals = (signal.SIGINT, signal.SIGTERM)
     with spawn_environment():
         if in_main:
-            previous = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
+            previous = {
+                sig: signal.signal(sig, lambda signum, _frame: noted.append(signum))
+                for sig in noted_signals
+            }
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if in_main:  # None: a handler installed outside Python; Python's is the default
-                restored = signal.default_int_handler if previous is None else previous
-                signal.signal(signal.SIGINT, restored)
-    if noted:
-        signal.raise_signal(signal.SIGINT)
+            if in_main:
+                for sig, handler in previous.items():
+                    # None: a handler installed outside Python; Python's is the default
+                    if handler is None:
+                        handler = (
+                            signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                        )
+                    signal.signal(sig, handler)
+    for sig in dict.fromkeys(noted):  # each once, in the order they came
+        signal.raise_signal(sig)
 
 
 class Pacer:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from tensoropt.cli.cmd_calibrate import _summary
 from tensoropt.cost.cluster import load_cluster
 from tensoropt.cost.compute import family
 from tensoropt.errors import TensorOptError
+from tests.helpers.procs import catches, has_children, wait_for
 
 from .conftest import load
 
@@ -181,8 +181,13 @@ def test_interrupted_calibration_leaves_no_file(tmp_path, sig, group):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )  # fmt: skip
-    time.sleep(4.0)  # imports done, inside the measuring process's cases (~30 s in all)
-    assert proc.poll() is None, proc.communicate()
+    # measuring: the command's handlers installed and its first measuring process started
+    # (the calibration takes ~30 s in all)
+    wait_for(
+        lambda: catches(proc.pid, signal.SIGTERM) and has_children(proc.pid),
+        lambda: proc.poll() is None,
+        120,
+    )
     if group:  # a terminal's Ctrl-C: every process of the group, the measuring one too
         os.killpg(proc.pid, sig)
     else:

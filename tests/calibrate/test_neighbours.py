@@ -187,3 +187,57 @@ def test_a_ctrl_c_during_a_childs_start_reaches_the_parent_and_not_the_child(tmp
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["interrupted True", "child True True"]
     assert "Traceback" not in done.stderr
+
+
+_TERMINATED_START = """
+import multiprocessing, os, signal, time
+from multiprocessing.context import SpawnProcess
+from tensoropt.calibrate import neighbours
+
+class Terminated(Exception):
+    pass
+
+def terminated(signum, frame):
+    raise Terminated  # as the command's handler does
+
+class Killed(SpawnProcess):
+    def start(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # a kill while the child is being spawned
+        super().start()
+
+def child(queue):
+    queue.put(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, terminated)
+    queue = multiprocessing.get_context("spawn").Queue()
+    proc = Killed(target=child, args=(queue,), daemon=True)
+    try:
+        neighbours.start_child(proc)
+        time.sleep(10)
+        print("lost", flush=True)
+    except Terminated:
+        print("terminated", proc.pid is not None, flush=True)
+    blocked = queue.get(timeout=60)
+    print("child", blocked, proc.is_alive(), flush=True)
+    print("handler", signal.getsignal(signal.SIGTERM) is terminated, flush=True)
+    proc.terminate()
+    proc.join(30)
+    print("stopped", proc.exitcode == -signal.SIGTERM, flush=True)
+"""
+
+
+def test_a_kill_during_a_childs_start_reaches_the_parent_after_the_start(tmp_path):
+    # raised half-way through the spawn, the parent's SIGTERM cut the child's start data
+    # short: the child printed an EOFError traceback. It is raised once the child runs,
+    # which does not block SIGTERM (the parent stops its children with it).
+    script = tmp_path / "parent.py"
+    script.write_text(_TERMINATED_START)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:4] == [
+        "terminated True", "child False True", "handler True", "stopped True"
+    ], done.stdout  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.cli.cli_run import assert_bad_input, cli, cli_process
+from tests.helpers.procs import catches, wait_for
 
 
 @pytest.fixture
@@ -186,15 +187,6 @@ def test_nan_learning_rate_is_refused_by_validate(capsys, gpt, tmp_path):
 # -- 5. SIGTERM --------------------------------------------------------------------------
 
 
-def _catches_sigterm(pid: int) -> bool:
-    """Whether process ``pid`` has a handler for SIGTERM (/proc/PID/status SigCgt)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
-    return False
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 def test_sigterm_is_one_line_and_the_documented_code(gpt, tmp_path):
     """SIGTERM once the command runs (its handler installed, seen in /proc rather than
@@ -210,10 +202,7 @@ def test_sigterm_is_one_line_and_the_documented_code(gpt, tmp_path):
         text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while not _catches_sigterm(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        wait_for(lambda: catches(proc.pid, signal.SIGTERM), lambda: proc.poll() is None, 120)
         time.sleep(1.0)  # past parsing: the search under way
         assert proc.poll() is None, "the search ended before the signal"
         proc.send_signal(signal.SIGTERM)
