@@ -8,8 +8,8 @@ On a terminal, a bar (tqdm). Otherwise (a log file, a pipe, CI) one line every
 
 (done and total count finished items: a calibration's measured cases, a search's
 problems (each variant of each mesh, counted in the worker processes as they go),
-validate's plans, train's steps; the label says what finished last, or for
-the loops of :class:`Steps` what is under way).
+validate's plans, train's steps, compile's model files; the label says what finished
+last, or for the loops of :class:`Steps` what is under way).
 ``calibrate`` also records once at its start (``announce``); the other commands
 record nothing for work shorter than one period, so quick runs leave stderr alone.
 """

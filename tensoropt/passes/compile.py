@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -199,6 +199,7 @@ def compile_step(
     outdir: str,
     estimate: Mapping | None = None,
     options: pipeline.PipelineOptions | None = None,
+    tick: Callable[[str], None] | None = None,
 ) -> CompileResult:
     """Partition ``step`` (mutated) by ``plan`` and write ``outdir`` atomically.
 
@@ -207,7 +208,8 @@ def compile_step(
     model's estimate of the plan (``cost.model.Estimate.to_json``), kept in the manifest
     so that every command reports the same figures. plan.json records the completed plan:
     every decision unit's strategy, explicit. ``options``: how the passes run
-    (verification); None uses ``pipeline.DEFAULT_OPTIONS``.
+    (verification); None uses ``pipeline.DEFAULT_OPTIONS``. ``tick(label)`` is called
+    as each of the :func:`files_written` model files is written (a progress display).
 
     No weight is held in memory: the initializers are swapped for data-free stand-ins
     first (:func:`detach_weights`), and each file's external data is copied from the
@@ -254,10 +256,13 @@ def compile_step(
     tmp = prepare_outdir(outdir)
     try:
         digests = DigestCache()
+        tick = tick or (lambda _label: None)
         files = _write_model(annotated, tmp, "annotated", sources, _full_blocks, digests)
+        tick("annotated.onnx written")
         for rank, entry in enumerate(manifest["ranks"]):
             device_template, fill = devices[rank]
             written = _write_model(device_template, tmp, f"device_{rank}", sources, fill, digests)
+            tick(f"device_{rank}.onnx written")
             files.update(written)
             data = f"device_{rank}.data"
             entry["data"] = data if data in written else None
@@ -280,6 +285,12 @@ def compile_step(
         os.path.abspath(outdir), plan.world_size, tuple(sorted(files)), collectives,
         plan.num_stages,
     )  # fmt: skip
+
+
+def files_written(plan: Plan) -> int:
+    """The model files :func:`compile_step` writes for ``plan``: the annotated step and
+    one per device."""
+    return 1 + plan.world_size
 
 
 def _manifest_stages(manifest: dict, plan: Plan, staged) -> None:

@@ -163,3 +163,36 @@ def test_the_search_counts_every_problem_in_its_workers_too(tmp_path):
                       counter=counter)  # fmt: skip
         assert counter.value == total, jobs
         assert len(exp.searches) < total  # the count is of problems, not of searches
+
+
+def test_compile_counts_every_model_file_it_writes(monkeypatch, capsys, tmp_path):
+    """compile's progress: one item per model file (the annotated step, each device),
+    named in its records; records as any long work gives them (here every 10 ms)."""
+    from tensoropt.cli import progress
+    from tensoropt.models import build_model, save_model
+    from tests.cli.cli_run import cli
+
+    made: list[Progress] = []
+    ticks: list[str] = []
+
+    class Often(Progress):
+        def __init__(self, total, **kwargs):
+            super().__init__(total, **{**kwargs, "every_s": 0.01})
+            made.append(self)
+
+        def tick(self, label):
+            ticks.append(label)
+            time.sleep(0.03)  # a file that takes a while: records come between ticks
+            super().tick(label)
+
+    monkeypatch.setattr(progress, "Progress", Often)
+    path = tmp_path / "gpt.onnx"
+    save_model(build_model("gpt", "tiny"), str(path))
+    out = cli(capsys, "compile", path, "--devices", 4, "--mesh", "2x2", "-o", tmp_path / "c")
+    assert out.code == 0, out.err
+    assert len(made) == 1 and made[0]._total == 5
+    assert ticks == ["annotated.onnx written", *(f"device_{r}.onnx written" for r in range(4))]
+    records = [ln for ln in out.err.splitlines() if ln.startswith("compile: ")]
+    assert records and all(re.match(r"compile: [0-5]/5 \(\d+%\), \d+ s elapsed, ", r)
+                           for r in records), records  # fmt: skip
+    assert any("device_" in r for r in records), records
