@@ -37,12 +37,13 @@ CPU_PROFILE = {
 }
 
 EPILOG = f"""\
-steps (each an ordinary command, printed as it runs, so you can rerun it by hand):
-  1. writes the zoo model gpt (small preset: 4 layers, hidden 256, 3.4M parameters)
-     to DIR/gpt.onnx
-  2. writes DIR/cluster.json, a CPU-class cluster profile (100 GFLOP/s peak, 10 GB/s
+steps (each after the first an ordinary command, printed as it runs, so you can rerun
+it by hand):
+  1. writes DIR/cluster.json, a CPU-class cluster profile (100 GFLOP/s peak, 10 GB/s
      memory, collectives 40 us + 2.5 GB/s): what this kind of machine does, so that
      the plan it runs here is one that pays here
+  2. writes the zoo model gpt (small preset: 4 layers, hidden 256, 3.4M parameters)
+     to DIR/gpt.onnx
   3. searches the frontier for {SEARCHED} devices (DIR/search.json, plot
      DIR/frontier.png) and says in one sentence what it means
   4. compiles the fastest {DEVICES}-device plan from DIR/search.json to DIR/compiled/

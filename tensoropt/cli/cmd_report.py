@@ -28,7 +28,7 @@ The directory is written completely or not at all; an existing report is replace
 
 examples:
   tensoropt report gpt.onnx --devices 1..64 --cluster v100 -o report/
-  tensoropt report bert.onnx --devices 1..64 --cluster h100 --epsilon 0.02 -o bert-h100/
+  tensoropt report bert-large.onnx --devices 1..64 --cluster h100 --epsilon 0.02 -o bert-h100/
 """
 
 

@@ -96,7 +96,7 @@ link per rank) and what the profile measured of the host's link.
 examples:
   tensoropt search gpt.onnx --devices 1,2,4,8 --plot frontier.png
   tensoropt search gpt.onnx --devices 1..64 --cluster v100 --memory-budget 16GiB
-  tensoropt search bert.onnx --devices 8 --mesh 2x4 --json-out s.json --dump-costs costs.json
+  tensoropt search bert-large.onnx --devices 8 --mesh 2x4 --json-out s.json --dump-costs costs.json
   tensoropt search gpt.onnx --devices 2 --json | jq '.per_device["2"][0]'
   tensoropt search gpt.onnx --devices 1..64 --epsilon 0.05     # faster, within 5% in time
   tensoropt search gpt.onnx --devices 1,2,4,8 --axes split,zero,recompute,micro

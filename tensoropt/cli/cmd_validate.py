@@ -54,6 +54,7 @@ compile then print beside every estimate made with that profile.
 
 examples:
   tensoropt calibrate -o here.json
+  tensoropt model mlp -o mlp.onnx
   tensoropt validate mlp.onnx --devices 1,2 --cluster here.json --plot v.png
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --points 6 --json-out v.json
   tensoropt validate gpt.onnx --devices 1,2 --cluster here.json --record
