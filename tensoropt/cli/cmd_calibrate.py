@@ -114,14 +114,21 @@ def add_parser(sub) -> None:
     )
     p.add_argument("-o", "--output", required=True, metavar="CLUSTER.json")
     p.add_argument("--backend", choices=["mpi", "local"], default="mpi")
-    p.add_argument("--ranks", type=int, default=2, help="ranks for the collectives (default 2)")
+    p.add_argument(
+        "--ranks", type=int, default=2, help="ranks for the collectives, 2 to the cores (default 2)"
+    )
     p.add_argument(
         "--repeats",
         type=int,
         help="repeats per compute timing, their median kept (default 3 in each of the 3 "
-        "passes; --quick: 5 in its one pass); the collectives take at least 15 samples",
+        "passes; --quick: 5 in its one pass; 3 to 100); the collectives take at least 15 "
+        "samples",
     )
-    p.add_argument("--threads", type=int, help="intra-op threads per rank (default cores//ranks)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads per rank, 1 to the cores (default cores//ranks)",
+    )
     p.add_argument(
         "--launches",
         type=int,
@@ -129,14 +136,15 @@ def add_parser(sub) -> None:
         default=3,  # calibrate.collectives.DEFAULT_LAUNCHES (not imported: --help stays fast)
         help="fresh MPI process sets the collectives are timed in, spread over the "
         "calibration; each point is the mean of their medians (default 3; rates vary "
-        "more between processes and over minutes than within one set)",
+        "more between processes and over minutes than within one set; 1 to 100; mpi "
+        "backend only)",
     )
     p.add_argument(
         "--passes",
         type=int,
         help="passes over every compute case, minutes apart, each in a fresh process; each "
         "case keeps its median pass, so one pass disturbed by other work on the host (or "
-        "an odd process) does not decide the rate (default 3; --quick: 1)",
+        "an odd process) does not decide the rate (default 3; --quick: 1; 1 to 100)",
     )
     p.add_argument(
         "--neighbours",
