@@ -7,7 +7,7 @@ import contextlib
 import os
 import sys
 
-from tensoropt.cli.common import Given, given
+from tensoropt.cli.common import Given, check_output_file, given
 from tensoropt.errors import TensorOptError
 
 EPILOG = """\
@@ -279,7 +279,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     from tensoropt.calibrate.compare import load_baseline
     from tensoropt.calibrate.partial import exclusive
     from tensoropt.calibrate.profile import CalibrateOptions, CommBackend
-    from tensoropt.cli.common import check_output_file
 
     opts = CalibrateOptions(
         backend=CommBackend(args.backend),
@@ -351,8 +350,6 @@ def _check_output(args: argparse.Namespace) -> None:
             f"-o {path}: {partial}, where the finished passes are kept, is a directory; "
             "remove it or give another -o"
         )
-    from tensoropt.cli.common import check_output_file
-
     check_output_file(partial, "-o")  # the directory of a symlink, not of its target
 
 
